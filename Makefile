@@ -1,0 +1,29 @@
+# Two commands for a newcomer: `make run` (set up, then run the store demo) and `make test` (set up, run all tests).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvstore demo --path ./kvstore-data
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --cov=kvstore --cov-report=term --cov-fail-under=85
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvstore tests benchmarks
+	$(BIN)/mypy kvstore
+
+bench: $(STAMP)
+	$(BIN)/kvstore bench tiers
+
+clean:
+	rm -rf $(VENV) kvstore-data .pytest_cache .coverage

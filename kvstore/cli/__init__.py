@@ -1,0 +1,3 @@
+"""The ``kvstore`` command line: inspect, evict, bench, demo."""
+
+__all__: list[str] = []

@@ -1,0 +1,112 @@
+"""Settings of a ``TieredStore``: which tiers, how big, where the data dir is.
+
+Sizes are bytes here; the CLI parses ``8GiB``-style strings once, at its edge (``parse_size``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore.errors import ConfigError
+from kvstore.tiers.base import TierName
+
+__all__ = ["DEFAULT_DATA_DIR", "StoreConfig", "parse_size", "parse_tiers"]
+
+GIB = 1024**3
+DEFAULT_DATA_DIR = Path("kvstore-data")
+_TIER_ORDER = (TierName.GPU, TierName.CPU, TierName.DISK)
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"8GiB"``, ``"512MB"``, ``"1.5g"`` or a plain integer.
+
+    Raises:
+        ConfigError: the text is not a non-negative size.
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"size {text!r} is not a size; write e.g. 8GiB, 512MiB, 2GB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_tiers(text: str) -> tuple[TierName, ...]:
+    """``"gpu,cpu,disk"`` -> tiers, checked for names, duplicates and fastest-first order."""
+    names = [part.strip().lower() for part in text.split(",") if part.strip()]
+    try:
+        tiers = tuple(TierName(name) for name in names)
+    except ValueError:
+        raise ConfigError(f"--tiers {text!r}: each tier must be one of gpu, cpu, disk (e.g. gpu,cpu,disk)") from None
+    _check_tiers(tiers)
+    return tiers
+
+
+def _check_tiers(tiers: tuple[TierName, ...]) -> None:
+    if not tiers:
+        raise ConfigError("no tiers given; name at least one of gpu, cpu, disk (e.g. --tiers cpu,disk)")
+    if len(set(tiers)) != len(tiers):
+        raise ConfigError(f"tiers {[t.value for t in tiers]} name a tier twice; list each once")
+    positions = [_TIER_ORDER.index(tier) for tier in tiers]
+    if positions != sorted(positions):
+        raise ConfigError(
+            f"tiers {','.join(t.value for t in tiers)} are out of order; list them fastest first (gpu,cpu,disk)"
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreConfig:
+    """How a ``TieredStore`` is built.
+
+    Args:
+        tiers: storage levels, fastest first; any non-empty ordered subset of gpu, cpu, disk.
+        chunk_size: tokens per chunk (prefix keys depend on it; a data dir keeps the one it was created with).
+        gpu_capacity_bytes: device memory for the gpu tier.
+        gpu_device: CUDA device of the gpu tier (``"cpu"`` runs the gpu-tier logic without a GPU, for tests).
+        cpu_capacity_bytes: host memory for the cpu tier (page-locked when CUDA is present).
+        disk_path: the data dir holding ``data.mdb``.
+        disk_capacity_bytes: hard cap on the disk tier's stored (compressed) bytes.
+        disk_zstd_level: zstd level of the disk codec (1 is the measured sweet spot).
+        disk_codec_threads: threads that compress and decompress disk frames.
+        promote_on_hit: copy a chunk found in a slower tier into the next faster one on retrieve.
+    """
+
+    tiers: tuple[TierName, ...] = (TierName.CPU, TierName.DISK)
+    chunk_size: int = 256
+    gpu_capacity_bytes: int = 4 * GIB
+    gpu_device: str = "cuda"
+    cpu_capacity_bytes: int = 4 * GIB
+    disk_path: Path = field(default=DEFAULT_DATA_DIR)
+    disk_capacity_bytes: int = 64 * GIB
+    disk_zstd_level: int = 1
+    disk_codec_threads: int = 2
+    promote_on_hit: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", tuple(TierName(t) for t in self.tiers))
+        object.__setattr__(self, "disk_path", Path(self.disk_path))
+        _check_tiers(self.tiers)
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size={self.chunk_size} must be a positive number of tokens, e.g. 256")
+        for name in ("gpu_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} cannot be negative")
+        if self.disk_codec_threads < 1:
+            raise ConfigError(f"disk_codec_threads={self.disk_codec_threads} must be at least 1")

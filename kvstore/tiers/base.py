@@ -1,0 +1,157 @@
+"""The small interface every storage tier implements, and the values that cross it.
+
+A tier holds chunk payloads by ``PrefixKey``. It knows nothing about other tiers: the ``TieredStore`` moves chunks
+between them. When a tier must drop a chunk to make room it first hands it to its ``spill`` callback (the store
+wires that to "demote into the next tier"), so eviction never loses a chunk that a lower tier could keep.
+
+Contract shared by all tiers:
+
+- ``put`` copies the caller's tensor (the caller may reuse it as soon as ``put`` returns) and returns ``False``
+  (not an exception) when no room can be made because every resident chunk is pinned.
+- ``get_into`` fills a caller's buffer and returns ``False`` on a miss, a vanished chunk or a corrupt one.
+- A pinned chunk is never evicted; pins are reference counts.
+- All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvstore.keys import PrefixKey, TokenArray
+
+__all__ = ["ChunkRecord", "SpillCallback", "Tier", "TierName", "TierStats"]
+
+
+class TierName(enum.StrEnum):
+    """Tiers from fastest to slowest."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    DISK = "disk"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkRecord:
+    """Everything a tier keeps about a chunk besides its KV bytes.
+
+    Args:
+        key: prefix-chained key of the chunk.
+        source_start: position of the chunk's first token in the sequence its KV was computed for.
+        tokens: the chunk's token ids (kept by the disk tier so indexes can be rebuilt at start-up).
+    """
+
+    key: PrefixKey
+    source_start: int
+    tokens: TokenArray
+
+    def __post_init__(self) -> None:
+        assert len(self.key) == 16, "ChunkRecord.key must be a 16-byte PrefixKey; build it with keys.prefix_keys"
+        assert self.source_start >= 0, "ChunkRecord.source_start is a token position and cannot be negative"
+        assert self.tokens.dtype == np.dtype("<u4"), "ChunkRecord.tokens must come from keys.as_token_array"
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+SpillCallback = Callable[[ChunkRecord, torch.Tensor], None]
+"""Called with a chunk's record and a read-only view of its KV just before a tier drops it to make room."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierStats:
+    """A snapshot of one tier's counters.
+
+    ``used_bytes`` counts KV bytes resident (uncompressed); ``stored_bytes`` counts what they occupy in the tier
+    (compressed payload plus headers for disk, equal to ``used_bytes`` for memory tiers).
+    """
+
+    tier: TierName
+    capacity_bytes: int
+    used_bytes: int
+    stored_bytes: int
+    num_chunks: int
+    num_pinned: int
+    hits: int
+    misses: int
+    puts: int
+    rejected_puts: int
+    evictions: int
+    corrupt_reads: int = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.used_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+class Tier(abc.ABC):
+    """One storage level: contains / put / get-into-buffer / pin / unpin / evict / stats."""
+
+    name: TierName
+
+    @abc.abstractmethod
+    def contains(self, key: PrefixKey) -> bool:
+        """Whether the chunk is resident (a pending disk write counts)."""
+
+    @abc.abstractmethod
+    def num_tokens(self, key: PrefixKey) -> int | None:
+        """Tokens in the chunk, or ``None`` when it is not resident."""
+
+    @abc.abstractmethod
+    def put(self, record: ChunkRecord, kv: torch.Tensor) -> bool:
+        """Store a chunk (a no-op returning ``True`` when already resident).
+
+        Args:
+            record: the chunk's key, position and tokens.
+            kv: ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` of the tier's layout, any device.
+
+        Returns:
+            ``False`` when no room could be made because every resident chunk is pinned.
+        """
+
+    @abc.abstractmethod
+    def get_into(self, key: PrefixKey, out: torch.Tensor) -> bool:
+        """Copy the chunk's KV into ``out`` (same shape as stored); ``False`` on a miss."""
+
+    @abc.abstractmethod
+    def pin(self, key: PrefixKey) -> bool:
+        """Protect a resident chunk from eviction (counted); ``False`` when it is not resident."""
+
+    @abc.abstractmethod
+    def unpin(self, key: PrefixKey) -> None:
+        """Undo one ``pin``."""
+
+    @abc.abstractmethod
+    def evict(self, key: PrefixKey) -> bool:
+        """Drop an unpinned chunk without spilling it; ``False`` when absent or pinned."""
+
+    @abc.abstractmethod
+    def evict_bytes(self, num_bytes: int) -> int:
+        """Drop least-recently-used unpinned chunks (without spilling) until ``num_bytes`` are freed.
+
+        Returns:
+            Bytes actually freed (may be less when the rest is pinned).
+        """
+
+    @abc.abstractmethod
+    def keys(self) -> list[PrefixKey]:
+        """Resident keys, least recently used first."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        """A consistent snapshot of the counters."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources; later calls raise ``StoreClosedError``."""

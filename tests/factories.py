@@ -1,0 +1,21 @@
+"""Factories for test inputs: real tensors of random values (never zeros, so unwritten memory shows)."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstore.layout import KVLayout
+
+
+def make_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Random KV of ``num_tokens`` tokens in the layout's shape and dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(layout.chunk_shape(num_tokens), generator=generator)
+    return values.to(layout.dtype.torch_dtype)
+
+
+def make_tokens(num_tokens: int, seed: int = 0) -> npt.NDArray[np.int64]:
+    """Random token ids below a typical vocabulary size."""
+    return np.random.default_rng(seed).integers(0, 50_000, size=num_tokens, dtype=np.int64)
