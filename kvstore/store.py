@@ -282,6 +282,8 @@ class TieredStore:
                 loaded = chunk.end
         finally:
             self._unpin_chunks(lookup.chunks)
+        if self.config.promote_on_hit and self._gpu is not None:
+            self._promote_to_gpu([c for c in lookup.chunks if c.tier is not TierName.GPU and c.end <= loaded])
         return RetrieveResult(num_tokens=loaded, kv=out[:, :, :loaded])
 
     def _prepare_out(self, lookup: PrefixLookup, out: torch.Tensor | None, device: str | torch.device) -> torch.Tensor:
@@ -301,16 +303,22 @@ class TieredStore:
         tier = self._tier(chunk.tier)
         if isinstance(tier, ArenaTier):
             out.copy_(tier.view(chunk.key))
-            if self.config.promote_on_hit and tier is self._cpu and self._gpu is not None:
-                self._promote_from_cpu(chunk)
             return True
         return self._load_from_disk(chunk, out)
 
-    def _promote_from_cpu(self, chunk: CachedChunk) -> None:
-        assert self._cpu is not None and self._gpu is not None
-        record = self._cpu.record(chunk.key)
-        if record is not None:
-            self._gpu.put(record, self._cpu.view(chunk.key))
+    def _promote_to_gpu(self, chunks: Sequence[CachedChunk]) -> None:
+        """Copy retrieved chunks that sit in the cpu tier into the gpu tier (after the lookup's pins are gone,
+        so the gpu tier can evict its own cold chunks to make room)."""
+        assert self._gpu is not None
+        for chunk in chunks:
+            if self._cpu is None or self._gpu.contains(chunk.key) or not self._cpu.pin(chunk.key):
+                continue
+            try:
+                record = self._cpu.record(chunk.key)
+                if record is not None:
+                    self._gpu.put(record, self._cpu.view(chunk.key))
+            finally:
+                self._cpu.unpin(chunk.key)
 
     def _load_from_disk(self, chunk: CachedChunk, out: torch.Tensor) -> bool:
         assert self._disk is not None
@@ -391,8 +399,8 @@ class TieredStore:
         logger.info("store closed")
 
     def _close_tiers(self) -> None:
-        # Disk before cpu: closing it drains write-throughs that still read pinned cpu slots.
-        for tier in (self._gpu, self._disk, self._cpu):
+        # Disk first: closing it drains write-throughs that still read pinned memory slots.
+        for tier in (self._disk, self._gpu, self._cpu):
             if tier is not None:
                 tier.close()
 

@@ -241,6 +241,8 @@ class ArenaTier(Tier):
 
     def unpin(self, key: PrefixKey) -> None:
         with self._slots_lock:
+            if self._closed:
+                return
             slot = self._resident.get(key)
             assert slot is not None and slot.pins > 0, f"unpin of {key.hex()} without a matching pin"
             slot.pins -= 1

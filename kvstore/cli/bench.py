@@ -1,0 +1,85 @@
+"""``kvstore bench ...``: benchmarks that report each figure as a ratio to a baseline measured in the same run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
+from kvstore.config import parse_size, parse_tiers
+from kvstore.presets import PRESET_NAMES
+
+__all__ = ["bench_app"]
+
+bench_app = typer.Typer(help="Benchmarks; each figure comes with a same-run baseline and ratio.", no_args_is_help=True)
+
+_DEFAULTS = TierBenchOptions()
+
+
+@bench_app.command("tiers")
+def bench_tiers_command(
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per (tier, layout, op) on stdout."),
+    tiers: str = typer.Option("gpu,cpu,disk", "--tiers", help="Tiers to measure (gpu is skipped without CUDA)."),
+    layouts: str = typer.Option(",".join(PRESET_NAMES), "--layouts", help="Layout presets, comma-separated."),
+    memory_size: str = typer.Option("512MiB", "--memory-size", help="cpu tier KV bytes per repeat."),
+    gpu_memory_size: str = typer.Option("2GiB", "--gpu-memory-size", help="gpu tier KV bytes per repeat."),
+    disk_size: str = typer.Option("768MiB", "--disk-size", help="disk KV bytes written and read per repeat."),
+    repeats: int = typer.Option(_DEFAULTS.num_repeats, "--repeats", help="Timed repeats of cpu/gpu ops."),
+    disk_repeats: int = typer.Option(_DEFAULTS.num_disk_repeats, "--disk-repeats", help="Timed disk repeats."),
+    directory: Path | None = typer.Option(None, "--dir", help="Parent of the temporary disk data dir."),
+    device: str = typer.Option("cuda", "--device", help="cuda, cuda:N, or cpu (runs the gpu-tier logic on host)."),
+) -> None:
+    """Put/get GB/s of each tier for SmolLM2-135M and Llama-3.1-8B-shaped chunks vs memcpy / raw disk.
+
+    Examples:
+
+        kvstore bench tiers
+
+        kvstore bench tiers --json --tiers cpu,disk --disk-size 256MiB
+    """
+    options = TierBenchOptions(
+        layouts=tuple(name.strip() for name in layouts.split(",") if name.strip()),
+        tiers=parse_tiers(tiers),
+        memory_bytes=parse_size(memory_size),
+        gpu_memory_bytes=parse_size(gpu_memory_size),
+        disk_bytes=parse_size(disk_size),
+        num_repeats=repeats,
+        num_disk_repeats=disk_repeats,
+        directory=directory,
+        device=device,
+    )
+    console = Console(stderr=True)
+    rows: list[TierBenchRow] = []
+    with console.status("benchmarking tiers") as status:
+        for row in run_tier_benchmark(options, progress=lambda message: status.update(message)):
+            rows.append(row)
+            if as_json:
+                typer.echo(json.dumps(row.to_json_dict()))
+    if not as_json:
+        _render(Console(), rows)
+
+
+def _render(console: Console, rows: list[TierBenchRow]) -> None:
+    table = Table(title="kvstore bench tiers (GB/s of uncompressed KV; ratio = tier / same-run baseline)")
+    for column in ("tier", "layout", "op", "GB/s", "baseline", "base GB/s", "ratio", "target", "met", "compr", "p50 ms", "p99 ms"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row.tier.value,
+            row.layout,
+            row.op,
+            f"{row.GBps:.2f}",
+            row.baseline,
+            f"{row.baseline_GBps:.2f}",
+            f"{row.ratio:.2f}",
+            f"{row.target_ratio:.2f}",
+            "yes" if row.met else "[red]no[/red]",
+            f"{row.compression_ratio:.2f}" if row.compression_ratio else "",
+            f"{row.p50_ms:.2f}" if row.p50_ms is not None else "",
+            f"{row.p99_ms:.2f}" if row.p99_ms is not None else "",
+        )
+    console.print(table)

@@ -1,0 +1,82 @@
+"""``kvstore evict``: drop chunks from a data dir that no running process holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+
+from kvstore.config import DEFAULT_DATA_DIR, parse_size
+from kvstore.errors import ConfigError, StorageError
+from kvstore.keys import key_from_hex
+from kvstore.tiers.disk import DiskTier
+
+__all__ = ["evict_command"]
+
+_EVERYTHING_BYTES = 2**62
+
+
+def evict_command(
+    path: Path = typer.Option(DEFAULT_DATA_DIR, "--path", help="The data dir (holds data.mdb)."),
+    keys: list[str] = typer.Option([], "--key", help="A chunk key to drop (32 hex digits); repeat for more."),
+    num_bytes: str | None = typer.Option(None, "--bytes", help="Free this much, least recently used first (2GiB)."),
+    everything: bool = typer.Option(False, "--all", help="Drop every chunk (asks first unless --yes)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with what was dropped."),
+) -> None:
+    """Drop chunks by key, by bytes to free, or all of them.
+
+    The data dir must not be held by a running store or server (it is refused with the holder's pid).
+
+    Examples:
+
+        kvstore evict --path ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
+
+        kvstore evict --path ./kvstore-data --bytes 2GiB
+
+        kvstore evict --path ./kvstore-data --all --yes
+    """
+    chosen = sum([bool(keys), num_bytes is not None, everything])
+    if chosen != 1:
+        raise ConfigError("say what to evict: exactly one of --key (repeatable), --bytes SIZE or --all")
+    parsed_keys = [key_from_hex(text) for text in keys]
+    bytes_to_free = parse_size(num_bytes) if num_bytes is not None else _EVERYTHING_BYTES
+    if not (path / "data.mdb").is_file():
+        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used")
+    if everything and not yes:
+        typer.confirm(f"drop every chunk in {path}?", abort=True)
+    tier = DiskTier.open_existing(path, read_only=False, num_codec_threads=1)
+    try:
+        before = tier.stats()
+        missing: list[str] = []
+        if parsed_keys:
+            with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+                for key in progress.track(parsed_keys, description="evicting"):
+                    if not tier.evict(key):
+                        missing.append(key.hex())
+        else:
+            tier.evict_bytes(bytes_to_free)
+        tier.flush()
+        after = tier.stats()
+    finally:
+        tier.close()
+    report = {
+        "path": str(path),
+        "evicted_chunks": before.num_chunks - after.num_chunks,
+        "freed_stored_bytes": before.stored_bytes - after.stored_bytes,
+        "remaining_chunks": after.num_chunks,
+        "not_found_or_pinned": missing,
+    }
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        typer.echo(
+            f"evicted {report['evicted_chunks']} chunks, freed {before.stored_bytes - after.stored_bytes:,} bytes; "
+            f"{after.num_chunks} chunks remain"
+            + (f"; not found: {', '.join(missing)}" if missing else "")
+        )
+    if missing:
+        raise typer.Exit(1)

@@ -1,0 +1,81 @@
+"""``kvstore inspect``: what a data dir holds, offline and read-only (safe next to a live store)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvstore.config import DEFAULT_DATA_DIR
+from kvstore.inspection import DataDirSummary, find_chunk, summarize_data_dir
+from kvstore.keys import key_from_hex
+
+__all__ = ["inspect_command", "render_summary"]
+
+
+def inspect_command(
+    path: Path = typer.Option(DEFAULT_DATA_DIR, "--path", help="The data dir (holds data.mdb)."),
+    key: str | None = typer.Option(None, "--key", help="Show one chunk by its 32-hex-digit key."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Summarise a data dir: chunks, bytes, compression ratio, layout, oldest/newest access.
+
+    Examples:
+
+        kvstore inspect --path ./kvstore-data
+
+        kvstore inspect --path ./kvstore-data --json
+
+        kvstore inspect --path ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
+    """
+    if key is not None:
+        chunk = find_chunk(path, key_from_hex(key))
+        if chunk is None:
+            typer.echo(f"kvstore: error: no chunk {key} in {path}", err=True)
+            raise typer.Exit(1)
+        if as_json:
+            typer.echo(json.dumps(chunk.to_json_dict()))
+        else:
+            table = Table(title=f"chunk {chunk.key}", show_header=False)
+            for name, value in chunk.to_json_dict().items():
+                table.add_row(name, str(value))
+            Console().print(table)
+        return
+    if as_json:
+        typer.echo(json.dumps(summarize_data_dir(path).to_json_dict()))
+        return
+    console = Console()
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"scanning {path}", total=None)
+        summary = summarize_data_dir(path, lambda seen, total: progress.update(task, completed=seen, total=total))
+    render_summary(console, summary)
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def render_summary(console: Console, summary: DataDirSummary) -> None:
+    """Print a summary as a table (shared with ``kvstore demo``)."""
+    table = Table(title=f"kvstore data dir {summary.path}", show_header=False)
+    rows = [
+        ("layout", f"{summary.layout}"),
+        ("namespace", summary.layout_namespace),
+        ("chunk size", f"{summary.chunk_size} tokens"),
+        ("chunks (disk tier)", f"{summary.num_chunks:,} ({summary.num_partial_chunks:,} partial)"),
+        ("sequences (chunks at position 0)", f"{summary.num_sequences:,}"),
+        ("tokens", f"{summary.num_tokens:,}"),
+        ("KV bytes (raw)", _mib(summary.raw_bytes)),
+        ("stored bytes", f"{_mib(summary.stored_bytes)} of {_mib(summary.capacity_bytes)} cap"),
+        ("compression ratio", f"{summary.compression_ratio:.3f}"),
+        ("data.mdb size", _mib(summary.file_bytes)),
+        ("oldest access", summary.oldest_access or "-"),
+        ("newest access", summary.newest_access or "-"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

@@ -1,0 +1,229 @@
+"""TieredStore on real tiers: the gpu tier's logic on host memory (device='cpu'), the cpu arena, real LMDB."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import ConfigError, InvalidInputError, KVLayout, LayoutMismatchError, StoreClosedError, TieredStore
+from kvstore.config import StoreConfig
+from kvstore.tiers.base import TierName
+from tests.factories import make_kv, make_tokens
+
+CHUNK = 8
+
+
+def config(tmp_path: Path, layout: KVLayout, **changes: object) -> StoreConfig:
+    chunk_bytes = layout.chunk_bytes(CHUNK)
+    base = StoreConfig(
+        tiers=(TierName.GPU, TierName.CPU, TierName.DISK),
+        chunk_size=CHUNK,
+        gpu_capacity_bytes=4 * chunk_bytes,
+        gpu_device="cpu",
+        cpu_capacity_bytes=8 * chunk_bytes,
+        disk_path=tmp_path / "data",
+        disk_capacity_bytes=64 << 20,
+    )
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store(tmp_path: Path, small_layout: KVLayout) -> Iterator[TieredStore]:
+    with TieredStore(small_layout, config(tmp_path, small_layout)) as opened:
+        yield opened
+
+
+def test_round_trip_with_a_partial_last_chunk(store: TieredStore, small_layout: KVLayout) -> None:
+    tokens, kv = make_tokens(20), make_kv(small_layout, 20)
+    result = store.store(tokens, kv)
+    assert (result.num_chunks, result.num_new_chunks) == (3, 3)
+    assert store.store(tokens, kv).num_new_chunks == 0
+    lookup = store.lookup(tokens)
+    assert lookup.num_cached_tokens == 20
+    assert [chunk.num_tokens for chunk in lookup.chunks] == [8, 8, 4]
+    retrieved = store.retrieve(lookup)
+    assert retrieved.num_tokens == 20 and torch.equal(retrieved.kv, kv)
+
+
+def test_lookup_stops_at_the_first_missing_chunk(store: TieredStore, small_layout: KVLayout) -> None:
+    tokens, kv = make_tokens(20), make_kv(small_layout, 20)
+    store.store(tokens, kv)
+    longer = list(tokens) + [1, 2, 3]
+    lookup = store.lookup(longer)
+    assert lookup.num_cached_tokens == 16, "the stored partial chunk's key must not match a longer chunk"
+    assert torch.equal(store.retrieve(lookup).kv, kv[:, :, :16])
+    other = store.lookup(make_tokens(20, seed=9))
+    assert other.chunks == () and store.retrieve(other).num_tokens == 0
+
+
+def test_retrieve_into_a_caller_buffer_returns_a_view(store: TieredStore, small_layout: KVLayout) -> None:
+    tokens, kv = make_tokens(16), make_kv(small_layout, 16)
+    store.store(tokens, kv)
+    out = torch.full(small_layout.chunk_shape(24), 3.0, dtype=torch.bfloat16)
+    result = store.retrieve(store.lookup(tokens), out)
+    assert result.kv.data_ptr() == out.data_ptr()
+    assert torch.equal(out[:, :, :16], kv) and bool((out[:, :, 16:] == 3.0).all())
+    with pytest.raises(InvalidInputError, match="cannot hold"):
+        store.retrieve(store.lookup(tokens), out[:, :, :8])
+
+
+def test_gpu_eviction_demotes_to_cpu_and_hits_promote_back(tmp_path: Path, small_layout: KVLayout) -> None:
+    cfg = config(tmp_path, small_layout, tiers=(TierName.GPU, TierName.CPU))
+    with TieredStore(small_layout, cfg) as store:
+        tokens, kv = make_tokens(6 * CHUNK), make_kv(small_layout, 6 * CHUNK)
+        store.store(tokens, kv)  # 6 chunks into a 4-slot gpu tier: the 2 oldest are demoted to cpu
+        lookup = store.lookup(tokens)
+        assert [chunk.tier for chunk in lookup.chunks] == [TierName.CPU] * 2 + [TierName.GPU] * 4
+        assert torch.equal(store.retrieve(lookup).kv, kv)
+        again = store.lookup(tokens)
+        assert [chunk.tier for chunk in again.chunks] == [TierName.GPU] * 2 + [TierName.CPU] * 2 + [TierName.GPU] * 2, (
+            "cpu hits are promoted into the gpu tier, demoting its least recently used chunks"
+        )
+        assert torch.equal(store.retrieve(again).kv, kv)
+
+
+def test_write_through_releases_its_pins_once_flushed(tmp_path: Path, small_layout: KVLayout) -> None:
+    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU, TierName.DISK))
+    with TieredStore(small_layout, cfg) as store:
+        tokens = make_tokens(3 * CHUNK)
+        store.store(tokens, make_kv(small_layout, 3 * CHUNK))
+        store.flush()
+        stats = store.stats()
+        assert stats.tier(TierName.CPU).num_pinned == 0  # type: ignore[union-attr]
+        assert stats.tier(TierName.DISK).num_chunks == 3  # type: ignore[union-attr]
+
+
+def test_write_through_survives_a_restart(tmp_path: Path, small_layout: KVLayout) -> None:
+    tokens, kv = make_tokens(5 * CHUNK + 3), make_kv(small_layout, 5 * CHUNK + 3)
+    with TieredStore(small_layout, config(tmp_path, small_layout)) as first:
+        first.store(tokens, kv)
+    with TieredStore(small_layout, config(tmp_path, small_layout)) as second:
+        lookup = second.lookup(tokens)
+        assert lookup.num_tokens_in(TierName.DISK) == len(tokens)
+        assert torch.equal(second.retrieve(lookup).kv, kv)
+        promoted = second.lookup(tokens)
+        assert promoted.num_tokens_in(TierName.DISK) == 0, "disk hits are promoted into memory tiers"
+        second.release(promoted)
+
+
+def test_disk_only_store_reads_its_own_pending_writes(tmp_path: Path, small_layout: KVLayout) -> None:
+    with TieredStore(small_layout, config(tmp_path, small_layout, tiers=(TierName.DISK,))) as store:
+        tokens, kv = make_tokens(3 * CHUNK), make_kv(small_layout, 3 * CHUNK)
+        store.store(tokens, kv)
+        assert torch.equal(store.retrieve(store.lookup(tokens)).kv, kv)
+        store.flush()
+        assert torch.equal(store.retrieve(store.lookup(tokens)).kv, kv)
+
+
+def test_cpu_eviction_keeps_chunks_on_disk(tmp_path: Path, small_layout: KVLayout) -> None:
+    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU, TierName.DISK), cpu_capacity_bytes=2 * small_layout.chunk_bytes(CHUNK))
+    with TieredStore(small_layout, cfg) as store:
+        tokens, kv = make_tokens(6 * CHUNK), make_kv(small_layout, 6 * CHUNK)
+        store.store(tokens, kv)
+        store.flush()
+        lookup = store.lookup(tokens)
+        assert lookup.num_cached_tokens == 6 * CHUNK and lookup.num_tokens_in(TierName.DISK) >= 4 * CHUNK
+        assert torch.equal(store.retrieve(lookup).kv, kv)
+
+
+def test_lookup_pins_until_retrieve_or_release(store: TieredStore, small_layout: KVLayout) -> None:
+    tokens = make_tokens(2 * CHUNK)
+    store.store(tokens, make_kv(small_layout, 2 * CHUNK))
+    store.flush()  # the disk writer's own pins are gone
+    first, second = store.lookup(tokens), store.lookup(tokens)
+    assert store.stats().num_open_lookups == 2
+    assert store.stats().tier(TierName.GPU).num_pinned == 2  # type: ignore[union-attr]
+    store.retrieve(first)
+    store.release(second)
+    store.release(second)  # idempotent
+    assert store.stats().num_open_lookups == 0
+    assert all(tier.num_pinned == 0 for tier in store.stats().tiers if tier.tier is not TierName.DISK)
+    with pytest.raises(ConfigError, match="already retrieved or released"):
+        store.retrieve(first)
+
+
+def test_pinned_chunks_survive_eviction_pressure(tmp_path: Path, small_layout: KVLayout) -> None:
+    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU,), cpu_capacity_bytes=2 * small_layout.chunk_bytes(CHUNK))
+    with TieredStore(small_layout, cfg) as store:
+        tokens, kv = make_tokens(CHUNK), make_kv(small_layout, CHUNK)
+        store.store(tokens, kv)
+        lookup = store.lookup(tokens)
+        store.store(make_tokens(CHUNK, 1), make_kv(small_layout, CHUNK, 1))
+        result = store.store(make_tokens(2 * CHUNK, 2), make_kv(small_layout, 2 * CHUNK, 2))
+        assert result.num_rejected_chunks == 0
+        assert torch.equal(store.retrieve(lookup).kv, kv)
+
+
+def test_everything_pinned_rejects_instead_of_raising(tmp_path: Path, small_layout: KVLayout) -> None:
+    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU,), cpu_capacity_bytes=small_layout.chunk_bytes(CHUNK))
+    with TieredStore(small_layout, cfg) as store:
+        tokens = make_tokens(CHUNK)
+        store.store(tokens, make_kv(small_layout, CHUNK))
+        lookup = store.lookup(tokens)
+        result = store.store(make_tokens(CHUNK, 1), make_kv(small_layout, CHUNK, 1))
+        assert (result.num_new_chunks, result.num_rejected_chunks) == (0, 1)
+        store.release(lookup)
+
+
+@pytest.mark.parametrize(
+    ("make_bad", "message"),
+    [
+        (lambda layout: (make_tokens(8), make_kv(layout, 9)), "9 tokens but 8 token ids"),
+        (lambda layout: (make_tokens(8), make_kv(layout, 8).float()), "dtype"),
+        (lambda layout: (make_tokens(8), make_kv(layout, 8)[0]), "shape"),
+        (lambda layout: (make_tokens(8), make_kv(layout, 8).to("meta")), "device"),
+        (lambda layout: ([-1] * 8, make_kv(layout, 8)), "token ids"),
+    ],
+)
+def test_bad_input_is_a_clear_error(store: TieredStore, small_layout: KVLayout, make_bad, message: str) -> None:  # type: ignore[no-untyped-def]
+    tokens, kv = make_bad(small_layout)
+    with pytest.raises(InvalidInputError, match=message):
+        store.store(tokens, kv)
+    assert store.stats().tier(TierName.GPU).num_chunks == 0  # type: ignore[union-attr]
+
+
+def test_reopening_with_another_layout_is_refused(tmp_path: Path, small_layout: KVLayout) -> None:
+    with TieredStore(small_layout, config(tmp_path, small_layout)) as store:
+        store.store(make_tokens(CHUNK), make_kv(small_layout, CHUNK))
+    other = dataclasses.replace(small_layout, num_layers=6)
+    with pytest.raises(LayoutMismatchError):
+        TieredStore(other, config(tmp_path, other))
+
+
+def test_closed_store_refuses_work_and_releases_pins(tmp_path: Path, small_layout: KVLayout) -> None:
+    store = TieredStore(small_layout, config(tmp_path, small_layout))
+    tokens = make_tokens(CHUNK)
+    store.store(tokens, make_kv(small_layout, CHUNK))
+    lookup = store.lookup(tokens)
+    store.close()
+    store.close()
+    with pytest.raises(StoreClosedError):
+        store.lookup(tokens)
+    with pytest.raises(StoreClosedError):
+        store.retrieve(lookup)
+
+
+def test_threads_store_and_retrieve_at_once(store: TieredStore, small_layout: KVLayout) -> None:
+    sequences = [(make_tokens(3 * CHUNK, seed), make_kv(small_layout, 3 * CHUNK, seed)) for seed in range(6)]
+    errors: list[str] = []
+
+    def worker(offset: int) -> None:
+        for step in range(30):
+            tokens, kv = sequences[(offset + step) % len(sequences)]
+            store.store(tokens, kv)
+            result = store.retrieve(store.lookup(tokens))
+            if not torch.equal(result.kv, kv[:, :, : result.num_tokens]):
+                errors.append(f"worker {offset} step {step}: wrong KV")
+
+    threads = [threading.Thread(target=worker, args=(offset,)) for offset in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert store.stats().num_open_lookups == 0
