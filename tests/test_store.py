@@ -227,3 +227,18 @@ def test_threads_store_and_retrieve_at_once(store: TieredStore, small_layout: KV
         thread.join()
     assert errors == []
     assert store.stats().num_open_lookups == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the device='cpu' twins above run everywhere)")
+def test_real_gpu_tier_demotes_promotes_and_round_trips(tmp_path: Path, small_layout: KVLayout) -> None:
+    with TieredStore(small_layout, config(tmp_path, small_layout, gpu_device="cuda")) as store:
+        tokens, kv = make_tokens(6 * CHUNK), make_kv(small_layout, 6 * CHUNK).cuda()
+        store.store(tokens, kv)
+        store.flush()
+        lookup = store.lookup(tokens)
+        assert {chunk.tier for chunk in lookup.chunks} == {TierName.GPU, TierName.CPU}
+        result = store.retrieve(lookup, device="cuda")
+        assert result.kv.is_cuda and torch.equal(result.kv, kv)
+    with TieredStore(small_layout, config(tmp_path, small_layout, gpu_device="cuda")) as reopened:
+        assert torch.equal(reopened.retrieve(reopened.lookup(tokens), device="cuda").kv, kv)

@@ -28,12 +28,25 @@ def records(layout: KVLayout, num_tokens: int, seed: int = 0) -> list[ChunkRecor
     ]
 
 
-def arena(layout: KVLayout, num_slots: int, spill=None) -> ArenaTier:  # type: ignore[no-untyped-def]
-    return GpuTier(layout, CHUNK, num_slots * layout.chunk_bytes(CHUNK), device="cpu", spill=spill)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the cpu twin runs everywhere)")
 
 
-def test_put_get_round_trip_including_a_partial_chunk(small_layout: KVLayout) -> None:
-    tier = arena(small_layout, 4)
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def device(request: pytest.FixtureRequest) -> str:
+    """Every arena test runs on host memory, and on a real GPU where there is one."""
+    return str(request.param)
+
+
+@pytest.fixture
+def arena(small_layout: KVLayout, device: str):  # type: ignore[no-untyped-def]
+    def build(num_slots: int, spill=None) -> ArenaTier:  # type: ignore[no-untyped-def]
+        return GpuTier(small_layout, CHUNK, num_slots * small_layout.chunk_bytes(CHUNK), device=device, spill=spill)
+
+    return build
+
+
+def test_put_get_round_trip_including_a_partial_chunk(small_layout: KVLayout, arena) -> None:
+    tier = arena(4)
     full, partial = records(small_layout, CHUNK + 3)
     kv_full, kv_partial = make_kv(small_layout, CHUNK, 1), make_kv(small_layout, 3, 2)
     assert tier.put(full, kv_full) and tier.put(partial, kv_partial)
@@ -45,8 +58,8 @@ def test_put_get_round_trip_including_a_partial_chunk(small_layout: KVLayout) ->
     assert tier.stats().used_bytes == small_layout.chunk_bytes(CHUNK + 3)
 
 
-def test_put_copies_so_the_caller_may_reuse_its_tensor(small_layout: KVLayout) -> None:
-    tier = arena(small_layout, 1)
+def test_put_copies_so_the_caller_may_reuse_its_tensor(small_layout: KVLayout, arena) -> None:
+    tier = arena(1)
     (record,) = records(small_layout, CHUNK)
     kv = make_kv(small_layout, CHUNK)
     expected = kv.clone()
@@ -57,9 +70,9 @@ def test_put_copies_so_the_caller_may_reuse_its_tensor(small_layout: KVLayout) -
     assert torch.equal(out, expected)
 
 
-def test_lru_eviction_order_and_spill(small_layout: KVLayout) -> None:
+def test_lru_eviction_order_and_spill(small_layout: KVLayout, arena) -> None:
     spilled: list[tuple[bytes, torch.Tensor]] = []
-    tier = arena(small_layout, 3, spill=lambda record, view: spilled.append((record.key, view.clone())))
+    tier = arena(3, spill=lambda record, view: spilled.append((record.key, view.cpu().clone())))
     chunks = records(small_layout, 5 * CHUNK)
     kvs = [make_kv(small_layout, CHUNK, seed) for seed in range(5)]
     for record, kv in zip(chunks[:3], kvs[:3], strict=True):
@@ -73,8 +86,8 @@ def test_lru_eviction_order_and_spill(small_layout: KVLayout) -> None:
     assert tier.stats().evictions == 2
 
 
-def test_pinned_chunks_are_never_evicted_and_a_full_pinned_tier_rejects(small_layout: KVLayout) -> None:
-    tier = arena(small_layout, 2)
+def test_pinned_chunks_are_never_evicted_and_a_full_pinned_tier_rejects(small_layout: KVLayout, arena) -> None:
+    tier = arena(2)
     chunks = records(small_layout, 3 * CHUNK)
     for record in chunks[:2]:
         tier.put(record, make_kv(small_layout, CHUNK))
@@ -87,8 +100,8 @@ def test_pinned_chunks_are_never_evicted_and_a_full_pinned_tier_rejects(small_la
     assert set(tier.keys()) == {chunks[1].key, chunks[2].key}
 
 
-def test_pins_are_reference_counted(small_layout: KVLayout) -> None:
-    tier = arena(small_layout, 1)
+def test_pins_are_reference_counted(small_layout: KVLayout, arena) -> None:
+    tier = arena(1)
     (record,) = records(small_layout, CHUNK)
     tier.put(record, make_kv(small_layout, CHUNK))
     tier.pin(record.key)
@@ -100,8 +113,8 @@ def test_pins_are_reference_counted(small_layout: KVLayout) -> None:
     assert tier.pin(record.key) is False
 
 
-def test_evict_bytes_frees_least_recent_first(small_layout: KVLayout) -> None:
-    tier = arena(small_layout, 4)
+def test_evict_bytes_frees_least_recent_first(small_layout: KVLayout, arena) -> None:
+    tier = arena(4)
     chunks = records(small_layout, 4 * CHUNK)
     for record in chunks:
         tier.put(record, make_kv(small_layout, CHUNK))
@@ -110,8 +123,8 @@ def test_evict_bytes_frees_least_recent_first(small_layout: KVLayout) -> None:
     assert tier.keys() == [chunks[2].key, chunks[3].key]
 
 
-def test_failed_fill_frees_the_slot_and_hides_the_chunk(small_layout: KVLayout) -> None:
-    tier = arena(small_layout, 1)
+def test_failed_fill_frees_the_slot_and_hides_the_chunk(small_layout: KVLayout, arena) -> None:
+    tier = arena(1)
     (record,) = records(small_layout, CHUNK)
     assert tier.put_with(record, lambda view: False) is False
     assert not tier.contains(record.key)
@@ -130,8 +143,8 @@ def test_gpu_tier_without_cuda_says_what_to_do(small_layout: KVLayout) -> None:
         GpuTier(small_layout, CHUNK, 10 * small_layout.chunk_bytes(CHUNK))
 
 
-def test_use_after_close(small_layout: KVLayout) -> None:
-    tier = arena(small_layout, 1)
+def test_use_after_close(small_layout: KVLayout, arena) -> None:
+    tier = arena(1)
     tier.close()
     (record,) = records(small_layout, CHUNK)
     with pytest.raises(StoreClosedError):
@@ -139,8 +152,8 @@ def test_use_after_close(small_layout: KVLayout) -> None:
     assert tier.stats().tier is TierName.GPU
 
 
-def test_concurrent_puts_and_gets_never_return_wrong_data(small_layout: KVLayout) -> None:
-    tier = arena(small_layout, 6)
+def test_concurrent_puts_and_gets_never_return_wrong_data(small_layout: KVLayout, arena) -> None:
+    tier = arena(6)
     chunks = records(small_layout, 16 * CHUNK)
     kvs = [make_kv(small_layout, CHUNK, seed) for seed in range(16)]
     errors: list[str] = []
