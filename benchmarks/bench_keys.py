@@ -31,7 +31,9 @@ def _times_ms(function: Callable[[], object], repeats: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--chunk-size", type=int, default=256)
@@ -42,7 +44,9 @@ def main() -> None:
     inputs = {"numpy_int64": array, "python_list": array.tolist()}
     baseline = _times_ms(lambda: xxhash.xxh3_128_digest(array.astype("<u4").tobytes()), args.repeats)
     for kind, tokens in inputs.items():
-        samples = _times_ms(lambda t=tokens: prefix_keys(namespace, as_token_array(t), args.chunk_size), args.repeats)
+        samples = _times_ms(
+            lambda t=tokens: prefix_keys(namespace, as_token_array(t), args.chunk_size), args.repeats
+        )
         row = {
             "bench": "keys",
             "input": kind,

@@ -54,7 +54,9 @@ def parse_tiers(text: str) -> tuple[TierName, ...]:
     try:
         tiers = tuple(TierName(name) for name in names)
     except ValueError:
-        raise ConfigError(f"--tiers {text!r}: each tier must be one of gpu, cpu, disk (e.g. gpu,cpu,disk)") from None
+        raise ConfigError(
+            f"--tiers {text!r}: each tier must be one of gpu, cpu, disk (e.g. gpu,cpu,disk)"
+        ) from None
     _check_tiers(tiers)
     return tiers
 

@@ -41,7 +41,7 @@ class DataDirSummary:
     newest_access: str | None
 
     def to_json_dict(self) -> dict[str, object]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +58,7 @@ class ChunkSummary:
     first_tokens: list[int]
 
     def to_json_dict(self) -> dict[str, object]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 def _iso(ns: int | None) -> str | None:
@@ -69,7 +69,9 @@ def _iso(ns: int | None) -> str | None:
 
 def _open(path: Path) -> DiskTier:
     if not (Path(path) / "data.mdb").is_file():
-        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used")
+        raise StorageError(
+            f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used"
+        )
     return DiskTier.open_existing(Path(path), read_only=True, num_codec_threads=1)
 
 

@@ -101,5 +101,7 @@ def key_from_hex(text: str) -> PrefixKey:
     except ValueError:
         raw = b""
     if len(raw) != KEY_BYTES:
-        raise ConfigError(f"chunk key {text!r} is not {2 * KEY_BYTES} hex digits; copy it from `kvstore inspect`")
+        raise ConfigError(
+            f"chunk key {text!r} is not {2 * KEY_BYTES} hex digits; copy it from `kvstore inspect`"
+        )
     return PrefixKey(raw)

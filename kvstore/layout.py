@@ -54,7 +54,13 @@ class KVDtype(enum.StrEnum):
         """Accept ``"bf16"``, ``"bfloat16"``, ``torch.bfloat16`` and friends."""
         if isinstance(value, torch.dtype):
             value = str(value).removeprefix("torch.")
-        aliases = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+        aliases = {
+            "fp16": "float16",
+            "half": "float16",
+            "bf16": "bfloat16",
+            "fp32": "float32",
+            "float": "float32",
+        }
         name = aliases.get(value.lower(), value.lower())
         try:
             return cls(name)
@@ -135,7 +141,9 @@ class KVLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", KVDtype.parse(self.dtype))
         if not self.model_id:
-            raise ConfigError("layout model_id is empty; give the model's name, e.g. 'meta-llama/Llama-3.1-8B'")
+            raise ConfigError(
+                "layout model_id is empty; give the model's name, e.g. 'meta-llama/Llama-3.1-8B'"
+            )
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -175,7 +183,9 @@ class KVLayout:
         """
         expected = self.chunk_shape(num_tokens)
         if not isinstance(kv, torch.Tensor):
-            raise InvalidInputError(f"kv must be a torch.Tensor of shape {list(expected)}, got {type(kv).__name__}")
+            raise InvalidInputError(
+                f"kv must be a torch.Tensor of shape {list(expected)}, got {type(kv).__name__}"
+            )
         if tuple(kv.shape) != expected:
             hint = ""
             if kv.dim() == 5 and tuple(kv.shape[:2]) == expected[:2] and tuple(kv.shape[3:]) == expected[3:]:

@@ -115,7 +115,9 @@ class TieredStore:
                 num_codec_threads=config.disk_codec_threads,
             )
         if TierName.CPU in config.tiers:
-            self._cpu = CpuTier(self.layout, config.chunk_size, config.cpu_capacity_bytes, spill=self._spill_to_disk)
+            self._cpu = CpuTier(
+                self.layout, config.chunk_size, config.cpu_capacity_bytes, spill=self._spill_to_disk
+            )
         if TierName.GPU in config.tiers:
             self._gpu = GpuTier(
                 self.layout,
@@ -174,7 +176,9 @@ class TieredStore:
             else:
                 num_rejected += 1
         if num_rejected:
-            logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, len(keys))
+            logger.warning(
+                "store: %d of %d chunks rejected, every tier is pinned full", num_rejected, len(keys)
+            )
         return StoreResult(num_chunks=len(keys), num_new_chunks=num_new, num_rejected_chunks=num_rejected)
 
     def _put_new_chunk(self, record: ChunkRecord, kv: torch.Tensor) -> bool:
@@ -277,7 +281,9 @@ class TieredStore:
             loaded = 0
             for chunk in lookup.chunks:
                 if not self._load_chunk(chunk, out[:, :, chunk.start : chunk.end]):
-                    logger.warning("retrieve: chunk %s failed to load; prefix cut at %d", chunk.key.hex(), loaded)
+                    logger.warning(
+                        "retrieve: chunk %s failed to load; prefix cut at %d", chunk.key.hex(), loaded
+                    )
                     break
                 loaded = chunk.end
         finally:
@@ -286,10 +292,14 @@ class TieredStore:
             self._promote_to_gpu([c for c in lookup.chunks if c.tier is not TierName.GPU and c.end <= loaded])
         return RetrieveResult(num_tokens=loaded, kv=out[:, :, :loaded])
 
-    def _prepare_out(self, lookup: PrefixLookup, out: torch.Tensor | None, device: str | torch.device) -> torch.Tensor:
+    def _prepare_out(
+        self, lookup: PrefixLookup, out: torch.Tensor | None, device: str | torch.device
+    ) -> torch.Tensor:
         needed = lookup.num_cached_tokens
         if out is None:
-            return torch.empty(self.layout.chunk_shape(needed), dtype=self.layout.dtype.torch_dtype, device=device)
+            return torch.empty(
+                self.layout.chunk_shape(needed), dtype=self.layout.dtype.torch_dtype, device=device
+            )
         if out.dim() != 5 or out.shape[2] < needed:
             raise InvalidInputError(
                 f"out shape {list(out.shape)} cannot hold {needed} cached tokens; "
@@ -326,13 +336,13 @@ class TieredStore:
         landing = self._cpu if self.config.promote_on_hit and self._cpu is not None else None
         if landing is not None:
             record = disk.record(chunk.key)
-            if record is not None and landing.put_with(record, lambda view: disk.get_into(chunk.key, view)):
-                if landing.pin(chunk.key):
-                    try:
-                        out.copy_(landing.view(chunk.key))
-                    finally:
-                        landing.unpin(chunk.key)
-                    return True
+            landed = record is not None and landing.put_with(record, lambda view: disk.get_into(chunk.key, view))
+            if landed and landing.pin(chunk.key):
+                try:
+                    out.copy_(landing.view(chunk.key))
+                finally:
+                    landing.unpin(chunk.key)
+                return True
         if out.device.type == "cpu" and out.is_contiguous():
             return disk.get_into(chunk.key, out)
         with self._scratch_lock:
@@ -345,7 +355,9 @@ class TieredStore:
     def _scratch_for(self, num_tokens: int) -> torch.Tensor:
         if self._scratch is None:
             self._scratch = torch.empty(
-                self.layout.chunk_bytes(self.config.chunk_size), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+                self.layout.chunk_bytes(self.config.chunk_size),
+                dtype=torch.uint8,
+                pin_memory=torch.cuda.is_available(),
             )
         raw = self._scratch[: self.layout.chunk_bytes(num_tokens)]
         return raw.view(self.layout.dtype.torch_dtype).view(self.layout.chunk_shape(num_tokens))

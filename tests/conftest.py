@@ -11,4 +11,3 @@ from kvstore.layout import KVLayout, RopeSpec
 def small_layout() -> KVLayout:
     """A 4-layer, 2-head, 16-dim bf16 layout: 512 bytes per token, chunks stay tiny."""
     return KVLayout(model_id="test/tiny", num_layers=4, num_kv_heads=2, head_dim=16, rope=RopeSpec(theta=1e5))
-

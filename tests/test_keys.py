@@ -76,7 +76,11 @@ def test_keys_match_in_a_fresh_process() -> None:
         "print(','.join(k.hex() for k in prefix_keys(layout.namespace, as_token_array(list(range(1000, 1600))), 16)))"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "12345"}
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345"},
     )
     assert result.stdout.strip().split(",") == [key.hex() for key in keys_of(tokens)]
 

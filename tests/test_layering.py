@@ -11,7 +11,14 @@ PACKAGE_ROOT = Path(kvstore.__file__).parent
 
 # A module in the key's package may not import any module under the listed prefixes.
 FORBIDDEN = {
-    "kvstore.tiers": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server", "kvstore.blend", "kvstore.config"),
+    "kvstore.tiers": (
+        "kvstore.store",
+        "kvstore.cli",
+        "kvstore.bench",
+        "kvstore.server",
+        "kvstore.blend",
+        "kvstore.config",
+    ),
     "kvstore.layout": ("kvstore.store", "kvstore.tiers", "kvstore.cli", "kvstore.bench"),
     "kvstore.keys": ("kvstore.store", "kvstore.tiers", "kvstore.cli", "kvstore.bench"),
     "kvstore.errors": ("kvstore.",),
@@ -42,7 +49,11 @@ def test_no_upward_imports() -> None:
         name = module_name(path)
         for owner, banned in FORBIDDEN.items():
             if name == owner or name.startswith(owner + "."):
-                violations += [f"{name} imports {imported}" for imported in imports_of(path) if imported.startswith(banned)]
+                violations += [
+                    f"{name} imports {imported}"
+                    for imported in imports_of(path)
+                    if imported.startswith(banned)
+                ]
     assert violations == []
 
 

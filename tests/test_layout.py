@@ -47,7 +47,9 @@ def test_sizes(small_layout: KVLayout) -> None:
     assert make_kv(small_layout, 7).numel() * 2 == small_layout.chunk_bytes(7)
 
 
-@pytest.mark.parametrize("bad", [{"num_layers": 0}, {"head_dim": -1}, {"model_id": ""}, {"num_kv_heads": 1.5}])
+@pytest.mark.parametrize(
+    "bad", [{"num_layers": 0}, {"head_dim": -1}, {"model_id": ""}, {"num_kv_heads": 1.5}]
+)
 def test_bad_layout_fields_are_refused(bad: dict[str, object]) -> None:
     fields: dict[str, object] = {"model_id": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8} | bad
     with pytest.raises(ConfigError):
@@ -63,7 +65,7 @@ def test_check_kv_names_the_problem(small_layout: KVLayout) -> None:
         small_layout.check_kv(kv.float(), 10)
     with pytest.raises(InvalidInputError, match="shape"):
         small_layout.check_kv(kv[0], 10)
-    with pytest.raises(InvalidInputError, match="torch.Tensor"):
+    with pytest.raises(InvalidInputError, match=r"torch\.Tensor"):
         small_layout.check_kv([1, 2], 10)  # type: ignore[arg-type]
 
 

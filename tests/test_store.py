@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import ConfigError, InvalidInputError, KVLayout, LayoutMismatchError, StoreClosedError, TieredStore
+from kvstore import (
+    ConfigError,
+    InvalidInputError,
+    KVLayout,
+    LayoutMismatchError,
+    StoreClosedError,
+    TieredStore,
+)
 from kvstore.config import StoreConfig
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens
@@ -53,7 +60,7 @@ def test_round_trip_with_a_partial_last_chunk(store: TieredStore, small_layout: 
 def test_lookup_stops_at_the_first_missing_chunk(store: TieredStore, small_layout: KVLayout) -> None:
     tokens, kv = make_tokens(20), make_kv(small_layout, 20)
     store.store(tokens, kv)
-    longer = list(tokens) + [1, 2, 3]
+    longer = [*tokens.tolist(), 1, 2, 3]
     lookup = store.lookup(longer)
     assert lookup.num_cached_tokens == 16, "the stored partial chunk's key must not match a longer chunk"
     assert torch.equal(store.retrieve(lookup).kv, kv[:, :, :16])
@@ -81,9 +88,9 @@ def test_gpu_eviction_demotes_to_cpu_and_hits_promote_back(tmp_path: Path, small
         assert [chunk.tier for chunk in lookup.chunks] == [TierName.CPU] * 2 + [TierName.GPU] * 4
         assert torch.equal(store.retrieve(lookup).kv, kv)
         again = store.lookup(tokens)
-        assert [chunk.tier for chunk in again.chunks] == [TierName.GPU] * 2 + [TierName.CPU] * 2 + [TierName.GPU] * 2, (
-            "cpu hits are promoted into the gpu tier, demoting its least recently used chunks"
-        )
+        assert [chunk.tier for chunk in again.chunks] == [TierName.GPU] * 2 + [TierName.CPU] * 2 + [
+            TierName.GPU
+        ] * 2, "cpu hits are promoted into the gpu tier, demoting its least recently used chunks"
         assert torch.equal(store.retrieve(again).kv, kv)
 
 
@@ -121,7 +128,12 @@ def test_disk_only_store_reads_its_own_pending_writes(tmp_path: Path, small_layo
 
 
 def test_cpu_eviction_keeps_chunks_on_disk(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU, TierName.DISK), cpu_capacity_bytes=2 * small_layout.chunk_bytes(CHUNK))
+    cfg = config(
+        tmp_path,
+        small_layout,
+        tiers=(TierName.CPU, TierName.DISK),
+        cpu_capacity_bytes=2 * small_layout.chunk_bytes(CHUNK),
+    )
     with TieredStore(small_layout, cfg) as store:
         tokens, kv = make_tokens(6 * CHUNK), make_kv(small_layout, 6 * CHUNK)
         store.store(tokens, kv)
@@ -148,7 +160,9 @@ def test_lookup_pins_until_retrieve_or_release(store: TieredStore, small_layout:
 
 
 def test_pinned_chunks_survive_eviction_pressure(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU,), cpu_capacity_bytes=2 * small_layout.chunk_bytes(CHUNK))
+    cfg = config(
+        tmp_path, small_layout, tiers=(TierName.CPU,), cpu_capacity_bytes=2 * small_layout.chunk_bytes(CHUNK)
+    )
     with TieredStore(small_layout, cfg) as store:
         tokens, kv = make_tokens(CHUNK), make_kv(small_layout, CHUNK)
         store.store(tokens, kv)
@@ -160,7 +174,9 @@ def test_pinned_chunks_survive_eviction_pressure(tmp_path: Path, small_layout: K
 
 
 def test_everything_pinned_rejects_instead_of_raising(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU,), cpu_capacity_bytes=small_layout.chunk_bytes(CHUNK))
+    cfg = config(
+        tmp_path, small_layout, tiers=(TierName.CPU,), cpu_capacity_bytes=small_layout.chunk_bytes(CHUNK)
+    )
     with TieredStore(small_layout, cfg) as store:
         tokens = make_tokens(CHUNK)
         store.store(tokens, make_kv(small_layout, CHUNK))
@@ -180,7 +196,9 @@ def test_everything_pinned_rejects_instead_of_raising(tmp_path: Path, small_layo
         (lambda layout: ([-1] * 8, make_kv(layout, 8)), "token ids"),
     ],
 )
-def test_bad_input_is_a_clear_error(store: TieredStore, small_layout: KVLayout, make_bad, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input_is_a_clear_error(
+    store: TieredStore, small_layout: KVLayout, make_bad, message: str
+) -> None:  # type: ignore[no-untyped-def]
     tokens, kv = make_bad(small_layout)
     with pytest.raises(InvalidInputError, match=message):
         store.store(tokens, kv)
@@ -230,7 +248,9 @@ def test_threads_store_and_retrieve_at_once(store: TieredStore, small_layout: KV
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the device='cpu' twins above run everywhere)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the device='cpu' twins above run everywhere)"
+)
 def test_real_gpu_tier_demotes_promotes_and_round_trips(tmp_path: Path, small_layout: KVLayout) -> None:
     with TieredStore(small_layout, config(tmp_path, small_layout, gpu_device="cuda")) as store:
         tokens, kv = make_tokens(6 * CHUNK), make_kv(small_layout, 6 * CHUNK).cuda()

@@ -15,7 +15,9 @@ from kvstore.presets import PRESET_NAMES
 
 __all__ = ["bench_app"]
 
-bench_app = typer.Typer(help="Benchmarks; each figure comes with a same-run baseline and ratio.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks; each figure comes with a same-run baseline and ratio.", no_args_is_help=True
+)
 
 _DEFAULTS = TierBenchOptions()
 
@@ -23,15 +25,21 @@ _DEFAULTS = TierBenchOptions()
 @bench_app.command("tiers")
 def bench_tiers_command(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per (tier, layout, op) on stdout."),
-    tiers: str = typer.Option("gpu,cpu,disk", "--tiers", help="Tiers to measure (gpu is skipped without CUDA)."),
+    tiers: str = typer.Option(
+        "gpu,cpu,disk", "--tiers", help="Tiers to measure (gpu is skipped without CUDA)."
+    ),
     layouts: str = typer.Option(",".join(PRESET_NAMES), "--layouts", help="Layout presets, comma-separated."),
     memory_size: str = typer.Option("512MiB", "--memory-size", help="cpu tier KV bytes per repeat."),
     gpu_memory_size: str = typer.Option("2GiB", "--gpu-memory-size", help="gpu tier KV bytes per repeat."),
     disk_size: str = typer.Option("768MiB", "--disk-size", help="disk KV bytes written and read per repeat."),
     repeats: int = typer.Option(_DEFAULTS.num_repeats, "--repeats", help="Timed repeats of cpu/gpu ops."),
-    disk_repeats: int = typer.Option(_DEFAULTS.num_disk_repeats, "--disk-repeats", help="Timed disk repeats."),
+    disk_repeats: int = typer.Option(
+        _DEFAULTS.num_disk_repeats, "--disk-repeats", help="Timed disk repeats."
+    ),
     directory: Path | None = typer.Option(None, "--dir", help="Parent of the temporary disk data dir."),
-    device: str = typer.Option("cuda", "--device", help="cuda, cuda:N, or cpu (runs the gpu-tier logic on host)."),
+    device: str = typer.Option(
+        "cuda", "--device", help="cuda, cuda:N, or cpu (runs the gpu-tier logic on host)."
+    ),
 ) -> None:
     """Put/get GB/s of each tier for SmolLM2-135M and Llama-3.1-8B-shaped chunks vs memcpy / raw disk.
 
@@ -65,7 +73,20 @@ def bench_tiers_command(
 
 def _render(console: Console, rows: list[TierBenchRow]) -> None:
     table = Table(title="kvstore bench tiers (GB/s of uncompressed KV; ratio = tier / same-run baseline)")
-    for column in ("tier", "layout", "op", "GB/s", "baseline", "base GB/s", "ratio", "target", "met", "compr", "p50 ms", "p99 ms"):
+    for column in (
+        "tier",
+        "layout",
+        "op",
+        "GB/s",
+        "baseline",
+        "base GB/s",
+        "ratio",
+        "target",
+        "met",
+        "compr",
+        "p50 ms",
+        "p99 ms",
+    ):
         table.add_column(column)
     for row in rows:
         table.add_row(

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from kvstore.cli.inspect import render_summary
-from kvstore.config import GIB, DEFAULT_DATA_DIR, StoreConfig
+from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig
 from kvstore.inspection import summarize_data_dir
 from kvstore.presets import preset_layout
 from kvstore.store import TieredStore
@@ -37,14 +37,26 @@ def demo_command(
     """
     console = Console()
     layout = preset_layout("smollm2-135m")
-    tiers = (TierName.GPU, TierName.CPU, TierName.DISK) if torch.cuda.is_available() else (TierName.CPU, TierName.DISK)
+    tiers = (
+        (TierName.GPU, TierName.CPU, TierName.DISK)
+        if torch.cuda.is_available()
+        else (TierName.CPU, TierName.DISK)
+    )
     config = StoreConfig(
-        tiers=tiers, disk_path=path, gpu_capacity_bytes=GIB // 4, cpu_capacity_bytes=GIB // 4, disk_capacity_bytes=2 * GIB
+        tiers=tiers,
+        disk_path=path,
+        gpu_capacity_bytes=GIB // 4,
+        cpu_capacity_bytes=GIB // 4,
+        disk_capacity_bytes=2 * GIB,
     )
     rng = np.random.default_rng(2026)
     documents = [rng.integers(0, 49_152, size=_DOCUMENT_TOKENS) for _ in range(_NUM_DOCUMENTS)]
-    kvs = [torch.randn(layout.chunk_shape(_DOCUMENT_TOKENS), generator=torch.Generator().manual_seed(i)).to(
-        torch.bfloat16) for i in range(_NUM_DOCUMENTS)]
+    kvs = [
+        torch.randn(layout.chunk_shape(_DOCUMENT_TOKENS), generator=torch.Generator().manual_seed(i)).to(
+            torch.bfloat16
+        )
+        for i in range(_NUM_DOCUMENTS)
+    ]
     console.print(f"[bold]kvstore demo[/bold]: data dir {path}, tiers {','.join(t.value for t in tiers)}")
     console.print(f"layout {layout.describe()}, {layout.bytes_per_token} KV bytes per token")
 
@@ -74,7 +86,8 @@ def demo_command(
         retrieve_ms = (time.perf_counter() - started) * 1e3
         identical = torch.equal(result.kv, kvs[1][:, :, : result.num_tokens])
         console.print(
-            f"4. retrieved {result.num_tokens} tokens ({result.kv.numel() * 2 / 2**20:.1f} MiB) in {retrieve_ms:.1f} ms; "
+            f"4. retrieved {result.num_tokens} tokens ({result.kv.numel() * 2 / 2**20:.1f} MiB) "
+            f"in {retrieve_ms:.1f} ms; "
             f"bit-identical to what was stored: {'yes' if identical else '[red]NO[/red]'}"
         )
         again = store.lookup(prompt)

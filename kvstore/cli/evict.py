@@ -22,7 +22,9 @@ _EVERYTHING_BYTES = 2**62
 def evict_command(
     path: Path = typer.Option(DEFAULT_DATA_DIR, "--path", help="The data dir (holds data.mdb)."),
     keys: list[str] = typer.Option([], "--key", help="A chunk key to drop (32 hex digits); repeat for more."),
-    num_bytes: str | None = typer.Option(None, "--bytes", help="Free this much, least recently used first (2GiB)."),
+    num_bytes: str | None = typer.Option(
+        None, "--bytes", help="Free this much, least recently used first (2GiB)."
+    ),
     everything: bool = typer.Option(False, "--all", help="Drop every chunk (asks first unless --yes)."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with what was dropped."),
@@ -45,7 +47,9 @@ def evict_command(
     parsed_keys = [key_from_hex(text) for text in keys]
     bytes_to_free = parse_size(num_bytes) if num_bytes is not None else _EVERYTHING_BYTES
     if not (path / "data.mdb").is_file():
-        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used")
+        raise StorageError(
+            f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used"
+        )
     if everything and not yes:
         typer.confirm(f"drop every chunk in {path}?", abort=True)
     tier = DiskTier.open_existing(path, read_only=False, num_codec_threads=1)
@@ -75,8 +79,7 @@ def evict_command(
     else:
         typer.echo(
             f"evicted {report['evicted_chunks']} chunks, freed {before.stored_bytes - after.stored_bytes:,} bytes; "
-            f"{after.num_chunks} chunks remain"
-            + (f"; not found: {', '.join(missing)}" if missing else "")
+            f"{after.num_chunks} chunks remain" + (f"; not found: {', '.join(missing)}" if missing else "")
         )
     if missing:
         raise typer.Exit(1)

@@ -51,7 +51,9 @@ def inspect_command(
     console = Console()
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"scanning {path}", total=None)
-        summary = summarize_data_dir(path, lambda seen, total: progress.update(task, completed=seen, total=total))
+        summary = summarize_data_dir(
+            path, lambda seen, total: progress.update(task, completed=seen, total=total)
+        )
     render_summary(console, summary)
 
 

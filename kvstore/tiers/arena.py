@@ -223,7 +223,9 @@ class ArenaTier(Tier):
         """Zero-copy view of a resident chunk; the caller must hold a pin for as long as it uses the view."""
         with self._slots_lock:
             slot = self._resident.get(key)
-            assert slot is not None and slot.pins > 0, "ArenaTier.view needs a pinned resident chunk; pin() first"
+            assert slot is not None and slot.pins > 0, (
+                "ArenaTier.view needs a pinned resident chunk; pin() first"
+            )
             return self.slot_view(slot.index, slot.record.num_tokens)
 
     def record(self, key: PrefixKey) -> ChunkRecord | None:

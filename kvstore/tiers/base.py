@@ -51,7 +51,9 @@ class ChunkRecord:
     tokens: TokenArray
 
     def __post_init__(self) -> None:
-        assert len(self.key) == 16, "ChunkRecord.key must be a 16-byte PrefixKey; build it with keys.prefix_keys"
+        assert len(self.key) == 16, (
+            "ChunkRecord.key must be a 16-byte PrefixKey; build it with keys.prefix_keys"
+        )
         assert self.source_start >= 0, "ChunkRecord.source_start is a token position and cannot be negative"
         assert self.tokens.dtype == np.dtype("<u4"), "ChunkRecord.tokens must come from keys.as_token_array"
 

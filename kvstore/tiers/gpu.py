@@ -38,6 +38,7 @@ class GpuTier(ArenaTier):
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
-                "the gpu tier needs CUDA, but torch sees no CUDA device; drop 'gpu' from --tiers (e.g. --tiers cpu,disk)"
+                "the gpu tier needs CUDA, but torch sees no CUDA device; "
+                "drop 'gpu' from --tiers (e.g. --tiers cpu,disk)"
             )
         super().__init__(TierName.GPU, layout, chunk_size, capacity_bytes, device=device, spill=spill)

@@ -49,7 +49,9 @@ def test_kill_9_during_a_write_storm_loses_nothing_acknowledged_and_corrupts_not
         while seed < durable + 64:
             tokens, kv = sequence(seed)
             result = store.retrieve(store.lookup(tokens))
-            assert torch.equal(result.kv, kv[:, :, : result.num_tokens]), f"sequence {seed} read back different"
+            assert torch.equal(result.kv, kv[:, :, : result.num_tokens]), (
+                f"sequence {seed} read back different"
+            )
             if seed < durable:
                 assert result.num_tokens == TOKENS_PER_SEQUENCE, f"acknowledged sequence {seed} lost"
             num_present += result.num_tokens > 0
@@ -67,8 +69,12 @@ def _flip_byte_inside_frame(data_file: Path, frame_value: bytes, offset_in_value
     data_file.write_bytes(bytes(raw))
 
 
-def test_flipped_bytes_are_a_counted_miss_and_the_store_keeps_working(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
+def test_flipped_bytes_are_a_counted_miss_and_the_store_keeps_working(
+    tmp_path: Path, small_layout: KVLayout
+) -> None:
+    cfg = StoreConfig(
+        tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20
+    )
     first_tokens, first_kv = make_tokens(512, 1), make_kv(small_layout, 512, 1)
     other_tokens, other_kv = make_tokens(256, 2), make_kv(small_layout, 256, 2)
     with TieredStore(small_layout, cfg) as store:
@@ -94,8 +100,13 @@ def test_flipped_bytes_are_a_counted_miss_and_the_store_keeps_working(tmp_path: 
 
 def test_writing_ten_times_the_cap_stays_under_it(tmp_path: Path, small_layout: KVLayout) -> None:
     cap = 16 << 20
-    cfg = StoreConfig(tiers=(TierName.CPU, TierName.DISK), chunk_size=256, cpu_capacity_bytes=8 << 20,
-                      disk_path=tmp_path / "data", disk_capacity_bytes=cap)
+    cfg = StoreConfig(
+        tiers=(TierName.CPU, TierName.DISK),
+        chunk_size=256,
+        cpu_capacity_bytes=8 << 20,
+        disk_path=tmp_path / "data",
+        disk_capacity_bytes=cap,
+    )
     chunk_bytes = small_layout.chunk_bytes(256)
     with TieredStore(small_layout, cfg) as store:
         for seed in range(10 * cap // chunk_bytes):
@@ -104,13 +115,19 @@ def test_writing_ten_times_the_cap_stays_under_it(tmp_path: Path, small_layout: 
         disk = store.stats().tier(TierName.DISK)
         assert disk is not None and 0 < disk.stored_bytes <= cap
         newest = 10 * cap // chunk_bytes - 1
-        assert torch.equal(store.retrieve(store.lookup(make_tokens(256, newest))).kv, make_kv(small_layout, 256, newest))
+        assert torch.equal(
+            store.retrieve(store.lookup(make_tokens(256, newest))).kv, make_kv(small_layout, 256, newest)
+        )
     file_bytes = (tmp_path / "data" / "data.mdb").stat().st_size
     assert file_bytes <= 2 * cap + (64 << 20), f"data.mdb grew to {file_bytes} bytes for a {cap}-byte cap"
 
 
-def test_another_layout_or_chunk_size_on_the_same_data_dir_is_refused(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
+def test_another_layout_or_chunk_size_on_the_same_data_dir_is_refused(
+    tmp_path: Path, small_layout: KVLayout
+) -> None:
+    cfg = StoreConfig(
+        tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20
+    )
     with TieredStore(small_layout, cfg) as store:
         store.store(make_tokens(256), make_kv(small_layout, 256))
     with pytest.raises(LayoutMismatchError, match="layout"):
@@ -120,7 +137,9 @@ def test_another_layout_or_chunk_size_on_the_same_data_dir_is_refused(tmp_path: 
 
 
 def test_a_second_process_cannot_open_a_held_data_dir(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
+    cfg = StoreConfig(
+        tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20
+    )
     code = (
         "import sys; from pathlib import Path; from kvstore import *; from kvstore.tiers.base import TierName\n"
         f"layout = KVLayout.from_json({small_layout.to_json()!r})\n"
@@ -132,6 +151,5 @@ def test_a_second_process_cannot_open_a_held_data_dir(tmp_path: Path, small_layo
         result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 3, result.stderr
     assert "held by process" in result.stdout and str(os.getpid()) in result.stdout
-    with pytest.raises(StorageError):
-        with TieredStore(small_layout, cfg), TieredStore(small_layout, cfg):
-            pass
+    with pytest.raises(StorageError), TieredStore(small_layout, cfg), TieredStore(small_layout, cfg):
+        pass

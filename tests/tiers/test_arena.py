@@ -28,7 +28,9 @@ def records(layout: KVLayout, num_tokens: int, seed: int = 0) -> list[ChunkRecor
     ]
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the cpu twin runs everywhere)")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (the cpu twin runs everywhere)"
+)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
@@ -40,7 +42,9 @@ def device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def arena(small_layout: KVLayout, device: str):  # type: ignore[no-untyped-def]
     def build(num_slots: int, spill=None) -> ArenaTier:  # type: ignore[no-untyped-def]
-        return GpuTier(small_layout, CHUNK, num_slots * small_layout.chunk_bytes(CHUNK), device=device, spill=spill)
+        return GpuTier(
+            small_layout, CHUNK, num_slots * small_layout.chunk_bytes(CHUNK), device=device, spill=spill
+        )
 
     return build
 
@@ -86,7 +90,9 @@ def test_lru_eviction_order_and_spill(small_layout: KVLayout, arena) -> None:
     assert tier.stats().evictions == 2
 
 
-def test_pinned_chunks_are_never_evicted_and_a_full_pinned_tier_rejects(small_layout: KVLayout, arena) -> None:
+def test_pinned_chunks_are_never_evicted_and_a_full_pinned_tier_rejects(
+    small_layout: KVLayout, arena
+) -> None:
     tier = arena(2)
     chunks = records(small_layout, 3 * CHUNK)
     for record in chunks[:2]:
