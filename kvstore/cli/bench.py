@@ -33,13 +33,13 @@ def bench_tiers_command(
     gpu_memory_size: str = typer.Option("2GiB", "--gpu-memory-size", help="gpu tier KV bytes per repeat."),
     disk_size: str = typer.Option("768MiB", "--disk-size", help="disk KV bytes written and read per repeat."),
     repeats: int = typer.Option(_DEFAULTS.num_repeats, "--repeats", help="Timed repeats of cpu/gpu ops."),
-    disk_repeats: int = typer.Option(
-        _DEFAULTS.num_disk_repeats, "--disk-repeats", help="Timed disk repeats."
-    ),
+    disk_repeats: int = typer.Option(_DEFAULTS.num_disk_repeats, "--disk-repeats", help="Timed disk repeats."),
     directory: Path | None = typer.Option(None, "--dir", help="Parent of the temporary disk data dir."),
-    device: str = typer.Option(
-        "cuda", "--device", help="cuda, cuda:N, or cpu (runs the gpu-tier logic on host)."
-    ),
+    device: str = typer.Option("cuda", "--device", help="cuda, cuda:N, or cpu (runs the gpu-tier logic on host)."),
+    chunk_size: int = typer.Option(_DEFAULTS.chunk_size, "--chunk-size", help="Tokens per chunk."),
+    zstd_level: int = typer.Option(_DEFAULTS.zstd_level, "--zstd-level", help="Disk codec zstd level."),
+    codec_threads: int = typer.Option(_DEFAULTS.num_codec_threads, "--codec-threads", help="Disk codec threads."),
+    seed: int = typer.Option(_DEFAULTS.seed, "--seed", help="Seed of the random KV and token ids."),
 ) -> None:
     """Put/get GB/s of each tier for SmolLM2-135M and Llama-3.1-8B-shaped chunks vs memcpy / raw disk.
 
@@ -59,6 +59,10 @@ def bench_tiers_command(
         num_disk_repeats=disk_repeats,
         directory=directory,
         device=device,
+        chunk_size=chunk_size,
+        zstd_level=zstd_level,
+        num_codec_threads=codec_threads,
+        seed=seed,
     )
     console = Console(stderr=True)
     rows: list[TierBenchRow] = []
@@ -68,7 +72,7 @@ def bench_tiers_command(
             if as_json:
                 typer.echo(json.dumps(row.to_json_dict()))
     if not as_json:
-        _render(Console(), rows)
+        _render(Console(width=150), rows)
 
 
 def _render(console: Console, rows: list[TierBenchRow]) -> None:
@@ -78,7 +82,6 @@ def _render(console: Console, rows: list[TierBenchRow]) -> None:
         "layout",
         "op",
         "GB/s",
-        "baseline",
         "base GB/s",
         "ratio",
         "target",
@@ -94,7 +97,6 @@ def _render(console: Console, rows: list[TierBenchRow]) -> None:
             row.layout,
             row.op,
             f"{row.GBps:.2f}",
-            row.baseline,
             f"{row.baseline_GBps:.2f}",
             f"{row.ratio:.2f}",
             f"{row.target_ratio:.2f}",
@@ -104,3 +106,5 @@ def _render(console: Console, rows: list[TierBenchRow]) -> None:
             f"{row.p99_ms:.2f}" if row.p99_ms is not None else "",
         )
     console.print(table)
+    for row in rows:
+        console.print(f"{row.tier.value} {row.layout} {row.op}: baseline = {row.baseline}; {row.note}")

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# One device call: GPU-tier tests (the CUDA twins of the arena and store tests) and the tier benchmark on an H200.
+# Run through the device tool from the repo root, carrying .whl (lmdb and zstandard wheels for Python 3.12):
+#   bash benchmarks/run_on_h200.sh            (results land in $OUT)
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/ 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+python3 benchmarks/bench_tiers.py --json "$@" 2>"$OUT/bench_tiers.log" | tee "$OUT/bench_tiers.jsonl"
