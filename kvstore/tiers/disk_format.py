@@ -1,0 +1,222 @@
+"""What the disk tier keeps in LMDB: the sub-databases, their key formats and the versioned chunk-meta value.
+
+One environment per data dir (``<dir>/data.mdb``) with three named sub-databases::
+
+    payload  key: prefix key (16 B) | frame index (u16, big-endian)   value: one codec frame (see codec.py)
+    meta     key: prefix key (16 B)                                    value: chunk meta (below)
+    info     key: b"format_version", b"layout", b"chunk_size", ...     value: utf-8 text
+
+Big-endian frame indexes keep a chunk's frames adjacent and in order in the B-tree. A chunk's frames and its
+meta are written in one transaction, so a chunk is either whole or absent.
+
+Chunk meta value (little-endian)::
+
+    offset  size  field
+    0       2     meta format version (1)
+    2       2     reserved, zero
+    4       4     num_tokens (u32)
+    8       8     source_start (u64): position of the chunk's first token when its KV was computed
+    16      8     raw bytes (u64): uncompressed KV bytes
+    24      8     stored bytes (u64): the chunk's frames plus this meta value
+    32      4     num_frames (u32)
+    36      4     frame_bytes (u32): raw bytes per frame (the last frame may be shorter)
+    40      8     last access (u64, ns since the epoch; persisted lazily)
+    48      8     xxh3_64 of bytes [0, 48) followed by [56, end)
+    56      4*n   the chunk's tokens, <u4 (indexes such as content fingerprints are rebuilt from them)
+
+Pure functions and immutable values; thread-safe.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import ConfigError
+from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray
+from kvstore.layout import KVLayout
+
+__all__ = [
+    "DATA_DIR_FORMAT_VERSION",
+    "INFO_CAPACITY_BYTES",
+    "INFO_CHUNK_SIZE",
+    "INFO_FORMAT_VERSION",
+    "INFO_LAYOUT",
+    "MAX_FRAMES_PER_CHUNK",
+    "FrameGeometry",
+    "StoredChunk",
+    "decode_meta",
+    "encode_meta",
+    "frame_key",
+    "meta_bytes",
+    "with_last_access",
+]
+
+DATA_DIR_FORMAT_VERSION = 1
+INFO_FORMAT_VERSION = b"format_version"
+INFO_LAYOUT = b"layout"
+INFO_CHUNK_SIZE = b"chunk_size"
+INFO_CAPACITY_BYTES = b"capacity_bytes"
+MAX_FRAMES_PER_CHUNK = 2**16 - 1
+
+_META_FORMAT_VERSION = 1
+_META = struct.Struct("<HHIQQQIIQQ")
+_CHECKSUM_OFFSET = 48
+_LAST_ACCESS = struct.Struct("<Q")
+_LAST_ACCESS_OFFSET = 40
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredChunk:
+    """One chunk as the data dir records it (``DiskTier.iter_records`` yields these for ``kvstore inspect``).
+
+    Args:
+        key: the chunk's prefix key.
+        num_tokens: tokens in the chunk (the last chunk of a sequence may be partial).
+        source_start: position of the first token when the KV was computed.
+        raw_bytes: uncompressed KV bytes.
+        stored_bytes: bytes the chunk occupies in LMDB values (frames plus meta; B-tree pages not counted).
+        num_frames: codec frames the payload is split into.
+        frame_bytes: raw bytes per frame (the last frame may be shorter).
+        last_access_ns: last hit or write, ns since the epoch.
+        tokens: the chunk's token ids.
+    """
+
+    key: PrefixKey
+    num_tokens: int
+    source_start: int
+    raw_bytes: int
+    stored_bytes: int
+    num_frames: int
+    frame_bytes: int
+    last_access_ns: int
+    tokens: TokenArray
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrameGeometry:
+    """How a layout's chunks are cut into frames, and the most bytes a chunk can take in LMDB.
+
+    Args:
+        layout: the KV layout.
+        chunk_size: tokens per full chunk.
+        frame_bytes: raw bytes per frame, a multiple of the element size (the last frame may be shorter).
+        frame_header_bytes: fixed bytes of each encoded frame (``FrameCodec.header_bytes``).
+    """
+
+    layout: KVLayout
+    chunk_size: int
+    frame_bytes: int
+    frame_header_bytes: int
+
+    def __post_init__(self) -> None:
+        element_size = self.layout.dtype.element_size_bytes
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size={self.chunk_size} must be a positive number of tokens, e.g. 256")
+        if not 0 < self.frame_bytes < 2**32 or self.frame_bytes % element_size:
+            raise ConfigError(f"frame_bytes={self.frame_bytes} must be a positive multiple of {element_size}")
+        if self.num_frames(self.layout.chunk_bytes(self.chunk_size)) > MAX_FRAMES_PER_CHUNK:
+            raise ConfigError(f"frame_bytes={self.frame_bytes} cuts a chunk into too many frames; use 4MiB")
+
+    def num_frames(self, raw_bytes: int) -> int:
+        return -(-raw_bytes // self.frame_bytes)
+
+    def stored_bound_bytes(self, num_tokens: int) -> int:
+        """Most stored bytes a chunk of ``num_tokens`` can take (the codec never stores a plane enlarged)."""
+        raw_bytes = self.layout.chunk_bytes(num_tokens)
+        return raw_bytes + self.num_frames(raw_bytes) * self.frame_header_bytes + meta_bytes(num_tokens)
+
+
+def frame_key(key: PrefixKey, frame_idx: int) -> bytes:
+    """LMDB key of frame ``frame_idx`` of a chunk in the ``payload`` sub-database."""
+    return key + frame_idx.to_bytes(2, "big")
+
+
+def meta_bytes(num_tokens: int) -> int:
+    """Size of the meta value of a chunk of ``num_tokens`` tokens."""
+    return _META.size + 4 * num_tokens
+
+
+def encode_meta(chunk: StoredChunk) -> bytes:
+    """The ``meta`` value of a chunk, checksum included."""
+    value = bytearray(meta_bytes(chunk.num_tokens))
+    _META.pack_into(
+        value,
+        0,
+        _META_FORMAT_VERSION,
+        0,
+        chunk.num_tokens,
+        chunk.source_start,
+        chunk.raw_bytes,
+        chunk.stored_bytes,
+        chunk.num_frames,
+        chunk.frame_bytes,
+        chunk.last_access_ns,
+        0,
+    )
+    value[_META.size :] = chunk.tokens.astype("<u4", copy=False).tobytes()
+    _seal(value)
+    return bytes(value)
+
+
+def decode_meta(key: bytes | memoryview, value: bytes | memoryview, *, with_tokens: bool = True) -> StoredChunk | None:
+    """Parse a ``meta`` value; ``None`` when it is truncated, of an unknown version or fails its checksum.
+
+    ``with_tokens=False`` leaves ``tokens`` empty (rebuilding the index at open needs only the sizes).
+    """
+    if len(key) != KEY_BYTES or len(value) < _META.size:
+        return None
+    fields = _META.unpack_from(value, 0)
+    (
+        version,
+        _,
+        num_tokens,
+        source_start,
+        raw_bytes,
+        stored_bytes,
+        num_frames,
+        frame_bytes,
+        last_access,
+        checksum,
+    ) = fields
+    if version != _META_FORMAT_VERSION or len(value) != meta_bytes(num_tokens) or checksum != _checksum(value):
+        return None
+    tokens = np.frombuffer(bytes(value[_META.size :]) if with_tokens else b"", dtype="<u4")
+    return StoredChunk(
+        key=PrefixKey(bytes(key)),
+        num_tokens=num_tokens,
+        source_start=source_start,
+        raw_bytes=raw_bytes,
+        stored_bytes=stored_bytes,
+        num_frames=num_frames,
+        frame_bytes=frame_bytes,
+        last_access_ns=last_access,
+        tokens=tokens,
+    )
+
+
+def with_last_access(value: bytes | memoryview, last_access_ns: int) -> bytes:
+    """A copy of a meta value with a new last-access time (re-sealed)."""
+    patched = bytearray(value)
+    _LAST_ACCESS.pack_into(patched, _LAST_ACCESS_OFFSET, last_access_ns)
+    _seal(patched)
+    return bytes(patched)
+
+
+def _checksum(value: bytes | bytearray | memoryview) -> int:
+    view = memoryview(value)
+    hasher = xxhash.xxh3_64()
+    hasher.update(view[:_CHECKSUM_OFFSET])
+    hasher.update(view[_CHECKSUM_OFFSET + 8 :])
+    return hasher.intdigest()
+
+
+def _seal(value: bytearray) -> None:
+    _LAST_ACCESS.pack_into(value, _CHECKSUM_OFFSET, _checksum(value))

@@ -1,0 +1,401 @@
+"""The disk tier's one writer thread: group commit of queued writes, deletes, access times and syncs.
+
+The thread takes every job waiting (up to ``max_group_bytes`` of KV) as a group and starts encoding the group's
+frames on the codec pool at once, into one of two reusable arenas (no per-frame allocation). While the helpers
+encode group ``N + 1``, the thread completes group ``N``:
+
+1. waits for its frames (encoding any the helpers have not started);
+2. picks LRU victims so that stored bytes + the group's stored bytes stay under the cap (pinned and pending
+   chunks are never victims; writes that still do not fit are rejected and counted);
+3. commits one transaction deleting victims and evicted/corrupt chunks and persisting changed last-access
+   times (its freed pages are reusable by the next transaction);
+4. commits one transaction with every frame and meta value of the group; on ``MapFullError`` it grows the map
+   (up to ``max_map_bytes``), else evicts more, and retries;
+5. updates the index (the chunks stop being pending), waits for readers copying out of their pending bytes,
+   and releases each write's buffer (``release`` is called exactly once per write, whatever happened);
+6. syncs when the group holds a flush or the stop job (then wakes the flushers), or else starts the disk's
+   writeback every ``writeback_bytes`` so a later sync waits only for the tail.
+
+A failure in a group (an lmdb error, a full map that cannot grow) never ends the thread: it is logged with
+``logger.exception``, the group's writes are counted in ``write_errors`` and dropped, their buffers released.
+
+Threads: the writer thread owns ``_arenas``, ``_arena_turn``, ``_unwritten_bytes`` and every write
+transaction. Callers only touch the bounded ``_queue`` (a full queue blocks them: backpressure).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import lmdb
+import numpy as np
+import numpy.typing as npt
+
+from kvstore.errors import StorageError
+from kvstore.keys import PrefixKey
+from kvstore.tiers.codec import FrameCodec
+from kvstore.tiers.codec_pool import CodecPool, TaskBatch
+from kvstore.tiers.disk_env import DiskEnvironment, storage_error
+from kvstore.tiers.disk_format import StoredChunk, encode_meta, frame_key, meta_bytes, with_last_access
+from kvstore.tiers.disk_index import DiskIndex, PendingWrite
+
+__all__ = ["DeleteJob", "DiskWriter", "FlushJob", "WriteJob", "WriterOptions"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_COMMIT_ATTEMPTS = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteJob:
+    """Write one pending chunk; ``release`` hands its bytes back (staging buffer or ``on_done``)."""
+
+    pending: PendingWrite
+    release: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteJob:
+    """Delete chunks already removed from the index (evicted, or failed their checksum)."""
+
+    keys: tuple[PrefixKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FlushJob:
+    """Set ``done`` once every job queued before it is committed (or dropped) and synced."""
+
+    done: threading.Event
+
+
+@dataclass(frozen=True, slots=True)
+class _StopJob:
+    """Drain, persist, sync and end the thread."""
+
+
+_Job = WriteJob | DeleteJob | FlushJob | _StopJob
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriterOptions:
+    """Settings of the writer thread.
+
+    Args:
+        frame_bytes: raw bytes per frame (a multiple of the element size).
+        max_group_bytes: raw KV bytes one group commit takes at most (a larger single write goes alone).
+        max_map_bytes: the LMDB map never grows past this.
+        queue_depth: jobs waiting before ``submit`` blocks.
+        writeback_bytes: start the disk's writeback (without waiting) after this many stored bytes were
+            committed, so it writes while the next groups encode and a ``flush`` waits only for the tail
+            (0: the disk writes at the next ``flush``).
+    """
+
+    frame_bytes: int
+    max_group_bytes: int
+    max_map_bytes: int
+    queue_depth: int
+    writeback_bytes: int
+
+
+@dataclass(slots=True)
+class _Encoded:
+    """One write of a group: where its encoded frames lie in the group's arena."""
+
+    job: WriteJob
+    frame_spans: list[tuple[int, int]]  # (offset, length) in the arena
+    stored_bytes: int
+
+
+_FrameSpan = tuple[_Encoded, npt.NDArray[np.uint8], int, int]
+"""A frame to encode: its chunk, its raw bytes, its offset in the arena and the bytes reserved there."""
+
+
+@dataclass(slots=True)
+class _Group:
+    """Jobs committed together; ``lengths`` yields each frame's encoded length once encoding finished."""
+
+    jobs: list[_Job]
+    writes: list[WriteJob]
+    encoded: list[_Encoded]
+    lengths: TaskBatch[int]
+    arena: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(0, dtype=np.uint8))
+    error: Exception | None = None
+
+    @property
+    def stops(self) -> bool:
+        return any(isinstance(job, _StopJob) for job in self.jobs)
+
+
+class DiskWriter:
+    """Owns the writer thread and its queue; see the module docstring for one loop."""
+
+    def __init__(
+        self,
+        env: DiskEnvironment,
+        codec: FrameCodec,
+        index: DiskIndex,
+        pool: CodecPool,
+        options: WriterOptions,
+    ) -> None:
+        self._env = env
+        self._codec = codec
+        self._index = index
+        self._pool = pool
+        self._options = options
+        self._queue: queue.Queue[_Job] = queue.Queue(maxsize=options.queue_depth)
+        self._arenas = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]  # alternate between groups
+        self._arena_turn = 0
+        self._unwritten_bytes = 0  # committed since the last sync or writeback kick
+        self._thread = threading.Thread(target=self._run, name="kvstore-disk-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: WriteJob | DeleteJob) -> None:
+        """Queue a job (blocks while the queue is full)."""
+        self._queue.put(job)
+
+    def flush(self) -> None:
+        """Block until every job queued before this call is committed (or dropped) and synced."""
+        done = threading.Event()
+        self._queue.put(FlushJob(done))
+        done.wait()
+
+    def stop(self) -> None:
+        """Drain the queue, persist access times, sync and join the thread."""
+        self._queue.put(_StopJob())
+        self._thread.join()
+
+    # -- the loop --------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Commit groups in order; the next group encodes on the pool while the current one is committed."""
+        carry: _Job | None = None
+        current: _Group | None = None
+        while True:
+            if current is None:
+                jobs, carry = self._gather(carry, block=True)
+                current = self._start(jobs)
+            following: _Group | None = None
+            if not current.stops:
+                jobs, carry = self._gather(carry, block=False)
+                following = self._start(jobs) if jobs else None
+            self._complete(current)
+            if current.stops:
+                return
+            current = following
+
+    def _gather(self, carry: _Job | None, *, block: bool) -> tuple[list[_Job], _Job | None]:
+        """Every job waiting, up to ``max_group_bytes`` of writes and up to the first stop job."""
+        if carry is None:
+            try:
+                carry = self._queue.get(block=block)
+            except queue.Empty:
+                return [], None
+        jobs = [carry]
+        group_bytes = _job_bytes(carry)
+        while not isinstance(jobs[-1], _StopJob):
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if group_bytes + _job_bytes(job) > self._options.max_group_bytes and group_bytes:
+                return jobs, job
+            jobs.append(job)
+            group_bytes += _job_bytes(job)
+        return jobs, None
+
+    def _start(self, jobs: list[_Job]) -> _Group:
+        """Form a group and start encoding its frames on the pool (into the arena the previous group left)."""
+        writes = [job for job in jobs if isinstance(job, WriteJob)]
+        group = _Group(jobs=jobs, writes=writes, encoded=[], lengths=self._pool.batch())
+        try:
+            codec, frame_bytes = self._codec, self._options.frame_bytes
+            spans: list[_FrameSpan] = []
+            arena_bytes = 0
+            for job in writes:
+                encoded = _Encoded(job=job, frame_spans=[], stored_bytes=meta_bytes(job.pending.record.num_tokens))
+                group.encoded.append(encoded)
+                data = job.pending.data
+                for start in range(0, data.shape[0], frame_bytes):
+                    source = data[start : start + frame_bytes]
+                    spans.append((encoded, source, arena_bytes, codec.max_encoded_bytes(source.shape[0])))
+                    arena_bytes += spans[-1][3]
+            self._arena_turn ^= 1
+            if self._arenas[self._arena_turn].shape[0] < arena_bytes:
+                self._arenas[self._arena_turn] = np.empty(arena_bytes, dtype=np.uint8)
+            group.arena = self._arenas[self._arena_turn]
+            for encoded, source, offset, bound in spans:
+                encoded.frame_spans.append((offset, 0))
+                target = group.arena[offset : offset + bound]
+                group.lengths.submit(functools.partial(codec.encode_into, source, target))
+        except Exception as exc:  # reported (and the writes dropped) when the group completes
+            group.error = exc
+        return group
+
+    def _complete(self, group: _Group) -> None:
+        """Wait for the group's encoding, commit it, release its writes, sync if asked, wake flushers."""
+        try:
+            lengths = group.lengths.wait()
+            if group.error is not None:
+                raise group.error
+            spans = [(encoded, idx) for encoded in group.encoded for idx in range(len(encoded.frame_spans))]
+            for (encoded, idx), length in zip(spans, lengths, strict=True):
+                encoded.frame_spans[idx] = (encoded.frame_spans[idx][0], length)
+                encoded.stored_bytes += length
+            deletes = [key for job in group.jobs if isinstance(job, DeleteJob) for key in job.keys]
+            committed, rejected = self._commit(group, deletes)
+        except Exception:  # the thread boundary: count, drop the group's writes, keep serving
+            logger.exception("disk writer: a group of %d jobs failed; its writes are dropped", len(group.jobs))
+            for job in group.writes:
+                self._finish(job, committed=None)
+            if not group.writes:
+                self._index.count_write_error()
+        else:
+            for encoded in committed:
+                self._finish(encoded.job, committed=encoded)
+            for job in rejected:
+                self._finish(job, committed=None, rejected=True)
+            self._unwritten_bytes += sum(encoded.stored_bytes for encoded in committed)
+            flush_asked = group.stops or any(isinstance(job, FlushJob) for job in group.jobs)
+            try:
+                if flush_asked:
+                    self._sync()
+                elif 0 < self._options.writeback_bytes <= self._unwritten_bytes:
+                    self._unwritten_bytes = 0
+                    self._env.start_writeback()
+            except Exception:
+                logger.exception("disk writer: sync failed; recent commits may not be durable")
+                self._index.count_write_error()
+        finally:
+            for flush in group.jobs:
+                if isinstance(flush, FlushJob):
+                    flush.done.set()
+
+    def _commit(self, group: _Group, deletes: list[PrefixKey]) -> tuple[list[_Encoded], list[WriteJob]]:
+        """Make room under the cap, delete, then write the group; returns (committed, rejected)."""
+        encoded = list(group.encoded)
+        incoming = sum(item.stored_bytes for item in encoded)
+        victims: list[PrefixKey] = []
+        rejected: list[WriteJob] = []
+        overflow = self._index.overflow_bytes(incoming)
+        if overflow:
+            victims, freed = self._index.take_victims(overflow)
+            while encoded and freed < overflow:  # pinned chunks fill the rest: the newest writes do not fit
+                dropped = encoded.pop()
+                overflow -= dropped.stored_bytes
+                rejected.append(dropped.job)
+            if rejected:
+                logger.warning("disk tier full of pinned chunks: %d writes rejected", len(rejected))
+        self._delete_and_touch(victims + deletes)
+        if encoded:
+            self._write_frames(encoded, group.arena)
+        return encoded, rejected
+
+    def _finish(self, job: WriteJob, *, committed: _Encoded | None, rejected: bool = False) -> None:
+        key = job.pending.record.key
+        if committed is not None:
+            self._index.commit(
+                key,
+                stored_bytes=committed.stored_bytes,
+                num_frames=len(committed.frame_spans),
+                frame_bytes=self._options.frame_bytes,
+            )
+        else:
+            self._index.abandon(key, rejected=rejected)
+        self._index.wait_for_readers(job.pending)
+        try:
+            job.release()
+        except Exception:  # a borrower's on_done failed: its problem, not the writer's
+            logger.exception("disk writer: the release callback of chunk %s raised", key.hex())
+
+    # -- transactions ----------------------------------------------------------------------------------------
+
+    def _delete_and_touch(self, keys: list[PrefixKey]) -> None:
+        """Delete chunks and persist changed last-access times in one transaction."""
+        dirty = self._index.take_dirty_access()
+        if not keys and not dirty:
+            return
+        env = self._env
+
+        def body(txn: lmdb.Transaction[bytes]) -> None:
+            for key in keys:
+                txn.delete(key, db=env.meta_db)
+                cursor = txn.cursor(db=env.payload_db)
+                found = cursor.set_range(frame_key(key, 0))
+                while found and cursor.key()[: len(key)] == key:
+                    found = cursor.delete()
+            for key, last_access_ns in dirty.items():
+                value = txn.get(key, db=env.meta_db)
+                if value is not None:
+                    txn.put(key, with_last_access(value, last_access_ns), db=env.meta_db)
+
+        self._transact(body, "delete chunks", needed_bytes=0)
+
+    def _write_frames(self, encoded: list[_Encoded], arena_array: npt.NDArray[np.uint8]) -> None:
+        env = self._env
+        arena = arena_array.data
+        metas: list[bytes] = []
+        for item in encoded:
+            pending = item.job.pending
+            record = pending.record
+            chunk = StoredChunk(
+                key=record.key,
+                num_tokens=record.num_tokens,
+                source_start=record.source_start,
+                raw_bytes=pending.data.shape[0],
+                stored_bytes=item.stored_bytes,
+                num_frames=len(item.frame_spans),
+                frame_bytes=self._options.frame_bytes,
+                last_access_ns=self._index.last_access_ns(record.key) or 0,
+                tokens=record.tokens,
+            )
+            metas.append(encode_meta(chunk))
+
+        def body(txn: lmdb.Transaction[bytes]) -> None:
+            for item, meta in zip(encoded, metas, strict=True):
+                key = item.job.pending.record.key
+                for frame_idx, (offset, length) in enumerate(item.frame_spans):
+                    txn.put(frame_key(key, frame_idx), arena[offset : offset + length], db=env.payload_db)
+                txn.put(key, meta, db=env.meta_db)
+
+        self._transact(body, "write chunks", needed_bytes=sum(item.stored_bytes for item in encoded))
+
+    def _transact(self, body: Callable[[lmdb.Transaction[bytes]], None], action: str, *, needed_bytes: int) -> None:
+        """Run ``body`` in a write transaction; on a full map grow it, else evict, and retry."""
+        env = self._env
+        for _ in range(_MAX_COMMIT_ATTEMPTS):
+            try:
+                with env.write() as txn:
+                    body(txn)
+                return
+            except lmdb.MapFullError:
+                map_bytes = env.map_size_bytes
+                if map_bytes < self._options.max_map_bytes:
+                    grown = max(map_bytes + map_bytes // 4, map_bytes + 2 * needed_bytes)
+                    env.grow_map(min(grown, self._options.max_map_bytes))
+                    continue
+                victims, _ = self._index.take_victims(max(needed_bytes, 1))
+                if not victims:
+                    break
+                self._delete_and_touch(victims)
+        raise StorageError(
+            f"disk writer could not {action}: the LMDB map of {env.path} is full at "
+            f"{env.map_size_bytes / 2**20:.1f} MiB and nothing more can be evicted; raise capacity_bytes "
+            "or the map limit"
+        )
+
+    def _sync(self) -> None:
+        self._unwritten_bytes = 0
+        self._delete_and_touch([])
+        try:
+            self._env.sync()
+        except lmdb.Error as exc:
+            raise storage_error(f"disk writer could not sync {self._env.path}", exc) from exc
+
+
+def _job_bytes(job: _Job) -> int:
+    return job.pending.data.shape[0] if isinstance(job, WriteJob) else 0
