@@ -35,7 +35,7 @@ def demo_command(
 
     Example: kvstore demo --path ./kvstore-data
     """
-    console = Console()
+    console = Console(soft_wrap=True)
     layout = preset_layout("smollm2-135m")
     tiers = (
         (TierName.GPU, TierName.CPU, TierName.DISK)

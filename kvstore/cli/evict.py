@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -51,6 +52,8 @@ def evict_command(
             f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used"
         )
     if everything and not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError("--all asks for confirmation and there is no terminal to ask on; add --yes")
         typer.confirm(f"drop every chunk in {path}?", abort=True)
     tier = DiskTier.open_existing(path, read_only=False, num_codec_threads=1)
     try:

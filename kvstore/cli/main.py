@@ -75,3 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _fail(message: str, code: int) -> None:
     typer.echo(message, err=True)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

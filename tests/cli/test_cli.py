@@ -1,0 +1,192 @@
+"""The ``kvstore`` command end to end on real data dirs: output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore import StoreConfig, TieredStore
+from kvstore.cli.main import main
+from kvstore.keys import as_token_array, prefix_keys
+from kvstore.presets import preset_layout
+from kvstore.tiers.base import TierName
+from tests.factories import make_kv, make_tokens
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run the CLI in-process; returns (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    captured = capsys.readouterr()
+    code = exited.value.code
+    return (code if isinstance(code, int) else 0), captured.out, captured.err
+
+
+def assert_one_line_error(stderr: str, fragment: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvstore: error:") and fragment in lines[0], stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data dir filled by ``kvstore demo`` (3 documents x 1000 tokens of SmolLM2-shaped KV: 12 chunks)."""
+    path = tmp_path_factory.mktemp("cli") / "data"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "demo", "--path", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr
+    assert "bit-identical to what was stored: yes" in result.stdout
+    assert "768 tokens cached (disk: 768)" in result.stdout
+    return path
+
+
+def test_demo_runs_in_process_and_is_idempotent(demo_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["demo", "--path", str(demo_dir)], capsys)
+    assert code == 0 and "0 new chunks" in out and "bit-identical to what was stored: yes" in out
+
+
+def test_inspect_json_summarises_the_data_dir(demo_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["inspect", "--path", str(demo_dir), "--json"], capsys)
+    summary = json.loads(out)
+    assert code == 0
+    assert summary["num_chunks"] == 12 and summary["num_partial_chunks"] == 3 and summary["num_sequences"] == 3
+    assert summary["num_tokens"] == 3000 and summary["chunk_size"] == 256
+    assert summary["raw_bytes"] == 3000 * preset_layout("smollm2-135m").bytes_per_token
+    assert summary["compression_ratio"] > 1.2
+    assert summary["layout_namespace"] == preset_layout("smollm2-135m").namespace.hex()
+    assert summary["oldest_access"] <= summary["newest_access"]
+
+
+def test_inspect_table_and_one_chunk(demo_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["inspect", "--path", str(demo_dir)], capsys)
+    assert code == 0 and "compression ratio" in out and "SmolLM2-135M" in out
+    key = _first_key_of(demo_dir)
+    code, out, _ = run(["inspect", "--path", str(demo_dir), "--key", key, "--json"], capsys)
+    chunk = json.loads(out)
+    assert code == 0 and chunk["key"] == key and chunk["source_start"] == 0 and chunk["num_tokens"] == 256
+    code, _, err = run(["inspect", "--path", str(demo_dir), "--key", "00" * 16], capsys)
+    assert code == 1 and "no chunk" in err
+
+
+def _first_key_of(path: Path) -> str:
+    from kvstore.tiers.disk import DiskTier
+
+    tier = DiskTier.open_existing(path)
+    try:
+        return next(chunk.key.hex() for chunk in tier.iter_records() if chunk.source_start == 0)
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment", "expected_code"),
+    [
+        (["inspect", "--path", "/nonexistent/kvstore"], "not a kvstore data dir", 1),
+        (["inspect", "--key", "xyz"], "32 hex digits", 1),
+        (["evict", "--path", "/tmp"], "exactly one of", 1),
+        (["evict", "--all", "--bytes", "1GiB"], "exactly one of", 1),
+        (["evict", "--bytes", "lots"], "is not a size", 1),
+        (["bench", "tiers", "--tiers", "disk,cpu"], "out of order", 1),
+        (["bench", "tiers", "--layouts", "gpt-9"], "unknown layout preset", 1),
+        (["inspect", "--bogus"], "No such option", 2),
+        (["--log-level", "loud", "inspect"], "--log-level", 2),
+    ],
+)
+def test_bad_input_is_one_line_and_a_non_zero_exit(
+    argv: list[str], fragment: str, expected_code: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(argv, capsys)
+    assert code == expected_code
+    assert_one_line_error(err, fragment)
+
+
+def _filled_dir(path: Path, num_sequences: int) -> list[bytes]:
+    layout = preset_layout("smollm2-135m")
+    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=16, disk_path=path, disk_capacity_bytes=256 << 20)
+    keys: list[bytes] = []
+    with TieredStore(layout, config) as store:
+        for seed in range(num_sequences):
+            tokens = make_tokens(32, seed)
+            store.store(tokens, make_kv(layout, 32, seed))
+            keys += prefix_keys(layout.namespace, as_token_array(tokens), 16)
+    return keys
+
+
+def test_evict_by_key_by_bytes_and_all(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "data"
+    keys = _filled_dir(path, 6)  # 12 chunks
+    code, out, _ = run(["evict", "--path", str(path), "--key", keys[0].hex(), "--key", keys[1].hex(), "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["evicted_chunks"] == 2 and report["remaining_chunks"] == 10
+    code, out, _ = run(["evict", "--path", str(path), "--key", keys[0].hex()], capsys)
+    assert code == 1 and "not found" in out
+    code, out, _ = run(["evict", "--path", str(path), "--bytes", "1MiB", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["freed_stored_bytes"] >= 1 << 20 and report["remaining_chunks"] < 10
+    code, _, err = run(["evict", "--path", str(path), "--all"], capsys)  # no terminal to confirm on
+    assert code == 1
+    assert_one_line_error(err, "--yes")
+    code, out, _ = run(["evict", "--path", str(path), "--all", "--yes", "--json"], capsys)
+    assert code == 0 and json.loads(out)["remaining_chunks"] == 0
+
+
+def test_evict_refuses_a_data_dir_a_live_process_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "data"
+    _filled_dir(path, 1)
+    holder_code = (
+        "import sys; from pathlib import Path; from kvstore import StoreConfig, TieredStore;"
+        "from kvstore.presets import preset_layout; from kvstore.tiers.base import TierName;"
+        f"config = StoreConfig(tiers=(TierName.DISK,), chunk_size=16, disk_path=Path({str(path)!r}),"
+        " disk_capacity_bytes=256 << 20);"
+        "store = TieredStore(preset_layout('smollm2-135m'), config); print('ready', flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", holder_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "ready"
+        code, _, err = run(["evict", "--path", str(path), "--all", "--yes"], capsys)
+        inspect_code, out, _ = run(["inspect", "--path", str(path), "--json"], capsys)
+        holder.stdin.close()
+    assert code == 1
+    assert_one_line_error(err, f"held by process {holder.pid}")
+    assert inspect_code == 0 and json.loads(out)["num_chunks"] == 2, (
+        "inspect is read-only and works beside a live store"
+    )
+
+
+def test_bench_tiers_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "tiers", "--json", "--tiers", "cpu,disk", "--layouts", "smollm2-135m", "--chunk-size", "8"]
+    argv += ["--memory-size", "2MiB", "--disk-size", "2MiB", "--repeats", "1", "--disk-repeats", "1"]
+    code, out, _ = run([*argv, "--dir", str(tmp_path)], capsys)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0
+    assert [(row["tier"], row["op"]) for row in rows] == [
+        ("cpu", "put"),
+        ("cpu", "get"),
+        ("disk", "put"),
+        ("disk", "get_cold"),
+    ]
+    for row in rows:
+        assert row["GBps"] > 0 and row["baseline_GBps"] > 0 and row["ratio"] > 0
+    assert rows[2]["compression_ratio"] > 1.0
+
+
+def test_bench_tiers_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "tiers", "--tiers", "cpu", "--layouts", "smollm2-135m", "--chunk-size", "8"]
+    code, out, _ = run([*argv, "--memory-size", "2MiB", "--repeats", "1"], capsys)
+    assert code == 0 and "ratio" in out and "baseline = host copy_" in out
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in (["inspect"], ["evict"], ["bench", "tiers"], ["demo"]):
+        code, out, _ = run([*command, "--help"], capsys)
+        assert code == 0 and ("Example" in out or "kvstore" in out)

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+
+from kvstore.config import StoreConfig, parse_size, parse_tiers
+from kvstore.errors import ConfigError
+from kvstore.tiers.base import TierName
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8GiB", 8 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("1.5g", 1_500_000_000),
+        ("4096", 4096),
+        (" 3 kib ", 3072),
+        ("0", 0),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GiB", "8 parsecs", "1e9"])
+def test_parse_size_refuses_what_is_not_a_size(text: str) -> None:
+    with pytest.raises(ConfigError, match="not a size"):
+        parse_size(text)
+
+
+def test_parse_tiers() -> None:
+    assert parse_tiers("gpu,cpu,disk") == (TierName.GPU, TierName.CPU, TierName.DISK)
+    assert parse_tiers(" CPU , disk ") == (TierName.CPU, TierName.DISK)
+    assert parse_tiers("disk") == (TierName.DISK,)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("", "at least one"), ("cpu,cpu", "twice"), ("disk,gpu", "out of order"), ("cpu,ssd", "one of gpu, cpu, disk")],
+)
+def test_parse_tiers_errors(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_tiers(text)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"cpu_capacity_bytes": -1}, "negative"),
+        ({"disk_codec_threads": 0}, "at least 1"),
+        ({"tiers": ()}, "at least one"),
+    ],
+)
+def test_store_config_validates(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        StoreConfig(**changes)  # type: ignore[arg-type]
+
+
+def test_store_config_accepts_strings_for_tiers_and_paths() -> None:
+    config = StoreConfig(tiers=("cpu",), disk_path="somewhere")  # type: ignore[arg-type]
+    assert config.tiers == (TierName.CPU,) and str(config.disk_path) == "somewhere"
