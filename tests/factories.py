@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -19,3 +22,12 @@ def make_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
 def make_tokens(num_tokens: int, seed: int = 0) -> npt.NDArray[np.int64]:
     """Random token ids below a typical vocabulary size."""
     return np.random.default_rng(seed).integers(0, 50_000, size=num_tokens, dtype=np.int64)
+
+
+def run_in_threads(worker: Callable[[int], None], num_threads: int) -> None:
+    """Run ``worker(0..num_threads-1)`` on that many threads at once and wait for all of them."""
+    threads = [threading.Thread(target=worker, args=(index,)) for index in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

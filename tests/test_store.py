@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from kvstore import (
 )
 from kvstore.config import StoreConfig
 from kvstore.tiers.base import TierName
-from tests.factories import make_kv, make_tokens
+from tests.factories import make_kv, make_tokens, run_in_threads
 
 CHUNK = 8
 
@@ -238,11 +237,7 @@ def test_threads_store_and_retrieve_at_once(store: TieredStore, small_layout: KV
             if not torch.equal(result.kv, kv[:, :, : result.num_tokens]):
                 errors.append(f"worker {offset} step {step}: wrong KV")
 
-    threads = [threading.Thread(target=worker, args=(offset,)) for offset in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_in_threads(worker, 4)
     assert errors == []
     assert store.stats().num_open_lookups == 0
 

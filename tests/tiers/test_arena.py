@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import ChunkRecord, TierName
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import GpuTier
-from tests.factories import make_kv, make_tokens
+from tests.factories import make_kv, make_tokens, run_in_threads
 
 CHUNK = 8
 
@@ -172,11 +170,7 @@ def test_concurrent_puts_and_gets_never_return_wrong_data(small_layout: KVLayout
             if tier.get_into(chunks[index].key, out) and not torch.equal(out, kvs[index]):
                 errors.append(f"chunk {index} read back wrong")
 
-    threads = [threading.Thread(target=worker, args=(offset,)) for offset in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_in_threads(worker, 4)
     assert errors == []
     stats = tier.stats()
     assert stats.num_chunks <= 6 and stats.num_pinned == 0
