@@ -17,7 +17,8 @@ write dirty pages early (``sync_file_range``) and ``tune_malloc_for_large_values
 LMDB's per-value buffers after each commit: both measured, both Linux/glibc-only and harmless elsewhere.
 
 Threads: read transactions may be opened from any thread through ``read()``; write transactions (besides the
-layout record written at open), ``start_writeback`` and ``grow_map`` only from the disk writer thread.
+layout record and the removal of unfinished chunks at open), ``start_writeback`` and ``grow_map`` only from
+the disk writer thread.
 ``_gate`` is a readers-writer gate: ``grow_map`` (``mdb_env_set_mapsize`` remaps the file) waits until no read
 transaction of this process is open and holds new ones back meanwhile.
 """
@@ -154,7 +155,7 @@ class _ReadersGate:
 
 
 class DiskEnvironment:
-    """One data dir's LMDB environment and its three sub-databases (see ``disk_format``).
+    """One data dir's LMDB environment and its sub-databases (see ``disk_format``).
 
     Args:
         path: the data dir (created when writable and missing).
@@ -215,6 +216,8 @@ class DiskEnvironment:
             self.payload_db = self.env.open_db(b"payload", create=not read_only)
             self.meta_db = self.env.open_db(b"meta", create=not read_only)
             self.info_db = self.env.open_db(b"info", create=not read_only)
+            # read-only opens skip it: unfinished chunks have no meta, so readers never see them
+            self.intent_db = None if read_only else self.env.open_db(b"intent", create=True)
         except lmdb.Error as exc:
             self.close()
             raise StorageError(
@@ -318,6 +321,11 @@ class DiskEnvironment:
             raise
         except lmdb.Error as exc:
             raise storage_error(f"cannot write data dir {self.path}", exc) from exc
+
+    def writable_intent_db(self) -> lmdb._Database:
+        """The ``intent`` sub-database (writable opens only)."""
+        assert self.intent_db is not None, f"intent records of {self.path} used on a read-only open: writer wiring"
+        return self.intent_db
 
     # -- map and file ----------------------------------------------------------------------------------------
 

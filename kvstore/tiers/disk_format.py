@@ -1,13 +1,17 @@
 """What the disk tier keeps in LMDB: the sub-databases, their key formats and the versioned chunk-meta value.
 
-One environment per data dir (``<dir>/data.mdb``) with three named sub-databases::
+One environment per data dir (``<dir>/data.mdb``) with four named sub-databases::
 
     payload  key: prefix key (16 B) | frame index (u16, big-endian)   value: one codec frame (see codec.py)
     meta     key: prefix key (16 B)                                    value: chunk meta (below)
+    intent   key: prefix key (16 B)                                    value: num_frames (u32, little-endian)
     info     key: b"format_version", b"layout", b"chunk_size", ...     value: utf-8 text
 
-Big-endian frame indexes keep a chunk's frames adjacent and in order in the B-tree. A chunk's frames and its
-meta are written in one transaction, so a chunk is either whole or absent.
+Big-endian frame indexes keep a chunk's frames adjacent and in order in the B-tree. A chunk's frames are
+committed in short transactions and its meta in the transaction of its last frame; an ``intent`` record marks
+a chunk whose first frames committed but whose meta has not yet (disk_commit), so recovery removes the frames
+of a chunk cut short by a crash: a chunk is either whole or absent. A data dir written before ``intent``
+existed opens unchanged (the sub-database is created at the first writable open).
 
 Chunk meta value (little-endian)::
 
@@ -49,6 +53,7 @@ __all__ = [
     "FrameGeometry",
     "StoredChunk",
     "decode_meta",
+    "encode_intent",
     "encode_meta",
     "frame_key",
     "meta_bytes",
@@ -137,6 +142,11 @@ class FrameGeometry:
 def frame_key(key: PrefixKey, frame_idx: int) -> bytes:
     """LMDB key of frame ``frame_idx`` of a chunk in the ``payload`` sub-database."""
     return key + frame_idx.to_bytes(2, "big")
+
+
+def encode_intent(num_frames: int) -> bytes:
+    """The ``intent`` value of a chunk being written: how many frames it will have."""
+    return num_frames.to_bytes(4, "little")
 
 
 def meta_bytes(num_tokens: int) -> int:

@@ -2,9 +2,10 @@
 
 ``open_disk_parts`` wires the disk tier's parts in dependency order and unwinds what it opened when a step
 fails; ``close_disk_parts`` drains the writer (every queued write commits, access times persist, the file is
-synced) before it stops the codec helpers and closes the environment. Recovery rebuilds the in-memory index
-from the meta records (a restart keeps every chunk and its LRU order); records that are unreadable, and chunks
-over a capacity that shrank since the last open, are queued for deletion.
+synced) before it stops the codec helpers and closes the environment. Recovery (writable opens) first deletes
+the frames of chunks a crash left unfinished (their intent records, disk_commit), then rebuilds the in-memory
+index from the meta records (a restart keeps every chunk and its LRU order); records that are unreadable, and
+chunks over a capacity that shrank since the last open, are queued for deletion.
 
 Threads: runs on the thread that opens or closes the tier; starts the writer and the codec helpers.
 """
@@ -20,6 +21,7 @@ from kvstore.keys import PrefixKey
 from kvstore.tiers.codec import FrameCodec
 from kvstore.tiers.codec_pool import CodecPool
 from kvstore.tiers.disk_catalog import load_stored_chunks
+from kvstore.tiers.disk_commit import remove_unfinished_chunks
 from kvstore.tiers.disk_env import DiskEnvironment, tune_malloc_for_large_values
 from kvstore.tiers.disk_format import FrameGeometry
 from kvstore.tiers.disk_index import DiskIndex
@@ -68,6 +70,8 @@ def open_disk_parts(
     try:
         env.check_info(geometry.layout, geometry.chunk_size, capacity_bytes)
         index = DiskIndex(capacity_bytes)
+        if not read_only:
+            remove_unfinished_chunks(env)
         broken = _recover(env, index, geometry, read_only)
         pool = CodecPool(num_codec_threads)
     except BaseException:
@@ -80,6 +84,7 @@ def open_disk_parts(
     options = WriterOptions(
         frame_bytes=geometry.frame_bytes,
         max_group_bytes=tuning.max_group_bytes,
+        max_transaction_bytes=tuning.max_transaction_bytes,
         max_map_bytes=tuning.map_limit_bytes(capacity_bytes),
         queue_depth=tuning.queue_depth,
         writeback_bytes=tuning.writeback_bytes,

@@ -23,6 +23,10 @@ class DiskTuning:
             all of it is in flight.
         max_group_bytes: KV bytes one group commit takes at most; the next group encodes while this one
             commits, so smaller groups overlap better (32 MiB: put 0.73x of a raw write on 2 cores, 64 MiB: 0.66x).
+        max_transaction_bytes: encoded frame bytes one LMDB write transaction holds at most (one frame at
+            least): LMDB mallocs a buffer per multi-MiB value and frees them at commit, so 16 frames of 4 MiB
+            per transaction cost ~4-10x the CPU of one (disk_commit); chunks stay whole or absent through
+            intent records.
         queue_depth: queued jobs before ``put``/``put_borrowed`` block.
         writeback_bytes: the writer starts the disk's writeback (without waiting) after this many stored
             bytes, so the disk writes while the next groups encode and a ``flush`` waits only for the tail
@@ -38,6 +42,7 @@ class DiskTuning:
 
     staging_bytes: int = 256 * _MIB
     max_group_bytes: int = 32 * _MIB
+    max_transaction_bytes: int = 4 * _MIB
     queue_depth: int = 64
     writeback_bytes: int = 64 * _MIB
     map_size_bytes: int | None = None
@@ -46,7 +51,7 @@ class DiskTuning:
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("staging_bytes", "max_group_bytes", "queue_depth", "max_readers"):
+        for name in ("staging_bytes", "max_group_bytes", "max_transaction_bytes", "queue_depth", "max_readers"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"DiskTuning.{name}={getattr(self, name)} must be positive")
         if self.writeback_bytes < 0:

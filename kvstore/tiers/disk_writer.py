@@ -9,15 +9,19 @@ encode group ``N + 1``, the thread completes group ``N``:
    chunks are never victims; writes that still do not fit are rejected and counted);
 3. commits one transaction deleting victims and evicted/corrupt chunks and persisting changed last-access
    times (its freed pages are reusable by the next transaction);
-4. commits one transaction with every frame and meta value of the group; on ``MapFullError`` it grows the map
-   (up to ``max_map_bytes``), else evicts more, and retries;
+4. commits the group's frames in short transactions of at most ``max_transaction_bytes`` each, every chunk's
+   meta in the transaction of its last frame, with an intent record while a chunk spans several (disk_commit:
+   one multi-MiB value per transaction costs LMDB a fraction of many); on ``MapFullError`` a transaction
+   grows the map (up to ``max_map_bytes``), else evicts more, and is retried; if one still fails, the chunks
+   it had begun are deleted (or left to the next open) and the group's uncommitted writes are dropped;
 5. updates the index (the chunks stop being pending), waits for readers copying out of their pending bytes,
    and releases each write's buffer (``release`` is called exactly once per write, whatever happened);
 6. syncs when the group holds a flush or the stop job (then wakes the flushers), or else starts the disk's
    writeback every ``writeback_bytes`` so a later sync waits only for the tail.
 
 A failure in a group (an lmdb error, a full map that cannot grow) never ends the thread: it is logged with
-``logger.exception``, the group's writes are counted in ``write_errors`` and dropped, their buffers released.
+``logger.exception``, the group's uncommitted writes are counted in ``write_errors`` and dropped, their
+buffers released; chunks whose meta committed before the failure stay committed.
 
 Threads: the writer thread owns ``_arenas``, ``_arena_turn``, ``_unwritten_bytes`` and every write
 transaction. Callers only touch the bounded ``_queue`` (a full queue blocks them: backpressure).
@@ -40,8 +44,9 @@ from kvstore.errors import StorageError
 from kvstore.keys import PrefixKey
 from kvstore.tiers.codec import FrameCodec
 from kvstore.tiers.codec_pool import CodecPool, TaskBatch
+from kvstore.tiers.disk_commit import ChunkFrames, delete_chunks, discard_unfinished, plan_transactions
 from kvstore.tiers.disk_env import DiskEnvironment, storage_error
-from kvstore.tiers.disk_format import StoredChunk, encode_meta, frame_key, meta_bytes, with_last_access
+from kvstore.tiers.disk_format import StoredChunk, encode_meta, meta_bytes, with_last_access
 from kvstore.tiers.disk_index import DiskIndex, PendingWrite
 
 __all__ = ["DeleteJob", "DiskWriter", "FlushJob", "WriteJob", "WriterOptions"]
@@ -88,6 +93,7 @@ class WriterOptions:
     Args:
         frame_bytes: raw bytes per frame (a multiple of the element size).
         max_group_bytes: raw KV bytes one group commit takes at most (a larger single write goes alone).
+        max_transaction_bytes: encoded frame bytes one write transaction holds at most (at least one frame).
         max_map_bytes: the LMDB map never grows past this.
         queue_depth: jobs waiting before ``submit`` blocks.
         writeback_bytes: start the disk's writeback (without waiting) after this many stored bytes were
@@ -97,6 +103,7 @@ class WriterOptions:
 
     frame_bytes: int
     max_group_bytes: int
+    max_transaction_bytes: int
     max_map_bytes: int
     queue_depth: int
     writeback_bytes: int
@@ -247,7 +254,7 @@ class DiskWriter:
                 encoded.frame_spans[idx] = (encoded.frame_spans[idx][0], length)
                 encoded.stored_bytes += length
             deletes = [key for job in group.jobs if isinstance(job, DeleteJob) for key in job.keys]
-            committed, rejected = self._commit(group, deletes)
+            committed, rejected, failed = self._commit(group, deletes)
         except Exception:  # the thread boundary: count, drop the group's writes, keep serving
             logger.exception("disk writer: a group of %d jobs failed; its writes are dropped", len(group.jobs))
             for job in group.writes:
@@ -259,6 +266,8 @@ class DiskWriter:
                 self._finish(encoded.job, committed=encoded)
             for job in rejected:
                 self._finish(job, committed=None, rejected=True)
+            for job in failed:
+                self._finish(job, committed=None)
             self._unwritten_bytes += sum(encoded.stored_bytes for encoded in committed)
             flush_asked = group.stops or any(isinstance(job, FlushJob) for job in group.jobs)
             try:
@@ -275,8 +284,8 @@ class DiskWriter:
                 if isinstance(flush, FlushJob):
                     flush.done.set()
 
-    def _commit(self, group: _Group, deletes: list[PrefixKey]) -> tuple[list[_Encoded], list[WriteJob]]:
-        """Make room under the cap, delete, then write the group; returns (committed, rejected)."""
+    def _commit(self, group: _Group, deletes: list[PrefixKey]) -> tuple[list[_Encoded], list[WriteJob], list[WriteJob]]:
+        """Make room under the cap, delete, then write the group; returns (committed, rejected, failed)."""
         encoded = list(group.encoded)
         incoming = sum(item.stored_bytes for item in encoded)
         victims: list[PrefixKey] = []
@@ -291,9 +300,11 @@ class DiskWriter:
             if rejected:
                 logger.warning("disk tier full of pinned chunks: %d writes rejected", len(rejected))
         self._delete_and_touch(victims + deletes)
-        if encoded:
-            self._write_frames(encoded, group.arena)
-        return encoded, rejected
+        if not encoded:
+            return [], rejected, []
+        committed = self._write_frames(encoded, group.arena)
+        failed = [item.job for item in encoded[len(committed) :]]
+        return committed, rejected, failed
 
     def _finish(self, job: WriteJob, *, committed: _Encoded | None, rejected: bool = False) -> None:
         key = job.pending.record.key
@@ -322,12 +333,7 @@ class DiskWriter:
         env = self._env
 
         def body(txn: lmdb.Transaction[bytes]) -> None:
-            for key in keys:
-                txn.delete(key, db=env.meta_db)
-                cursor = txn.cursor(db=env.payload_db)
-                found = cursor.set_range(frame_key(key, 0))
-                while found and cursor.key()[: len(key)] == key:
-                    found = cursor.delete()
+            delete_chunks(txn, env, keys)
             for key, last_access_ns in dirty.items():
                 value = txn.get(key, db=env.meta_db)
                 if value is not None:
@@ -335,10 +341,14 @@ class DiskWriter:
 
         self._transact(body, "delete chunks", needed_bytes=0)
 
-    def _write_frames(self, encoded: list[_Encoded], arena_array: npt.NDArray[np.uint8]) -> None:
-        env = self._env
+    def _write_frames(self, encoded: list[_Encoded], arena_array: npt.NDArray[np.uint8]) -> list[_Encoded]:
+        """Commit the chunks in order in short transactions (disk_commit); returns the leading ones committed.
+
+        A transaction that fails is logged; the chunks it had begun are deleted (best effort: else the next
+        open removes them through their intents) and the rest of ``encoded`` is left uncommitted.
+        """
         arena = arena_array.data
-        metas: list[bytes] = []
+        chunks: list[ChunkFrames] = []
         for item in encoded:
             pending = item.job.pending
             record = pending.record
@@ -353,16 +363,25 @@ class DiskWriter:
                 last_access_ns=self._index.last_access_ns(record.key) or 0,
                 tokens=record.tokens,
             )
-            metas.append(encode_meta(chunk))
-
-        def body(txn: lmdb.Transaction[bytes]) -> None:
-            for item, meta in zip(encoded, metas, strict=True):
-                key = item.job.pending.record.key
-                for frame_idx, (offset, length) in enumerate(item.frame_spans):
-                    txn.put(frame_key(key, frame_idx), arena[offset : offset + length], db=env.payload_db)
-                txn.put(key, meta, db=env.meta_db)
-
-        self._transact(body, "write chunks", needed_bytes=sum(item.stored_bytes for item in encoded))
+            frames = tuple(arena[offset : offset + length] for offset, length in item.frame_spans)
+            chunks.append(ChunkFrames(key=record.key, meta=encode_meta(chunk), frames=frames))
+        num_committed = 0
+        begun: list[PrefixKey] = []
+        for transaction in plan_transactions(chunks, self._options.max_transaction_bytes):
+            write = functools.partial(transaction.write, env=self._env)
+            try:
+                self._transact(write, "write chunks", needed_bytes=transaction.num_bytes)
+            except StorageError:
+                num_failed = len(encoded) - num_committed
+                logger.exception(
+                    "disk writer: %d of %d writes failed; their writes are dropped", num_failed, len(encoded)
+                )
+                discard_unfinished(self._env, begun)
+                break
+            begun += [chunk.key for chunk in transaction.begins]
+            num_committed += len(transaction.ends)
+            del begun[: len(transaction.closed_intents)]  # chunks end in the order they begin
+        return encoded[:num_committed]
 
     def _transact(self, body: Callable[[lmdb.Transaction[bytes]], None], action: str, *, needed_bytes: int) -> None:
         """Run ``body`` in a write transaction; on a full map grow it, else evict, and retry."""

@@ -300,6 +300,72 @@ def test_flush_makes_writes_durable_without_close(tmp_path: Path, small_layout: 
         tier.close()
 
 
+def lmdb_records(path: Path) -> dict[str, dict[bytes, int]]:
+    """Every record of a closed data dir: sub-database name -> {key: value length}."""
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=4)
+    try:
+        with env.begin() as txn:
+            return {
+                name: {bytes(key): len(value) for key, value in txn.cursor(db=env.open_db(name.encode(), txn=txn))}
+                for name in ("payload", "meta", "intent")
+            }
+    finally:
+        env.close()
+
+
+def test_frames_of_a_chunk_cut_short_by_a_crash_are_removed_at_open(
+    open_tier: OpenTier, tmp_path: Path, small_layout: KVLayout
+) -> None:
+    tier = open_tier()
+    records = chunk_records(small_layout, 2 * CHUNK, seed=12)
+    kvs = chunk_kvs(small_layout, records)
+    assert tier.put(records[0], kvs[0])
+    tier.close()
+    # A crash after the first two of four frame transactions of records[1] (intent + frames, no meta).
+    env = lmdb.open(str(tmp_path / "data"), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(records[1].key, (4).to_bytes(4, "little"), db=env.open_db(b"intent", txn=txn))
+        for frame_idx in range(2):
+            txn.put(frame_key(records[1].key, frame_idx), b"KVF\x01" + bytes(600), db=env.open_db(b"payload", txn=txn))
+    env.close()
+
+    tier = open_tier()
+    assert tier.keys() == [records[0].key] and not tier.contains(records[1].key)
+    out = read(tier, records[0].key, kvs[0])
+    assert out is not None and torch.equal(out, kvs[0])
+    stored_bytes = tier.stats().stored_bytes
+    tier.close()
+    contents = lmdb_records(tmp_path / "data")
+    assert contents["intent"] == {} and list(contents["meta"]) == [records[0].key]
+    assert all(key.startswith(records[0].key) for key in contents["payload"])
+    assert sum(contents["payload"].values()) + sum(contents["meta"].values()) == stored_bytes
+    tier = open_tier()
+    assert tier.put(records[1], kvs[1])  # the key can be written again
+    tier.flush()
+    out = read(tier, records[1].key, kvs[1])
+    assert out is not None and torch.equal(out, kvs[1])
+
+
+@pytest.mark.parametrize("max_transaction_bytes", [1, 3 * FRAME_BYTES, 64 << 20])
+def test_chunks_spread_over_many_transactions_round_trip_and_leave_no_intent(
+    open_tier: OpenTier, tmp_path: Path, small_layout: KVLayout, max_transaction_bytes: int
+) -> None:
+    tuning = DiskTuning(max_transaction_bytes=max_transaction_bytes, tune_malloc=False)
+    tier = open_tier(tuning=tuning)
+    records = chunk_records(small_layout, 5 * CHUNK + 3, seed=13)  # four frames per full chunk, one partial chunk
+    kvs = chunk_kvs(small_layout, records)
+    for record, kv in zip(records, kvs, strict=True):
+        assert tier.put(record, kv)
+    tier.close()
+    contents = lmdb_records(tmp_path / "data")
+    assert contents["intent"] == {} and len(contents["meta"]) == len(records)
+    tier = open_tier(tuning=tuning)
+    for record, kv in zip(records, kvs, strict=True):
+        out = read(tier, record.key, kv)
+        assert out is not None and torch.equal(out, kv)
+    assert sum(contents["payload"].values()) + sum(contents["meta"].values()) == tier.stats().stored_bytes
+
+
 def fill(tier: DiskTier, records: list[ChunkRecord], kv: torch.Tensor) -> None:
     for record in records:
         assert tier.put(record, kv)
