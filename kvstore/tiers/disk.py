@@ -53,7 +53,7 @@ from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk_catalog import DiskTierInfo, iter_stored_chunks, read_stored_chunk
 from kvstore.tiers.disk_env import DiskEnvironment
-from kvstore.tiers.disk_format import FrameGeometry, StoredChunk
+from kvstore.tiers.disk_format import FrameGeometry, StoredChunk, balanced_frame_bytes
 from kvstore.tiers.disk_index import Admission, PendingWrite
 from kvstore.tiers.disk_open import close_disk_parts, open_disk_parts
 from kvstore.tiers.disk_reader import read_chunk
@@ -81,7 +81,8 @@ class DiskTier(Tier):
         chunk_size: tokens per full chunk; a data dir keeps it too.
         capacity_bytes: hard cap on stored (compressed) bytes; must hold one full chunk.
         zstd_level: codec level (1 is the measured sweet spot).
-        frame_bytes: raw bytes per frame, a multiple of the element size.
+        frame_bytes: raw bytes per frame, a multiple of the element size; default: equal frames of at most
+            4 MiB, one per codec thread at least (``balanced_frame_bytes``).
         num_codec_threads: codec helper threads (callers and the writer work too).
         read_only: open without taking ownership (safe next to a live writer in another process); ``put``
             and ``evict`` are refused. ``kvstore inspect`` opens this way.
@@ -104,7 +105,7 @@ class DiskTier(Tier):
         capacity_bytes: int,
         *,
         zstd_level: int = 1,
-        frame_bytes: int = 4 * _MIB,
+        frame_bytes: int | None = None,
         num_codec_threads: int = 2,
         read_only: bool = False,
         clock: Callable[[], int] = time.time_ns,
@@ -116,12 +117,14 @@ class DiskTier(Tier):
         self.chunk_size = chunk_size
         self.capacity_bytes = capacity_bytes
         self.read_only = read_only
-        self.frame_bytes = frame_bytes
+        self.frame_bytes = frame_bytes or balanced_frame_bytes(
+            layout.chunk_bytes(chunk_size), layout.dtype.element_size_bytes, num_codec_threads
+        )
         self._codec = FrameCodec(layout.dtype.element_size_bytes, zstd_level=zstd_level)
         self._geometry = FrameGeometry(
             layout=layout,
             chunk_size=chunk_size,
-            frame_bytes=frame_bytes,
+            frame_bytes=self.frame_bytes,
             frame_header_bytes=self._codec.header_bytes,
         )
         self._clock = clock

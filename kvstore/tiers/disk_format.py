@@ -52,6 +52,7 @@ __all__ = [
     "MAX_FRAMES_PER_CHUNK",
     "FrameGeometry",
     "StoredChunk",
+    "balanced_frame_bytes",
     "decode_meta",
     "encode_intent",
     "encode_meta",
@@ -230,3 +231,16 @@ def _checksum(value: bytes | bytearray | memoryview) -> int:
 
 def _seal(value: bytearray) -> None:
     _LAST_ACCESS.pack_into(value, _CHECKSUM_OFFSET, _checksum(value))
+
+
+def balanced_frame_bytes(chunk_bytes: int, element_size: int, num_codec_threads: int) -> int:
+    """Frame size that cuts a full chunk into equal frames of at most 4 MiB, and into at least one frame per codec
+    thread when each can still hold 1 MiB.
+
+    Equal frames keep the codec threads equally busy: a 5.6 MiB SmolLM2 chunk cut 4 + 1.6 MiB decodes in the time
+    of its 4 MiB frame, cut 2.8 + 2.8 MiB in 70% of it.
+    """
+    max_frame_bytes, min_frame_bytes = 4 * 2**20, 2**20
+    num_frames = max(-(-chunk_bytes // max_frame_bytes), min(num_codec_threads, chunk_bytes // min_frame_bytes))
+    frame_bytes = -(-chunk_bytes // max(1, num_frames))
+    return -(-frame_bytes // element_size) * element_size
