@@ -16,7 +16,7 @@ run: $(STAMP)
 	$(BIN)/kvstore demo --path ./kvstore-data
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --cov=kvstore --cov-report=term --cov-fail-under=85
+	$(BIN)/python -m pytest -q -p no:cacheprovider --cov=kvstore --cov-report=term --cov-fail-under=90
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvstore tests benchmarks
