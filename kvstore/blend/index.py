@@ -1,0 +1,401 @@
+"""Content fingerprint index: finds stored chunks by their tokens at any offset of a new prompt.
+
+A stored sequence is registered chunk by chunk (chunked from position 0; the last chunk may be partial). Each
+chunk becomes one entry: its fingerprint (``kvstore.blend.rolling_hash``), an independent xxh3_64 of its token
+bytes (the verification hash), its prefix key, its source start, its length and a link to the entry of the
+sequence's next chunk. ``match`` rolls the fingerprint over every window of the query inside numba, plans the
+leftmost-first matches, follows ``next`` links so a document is covered to its end (including its partial last
+chunk, which a fixed-size window never finds), then proves every planned chunk with the verification hash::
+
+    query:  | system | doc A c0 | c1 | ... | c10 | A last | sep | doc B c0 | ... | question |
+              window hit ^ ------- next links -------------^      ^ window hit
+
+Invariants:
+
+* Never loses an entry: buckets are chains over numpy arrays (``kvstore.blend.fingerprint_table``), so entries
+  sharing a fingerprint bucket coexist; the table grows (ids stay stable) and removed ids are reused.
+* Zero false positives: a chunk is returned only if the query tokens' xxh3_64 equals the entry's. A 64-bit
+  fingerprint collision (or any planned chunk failing verification) sends ``match`` down its exact path, which
+  verifies candidates one by one: it costs time, never a wrong or missed match.
+* One entry per key, and dedup-content: at most one entry per content (fingerprint, verification, length); the
+  first writer wins and later keys with that content are reported as aliases in ``RegistrationResult``, not
+  indexed. A next link belongs to the first writer's sequence: an alias's own continuation is found by its
+  windows, but its partial last chunk only if the first writer's sequence continues the same way.
+* Tokens are never kept: 50 bytes per entry row (rows grow by 1/16), plus fingerprint heads, key heads and
+  presence bits: 55-63 bytes per chunk from 10K to 1.5M chunks (measured; see ``benchmarks/bench_index.py``).
+
+Threads: ``FingerprintIndex`` is safe to share; ``_index_lock`` guards every array and counter (mutations and
+``match`` alike, since growth replaces the arrays). The numba kernels release the GIL but run under the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvstore.blend import fingerprint_table as table
+from kvstore.blend.rolling_hash import block_fingerprints, window_base_power
+from kvstore.errors import ConfigError, InvalidInputError
+from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, num_chunks
+
+__all__ = ["Alias", "FingerprintIndex", "Match", "RegistrationResult"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_CHUNK_TOKENS = 2**16 - 1  # length is a u16 column
+_MAX_ENTRIES = 2**31 - 1  # entry ids are int32
+_MAX_POSITION = 2**32 - 1  # source_start is a u32 column
+_ENTRY_GROWTH_RATIO = 0.0625  # grow rows by 1/16: bounds the slack that counts against bytes per chunk
+_FINGERPRINT_LOAD = 2  # entries per fingerprint bucket before the heads double
+_KEY_LOAD = 4  # entries per key bucket before the heads double
+_PRESENCE_BITS_PER_BUCKET = 32
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Match:
+    """A verified occurrence of a stored chunk in a query.
+
+    Attributes:
+        query_start: token position of the chunk in the query.
+        num_tokens: chunk length in tokens (``chunk_size``, or less for a sequence's last chunk).
+        key: prefix key of the stored chunk.
+        source_start: token position of the chunk in the sequence it was stored with.
+    """
+
+    query_start: int
+    num_tokens: int
+    key: PrefixKey
+    source_start: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alias:
+    """A chunk whose content was already indexed under another key (dedup-content: first writer wins)."""
+
+    key: PrefixKey
+    existing_key: PrefixKey
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistrationResult:
+    """What ``FingerprintIndex.register`` did with each chunk.
+
+    Attributes:
+        num_added: chunks that became new entries.
+        num_already_indexed: chunks whose key already indexed the same content (re-registration).
+        aliases: chunks indexed under a different key with equal content; the store records them as aliases.
+    """
+
+    num_added: int
+    num_already_indexed: int
+    aliases: tuple[Alias, ...]
+
+
+class FingerprintIndex:
+    """Index of stored chunks by content, probed at every token offset of a query.
+
+    Args:
+        initial_capacity: entries to allocate up front; the table grows past it by 1/16 at a time.
+        fingerprint_bits: bits of the fingerprint kept (64 in production). Tests lower it to force collisions.
+    """
+
+    def __init__(self, *, initial_capacity: int = 1024, fingerprint_bits: int = 64) -> None:
+        if not 1 <= fingerprint_bits <= 64:
+            raise ConfigError(f"fingerprint_bits={fingerprint_bits} must lie in [1, 64]; use 64 outside tests")
+        if not 1 <= initial_capacity <= _MAX_ENTRIES:
+            raise ConfigError(f"initial_capacity={initial_capacity} must lie in [1, 2**31), e.g. 1024")
+        self._index_lock = threading.Lock()
+        self._fingerprint_mask = np.uint64((1 << fingerprint_bits) - 1)
+        self._state = np.array([-1, 0, 0], dtype=np.int64)  # free_head, high_water, num_live
+        self._fingerprint = np.zeros(initial_capacity, dtype=np.uint64)
+        self._verification = np.zeros(initial_capacity, dtype=np.uint64)
+        self._key_low = np.zeros(initial_capacity, dtype=np.uint64)
+        self._key_high = np.zeros(initial_capacity, dtype=np.uint64)
+        self._source_start = np.zeros(initial_capacity, dtype=np.uint32)
+        self._length = np.zeros(initial_capacity, dtype=np.uint16)
+        self._next = np.full(initial_capacity, -1, dtype=np.int32)
+        self._fingerprint_link = np.full(initial_capacity, -1, dtype=np.int32)
+        self._key_link = np.full(initial_capacity, -1, dtype=np.int32)
+        self._resize_heads(fingerprint_log2=4, key_log2=4)
+
+    # --- public API -------------------------------------------------------------------------------------------
+
+    def register(
+        self, tokens: TokenArray, keys: Sequence[PrefixKey], chunk_size: int, source_start: int = 0
+    ) -> RegistrationResult:
+        """Index every chunk of a stored sequence.
+
+        Args:
+            tokens: the sequence's token ids, chunked from position 0 by ``chunk_size`` (last chunk may be partial).
+            keys: the prefix key of each chunk, ``len(keys) == ceil(len(tokens) / chunk_size)``.
+            chunk_size: tokens per chunk, in [1, 65535].
+            source_start: token position of ``tokens[0]`` in the stored sequence (added to each entry's start).
+
+        Returns:
+            How many chunks were added, already indexed, or aliases of content indexed under another key.
+
+        Raises:
+            InvalidInputError: bad token ids, a key count that does not match the chunks, or a key not 16 bytes.
+            ConfigError: ``chunk_size`` or ``source_start`` out of range.
+        """
+        tokens = as_token_array(tokens)
+        _check_chunk_size(chunk_size)
+        count = num_chunks(tokens.shape[0], chunk_size)
+        if len(keys) != count:
+            raise InvalidInputError(
+                f"got {len(keys)} keys for {tokens.shape[0]} tokens in chunks of {chunk_size}; expected {count}, "
+                "one per chunk (kvstore.keys.prefix_keys)"
+            )
+        if source_start < 0 or source_start + tokens.shape[0] > _MAX_POSITION:
+            raise ConfigError(f"source_start={source_start} must lie in [0, 2**32 - len(tokens))")
+        if count == 0:
+            return RegistrationResult(num_added=0, num_already_indexed=0, aliases=())
+        key_bytes = b"".join(keys)
+        if len(key_bytes) != KEY_BYTES * count or any(len(key) != KEY_BYTES for key in keys):
+            raise InvalidInputError(f"every prefix key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
+        key_halves = np.frombuffer(key_bytes, dtype="<u8").reshape(count, 2)
+        fingerprints = block_fingerprints(tokens, chunk_size) & self._fingerprint_mask
+        data = memoryview(tokens.data).cast("B")
+        step_bytes = 4 * chunk_size
+        digest = xxhash.xxh3_64_intdigest
+        verifications = np.fromiter(
+            (digest(data[offset : offset + step_bytes]) for offset in range(0, len(data), step_bytes)),
+            dtype=np.uint64,
+            count=count,
+        )
+        lengths = np.full(count, chunk_size, dtype=np.uint16)
+        lengths[-1] = tokens.shape[0] - (count - 1) * chunk_size
+        source_starts = (source_start + chunk_size * np.arange(count, dtype=np.int64)).astype(np.uint32)
+        entries = np.empty(count, dtype=np.int32)
+        is_new = np.empty(count, dtype=np.bool_)
+        with self._index_lock:
+            self._reserve(int(self._state[2]) + count)
+            table.insert_chunks(
+                fingerprints, verifications, lengths, key_halves[:, 0].copy(), key_halves[:, 1].copy(),
+                source_starts, self._fingerprint, self._verification, self._key_low, self._key_high,
+                self._source_start, self._length, self._next, self._fingerprint_link, self._key_link,
+                self._fingerprint_heads, self._fingerprint_shift, self._key_heads, self._key_shift,
+                self._presence_bits, self._presence_shift, self._state, entries, is_new,
+            )  # fmt: skip
+            aliases: list[Alias] = []
+            num_already_indexed = 0
+            for chunk in np.flatnonzero(~is_new).tolist():
+                existing_key = self._key_of(int(entries[chunk]))
+                if existing_key == keys[chunk]:
+                    num_already_indexed += 1
+                else:
+                    aliases.append(Alias(key=keys[chunk], existing_key=existing_key))
+        return RegistrationResult(
+            num_added=int(is_new.sum()), num_already_indexed=num_already_indexed, aliases=tuple(aliases)
+        )
+
+    def match(self, query: TokenArray, chunk_size: int) -> list[Match]:
+        """Find stored chunks in ``query``: verified, non-overlapping, leftmost first, sorted by query start.
+
+        Every window of ``chunk_size`` tokens is probed; after a verified hit the entry's ``next`` link is
+        followed, so the rest of the document, partial last chunk included, is matched where it continues.
+
+        Args:
+            query: token ids of the new prompt.
+            chunk_size: window length in tokens; only entries of exactly this length start a match.
+
+        Returns:
+            Matches in increasing ``query_start``; no two overlap.
+        """
+        query = as_token_array(query)
+        _check_chunk_size(chunk_size)
+        data = memoryview(query.data).cast("B")
+        digest = xxhash.xxh3_64_intdigest
+        matches: list[Match] = []
+        with self._index_lock:
+            starts, entries = table.probe_windows(
+                query, chunk_size, window_base_power(chunk_size), self._fingerprint_mask,
+                self._fingerprint, self._length, self._fingerprint_link,
+                self._fingerprint_heads, self._fingerprint_shift, self._presence_bits, self._presence_shift,
+            )  # fmt: skip
+            planned_starts, planned_entries = table.plan_matches(
+                query, chunk_size, starts, entries, self._fingerprint_mask, self._fingerprint, self._next, self._length
+            )
+            lengths = self._length[planned_entries].tolist()
+            verifications = self._verification[planned_entries].tolist()
+            source_starts = self._source_start[planned_entries].tolist()
+            key_bytes = self._keys_bytes(planned_entries)
+            for position, (start, length) in enumerate(zip(planned_starts.tolist(), lengths, strict=True)):
+                if digest(data[4 * start : 4 * (start + length)]) != verifications[position]:
+                    logger.debug("fingerprint collision at query token %d; matching exactly", start)
+                    return self._match_exactly(starts, entries, data, chunk_size)
+                matches.append(
+                    Match(
+                        query_start=start,
+                        num_tokens=length,
+                        key=PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)]),
+                        source_start=source_starts[position],
+                    )
+                )
+        return matches
+
+    def _match_exactly(
+        self, starts: npt.NDArray[np.int64], entries: npt.NDArray[np.int32], data: memoryview, chunk_size: int
+    ) -> list[Match]:
+        """``match``'s slow path (lock held): verify candidates one by one, leftmost first, then follow links.
+
+        Taken when a planned chunk fails verification, i.e. after a fingerprint collision.
+        """
+        digest = xxhash.xxh3_64_intdigest
+        offsets, chain = table.follow_chains(starts, entries, len(data) // 4, self._next, self._length)
+        lengths = self._length[chain].tolist()
+        verifications = self._verification[chain].tolist()
+        source_starts = self._source_start[chain].tolist()
+        key_bytes = self._keys_bytes(chain)
+        chain_bounds = offsets.tolist()
+        matches: list[Match] = []
+        cursor = 0
+        verified_start, verified_hash = -1, 0
+        for candidate, candidate_start in enumerate(starts.tolist()):
+            if candidate_start < cursor:
+                continue
+            first = chain_bounds[candidate]
+            if candidate_start != verified_start:
+                verified_start = candidate_start
+                verified_hash = digest(data[4 * candidate_start : 4 * (candidate_start + chunk_size)])
+            if verified_hash != verifications[first]:
+                continue
+            start = candidate_start
+            for position in range(first, chain_bounds[candidate + 1]):
+                length = lengths[position]
+                # Each later chunk must match the query by its own verification hash.
+                if position != first and digest(data[4 * start : 4 * (start + length)]) != verifications[position]:
+                    break
+                matches.append(
+                    Match(
+                        query_start=start,
+                        num_tokens=length,
+                        key=PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)]),
+                        source_start=source_starts[position],
+                    )
+                )
+                start += length
+            cursor = start
+        return matches
+
+    def remove(self, keys: Iterable[PrefixKey]) -> int:
+        """Drop the entries of these keys and clear the ``next`` links that pointed at them.
+
+        Costs one pass over the table per call (to clear links), so remove evicted keys in batches.
+
+        Args:
+            keys: prefix keys; keys not indexed (never registered, aliases, already removed) are ignored.
+
+        Returns:
+            How many entries were removed.
+        """
+        key_bytes = b"".join(key for key in keys if len(key) == KEY_BYTES)
+        if not key_bytes:
+            return 0
+        halves = np.frombuffer(key_bytes, dtype="<u8").reshape(-1, 2)
+        with self._index_lock:
+            num_removed = int(
+                table.remove_keys(
+                    halves[:, 0].copy(), halves[:, 1].copy(), self._fingerprint, self._key_low, self._key_high,
+                    self._length, self._next, self._fingerprint_link, self._key_link, self._fingerprint_heads,
+                    self._fingerprint_shift, self._key_heads, self._key_shift, self._state,
+                )
+            )  # fmt: skip
+            self._stale_presence += num_removed
+            if self._stale_presence > max(1024, int(self._state[2])):
+                self._resize_heads(self._fingerprint_log2, self._key_log2)
+        return num_removed
+
+    def __len__(self) -> int:
+        return int(self._state[2])
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            return False
+        low, high = np.frombuffer(key, dtype="<u8")
+        with self._index_lock:
+            return bool(self._find(low, high) >= 0)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the table's arrays (rows, heads and presence bits); tokens are never stored."""
+        with self._index_lock:
+            return sum(array.nbytes for array in self._arrays()) + self._state.nbytes
+
+    # --- internals (lock held) --------------------------------------------------------------------------------
+
+    def _keys_bytes(self, entries: npt.NDArray[np.int32]) -> bytes:
+        """The 16-byte keys of ``entries``, concatenated."""
+        return np.stack([self._key_low[entries], self._key_high[entries]], axis=1).astype("<u8").tobytes()
+
+    def _find(self, low: np.uint64, high: np.uint64) -> int:
+        return int(
+            table.find_key(low, high, self._key_low, self._key_high, self._key_link, self._key_heads, self._key_shift)
+        )
+
+    def _key_of(self, entry: int) -> PrefixKey:
+        return PrefixKey(
+            int(self._key_low[entry]).to_bytes(8, "little") + int(self._key_high[entry]).to_bytes(8, "little")
+        )
+
+    def _arrays(self) -> list[npt.NDArray[np.generic]]:
+        return [
+            self._fingerprint, self._verification, self._key_low, self._key_high, self._source_start,
+            self._length, self._next, self._fingerprint_link, self._key_link,
+            self._fingerprint_heads, self._key_heads, self._presence_bits,
+        ]  # fmt: skip
+
+    def _reserve(self, num_live: int) -> None:
+        """Grow rows so ``num_live`` entries fit without reuse, and the heads so chains stay short."""
+        needed_rows = max(int(self._state[1]), num_live)
+        if needed_rows > _MAX_ENTRIES:
+            raise ConfigError(f"fingerprint index would hold {needed_rows} entries, over its limit of 2**31 - 1")
+        capacity = self._fingerprint.shape[0]
+        if needed_rows > capacity:
+            new_capacity = min(_MAX_ENTRIES, max(needed_rows, capacity + int(capacity * _ENTRY_GROWTH_RATIO) + 16))
+            for name in ("_fingerprint", "_verification", "_key_low", "_key_high", "_source_start", "_length"):
+                old = getattr(self, name)
+                grown = np.zeros(new_capacity, dtype=old.dtype)
+                grown[:capacity] = old
+                setattr(self, name, grown)
+            for name in ("_next", "_fingerprint_link", "_key_link"):
+                old = getattr(self, name)
+                grown = np.full(new_capacity, -1, dtype=np.int32)
+                grown[:capacity] = old
+                setattr(self, name, grown)
+        fingerprint_log2, key_log2 = self._fingerprint_log2, self._key_log2
+        while num_live > _FINGERPRINT_LOAD << fingerprint_log2:
+            fingerprint_log2 += 1
+        while num_live > _KEY_LOAD << key_log2:
+            key_log2 += 1
+        if (fingerprint_log2, key_log2) != (self._fingerprint_log2, self._key_log2):
+            logger.debug("fingerprint index grows its heads to 2**%d / 2**%d", fingerprint_log2, key_log2)
+            self._resize_heads(fingerprint_log2, key_log2)
+
+    def _resize_heads(self, fingerprint_log2: int, key_log2: int) -> None:
+        """Reallocate heads and presence bits and relink every live row (also clears stale presence bits)."""
+        self._fingerprint_log2, self._key_log2 = fingerprint_log2, key_log2
+        self._fingerprint_shift = np.uint64(64 - fingerprint_log2)
+        self._key_shift = np.uint64(64 - key_log2)
+        presence_words_log2 = fingerprint_log2 + _PRESENCE_BITS_PER_BUCKET.bit_length() - 1 - 6  # 64-bit words
+        self._presence_shift = np.uint64(64 - presence_words_log2)
+        self._fingerprint_heads = np.full(1 << fingerprint_log2, -1, dtype=np.int32)
+        self._key_heads = np.full(1 << key_log2, -1, dtype=np.int32)
+        self._presence_bits = np.zeros(1 << presence_words_log2, dtype=np.uint64)
+        self._stale_presence = 0
+        table.rebuild_chains(
+            int(self._state[1]), self._fingerprint, self._key_low, self._length, self._fingerprint_link,
+            self._key_link, self._fingerprint_heads, self._fingerprint_shift, self._key_heads, self._key_shift,
+            self._presence_bits, self._presence_shift,
+        )  # fmt: skip
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not 1 <= chunk_size <= _MAX_CHUNK_TOKENS:
+        raise ConfigError(f"chunk_size={chunk_size} must lie in [1, {_MAX_CHUNK_TOKENS}] tokens, e.g. 256")
