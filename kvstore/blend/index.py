@@ -230,14 +230,7 @@ class FingerprintIndex:
                 if digest(data[4 * start : 4 * (start + length)]) != verifications[position]:
                     logger.debug("fingerprint collision at query token %d; matching exactly", start)
                     return self._match_exactly(starts, entries, data, chunk_size)
-                matches.append(
-                    Match(
-                        query_start=start,
-                        num_tokens=length,
-                        key=PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)]),
-                        source_start=source_starts[position],
-                    )
-                )
+                matches.append(_match_at(key_bytes, position, start, length, source_starts[position]))
         return matches
 
     def _match_exactly(
@@ -272,14 +265,7 @@ class FingerprintIndex:
                 # Each later chunk must match the query by its own verification hash.
                 if position != first and digest(data[4 * start : 4 * (start + length)]) != verifications[position]:
                     break
-                matches.append(
-                    Match(
-                        query_start=start,
-                        num_tokens=length,
-                        key=PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)]),
-                        source_start=source_starts[position],
-                    )
-                )
+                matches.append(_match_at(key_bytes, position, start, length, source_starts[position]))
                 start += length
             cursor = start
         return matches
@@ -399,3 +385,9 @@ class FingerprintIndex:
 def _check_chunk_size(chunk_size: int) -> None:
     if not 1 <= chunk_size <= _MAX_CHUNK_TOKENS:
         raise ConfigError(f"chunk_size={chunk_size} must lie in [1, {_MAX_CHUNK_TOKENS}] tokens, e.g. 256")
+
+
+def _match_at(key_bytes: bytes, position: int, query_start: int, num_tokens: int, source_start: int) -> Match:
+    """The match of the ``position``-th planned entry, whose key is the ``position``-th 16 bytes of ``key_bytes``."""
+    key = PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)])
+    return Match(query_start=query_start, num_tokens=num_tokens, key=key, source_start=source_start)
