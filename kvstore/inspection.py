@@ -13,8 +13,9 @@ from pathlib import Path
 from kvstore.errors import StorageError
 from kvstore.keys import PrefixKey
 from kvstore.tiers.disk import DiskTier, StoredChunk
+from kvstore.tiers.disk_check import DiskCheckReport
 
-__all__ = ["ChunkSummary", "DataDirSummary", "find_chunk", "summarize_data_dir"]
+__all__ = ["ChunkSummary", "DataDirSummary", "check_data_dir", "find_chunk", "summarize_data_dir"]
 
 ProgressCallback = Callable[[int, int], None]
 """Called with (chunks seen, chunks in total) while a summary scans the data dir."""
@@ -133,3 +134,12 @@ def find_chunk(path: Path, key: PrefixKey) -> ChunkSummary | None:
         last_access=_iso(found.last_access_ns) or "",
         first_tokens=[int(t) for t in found.tokens[:16]],
     )
+
+
+def check_data_dir(path: Path, progress: Callable[[int], None] | None = None) -> DiskCheckReport:
+    """Walk every chunk and frame of a data dir, read-only, and report every defect (``DiskTier.check``)."""
+    tier = _open(path)
+    try:
+        return tier.check(progress)
+    finally:
+        tier.close()

@@ -11,7 +11,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvstore.config import DEFAULT_DATA_DIR
-from kvstore.inspection import DataDirSummary, find_chunk, summarize_data_dir
+from kvstore.inspection import DataDirSummary, check_data_dir, find_chunk, summarize_data_dir
 from kvstore.keys import key_from_hex
 
 __all__ = ["inspect_command", "render_summary"]
@@ -21,6 +21,7 @@ def inspect_command(
     path: Path = typer.Option(DEFAULT_DATA_DIR, "--path", help="The data dir (holds data.mdb)."),
     key: str | None = typer.Option(None, "--key", help="Show one chunk by its 32-hex-digit key."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    check: bool = typer.Option(False, "--check", help="Decode every frame and report defects; exit 1 on any."),
 ) -> None:
     """Summarise a data dir: chunks, bytes, compression ratio, layout, oldest/newest access.
 
@@ -31,7 +32,12 @@ def inspect_command(
         kvstore inspect --path ./kvstore-data --json
 
         kvstore inspect --path ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
+
+        kvstore inspect --path ./kvstore-data --check
     """
+    if check:
+        _check(path, as_json)
+        return
     if key is not None:
         chunk = find_chunk(path, key_from_hex(key))
         if chunk is None:
@@ -81,3 +87,21 @@ def render_summary(console: Console, summary: DataDirSummary) -> None:
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+
+
+def _check(path: Path, as_json: bool) -> None:
+    with Progress(console=Console(stderr=True), transient=True, disable=as_json) as progress:
+        task = progress.add_task(f"checking {path}", total=None)
+        report = check_data_dir(path, lambda checked: progress.update(task, completed=checked))
+    if as_json:
+        typer.echo(json.dumps({name: getattr(report, name) for name in report.__slots__} | {"ok": report.ok}))
+    else:
+        typer.echo(
+            f"checked {report.num_chunks} chunks, {report.num_frames} frames "
+            f"({report.num_unfinished_frames} of unfinished writes): "
+            + ("no problems" if report.ok else f"{report.num_problems} problems")
+        )
+        for problem in report.problems:
+            typer.echo(f"  {problem}")
+    if not report.ok:
+        raise typer.Exit(1)

@@ -52,6 +52,7 @@ from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk_catalog import DiskTierInfo, iter_stored_chunks, read_stored_chunk
+from kvstore.tiers.disk_check import DiskCheckReport, check_data_dir
 from kvstore.tiers.disk_env import DiskEnvironment
 from kvstore.tiers.disk_format import FrameGeometry, StoredChunk, balanced_frame_bytes
 from kvstore.tiers.disk_index import Admission, PendingWrite
@@ -196,6 +197,11 @@ class DiskTier(Tier):
 
     def stats(self) -> TierStats:
         return self._index.stats()
+
+    def check(self, progress: Callable[[int], None] | None = None) -> DiskCheckReport:
+        """Walk every chunk and frame of the data dir and report every defect (``disk_check``); read-only."""
+        self._check_usable()
+        return check_data_dir(self._env, self._codec, progress)
 
     def describe(self) -> DiskTierInfo:
         """Sizes, access range and settings of the data dir, for ``kvstore inspect``."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from kvstore import StoreConfig, TieredStore
@@ -14,6 +15,7 @@ from kvstore.cli.main import main
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.presets import preset_layout
 from kvstore.tiers.base import TierName
+from kvstore.tiers.disk_format import frame_key
 from tests.factories import make_kv, make_tokens
 
 
@@ -190,3 +192,29 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
     for command in (["inspect"], ["evict"], ["bench", "tiers"], ["demo"]):
         code, out, _ = run([*command, "--help"], capsys)
         assert code == 0 and ("Example" in out or "kvstore" in out)
+
+
+def test_inspect_check_passes_on_a_clean_dir_and_fails_on_a_corrupt_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "data"
+    keys = _filled_dir(path, 2)
+    code, out, _ = run(["inspect", "--path", str(path), "--check", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["num_chunks"] == 4
+    data_file = path / "data.mdb"
+    raw = bytearray(data_file.read_bytes())
+    tier_frame = _frame_bytes(path, keys[0])
+    position = raw.find(tier_frame)
+    raw[position + len(tier_frame) // 2] ^= 0x10
+    data_file.write_bytes(bytes(raw))
+    code, out, _ = run(["inspect", "--path", str(path), "--check"], capsys)
+    assert code == 1 and "1 problems" in out and keys[0].hex() in out
+
+
+def _frame_bytes(path: Path, key: bytes) -> bytes:
+    env = lmdb.open(str(path), max_dbs=8, readonly=True, lock=False)
+    with env.begin() as txn:
+        value = bytes(txn.get(frame_key(key, 0), db=env.open_db(b"payload", txn=txn)))  # type: ignore[arg-type]
+    env.close()
+    return value

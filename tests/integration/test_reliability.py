@@ -16,6 +16,7 @@ import torch
 
 from kvstore import KVLayout, LayoutMismatchError, StoreConfig, TieredStore
 from kvstore.errors import StorageError
+from kvstore.inspection import check_data_dir
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk_format import frame_key
 from tests.factories import make_kv, make_tokens
@@ -49,9 +50,7 @@ def test_kill_9_during_a_write_storm_loses_nothing_acknowledged_and_corrupts_not
         while seed < durable + 64:
             tokens, kv = sequence(seed)
             result = store.retrieve(store.lookup(tokens))
-            assert torch.equal(result.kv, kv[:, :, : result.num_tokens]), (
-                f"sequence {seed} read back different"
-            )
+            assert torch.equal(result.kv, kv[:, :, : result.num_tokens]), f"sequence {seed} read back different"
             if seed < durable:
                 assert result.num_tokens == TOKENS_PER_SEQUENCE, f"acknowledged sequence {seed} lost"
             num_present += result.num_tokens > 0
@@ -59,6 +58,8 @@ def test_kill_9_during_a_write_storm_loses_nothing_acknowledged_and_corrupts_not
         disk = store.stats().tier(TierName.DISK)
         assert disk is not None and disk.corrupt_reads == 0
         assert num_present >= durable
+    report = check_data_dir(data)
+    assert report.ok and report.num_unfinished_frames == 0, report.problems
 
 
 def _flip_byte_inside_frame(data_file: Path, frame_value: bytes, offset_in_value: int) -> None:
@@ -69,12 +70,8 @@ def _flip_byte_inside_frame(data_file: Path, frame_value: bytes, offset_in_value
     data_file.write_bytes(bytes(raw))
 
 
-def test_flipped_bytes_are_a_counted_miss_and_the_store_keeps_working(
-    tmp_path: Path, small_layout: KVLayout
-) -> None:
-    cfg = StoreConfig(
-        tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20
-    )
+def test_flipped_bytes_are_a_counted_miss_and_the_store_keeps_working(tmp_path: Path, small_layout: KVLayout) -> None:
+    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
     first_tokens, first_kv = make_tokens(512, 1), make_kv(small_layout, 512, 1)
     other_tokens, other_kv = make_tokens(256, 2), make_kv(small_layout, 256, 2)
     with TieredStore(small_layout, cfg) as store:
@@ -118,16 +115,13 @@ def test_writing_ten_times_the_cap_stays_under_it(tmp_path: Path, small_layout: 
         assert torch.equal(
             store.retrieve(store.lookup(make_tokens(256, newest))).kv, make_kv(small_layout, 256, newest)
         )
+    assert check_data_dir(tmp_path / "data").ok
     file_bytes = (tmp_path / "data" / "data.mdb").stat().st_size
     assert file_bytes <= 2 * cap + (64 << 20), f"data.mdb grew to {file_bytes} bytes for a {cap}-byte cap"
 
 
-def test_another_layout_or_chunk_size_on_the_same_data_dir_is_refused(
-    tmp_path: Path, small_layout: KVLayout
-) -> None:
-    cfg = StoreConfig(
-        tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20
-    )
+def test_another_layout_or_chunk_size_on_the_same_data_dir_is_refused(tmp_path: Path, small_layout: KVLayout) -> None:
+    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
     with TieredStore(small_layout, cfg) as store:
         store.store(make_tokens(256), make_kv(small_layout, 256))
     with pytest.raises(LayoutMismatchError, match="layout"):
@@ -137,9 +131,7 @@ def test_another_layout_or_chunk_size_on_the_same_data_dir_is_refused(
 
 
 def test_a_second_process_cannot_open_a_held_data_dir(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = StoreConfig(
-        tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20
-    )
+    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
     code = (
         "import sys; from pathlib import Path; from kvstore import *; from kvstore.tiers.base import TierName\n"
         f"layout = KVLayout.from_json({small_layout.to_json()!r})\n"
