@@ -1,5 +1,6 @@
 """Benchmarks behind ``kvstore bench``, each against a baseline measured in the same run."""
 
+from kvstore.bench.index import IndexBenchRow, run_index_benchmark
 from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
 
-__all__ = ["TierBenchOptions", "TierBenchRow", "run_tier_benchmark"]
+__all__ = ["IndexBenchRow", "TierBenchOptions", "TierBenchRow", "run_index_benchmark", "run_tier_benchmark"]

@@ -9,8 +9,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvstore.bench.index import run_index_benchmark
 from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
 from kvstore.config import parse_size, parse_tiers
+from kvstore.errors import ConfigError
 from kvstore.presets import PRESET_NAMES
 
 __all__ = ["bench_app"]
@@ -108,3 +110,34 @@ def _render(console: Console, rows: list[TierBenchRow]) -> None:
     console.print(table)
     for row in rows:
         console.print(f"{row.tier.value} {row.layout} {row.op}: baseline = {row.baseline}; {row.note}")
+
+
+@bench_app.command("index")
+def bench_index_command(
+    chunks: str = typer.Option("2200,220000", "--chunks", help="Comma-separated index sizes in chunks (1000000)."),
+    queries: int = typer.Option(200, "--queries", help="Queries (~15K tokens each) per size."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random documents and queries."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per size on stdout."),
+) -> None:
+    """Recall, false positives, coverage, match latency and memory of the content fingerprint index.
+
+    Examples:
+
+        kvstore bench index --json
+
+        kvstore bench index --chunks 1000000 --json
+    """
+    try:
+        sizes = [int(text) for text in chunks.split(",") if text.strip()]
+    except ValueError:
+        raise ConfigError(f"--chunks {chunks!r}: give comma-separated chunk counts, e.g. 2200,220000") from None
+    if not sizes or min(sizes) < 1 or queries < 1:
+        raise ConfigError("--chunks needs positive chunk counts and --queries a positive number")
+    console = Console(stderr=True)
+    for num_chunks in sizes:
+        with console.status(f"fingerprint index: {num_chunks:,} chunks"):
+            row = run_index_benchmark(num_chunks, queries, seed)
+        if as_json:
+            typer.echo(json.dumps(row.to_json_dict()))
+        else:
+            typer.echo("  ".join(f"{name}={value}" for name, value in row.to_json_dict().items()))

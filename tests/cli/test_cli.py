@@ -218,3 +218,15 @@ def _frame_bytes(path: Path, key: bytes) -> bytes:
         value = bytes(txn.get(frame_key(key, 0), db=env.open_db(b"payload", txn=txn)))  # type: ignore[arg-type]
     env.close()
     return value
+
+
+def test_bench_index_json_row(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["bench", "index", "--chunks", "120", "--queries", "5", "--json"], capsys)
+    (row,) = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and row["bench"] == "fingerprint_index" and row["chunks"] == 120
+    assert row["recall"] == 1.0 and row["false_positives"] == 0 and row["doc_coverage"] == 1.0
+    assert row["recall_after_evicting_10pct"] == 1.0 and row["bytes_per_chunk"] > 0
+    assert row["match_ms_median"] > 0 and row["baseline_ms_median"] > 0
+    code, _, err = run(["bench", "index", "--chunks", "0"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "positive")

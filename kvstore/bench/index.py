@@ -1,0 +1,173 @@
+"""FingerprintIndex on the issue-3 workload: recall, false positives, document coverage, match latency, memory.
+
+``kvstore bench index`` (and ``benchmarks/bench_index.py``) runs it. For N chunks: store N/12 documents of 3000
+random tokens (chunk 256 -> 12 chunks, the last one of 184 tokens), then match queries of a 30-token system
+prompt + 5 documents in random order joined by 4-token separators + a 20-token question (~15.1K tokens).
+
+* recall: full chunks found at their place with their key / full chunks placed in queries;
+* false_positives: matches whose query tokens differ from the stored chunk's (must be 0);
+* doc_coverage: document tokens covered by correct matches / document tokens in queries (partial chunks count);
+* match_ms_median / match_ms_p99: ``FingerprintIndex.match`` per query, queries matched back to back;
+* match_ms_median_cold / match_ms_p99_cold: the same after sweeping 64 MiB through the caches before each of
+  50 queries (the index's arrays start out of cache, as after a model step);
+* register_tokens_per_s: stored tokens / time of all ``register`` calls;
+* baseline_ms_median, match_to_baseline_ratio: the numba rolling hash alone over the same queries (the
+  hashing floor of any probe), measured in the same run because these machines are shared and noisy;
+* bytes_per_chunk: ``memory_bytes / len(index)``;
+* recall_after_evicting_10pct: remove a random 10% of chunks (one ``remove`` call), recall over the chunks left;
+  the run fails if a removed chunk is ever returned.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.blend import FingerprintIndex
+from kvstore.blend.rolling_hash import rolling_fingerprints
+from kvstore.keys import PrefixKey
+
+__all__ = ["IndexBenchRow", "run_index_benchmark"]
+
+CHUNK_TOKENS = 256
+DOCUMENT_TOKENS = 3000
+CHUNKS_PER_DOCUMENT = -(-DOCUMENT_TOKENS // CHUNK_TOKENS)
+DOCUMENTS_PER_QUERY = 5
+VOCAB = 128_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IndexBenchRow:
+    """One measured index size; every field is described in the module docstring."""
+
+    chunks: int
+    queries: int
+    query_tokens: int
+    recall: float
+    false_positives: int
+    doc_coverage: float
+    match_ms_median: float
+    match_ms_p99: float
+    baseline: str
+    baseline_ms_median: float
+    match_to_baseline_ratio: float
+    match_ms_median_cold: float
+    match_ms_p99_cold: float
+    register_tokens_per_s: int
+    bytes_per_chunk: float
+    recall_after_evicting_10pct: float
+
+    def to_json_dict(self) -> dict[str, str | int | float]:
+        return {"bench": "fingerprint_index"} | {name: getattr(self, name) for name in self.__slots__}
+
+
+def _percentile(samples: list[float], ratio: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(ratio * len(ordered)))]
+
+
+def run_index_benchmark(num_chunks: int, num_queries: int = 200, seed: int = 0) -> IndexBenchRow:
+    """Build an index of about ``num_chunks`` chunks and measure it (see the module docstring for each field)."""
+    rng = np.random.default_rng(seed)
+    num_documents = max(DOCUMENTS_PER_QUERY, num_chunks // CHUNKS_PER_DOCUMENT)
+    documents = rng.integers(0, VOCAB, size=(num_documents, DOCUMENT_TOKENS)).astype(np.uint32)
+    raw_keys = rng.bytes(16 * num_documents * CHUNKS_PER_DOCUMENT)
+    keys = [
+        [PrefixKey(raw_keys[16 * (d * CHUNKS_PER_DOCUMENT + c) : 16 * (d * CHUNKS_PER_DOCUMENT + c + 1)])
+         for c in range(CHUNKS_PER_DOCUMENT)]
+        for d in range(num_documents)
+    ]  # fmt: skip
+    warm_up = FingerprintIndex()  # load the numba kernels outside the timings
+    warm_up.register(documents[0], keys[0], CHUNK_TOKENS)
+    warm_up.match(documents[0], CHUNK_TOKENS)
+    index = FingerprintIndex()
+    started = time.perf_counter()
+    for document, document_keys in zip(documents, keys, strict=True):
+        index.register(document, document_keys, CHUNK_TOKENS)
+    register_s = time.perf_counter() - started
+
+    queries = []
+    for _ in range(num_queries):
+        chosen = rng.choice(num_documents, size=DOCUMENTS_PER_QUERY, replace=False).tolist()
+        parts, placed = [rng.integers(0, VOCAB, 30).astype(np.uint32)], []
+        position = 30
+        for document_idx in chosen:
+            placed.append((position, document_idx))
+            parts += [documents[document_idx], rng.integers(0, VOCAB, 4).astype(np.uint32)]
+            position += DOCUMENT_TOKENS + 4
+        parts[-1] = rng.integers(0, VOCAB, 20).astype(np.uint32)
+        queries.append((np.concatenate(parts), placed))
+
+    def score(removed: set[PrefixKey]) -> tuple[float, int, float, list[float]]:
+        latencies_ms, results = [], []
+        for query, _ in queries:  # back to back, as a scheduler looking up a batch would
+            started = time.perf_counter()
+            results.append(index.match(query, CHUNK_TOKENS))
+            latencies_ms.append((time.perf_counter() - started) * 1e3)
+        found = expected = false_positives = covered = 0
+        for (query, placed), matches in zip(queries, results, strict=True):
+            assert not removed & {m.key for m in matches}, "a removed chunk was returned"
+            by_start = {m.query_start: m for m in matches}
+            for match in matches:
+                stored = location[match.key]
+                source = documents[stored[0], match.source_start : match.source_start + match.num_tokens]
+                false_positives += int(
+                    not np.array_equal(query[match.query_start : match.query_start + match.num_tokens], source)
+                )
+            for position, document_idx in placed:
+                for chunk_idx, key in enumerate(keys[document_idx]):
+                    hit = by_start.get(position + chunk_idx * CHUNK_TOKENS)
+                    is_hit = hit is not None and hit.key == key
+                    covered += hit.num_tokens if is_hit and hit is not None else 0
+                    if chunk_idx < CHUNKS_PER_DOCUMENT - 1 and key not in removed:
+                        expected += 1
+                        found += int(is_hit)
+        coverage = covered / (len(queries) * DOCUMENTS_PER_QUERY * DOCUMENT_TOKENS)
+        return found / max(1, expected), false_positives, coverage, latencies_ms
+
+    def cold_latencies_ms() -> list[float]:
+        """Each match after sweeping 64 MiB through the caches: the index's arrays start out of L2/L3."""
+        sweep = np.ones(8 * 2**20)
+        samples = []
+        for query, _ in queries[:50]:
+            sweep += 1.0
+            started = time.perf_counter()
+            index.match(query, CHUNK_TOKENS)
+            samples.append((time.perf_counter() - started) * 1e3)
+        return samples
+
+    location = {key: (d, c) for d, document_keys in enumerate(keys) for c, key in enumerate(document_keys)}
+    recall, false_positives, coverage, latencies_ms = score(set())
+    baseline_ms = []
+    for query, _ in queries:
+        started = time.perf_counter()
+        rolling_fingerprints(query, CHUNK_TOKENS)
+        baseline_ms.append((time.perf_counter() - started) * 1e3)
+    cold_ms = cold_latencies_ms()
+    bytes_per_chunk = index.memory_bytes / len(index)
+    all_keys = [key for document_keys in keys for key in document_keys]
+    victims = {all_keys[i] for i in rng.choice(len(all_keys), size=len(all_keys) // 10, replace=False).tolist()}
+    removed_count = index.remove(victims)
+    assert removed_count == len(victims), (removed_count, len(victims))
+    recall_after, false_positives_after, _, _ = score(victims)
+    return IndexBenchRow(
+        chunks=len(all_keys),
+        queries=num_queries,
+        query_tokens=int(queries[0][0].shape[0]),
+        recall=round(recall, 6),
+        false_positives=false_positives + false_positives_after,
+        doc_coverage=round(coverage, 6),
+        match_ms_median=round(statistics.median(latencies_ms), 4),
+        match_ms_p99=round(_percentile(latencies_ms, 0.99), 4),
+        baseline="numba rolling hash of every window of the query (the hashing floor), same run",
+        baseline_ms_median=round(statistics.median(baseline_ms), 4),
+        match_to_baseline_ratio=round(statistics.median(latencies_ms) / statistics.median(baseline_ms), 1),
+        match_ms_median_cold=round(statistics.median(cold_ms), 4),
+        match_ms_p99_cold=round(_percentile(cold_ms, 0.99), 4),
+        register_tokens_per_s=round(num_documents * DOCUMENT_TOKENS / register_s),
+        bytes_per_chunk=round(bytes_per_chunk, 2),
+        recall_after_evicting_10pct=round(recall_after, 6),
+    )
