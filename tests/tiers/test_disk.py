@@ -67,6 +67,17 @@ def bits(kv: torch.Tensor) -> torch.Tensor:
     return kv.contiguous().view(torch.uint8)
 
 
+def put_chunks(
+    tier: DiskTier, layout: KVLayout, num_tokens: int, seed: int = 0, kv_seed: int = 0
+) -> tuple[list[ChunkRecord], list[torch.Tensor]]:
+    """Put the chunks of a random ``num_tokens``-token sequence; returns their records and KV."""
+    records = chunk_records(layout, num_tokens, seed)
+    kvs = chunk_kvs(layout, records, kv_seed)
+    for record, kv in zip(records, kvs, strict=True):
+        tier.put(record, kv)
+    return records, kvs
+
+
 def read(tier: DiskTier, key: PrefixKey, like: torch.Tensor) -> torch.Tensor | None:
     out = torch.full_like(like, 7.0)
     return out if tier.get_into(key, out) else None
@@ -128,10 +139,7 @@ def test_reopen_serves_everything_with_metadata_tokens_and_lru_order(
 ) -> None:
     clock = FakeClock()
     tier = open_tier(clock=clock)
-    records = chunk_records(small_layout, 4 * CHUNK + 3, seed=1)
-    kvs = chunk_kvs(small_layout, records, seed=10)
-    for record, kv in zip(records, kvs, strict=True):
-        tier.put(record, kv)
+    records, kvs = put_chunks(tier, small_layout, 4 * CHUNK + 3, seed=1, kv_seed=10)
     tier.flush()
     assert read(tier, records[1].key, kvs[1]) is not None  # touched: now the most recent
     order = tier.keys()
@@ -172,10 +180,7 @@ def _same_record(got: ChunkRecord | None, want: ChunkRecord) -> bool:
 def test_last_access_times_persist_lazily(open_tier: OpenTier, small_layout: KVLayout) -> None:
     clock = FakeClock()
     tier = open_tier(clock=clock)
-    records = chunk_records(small_layout, 3 * CHUNK, seed=2)
-    kvs = chunk_kvs(small_layout, records)
-    for record, kv in zip(records, kvs, strict=True):
-        tier.put(record, kv)
+    records, kvs = put_chunks(tier, small_layout, 3 * CHUNK, seed=2)
     tier.flush()
     read(tier, records[0].key, kvs[0])
     hit_ns = clock.now_ns
@@ -223,10 +228,7 @@ def test_other_process_is_refused_as_writer_but_reads_read_only(
     open_tier: OpenTier, tmp_path: Path, small_layout: KVLayout
 ) -> None:
     tier = open_tier()
-    records = chunk_records(small_layout, 2 * CHUNK, seed=3)
-    kvs = chunk_kvs(small_layout, records)
-    for record, kv in zip(records, kvs, strict=True):
-        tier.put(record, kv)
+    records, kvs = put_chunks(tier, small_layout, 2 * CHUNK, seed=3)
     tier.flush()
     script = textwrap.dedent(
         f"""
@@ -453,10 +455,7 @@ def test_flipped_byte_in_data_mdb_is_a_counted_miss(
     open_tier: OpenTier, tmp_path: Path, small_layout: KVLayout, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = open_tier()
-    records = chunk_records(small_layout, 4 * CHUNK, seed=8)
-    kvs = chunk_kvs(small_layout, records)
-    for record, kv in zip(records, kvs, strict=True):
-        tier.put(record, kv)
+    records, kvs = put_chunks(tier, small_layout, 4 * CHUNK, seed=8)
     tier.close()
     env = lmdb.open(str(tmp_path / "data"), readonly=True, lock=False, max_dbs=4)
     with env.begin() as txn:
@@ -490,10 +489,7 @@ def test_flipped_byte_in_a_meta_record_drops_only_that_chunk(
     open_tier: OpenTier, tmp_path: Path, small_layout: KVLayout
 ) -> None:
     tier = open_tier()
-    records = chunk_records(small_layout, 3 * CHUNK, seed=9)
-    kvs = chunk_kvs(small_layout, records)
-    for record, kv in zip(records, kvs, strict=True):
-        tier.put(record, kv)
+    records, _ = put_chunks(tier, small_layout, 3 * CHUNK, seed=9)
     tier.close()
     data_file = tmp_path / "data" / "data.mdb"
     raw = bytearray(data_file.read_bytes())

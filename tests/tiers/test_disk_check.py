@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -41,9 +43,15 @@ def check(path: Path, layout: KVLayout):  # type: ignore[no-untyped-def]
         tier.close()
 
 
-def payload(path: Path) -> tuple[lmdb.Environment, lmdb._Database]:
+@contextlib.contextmanager
+def edit_payload(path: Path) -> Iterator[tuple[lmdb.Transaction, lmdb._Database]]:
+    """A write transaction on the data dir's frames, behind the tier's back (to plant defects)."""
     env = lmdb.open(str(path), max_dbs=8)
-    return env, env.open_db(b"payload")
+    try:
+        with env.begin(write=True) as txn:
+            yield txn, env.open_db(b"payload", txn=txn)
+    finally:
+        env.close()
 
 
 def test_a_clean_data_dir_checks_clean(data_dir: tuple[Path, list[bytes]], small_layout: KVLayout) -> None:
@@ -57,13 +65,11 @@ def test_a_flipped_byte_and_a_missing_frame_are_reported(
     data_dir: tuple[Path, list[bytes]], small_layout: KVLayout
 ) -> None:
     path, keys = data_dir
-    env, db = payload(path)
-    with env.begin(write=True) as txn:
+    with edit_payload(path) as (txn, db):
         value = bytearray(txn.get(frame_key(keys[0], 1), db=db))
         value[len(value) // 2] ^= 0x01
         txn.put(frame_key(keys[0], 1), bytes(value), db=db)
         txn.delete(frame_key(keys[2], 0), db=db)
-    env.close()
     report = check(path, small_layout)
     assert not report.ok and report.num_problems == 2
     assert any(keys[0].hex() in line and "frame 1 is corrupt" in line for line in report.problems)
@@ -74,11 +80,9 @@ def test_frames_of_no_chunk_are_counted_not_problems(
     data_dir: tuple[Path, list[bytes]], small_layout: KVLayout
 ) -> None:
     path, keys = data_dir
-    env, db = payload(path)
-    with env.begin(write=True) as txn:
+    with edit_payload(path) as (txn, db):
         txn.put(frame_key(bytes(16 * [7]), 0), np.arange(100, dtype=np.uint8).tobytes(), db=db)  # type: ignore[arg-type]
         txn.put(frame_key(keys[1], 5), b"stray", db=db)
-    env.close()
     report = check(path, small_layout)
     assert report.num_unfinished_frames == 1
     assert report.problems == (f"chunk {keys[1].hex()}: stray frame 5",)
