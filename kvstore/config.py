@@ -87,7 +87,14 @@ class StoreConfig:
         disk_capacity_bytes: hard cap on the disk tier's stored (compressed) bytes.
         disk_zstd_level: zstd level of the disk codec (1 is the measured sweet spot).
         disk_codec_threads: threads that compress and decompress disk frames.
-        promote_on_hit: copy a chunk found in a slower tier into the next faster one on retrieve.
+        promote_on_hit: move hits up a tier: disk hits are prefetched into the cpu tier at lookup, cpu hits are
+            copied into the gpu tier after retrieve.
+        enable_blend: keep a content fingerprint index so a lookup also finds cached chunks at any offset of the
+            prompt (blend segments; the engine must re-rotate and blend them).
+        enable_segmented_prefix: a chunk missing or failing in the middle of a prefix hit becomes a gap; the exact
+            chunks after it are kept (without it the prefix is cut at the gap).
+        enable_dedup_content: a chunk whose content is already stored under another prefix is recorded as an alias
+            of that copy instead of a second payload (needs ``enable_blend``).
     """
 
     tiers: tuple[TierName, ...] = (TierName.CPU, TierName.DISK)
@@ -100,6 +107,9 @@ class StoreConfig:
     disk_zstd_level: int = 1
     disk_codec_threads: int = 2
     promote_on_hit: bool = True
+    enable_blend: bool = False
+    enable_segmented_prefix: bool = False
+    enable_dedup_content: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", tuple(TierName(t) for t in self.tiers))
@@ -110,5 +120,9 @@ class StoreConfig:
         for name in ("gpu_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} cannot be negative")
+        if self.enable_dedup_content and not self.enable_blend:
+            raise ConfigError(
+                "enable_dedup_content needs enable_blend: deduplicated chunks are found through the content index"
+            )
         if self.disk_codec_threads < 1:
             raise ConfigError(f"disk_codec_threads={self.disk_codec_threads} must be at least 1")

@@ -25,6 +25,7 @@ __all__ = [
     "PrefixKey",
     "TokenArray",
     "as_token_array",
+    "chained_key",
     "key_from_hex",
     "num_chunks",
     "prefix_keys",
@@ -85,13 +86,25 @@ def prefix_keys(namespace: Namespace, tokens: TokenArray, chunk_size: int) -> li
         raise ConfigError(f"chunk_size={chunk_size} must be a positive number of tokens, e.g. 256")
     data = memoryview(tokens.astype("<u4", copy=False).tobytes())
     step = chunk_size * 4
-    digest = xxhash.xxh3_128_digest
     keys: list[PrefixKey] = []
-    previous = bytes(namespace)
+    previous: bytes = namespace
     for offset in range(0, len(data), step):
-        previous = digest(previous + data[offset : offset + step])
+        previous = _chain(previous, data[offset : offset + step])
         keys.append(PrefixKey(previous))
     return keys
+
+
+def chained_key(previous: bytes, chunk_tokens: TokenArray) -> PrefixKey:
+    """Key of a chunk following the chunk keyed ``previous`` (or the namespace, for chunk 0).
+
+    Lets a lookup test whether a stored chunk of any length (a partial last chunk included) is exact at a prompt
+    position: its key equals the prompt's chain extended by the same tokens.
+    """
+    return PrefixKey(_chain(previous, memoryview(chunk_tokens.astype("<u4", copy=False).tobytes())))
+
+
+def _chain(previous: bytes, chunk_bytes: memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(previous + chunk_bytes)
 
 
 def key_from_hex(text: str) -> PrefixKey:

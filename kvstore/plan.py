@@ -1,17 +1,26 @@
-"""Values a lookup returns and a retrieve consumes.
+"""Values a lookup returns and a retrieve consumes: the *plan* of a prompt.
 
-A ``PrefixLookup`` says how many leading tokens of a prompt are cached and where each chunk sits::
+A plan says which ranges of a prompt have cached KV, whose KV it is, and which ranges the engine must compute::
 
-    prompt:  | chunk 0 (cpu) | chunk 1 (disk) | chunk 2 (gpu) | not cached ...... |
-             0               256              512             768
-             <------------ num_cached_tokens = 768 ---------->
+    prompt:  | seg 0 (exact, cpu) | seg 1 (exact, disk) | gap | seg 2 (blend, gpu) | gap ............. |
+             0                    256                   512  520                  776               1030
 
-The chunks it lists are pinned in their tiers until the lookup is retrieved or released, so a retrieve never finds
-them gone. Values are immutable and safe to share between threads.
+- An **exact** segment comes from the prefix leg: its prefix key equals the prompt's own key at that chunk, so
+  its KV was computed for the same tokens at the same positions and can be used as is.
+- A **blend** segment (``exact=False``) comes from the match leg (the content fingerprint index) or from a
+  dedup-content alias: the same tokens, computed at ``source_start`` after other preceding tokens. The engine
+  rotates its K by ``rope_delta`` and recomputes a selection of its tokens (CacheBlend).
+- **Gaps** are everything else: computed from scratch.
+
+The chunks of a plan are pinned in their tiers until the plan is retrieved or released, or its session ends, so a
+retrieve never finds them gone. Disk-resident chunks are prefetched into the cpu tier in the background:
+``plan.ready`` polls, ``plan.wait()`` blocks, and ``retrieve`` waits by itself. Values are immutable and safe to
+share between threads.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 
 import torch
@@ -19,65 +28,156 @@ import torch
 from kvstore.keys import PrefixKey
 from kvstore.tiers.base import TierName
 
-__all__ = ["CachedChunk", "PrefixLookup", "RetrieveResult", "StoreResult"]
+__all__ = ["Gap", "LookupPlan", "RetrieveResult", "Segment", "StoreResult"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CachedChunk:
-    """One cached chunk of a prompt.
+class Segment:
+    """A range of the prompt whose KV one cached chunk provides.
 
     Args:
-        key: the chunk's prefix key.
-        start: position of its first token in the prompt.
-        num_tokens: tokens in the chunk.
-        tier: the fastest tier that held it at lookup time (where it is pinned).
+        start: position of the segment's first token in the prompt.
+        num_tokens: tokens in the segment (the chunk's length).
+        key: prefix key of the stored chunk whose KV is used.
+        source_start: position the chunk's KV was computed at.
+        exact: the KV was computed for these tokens after the same preceding tokens (a prefix-key hit); when
+            ``False`` the engine must re-rotate and blend.
+        tier: the fastest tier that held the chunk at lookup time (where it is pinned).
     """
 
-    key: PrefixKey
     start: int
     num_tokens: int
+    key: PrefixKey
+    source_start: int
+    exact: bool
     tier: TierName
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
+    @property
+    def rope_delta(self) -> int:
+        """Positions to rotate the cached K by: ``start - source_start``."""
+        return self.start - self.source_start
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PrefixLookup:
-    """The cached prefix of a prompt; pins its chunks until retrieved or released.
+class Gap:
+    """A range of the prompt with no cached KV: ``[start, end)`` must be computed."""
+
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def gaps_between(segments: tuple[Segment, ...], num_query_tokens: int) -> tuple[Gap, ...]:
+    """The ranges of ``[0, num_query_tokens)`` no segment covers (segments sorted, non-overlapping)."""
+    gaps: list[Gap] = []
+    cursor = 0
+    for segment in segments:
+        if segment.start > cursor:
+            gaps.append(Gap(start=cursor, end=segment.start))
+        cursor = segment.end
+    if cursor < num_query_tokens:
+        gaps.append(Gap(start=cursor, end=num_query_tokens))
+    return tuple(gaps)
+
+
+def exact_prefix_tokens(segments: tuple[Segment, ...]) -> int:
+    """Tokens covered from position 0 by contiguous exact segments: what a prefix-only engine can skip."""
+    cursor = 0
+    for segment in segments:
+        if not segment.exact or segment.start != cursor:
+            break
+        cursor = segment.end
+    return cursor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LookupPlan:
+    """What of a prompt is cached, where, and what must be computed.
 
     Args:
-        lookup_id: the store's handle for the pins this lookup holds.
+        plan_id: the store's handle for the pins this plan holds.
+        session_id: the session whose end releases the plan (``None``: only retrieve or release do).
         num_query_tokens: length of the prompt that was looked up.
-        chunks: the cached leading chunks, in order, contiguous from position 0.
+        segments: cached ranges, sorted by ``start``, non-overlapping.
+        prefetches: one future per disk-resident segment being copied into the cpu tier; each resolves to whether
+            the copy landed (a ``False`` is harmless: retrieve then reads the disk directly).
     """
 
-    lookup_id: int
+    plan_id: int
+    session_id: str | None
     num_query_tokens: int
-    chunks: tuple[CachedChunk, ...]
+    segments: tuple[Segment, ...]
+    prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
+
+    @property
+    def gaps(self) -> tuple[Gap, ...]:
+        return gaps_between(self.segments, self.num_query_tokens)
 
     @property
     def num_cached_tokens(self) -> int:
-        return self.chunks[-1].end if self.chunks else 0
+        """Tokens some segment covers (exact or blend)."""
+        return sum(segment.num_tokens for segment in self.segments)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Leading tokens covered by exact segments without a gap."""
+        return exact_prefix_tokens(self.segments)
+
+    @property
+    def end(self) -> int:
+        """End of the last segment (0 when nothing is cached): the tokens a retrieve buffer must hold."""
+        return self.segments[-1].end if self.segments else 0
+
+    @property
+    def ready(self) -> bool:
+        """Whether every background prefetch has finished (poll this, or ``wait``)."""
+        return all(future.done() for future in self.prefetches)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the prefetches finish or ``timeout`` seconds pass; returns ``ready``."""
+        concurrent.futures.wait(self.prefetches, timeout=timeout)
+        return self.ready
 
     def num_tokens_in(self, tier: TierName) -> int:
         """Cached tokens that were found in ``tier``."""
-        return sum(chunk.num_tokens for chunk in self.chunks if chunk.tier is tier)
+        return sum(segment.num_tokens for segment in self.segments if segment.tier is tier)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetrieveResult:
-    """KV loaded for a lookup.
+    """KV loaded for a plan.
 
     Args:
-        num_tokens: tokens actually loaded from position 0; less than the lookup promised only when a chunk turned
-            out corrupt on disk (the prefix is cut there and the loss is counted).
-        kv: ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (a view of the caller's buffer when one was given).
+        segments: the segments whose KV was loaded (a chunk that turned out corrupt on disk is missing here and
+            its range is a gap; without segmented prefix the exact segments after it are dropped too).
+        num_query_tokens: length of the prompt.
+        kv: ``[num_layers, 2, end, num_kv_heads, head_dim]`` where ``end`` is the last loaded segment's end; gaps
+            are left as they were (a view of the caller's buffer when one was given).
     """
 
-    num_tokens: int
+    segments: tuple[Segment, ...]
+    num_query_tokens: int
     kv: torch.Tensor
+
+    @property
+    def gaps(self) -> tuple[Gap, ...]:
+        return gaps_between(self.segments, self.num_query_tokens)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Leading tokens loaded from exact segments without a gap."""
+        return exact_prefix_tokens(self.segments)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(segment.num_tokens for segment in self.segments)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,8 +188,11 @@ class StoreResult:
         num_chunks: chunks the tokens split into.
         num_new_chunks: chunks that were not cached before and were written.
         num_rejected_chunks: chunks no tier could take because everything resident was pinned.
+        num_aliased_chunks: new chunks whose content was already stored under another key (dedup-content): recorded
+            as aliases of that copy instead of a second payload.
     """
 
     num_chunks: int
     num_new_chunks: int
     num_rejected_chunks: int = 0
+    num_aliased_chunks: int = 0

@@ -1,23 +1,31 @@
-"""``TieredStore``: the public entry point that splits KV into chunks and moves them between tiers.
+"""``TieredStore``: the public entry point that splits KV into chunks, moves them between tiers and plans lookups.
 
-Data flows one way: engine -> ``TieredStore`` -> tiers. The store owns the tiers and wires them together:
+Data flows one way: engine -> ``TieredStore`` -> tiers (and -> the content catalog). The store wires them:
 
-- **store**: chunks go to the fastest tier that has room; when a disk tier exists each new chunk is also written
-  through to it asynchronously (the disk writer reads the pinned cpu slot directly, or a staging copy), so the cache
-  survives a restart without the caller waiting for zstd or LMDB.
+- **store**: chunks go to the fastest tier that has room; with a disk tier each new chunk is also written through
+  asynchronously (the disk writer reads the pinned cpu slot directly, or a staging copy), so the cache survives a
+  restart without the caller waiting for zstd or LMDB. With blending on, the committed chunks are then registered
+  by content on a worker thread; they stay pinned (shielded from eviction) until that is done.
 - **eviction demotes**: a tier that needs room spills its least recently used chunk into the next slower tier
   (gpu -> cpu -> disk); a chunk the disk already holds is simply dropped from memory.
-- **lookup** walks the prompt's prefix keys and pins each chunk in the fastest tier holding it.
-- **retrieve** copies the pinned chunks into the caller's buffer (or a new tensor) and, when ``promote_on_hit`` is
-  set, promotes disk hits into the cpu tier (decoding straight into the slot) and cpu hits into the gpu tier.
+- **lookup** builds a plan (``kvstore.plan``): the prefix leg walks the prompt's prefix keys (exact segments; a
+  missing chunk cuts the prefix, or becomes a gap with segmented prefix; a dedup alias gives a blend segment);
+  the match leg finds stored chunks anywhere else in the prompt by content (blend segments). Every planned chunk
+  is pinned in the fastest tier holding it; disk-only chunks are prefetched into the cpu tier in the background.
+- **retrieve** waits for the plan's prefetches, copies each segment's KV to its place in the caller's buffer (or
+  a new tensor), drops the plan's pins and promotes cpu hits into the gpu tier.
+- **sessions**: a plan belongs to the session that asked for it; ``end_session`` (or a ``Session`` leaving its
+  ``with`` block, or being garbage-collected) drops the pins of every plan it did not retrieve.
 
-Threads: any number of callers. Each tier guards its own state; the store's ``_lookups_lock`` guards
-``_open_lookups`` and ``_next_lookup_id`` and ``_scratch_lock`` guards the decode buffer used when no cpu tier exists.
-No lock is held while calling into a tier, so locks never nest across tiers.
+Threads: any number of callers. Each tier guards its own state, the pin ledger its own, the catalog its own;
+``_scratch_lock`` guards the decode buffer for disk reads into non-contiguous or device buffers. No lock is held
+while calling into a tier, so locks never nest across tiers.
 """
 
 from __future__ import annotations
 
+import bisect
+import concurrent.futures
 import enum
 import logging
 import threading
@@ -29,11 +37,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency, SequenceChunk
+from kvstore.blend.index import Match
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
-from kvstore.keys import PrefixKey, as_token_array, prefix_keys
+from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, prefix_keys
 from kvstore.layout import KVLayout
-from kvstore.plan import CachedChunk, PrefixLookup, RetrieveResult, StoreResult
+from kvstore.plan import LookupPlan, RetrieveResult, Segment, StoreResult
+from kvstore.prefetch import Prefetcher
+from kvstore.sessions import Pin, PinLedger, Session
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.cpu import CpuTier
@@ -45,6 +57,10 @@ __all__ = ["StoreStats", "TieredStore"]
 logger = logging.getLogger(__name__)
 
 
+def _no_op() -> None:
+    pass
+
+
 class _Lifecycle(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
@@ -52,29 +68,31 @@ class _Lifecycle(enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreStats:
-    """Counters of the store and each of its tiers (fastest first)."""
+    """Counters of the store, each of its tiers (fastest first) and, with blending on, its content catalog."""
 
     tiers: tuple[TierStats, ...]
-    num_open_lookups: int
+    num_open_plans: int
+    num_sessions: int
+    catalog: CatalogStats | None = None
 
     def tier(self, name: TierName) -> TierStats | None:
         return next((stats for stats in self.tiers if stats.tier is name), None)
 
 
 class TieredStore:
-    """KV chunks in gpu/cpu/disk tiers, found by prefix key.
+    """KV chunks in gpu/cpu/disk tiers, found by prefix key and (with blending on) by content.
 
     Example::
 
         layout = KVLayout(model_id="my-model", num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16")
         with TieredStore(layout, StoreConfig(disk_path=Path("kvstore-data"))) as store:
             store.store(tokens, kv)                     # kv: [30, 2, len(tokens), 3, 64] bf16
-            lookup = store.lookup(tokens + more_tokens)
-            result = store.retrieve(lookup)             # result.kv: the cached prefix's KV
+            plan = store.lookup(tokens + more_tokens)
+            result = store.retrieve(plan)               # result.kv: the cached prefix's KV
 
     Args:
         layout: the model's KV layout; every chunk must have it (a data dir keeps the one it was created with).
-        config: tiers, sizes and the data dir.
+        config: tiers, sizes, the data dir and the blend features.
     """
 
     def __init__(self, layout: KVLayout, config: StoreConfig | None = None) -> None:
@@ -85,22 +103,24 @@ class TieredStore:
         self._cpu: CpuTier | None = None
         self._disk: DiskTier | None = None
         self._tiers: list[Tier] = []
-        self._lookups_lock = threading.Lock()
-        self._open_lookups: dict[int, PrefixLookup] = {}
-        self._next_lookup_id = 1
+        self._ledger = PinLedger()
+        self._catalog: ContentCatalog | None = None
+        self._prefetcher: Prefetcher | None = None
         self._scratch_lock = threading.Lock()
         self._scratch: torch.Tensor | None = None
         try:
             self._open_tiers()
+            self._open_content()
         except BaseException:
-            self._close_tiers()
+            self._shutdown()
             raise
         self._lifecycle = _Lifecycle.OPEN
         logger.info(
-            "store open: %s, tiers %s, chunk %d tokens",
+            "store open: %s, tiers %s, chunk %d tokens%s",
             layout.describe(),
             ",".join(t.name.value for t in self._tiers),
             self.config.chunk_size,
+            ", blend" if self._catalog is not None else "",
         )
 
     def _open_tiers(self) -> None:
@@ -115,9 +135,7 @@ class TieredStore:
                 num_codec_threads=config.disk_codec_threads,
             )
         if TierName.CPU in config.tiers:
-            self._cpu = CpuTier(
-                self.layout, config.chunk_size, config.cpu_capacity_bytes, spill=self._spill_to_disk
-            )
+            self._cpu = CpuTier(self.layout, config.chunk_size, config.cpu_capacity_bytes, spill=self._spill_to_disk)
         if TierName.GPU in config.tiers:
             self._gpu = GpuTier(
                 self.layout,
@@ -127,6 +145,25 @@ class TieredStore:
                 spill=self._spill_to_cpu,
             )
         self._tiers = [tier for tier in (self._gpu, self._cpu, self._disk) if tier is not None]
+        if self._disk is not None and self._cpu is not None and config.promote_on_hit:
+            self._prefetcher = Prefetcher(self._disk, self._cpu, self._ledger)
+
+    def _open_content(self) -> None:
+        if not self.config.enable_blend:
+            return
+        residency = Residency(is_resident=self._is_resident, in_transit=self._in_transit)
+        self._catalog = ContentCatalog(
+            self.config.chunk_size, residency, dedup_content=self.config.enable_dedup_content
+        )
+        if self._disk is not None:
+            disk = self._disk
+            chunks = (
+                SequenceChunk(key=c.key, parent_key=c.parent_key, source_start=c.source_start, tokens=c.tokens)
+                for c in disk.iter_records()
+            )
+            num_indexed = self._catalog.rebuild(chunks)
+            if num_indexed:
+                logger.info("content index rebuilt from %s: %d chunks", self.config.disk_path, num_indexed)
 
     # -- demotion ---------------------------------------------------------------------------------------------
 
@@ -152,7 +189,7 @@ class TieredStore:
             kv: ``[num_layers, 2, len(tokens), num_kv_heads, head_dim]`` in the layout's dtype, on the cpu or a GPU.
 
         Returns:
-            How many chunks were new.
+            How many chunks were new, rejected (every tier pinned full) or recorded as dedup aliases.
 
         Raises:
             InvalidInputError: the KV does not match the tokens or the layout.
@@ -164,32 +201,54 @@ class TieredStore:
             raise InvalidInputError(f"kv is on device {kv.device}; hand over a cpu or cuda tensor")
         chunk_size = self.config.chunk_size
         keys = prefix_keys(self._namespace, token_array, chunk_size)
-        num_new = num_rejected = 0
+        catalog = self._catalog
+        dedup = catalog.dedup_targets(token_array) if catalog is not None else []
+        committed = [False] * len(keys)  # resident after this call, so its content may be registered
+        shields: list[Pin] = []
+        num_new = num_rejected = num_aliased = 0
         for index, key in enumerate(keys):
-            if any(tier.contains(key) for tier in self._tiers):
+            if self._is_resident(key):
+                committed[index] = True
+                continue
+            if catalog is not None and catalog.is_alias(key):
+                continue
+            if index < len(dedup) and (target := dedup[index]) is not None and target.key != key:
+                assert catalog is not None
+                catalog.add_alias(key, target)
+                num_aliased += 1
                 continue
             start = index * chunk_size
             end = min(start + chunk_size, len(token_array))
-            record = ChunkRecord(key=key, source_start=start, tokens=token_array[start:end])
-            if self._put_new_chunk(record, kv[:, :, start:end]):
-                num_new += 1
-            else:
+            parent = keys[index - 1] if index else None
+            record = ChunkRecord(key=key, source_start=start, tokens=token_array[start:end], parent_key=parent)
+            tier = self._put_new_chunk(record, kv[:, :, start:end])
+            if tier is None:
                 num_rejected += 1
+                continue
+            num_new += 1
+            committed[index] = True
+            if catalog is not None and tier.pin(key):
+                shields.append((tier, key))  # shielded from eviction until its registration has run
         if num_rejected:
-            logger.warning(
-                "store: %d of %d chunks rejected, every tier is pinned full", num_rejected, len(keys)
-            )
-        return StoreResult(num_chunks=len(keys), num_new_chunks=num_new, num_rejected_chunks=num_rejected)
+            logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, len(keys))
+        if catalog is not None:
+            self._register_runs(catalog, token_array, keys, committed, shields)
+        return StoreResult(
+            num_chunks=len(keys),
+            num_new_chunks=num_new,
+            num_rejected_chunks=num_rejected,
+            num_aliased_chunks=num_aliased,
+        )
 
-    def _put_new_chunk(self, record: ChunkRecord, kv: torch.Tensor) -> bool:
+    def _put_new_chunk(self, record: ChunkRecord, kv: torch.Tensor) -> Tier | None:
         """Put into the fastest tier with room, then write through to disk off the caller's path."""
         for tier in self._tiers:
             if not tier.put(record, kv):
                 continue
             if self._disk is not None and tier is not self._disk:
                 self._write_through(tier, record, kv)
-            return True
-        return False
+            return tier
+        return None
 
     def _write_through(self, tier: Tier, record: ChunkRecord, kv: torch.Tensor) -> None:
         assert self._disk is not None
@@ -202,152 +261,270 @@ class TieredStore:
         else:
             self._disk.put(record, kv)
 
-    # -- lookup / retrieve / release ----------------------------------------------------------------------------
+    def _register_runs(
+        self,
+        catalog: ContentCatalog,
+        tokens: TokenArray,
+        keys: Sequence[PrefixKey],
+        committed: Sequence[bool],
+        shields: Sequence[Pin],
+    ) -> None:
+        """Queue each run of consecutive committed chunks for content registration; the last run drops the shields."""
+        chunk_size = self.config.chunk_size
+        runs: list[tuple[int, int]] = []
+        for index, is_committed in enumerate(committed):
+            if not is_committed:
+                continue
+            if runs and runs[-1][1] == index:
+                runs[-1] = (runs[-1][0], index + 1)
+            else:
+                runs.append((index, index + 1))
+        if not runs:
+            self._unpin(shields)
+            return
+        for position, (first, last) in enumerate(runs):
+            start, end = first * chunk_size, min(last * chunk_size, len(tokens))
+            # Runs register in order, so the last one's completion means every shield can go.
+            on_done = (lambda: self._unpin(shields)) if position == len(runs) - 1 else _no_op
+            catalog.register(tokens[start:end], keys[first:last], start, on_done)
 
-    def lookup(self, tokens: Sequence[int] | npt.NDArray[np.integer]) -> PrefixLookup:
-        """Find the cached prefix of a prompt and pin its chunks until ``retrieve`` or ``release``.
+    # -- lookup -----------------------------------------------------------------------------------------------
+
+    def session(self, session_id: str | None = None) -> Session:
+        """A session whose end (``close``, a ``with`` block, or garbage collection) releases its plans."""
+        self._check_open()
+        return Session(self, session_id)
+
+    def lookup(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        session_id: str | None = None,
+        blend: bool | None = None,
+    ) -> LookupPlan:
+        """Plan a prompt: which ranges have cached KV (exact or to blend), where it is, what must be computed.
+
+        The plan's chunks are pinned until ``retrieve``, ``release`` or ``end_session(session_id)``; disk-only
+        chunks start moving into the cpu tier in the background (``plan.ready`` / ``plan.wait()``).
 
         Args:
             tokens: the prompt's token ids.
+            session_id: the session the plan belongs to (``None``: only retrieve or release free it).
+            blend: include blend segments (match leg, dedup aliases); defaults to ``config.enable_blend``.
 
-        Returns:
-            The cached leading chunks (possibly none) and where each one is.
+        Raises:
+            ConfigError: ``blend=True`` on a store opened without ``enable_blend``.
         """
         self._check_open()
         token_array = as_token_array(tokens)
+        catalog = self._catalog
+        use_blend = catalog is not None if blend is None else blend
+        if use_blend and catalog is None:
+            raise ConfigError("lookup(blend=True) needs a store opened with StoreConfig(enable_blend=True)")
+        keys = prefix_keys(self._namespace, token_array, self.config.chunk_size)
+        pins: list[Pin] = []
+        segments = self._prefix_leg(token_array, keys, pins, catalog if use_blend else None)
+        if use_blend:
+            assert catalog is not None
+            segments = self._match_leg(token_array, keys, segments, pins, catalog)
+        plan_id = self._ledger.open_plan(session_id, pins)
+        prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
+        if self._prefetcher is not None:
+            prefetcher = self._prefetcher
+            prefetches = tuple(
+                prefetcher.start(plan_id, segment.key) for segment in segments if segment.tier is TierName.DISK
+            )
+        return LookupPlan(
+            plan_id=plan_id,
+            session_id=session_id,
+            num_query_tokens=len(token_array),
+            segments=tuple(segments),
+            prefetches=prefetches,
+        )
+
+    def _prefix_leg(
+        self, tokens: TokenArray, keys: Sequence[PrefixKey], pins: list[Pin], catalog: ContentCatalog | None
+    ) -> list[Segment]:
+        """Exact segments from the prefix keys (and blend segments from dedup aliases, when ``catalog`` is given).
+
+        A missing chunk ends the leg, or with segmented prefix becomes a gap: the chunks after it are still exact,
+        because their keys chain over every earlier token of the prompt.
+        """
         chunk_size = self.config.chunk_size
-        chunks: list[CachedChunk] = []
-        for index, key in enumerate(prefix_keys(self._namespace, token_array, chunk_size)):
-            tier = self._pin_fastest(key)
-            if tier is None:
-                break
+        segments: list[Segment] = []
+        for index, key in enumerate(keys):
             start = index * chunk_size
-            chunks.append(
-                CachedChunk(
-                    key=key, start=start, num_tokens=min(chunk_size, len(token_array) - start), tier=tier.name
+            num_tokens = min(chunk_size, len(tokens) - start)
+            tier = self._pin_fastest(key, pins)
+            if tier is not None:
+                segments.append(
+                    Segment(start=start, num_tokens=num_tokens, key=key, source_start=start, exact=True, tier=tier)
+                )
+                continue
+            aliased = None
+            if catalog is not None:
+                aliased = catalog.resolve_alias(key, lambda target: self._pin_fastest(target, pins))
+            if aliased is not None:
+                target, tier = aliased
+                segments.append(
+                    Segment(
+                        start=start,
+                        num_tokens=num_tokens,
+                        key=target.key,
+                        source_start=target.source_start,
+                        exact=False,
+                        tier=tier,
+                    )
+                )
+                continue
+            if not self.config.enable_segmented_prefix:
+                break
+        return segments
+
+    def _match_leg(
+        self,
+        tokens: TokenArray,
+        keys: Sequence[PrefixKey],
+        segments: list[Segment],
+        pins: list[Pin],
+        catalog: ContentCatalog,
+    ) -> list[Segment]:
+        """Add content matches that do not overlap the prefix leg's segments; returns all segments sorted."""
+        catalog.sync()
+        chunk_size = self.config.chunk_size
+        starts = [segment.start for segment in segments]
+        ends = [segment.end for segment in segments]
+
+        def overlaps(found: Match) -> bool:
+            position = bisect.bisect_right(starts, found.query_start + found.num_tokens - 1)
+            return position > 0 and ends[position - 1] > found.query_start
+
+        matches = catalog.match(tokens, skip=overlaps, pin=lambda key: self._pin_fastest(key, pins))
+        for found, tier in matches:
+            index, offset = divmod(found.query_start, chunk_size)
+            exact = (
+                offset == 0
+                and found.source_start == found.query_start
+                and found.key
+                == chained_key(
+                    keys[index - 1] if index else self._namespace,
+                    tokens[found.query_start : found.query_start + found.num_tokens],
                 )
             )
-        with self._lookups_lock:
-            lookup = PrefixLookup(
-                lookup_id=self._next_lookup_id, num_query_tokens=len(token_array), chunks=tuple(chunks)
+            segments.append(
+                Segment(
+                    start=found.query_start,
+                    num_tokens=found.num_tokens,
+                    key=found.key,
+                    source_start=found.source_start,
+                    exact=exact,
+                    tier=tier,
+                )
             )
-            self._next_lookup_id += 1
-            self._open_lookups[lookup.lookup_id] = lookup
-        return lookup
+        segments.sort(key=lambda segment: segment.start)
+        return segments
 
-    def _pin_fastest(self, key: PrefixKey) -> Tier | None:
+    def _pin_fastest(self, key: PrefixKey, pins: list[Pin]) -> TierName | None:
         for tier in self._tiers:
             if tier.pin(key):
-                return tier
+                pins.append((tier, key))
+                return tier.name
         return None
 
-    def release(self, lookup: PrefixLookup) -> None:
-        """Drop the pins of a lookup that will not be retrieved. Idempotent."""
-        with self._lookups_lock:
-            if self._open_lookups.pop(lookup.lookup_id, None) is None:
-                return
-        self._unpin_chunks(lookup.chunks)
+    def _is_resident(self, key: PrefixKey) -> bool:
+        return any(tier.contains(key) for tier in self._tiers)
 
-    def _unpin_chunks(self, chunks: Sequence[CachedChunk]) -> None:
-        for chunk in chunks:
-            self._tier(chunk.tier).unpin(chunk.key)
+    def _in_transit(self, key: PrefixKey) -> bool:
+        return any(isinstance(tier, ArenaTier) and tier.in_transit(key) for tier in self._tiers)
+
+    # -- retrieve / release -------------------------------------------------------------------------------------
 
     def retrieve(
-        self, lookup: PrefixLookup, out: torch.Tensor | None = None, *, device: str | torch.device = "cpu"
+        self, plan: LookupPlan, out: torch.Tensor | None = None, *, device: str | torch.device = "cpu"
     ) -> RetrieveResult:
-        """Load the KV of a lookup's cached prefix and release its pins.
+        """Load the KV of a plan's segments to their places in the prompt, then release the plan's pins.
 
         Args:
-            lookup: from ``lookup``; each lookup is retrieved (or released) once.
-            out: a buffer ``[num_layers, 2, >= num_cached_tokens, num_kv_heads, head_dim]`` of the layout's dtype
-                on any device; when omitted a tensor is allocated on ``device``.
+            plan: from ``lookup``; each plan is retrieved (or released) once.
+            out: a buffer ``[num_layers, 2, >= plan.end, num_kv_heads, head_dim]`` of the layout's dtype on any
+                device; gaps are left untouched. When omitted a tensor is allocated on ``device``.
             device: where to allocate when ``out`` is omitted.
 
         Returns:
-            The loaded token count and KV (a view of ``out`` when given).
+            The segments loaded and the KV (a view of ``out`` when given). A chunk that fails to load (corrupt on
+            disk) becomes a gap; without segmented prefix the exact segments after it are dropped too.
 
         Raises:
-            ConfigError: the lookup was already retrieved or released.
+            ConfigError: the plan was already retrieved or released, or its session ended.
             InvalidInputError: ``out`` has the wrong shape or dtype.
         """
         self._check_open()
-        with self._lookups_lock:
-            if self._open_lookups.pop(lookup.lookup_id, None) is None:
-                raise ConfigError(
-                    f"lookup {lookup.lookup_id} was already retrieved or released; call lookup() again"
-                )
-        try:
-            out = self._prepare_out(lookup, out, device)
-            loaded = 0
-            for chunk in lookup.chunks:
-                if not self._load_chunk(chunk, out[:, :, chunk.start : chunk.end]):
-                    logger.warning(
-                        "retrieve: chunk %s failed to load; prefix cut at %d", chunk.key.hex(), loaded
-                    )
-                    break
-                loaded = chunk.end
-        finally:
-            self._unpin_chunks(lookup.chunks)
-        if self.config.promote_on_hit and self._gpu is not None:
-            self._promote_to_gpu([c for c in lookup.chunks if c.tier is not TierName.GPU and c.end <= loaded])
-        return RetrieveResult(num_tokens=loaded, kv=out[:, :, :loaded])
-
-    def _prepare_out(
-        self, lookup: PrefixLookup, out: torch.Tensor | None, device: str | torch.device
-    ) -> torch.Tensor:
-        needed = lookup.num_cached_tokens
-        if out is None:
-            return torch.empty(
-                self.layout.chunk_shape(needed), dtype=self.layout.dtype.torch_dtype, device=device
+        plan.wait()
+        pins = self._ledger.take_plan(plan.plan_id)
+        if pins is None:
+            raise ConfigError(
+                f"plan {plan.plan_id} was already retrieved or released (or its session ended); call lookup() again"
             )
+        loaded: list[Segment] = []
+        try:
+            out = self._prepare_out(plan, out, device)
+            landed = {key for tier, key in pins if tier is self._cpu}
+            prefix_cut = False
+            for segment in plan.segments:
+                if segment.exact and prefix_cut:
+                    continue
+                if self._load_segment(segment, segment.key in landed, out[:, :, segment.start : segment.end]):
+                    loaded.append(segment)
+                    continue
+                logger.warning("retrieve: chunk %s failed to load; tokens %d-%d become a gap",
+                               segment.key.hex(), segment.start, segment.end)  # fmt: skip
+                prefix_cut = segment.exact and not self.config.enable_segmented_prefix
+        finally:
+            self._unpin(pins)
+        if self.config.promote_on_hit and self._gpu is not None:
+            self._promote_to_gpu([segment for segment in loaded if segment.tier is not TierName.GPU])
+        end = loaded[-1].end if loaded else 0
+        return RetrieveResult(segments=tuple(loaded), num_query_tokens=plan.num_query_tokens, kv=out[:, :, :end])
+
+    def release(self, plan: LookupPlan) -> None:
+        """Drop the pins of a plan that will not be retrieved. Idempotent."""
+        self._unpin(self._ledger.take_plan(plan.plan_id) or [])
+
+    def end_session(self, session_id: str) -> None:
+        """Release every plan of a session that was not retrieved or released. Idempotent."""
+        self._unpin(self._ledger.take_session(session_id))
+
+    def _unpin(self, pins: Sequence[Pin]) -> None:
+        for tier, key in pins:
+            tier.unpin(key)
+
+    def _prepare_out(self, plan: LookupPlan, out: torch.Tensor | None, device: str | torch.device) -> torch.Tensor:
+        needed = plan.end
+        if out is None:
+            return torch.empty(self.layout.chunk_shape(needed), dtype=self.layout.dtype.torch_dtype, device=device)
         if out.dim() != 5 or out.shape[2] < needed:
             raise InvalidInputError(
-                f"out shape {list(out.shape)} cannot hold {needed} cached tokens; "
+                f"out shape {list(out.shape)} cannot hold the plan's {needed} tokens; "
                 f"expected {list(self.layout.chunk_shape(needed))} (or more tokens)"
             )
         self.layout.check_kv(out[:, :, :needed], needed)
         return out
 
-    def _load_chunk(self, chunk: CachedChunk, out: torch.Tensor) -> bool:
-        """Copy one pinned chunk into ``out`` and promote it one tier up when configured."""
-        tier = self._tier(chunk.tier)
+    def _load_segment(self, segment: Segment, landed_in_cpu: bool, out: torch.Tensor) -> bool:
+        """Copy one pinned chunk into ``out``: from the cpu tier when a prefetch landed it there, else its tier."""
+        tier = self._cpu if landed_in_cpu else self._tier(segment.tier)
         if isinstance(tier, ArenaTier):
-            out.copy_(tier.view(chunk.key))
+            out.copy_(tier.view(segment.key))
             return True
-        return self._load_from_disk(chunk, out)
+        return self._load_from_disk(segment.key, segment.num_tokens, out)
 
-    def _promote_to_gpu(self, chunks: Sequence[CachedChunk]) -> None:
-        """Copy retrieved chunks that sit in the cpu tier into the gpu tier (after the lookup's pins are gone,
-        so the gpu tier can evict its own cold chunks to make room)."""
-        assert self._gpu is not None
-        for chunk in chunks:
-            if self._cpu is None or self._gpu.contains(chunk.key) or not self._cpu.pin(chunk.key):
-                continue
-            try:
-                record = self._cpu.record(chunk.key)
-                if record is not None:
-                    self._gpu.put(record, self._cpu.view(chunk.key))
-            finally:
-                self._cpu.unpin(chunk.key)
-
-    def _load_from_disk(self, chunk: CachedChunk, out: torch.Tensor) -> bool:
+    def _load_from_disk(self, key: PrefixKey, num_tokens: int, out: torch.Tensor) -> bool:
         assert self._disk is not None
-        disk = self._disk
-        landing = self._cpu if self.config.promote_on_hit and self._cpu is not None else None
-        if landing is not None:
-            record = disk.record(chunk.key)
-            landed = record is not None and landing.put_with(record, lambda view: disk.get_into(chunk.key, view))
-            if landed and landing.pin(chunk.key):
-                try:
-                    out.copy_(landing.view(chunk.key))
-                finally:
-                    landing.unpin(chunk.key)
-                return True
         if out.device.type == "cpu" and out.is_contiguous():
-            return disk.get_into(chunk.key, out)
+            return self._disk.get_into(key, out)
         with self._scratch_lock:
-            scratch = self._scratch_for(chunk.num_tokens)
-            if not disk.get_into(chunk.key, scratch):
+            scratch = self._scratch_for(num_tokens)
+            if not self._disk.get_into(key, scratch):
                 return False
             out.copy_(scratch)
             return True
@@ -361,6 +538,21 @@ class TieredStore:
             )
         raw = self._scratch[: self.layout.chunk_bytes(num_tokens)]
         return raw.view(self.layout.dtype.torch_dtype).view(self.layout.chunk_shape(num_tokens))
+
+    def _promote_to_gpu(self, segments: Sequence[Segment]) -> None:
+        """Copy retrieved chunks that sit in the cpu tier into the gpu tier (after the plan's pins are gone, so
+        the gpu tier can evict its own cold chunks to make room)."""
+        assert self._gpu is not None
+        for segment in segments:
+            key = segment.key
+            if self._cpu is None or self._gpu.contains(key) or not self._cpu.pin(key):
+                continue
+            try:
+                record = self._cpu.record(key)
+                if record is not None:
+                    self._gpu.put(record, self._cpu.view(key))
+            finally:
+                self._cpu.unpin(key)
 
     # -- admin --------------------------------------------------------------------------------------------------
 
@@ -379,15 +571,20 @@ class TieredStore:
         return self._tier(tier).evict_bytes(num_bytes)
 
     def flush(self) -> None:
-        """Block until every pending disk write is committed and synced."""
+        """Block until every pending disk write is committed and synced and every registration has run."""
         self._check_open()
         if self._disk is not None:
             self._disk.flush()
+        if self._catalog is not None:
+            self._catalog.sync()
 
     def stats(self) -> StoreStats:
-        with self._lookups_lock:
-            num_open = len(self._open_lookups)
-        return StoreStats(tiers=tuple(tier.stats() for tier in self._tiers), num_open_lookups=num_open)
+        return StoreStats(
+            tiers=tuple(tier.stats() for tier in self._tiers),
+            num_open_plans=self._ledger.num_open_plans,
+            num_sessions=self._ledger.num_sessions,
+            catalog=self._catalog.stats() if self._catalog is not None else None,
+        )
 
     def _tier(self, name: TierName) -> Tier:
         for tier in self._tiers:
@@ -398,19 +595,19 @@ class TieredStore:
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release open lookups, flush pending disk writes, close the tiers. Idempotent."""
-        if self._lifecycle is _Lifecycle.CLOSED:
+        """Release open plans, finish registrations and pending disk writes, close the tiers. Idempotent."""
+        if getattr(self, "_lifecycle", _Lifecycle.CLOSED) is _Lifecycle.CLOSED:
             return
-        with self._lookups_lock:
-            open_lookups = list(self._open_lookups.values())
-            self._open_lookups.clear()
-        for lookup in open_lookups:
-            self._unpin_chunks(lookup.chunks)
-        self._close_tiers()
         self._lifecycle = _Lifecycle.CLOSED
+        self._shutdown()
         logger.info("store closed")
 
-    def _close_tiers(self) -> None:
+    def _shutdown(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown()
+        if self._catalog is not None:
+            self._catalog.close()  # its last completions drop shields: tiers must still be open
+        self._unpin(self._ledger.take_all())
         # Disk first: closing it drains write-throughs that still read pinned memory slots.
         for tier in (self._disk, self._gpu, self._cpu):
             if tier is not None:

@@ -51,9 +51,9 @@ def test_round_trip_with_a_partial_last_chunk(store: TieredStore, small_layout: 
     assert store.store(tokens, kv).num_new_chunks == 0
     lookup = store.lookup(tokens)
     assert lookup.num_cached_tokens == 20
-    assert [chunk.num_tokens for chunk in lookup.chunks] == [8, 8, 4]
+    assert [chunk.num_tokens for chunk in lookup.segments] == [8, 8, 4]
     retrieved = store.retrieve(lookup)
-    assert retrieved.num_tokens == 20 and torch.equal(retrieved.kv, kv)
+    assert retrieved.num_prefix_tokens == 20 and torch.equal(retrieved.kv, kv)
 
 
 def test_lookup_stops_at_the_first_missing_chunk(store: TieredStore, small_layout: KVLayout) -> None:
@@ -64,7 +64,7 @@ def test_lookup_stops_at_the_first_missing_chunk(store: TieredStore, small_layou
     assert lookup.num_cached_tokens == 16, "the stored partial chunk's key must not match a longer chunk"
     assert torch.equal(store.retrieve(lookup).kv, kv[:, :, :16])
     other = store.lookup(make_tokens(20, seed=9))
-    assert other.chunks == () and store.retrieve(other).num_tokens == 0
+    assert other.segments == () and store.retrieve(other).num_prefix_tokens == 0
 
 
 def test_retrieve_into_a_caller_buffer_returns_a_view(store: TieredStore, small_layout: KVLayout) -> None:
@@ -84,10 +84,10 @@ def test_gpu_eviction_demotes_to_cpu_and_hits_promote_back(tmp_path: Path, small
         tokens, kv = make_tokens(6 * CHUNK), make_kv(small_layout, 6 * CHUNK)
         store.store(tokens, kv)  # 6 chunks into a 4-slot gpu tier: the 2 oldest are demoted to cpu
         lookup = store.lookup(tokens)
-        assert [chunk.tier for chunk in lookup.chunks] == [TierName.CPU] * 2 + [TierName.GPU] * 4
+        assert [chunk.tier for chunk in lookup.segments] == [TierName.CPU] * 2 + [TierName.GPU] * 4
         assert torch.equal(store.retrieve(lookup).kv, kv)
         again = store.lookup(tokens)
-        assert [chunk.tier for chunk in again.chunks] == [TierName.GPU] * 2 + [TierName.CPU] * 2 + [
+        assert [chunk.tier for chunk in again.segments] == [TierName.GPU] * 2 + [TierName.CPU] * 2 + [
             TierName.GPU
         ] * 2, "cpu hits are promoted into the gpu tier, demoting its least recently used chunks"
         assert torch.equal(store.retrieve(again).kv, kv)
@@ -147,12 +147,12 @@ def test_lookup_pins_until_retrieve_or_release(store: TieredStore, small_layout:
     store.store(tokens, make_kv(small_layout, 2 * CHUNK))
     store.flush()  # the disk writer's own pins are gone
     first, second = store.lookup(tokens), store.lookup(tokens)
-    assert store.stats().num_open_lookups == 2
+    assert store.stats().num_open_plans == 2
     assert store.stats().tier(TierName.GPU).num_pinned == 2  # type: ignore[union-attr]
     store.retrieve(first)
     store.release(second)
     store.release(second)  # idempotent
-    assert store.stats().num_open_lookups == 0
+    assert store.stats().num_open_plans == 0
     assert all(tier.num_pinned == 0 for tier in store.stats().tiers if tier.tier is not TierName.DISK)
     with pytest.raises(ConfigError, match="already retrieved or released"):
         store.retrieve(first)
@@ -234,12 +234,12 @@ def test_threads_store_and_retrieve_at_once(store: TieredStore, small_layout: KV
             tokens, kv = sequences[(offset + step) % len(sequences)]
             store.store(tokens, kv)
             result = store.retrieve(store.lookup(tokens))
-            if not torch.equal(result.kv, kv[:, :, : result.num_tokens]):
+            if not torch.equal(result.kv, kv[:, :, : result.num_prefix_tokens]):
                 errors.append(f"worker {offset} step {step}: wrong KV")
 
     run_in_threads(worker, 4)
     assert errors == []
-    assert store.stats().num_open_lookups == 0
+    assert store.stats().num_open_plans == 0
 
 
 @pytest.mark.gpu
@@ -252,7 +252,7 @@ def test_real_gpu_tier_demotes_promotes_and_round_trips(tmp_path: Path, small_la
         store.store(tokens, kv)
         store.flush()
         lookup = store.lookup(tokens)
-        assert {chunk.tier for chunk in lookup.chunks} == {TierName.GPU, TierName.CPU}
+        assert {chunk.tier for chunk in lookup.segments} == {TierName.GPU, TierName.CPU}
         result = store.retrieve(lookup, device="cuda")
         assert result.kv.is_cuda and torch.equal(result.kv, kv)
     with TieredStore(small_layout, config(tmp_path, small_layout, gpu_device="cuda")) as reopened:

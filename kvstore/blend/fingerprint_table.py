@@ -104,6 +104,37 @@ def find_key(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def find_content(  # type: ignore[no-untyped-def]
+    fingerprint, verification, length, table_fingerprint, table_verification, table_length, table_fingerprint_link,
+    fingerprint_heads, fingerprint_shift,
+):
+    """Entry id of the live row with this content (fingerprint, verification hash and length), or -1."""
+    entry = fingerprint_heads[_bucket(fingerprint, fingerprint_shift)]
+    while entry >= 0:
+        if (
+            table_fingerprint[entry] == fingerprint
+            and table_verification[entry] == verification
+            and table_length[entry] == length
+        ):
+            return entry
+        entry = table_fingerprint_link[entry]
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def find_contents(  # type: ignore[no-untyped-def]
+    fingerprints, verifications, lengths, table_fingerprint, table_verification, table_length,
+    table_fingerprint_link, fingerprint_heads, fingerprint_shift, out_entries,
+):
+    """``find_content`` for each chunk of a sequence."""
+    for chunk in range(fingerprints.shape[0]):
+        out_entries[chunk] = find_content(
+            fingerprints[chunk], verifications[chunk], lengths[chunk], table_fingerprint, table_verification,
+            table_length, table_fingerprint_link, fingerprint_heads, fingerprint_shift,
+        )
+
+
+@njit(cache=True, nogil=True)
 def insert_chunks(  # type: ignore[no-untyped-def]
     fingerprints, verifications, lengths, key_low, key_high, source_starts, table_fingerprint, table_verification,
     table_key_low, table_key_high, table_source_start, table_length, table_next, table_fingerprint_link,
@@ -128,16 +159,12 @@ def insert_chunks(  # type: ignore[no-untyped-def]
             out_is_new[chunk] = False
             continue
         fingerprint = fingerprints[chunk]
-        entry = fingerprint_heads[_bucket(fingerprint, fingerprint_shift)]
-        while entry >= 0:
-            if (
-                table_fingerprint[entry] == fingerprint
-                and table_verification[entry] == verifications[chunk]
-                and table_length[entry] == lengths[chunk]
-            ):
-                found = entry
-                break
-            entry = table_fingerprint_link[entry]
+        found = np.int32(
+            find_content(
+                fingerprint, verifications[chunk], lengths[chunk], table_fingerprint, table_verification,
+                table_length, table_fingerprint_link, fingerprint_heads, fingerprint_shift,
+            )
+        )
         if found >= 0:
             out_entries[chunk] = found
             out_is_new[chunk] = False

@@ -160,17 +160,7 @@ class FingerprintIndex:
         if len(key_bytes) != KEY_BYTES * count or any(len(key) != KEY_BYTES for key in keys):
             raise InvalidInputError(f"every prefix key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
         key_halves = np.frombuffer(key_bytes, dtype="<u8").reshape(count, 2)
-        fingerprints = block_fingerprints(tokens, chunk_size) & self._fingerprint_mask
-        data = memoryview(tokens.data).cast("B")
-        step_bytes = 4 * chunk_size
-        digest = xxhash.xxh3_64_intdigest
-        verifications = np.fromiter(
-            (digest(data[offset : offset + step_bytes]) for offset in range(0, len(data), step_bytes)),
-            dtype=np.uint64,
-            count=count,
-        )
-        lengths = np.full(count, chunk_size, dtype=np.uint16)
-        lengths[-1] = tokens.shape[0] - (count - 1) * chunk_size
+        fingerprints, verifications, lengths = self._chunk_contents(tokens, chunk_size)
         source_starts = (source_start + chunk_size * np.arange(count, dtype=np.int64)).astype(np.uint32)
         entries = np.empty(count, dtype=np.int32)
         is_new = np.empty(count, dtype=np.bool_)
@@ -194,6 +184,60 @@ class FingerprintIndex:
         return RegistrationResult(
             num_added=int(is_new.sum()), num_already_indexed=num_already_indexed, aliases=tuple(aliases)
         )
+
+    def find_contents(self, tokens: TokenArray, chunk_size: int) -> list[Match | None]:
+        """For each chunk of ``tokens`` (chunked from position 0), the indexed chunk with the same content, if any.
+
+        The store asks this before writing a chunk when dedup-content is on: equal content under another key is
+        recorded as an alias instead of a second payload.
+
+        Returns:
+            One item per chunk: a ``Match`` whose ``query_start`` is the chunk's position in ``tokens`` and whose
+            ``key``/``source_start`` are the indexed copy's, or ``None``.
+        """
+        tokens = as_token_array(tokens)
+        _check_chunk_size(chunk_size)
+        if tokens.shape[0] == 0:
+            return []
+        fingerprints, verifications, lengths = self._chunk_contents(tokens, chunk_size)
+        entries = np.empty(fingerprints.shape[0], dtype=np.int32)
+        with self._index_lock:
+            table.find_contents(
+                fingerprints, verifications, lengths, self._fingerprint, self._verification, self._length,
+                self._fingerprint_link, self._fingerprint_heads, self._fingerprint_shift, entries,
+            )  # fmt: skip
+            found = entries[entries >= 0]
+            key_bytes = self._keys_bytes(found)
+            source_starts = self._source_start[found].tolist()
+        hits: list[Match | None] = []
+        position = 0
+        for chunk, entry in enumerate(entries.tolist()):
+            if entry < 0:
+                hits.append(None)
+                continue
+            hits.append(
+                _match_at(key_bytes, position, chunk * chunk_size, int(lengths[chunk]), source_starts[position])
+            )
+            position += 1
+        return hits
+
+    def _chunk_contents(
+        self, tokens: TokenArray, chunk_size: int
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint16]]:
+        """Fingerprint, verification hash and length of each chunk of ``tokens`` (at least one token)."""
+        count = num_chunks(tokens.shape[0], chunk_size)
+        fingerprints = block_fingerprints(tokens, chunk_size) & self._fingerprint_mask
+        data = memoryview(tokens.data).cast("B")
+        step_bytes = 4 * chunk_size
+        digest = xxhash.xxh3_64_intdigest
+        verifications = np.fromiter(
+            (digest(data[offset : offset + step_bytes]) for offset in range(0, len(data), step_bytes)),
+            dtype=np.uint64,
+            count=count,
+        )
+        lengths = np.full(count, chunk_size, dtype=np.uint16)
+        lengths[-1] = tokens.shape[0] - (count - 1) * chunk_size
+        return fingerprints, verifications, lengths
 
     def match(self, query: TokenArray, chunk_size: int) -> list[Match]:
         """Find stored chunks in ``query``: verified, non-overlapping, leftmost first, sorted by query start.

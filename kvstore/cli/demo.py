@@ -1,7 +1,9 @@
 """``kvstore demo``: the end-to-end walk-through ``make run`` shows until the server exists.
 
-Store three documents' KV, close the store (a restart), reopen it on the same data dir, look up a prompt that
-starts with one of the documents, retrieve it, check it is bit-identical, and inspect the data dir.
+Store three documents' KV, close the store (a restart), reopen it on the same data dir (the content index is rebuilt
+from disk), look up a prompt that starts with one of the documents, retrieve it, check it is bit-identical, look up
+a prompt with two documents in another order behind a system prompt (blend segments found by content), and
+inspect the data dir.
 The KV is random (shaped like SmolLM2-135M's): this demonstrates the store, not a model.
 """
 
@@ -48,6 +50,7 @@ def demo_command(
         gpu_capacity_bytes=GIB // 4,
         cpu_capacity_bytes=GIB // 4,
         disk_capacity_bytes=2 * GIB,
+        enable_blend=True,
     )
     rng = np.random.default_rng(2026)
     documents = [rng.integers(0, 49_152, size=_DOCUMENT_TOKENS) for _ in range(_NUM_DOCUMENTS)]
@@ -84,10 +87,10 @@ def demo_command(
         started = time.perf_counter()
         result = store.retrieve(lookup)
         retrieve_ms = (time.perf_counter() - started) * 1e3
-        identical = torch.equal(result.kv, kvs[1][:, :, : result.num_tokens])
+        loaded = result.num_prefix_tokens
+        identical = torch.equal(result.kv[:, :, :loaded], kvs[1][:, :, :loaded])
         console.print(
-            f"4. retrieved {result.num_tokens} tokens ({result.kv.numel() * 2 / 2**20:.1f} MiB) "
-            f"in {retrieve_ms:.1f} ms; "
+            f"4. retrieved {loaded} tokens ({result.kv.numel() * 2 / 2**20:.1f} MiB) in {retrieve_ms:.1f} ms; "
             f"bit-identical to what was stored: {'yes' if identical else '[red]NO[/red]'}"
         )
         again = store.lookup(prompt)
@@ -95,7 +98,17 @@ def demo_command(
             f"   promoted on hit: the same lookup now finds {again.num_tokens_in(TierName.CPU)} tokens in the cpu tier"
         )
         store.release(again)
-    console.print("5. kvstore inspect --path", path)
+        system_prompt = rng.integers(0, 49_152, size=30)
+        reordered = np.concatenate([system_prompt, documents[2], documents[0], question])
+        with store.session() as session:
+            plan = session.lookup(reordered)
+            blended = [segment for segment in plan.segments if not segment.exact]
+            console.print(
+                f"5. a {len(reordered)}-token prompt (system prompt + documents 3 and 1 + question): "
+                f"{len(blended)} blend segments cover {sum(s.num_tokens for s in blended)} tokens at new positions; "
+                f"{sum(gap.num_tokens for gap in plan.gaps)} tokens to compute"
+            )
+    console.print("6. kvstore inspect --path", path)
     render_summary(console, summarize_data_dir(path))
     if not identical:
         raise typer.Exit(1)

@@ -10,7 +10,9 @@ memory); slot ``i`` holds one chunk at byte offset ``i * slot_bytes``, a partial
 Invariants:
 - a key is in at most one of ``_resident`` (visible) and ``_reserved`` (being filled, invisible);
 - a slot index is in exactly one of ``_free_slots``, ``_resident`` or ``_reserved``;
-- a slot with ``pins > 0`` is never chosen as a victim.
+- a slot with ``pins > 0`` is never chosen as a victim;
+- a victim's key is in ``_spilling`` from the moment it leaves ``_resident`` until its spill returns, so
+  ``in_transit`` can tell a chunk that is being moved to make room from one that is gone.
 
 Threads: any number of callers. ``_slots_lock`` guards ``_resident``, ``_reserved``, ``_free_slots``, pin counts
 and the counters; it is held only for bookkeeping, never while copying bytes or calling ``spill``, so a slow copy or
@@ -110,6 +112,7 @@ class ArenaTier(Tier):
         self._slots_lock = threading.Lock()
         self._resident: OrderedDict[PrefixKey, _Slot] = OrderedDict()
         self._reserved: dict[PrefixKey, _Slot] = {}
+        self._spilling: set[PrefixKey] = set()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._counters = _Counters()
         self._closed = False
@@ -140,6 +143,11 @@ class ArenaTier(Tier):
     def contains(self, key: PrefixKey) -> bool:
         with self._slots_lock:
             return key in self._resident
+
+    def in_transit(self, key: PrefixKey) -> bool:
+        """Whether the chunk is being moved for room: spilled out as a victim, or filled into a reserved slot."""
+        with self._slots_lock:
+            return key in self._spilling or key in self._reserved
 
     def num_tokens(self, key: PrefixKey) -> int | None:
         with self._slots_lock:
@@ -179,6 +187,8 @@ class ArenaTier(Tier):
                 self._counters.rejected_puts += 1
                 return False
             self._reserved[record.key] = _Slot(index=index, record=record)
+            if victim is not None:
+                self._spilling.add(victim.key)
         filled = False
         try:
             if victim is not None and self._spill is not None:
@@ -186,6 +196,8 @@ class ArenaTier(Tier):
             filled = fill(self.slot_view(index, record.num_tokens))
         finally:
             with self._slots_lock:
+                if victim is not None:
+                    self._spilling.discard(victim.key)
                 slot = self._reserved.pop(record.key)
                 if filled:
                     self._resident[record.key] = slot

@@ -44,11 +44,14 @@ class ChunkRecord:
         key: prefix-chained key of the chunk.
         source_start: position of the chunk's first token in the sequence its KV was computed for.
         tokens: the chunk's token ids (kept by the disk tier so indexes can be rebuilt at start-up).
+        parent_key: key of the previous chunk of the same sequence (``None`` for chunk 0); the disk tier keeps it
+            so the content index can relink a sequence's chunks at start-up.
     """
 
     key: PrefixKey
     source_start: int
     tokens: TokenArray
+    parent_key: PrefixKey | None = None
 
     def __post_init__(self) -> None:
         assert len(self.key) == 16, (

@@ -189,7 +189,9 @@ class DiskTier(Tier):
         if pending is not None or not self._index.contains(key):
             return pending
         chunk = read_stored_chunk(self._env, key)
-        return None if chunk is None else ChunkRecord(key=key, source_start=chunk.source_start, tokens=chunk.tokens)
+        if chunk is None:
+            return None
+        return ChunkRecord(key=key, source_start=chunk.source_start, tokens=chunk.tokens, parent_key=chunk.parent_key)
 
     def keys(self) -> list[PrefixKey]:
         self._check_usable()

@@ -26,7 +26,11 @@ Chunk meta value (little-endian)::
     36      4     frame_bytes (u32): raw bytes per frame (the last frame may be shorter)
     40      8     last access (u64, ns since the epoch; persisted lazily)
     48      8     xxh3_64 of bytes [0, 48) followed by [56, end)
-    56      4*n   the chunk's tokens, <u4 (indexes such as content fingerprints are rebuilt from them)
+    56      16    parent key: the previous chunk of the same sequence (zeros for chunk 0; version 2 only)
+    72      4*n   the chunk's tokens, <u4 (indexes such as content fingerprints are rebuilt from them)
+
+Version 1 values (written before parent keys existed) lack the parent key: their tokens start at offset 56; they
+are read as chunks without a known parent.
 
 Pure functions and immutable values; thread-safe.
 """
@@ -68,8 +72,10 @@ INFO_CHUNK_SIZE = b"chunk_size"
 INFO_CAPACITY_BYTES = b"capacity_bytes"
 MAX_FRAMES_PER_CHUNK = 2**16 - 1
 
-_META_FORMAT_VERSION = 1
+_META_FORMAT_VERSION = 2
+_META_V1 = 1
 _META = struct.Struct("<HHIQQQIIQQ")
+_NO_PARENT = bytes(KEY_BYTES)
 _CHECKSUM_OFFSET = 48
 _LAST_ACCESS = struct.Struct("<Q")
 _LAST_ACCESS_OFFSET = 40
@@ -89,6 +95,7 @@ class StoredChunk:
         frame_bytes: raw bytes per frame (the last frame may be shorter).
         last_access_ns: last hit or write, ns since the epoch.
         tokens: the chunk's token ids.
+        parent_key: the previous chunk of the same sequence, when known.
     """
 
     key: PrefixKey
@@ -100,6 +107,7 @@ class StoredChunk:
     frame_bytes: int
     last_access_ns: int
     tokens: TokenArray
+    parent_key: PrefixKey | None = None
 
     @property
     def compression_ratio(self) -> float:
@@ -150,9 +158,13 @@ def encode_intent(num_frames: int) -> bytes:
     return num_frames.to_bytes(4, "little")
 
 
-def meta_bytes(num_tokens: int) -> int:
+def meta_bytes(num_tokens: int, version: int = _META_FORMAT_VERSION) -> int:
     """Size of the meta value of a chunk of ``num_tokens`` tokens."""
-    return _META.size + 4 * num_tokens
+    return _tokens_offset(version) + 4 * num_tokens
+
+
+def _tokens_offset(version: int) -> int:
+    return _META.size + (KEY_BYTES if version >= 2 else 0)
 
 
 def encode_meta(chunk: StoredChunk) -> bytes:
@@ -172,7 +184,8 @@ def encode_meta(chunk: StoredChunk) -> bytes:
         chunk.last_access_ns,
         0,
     )
-    value[_META.size :] = chunk.tokens.astype("<u4", copy=False).tobytes()
+    value[_META.size : _META.size + KEY_BYTES] = chunk.parent_key or _NO_PARENT
+    value[_tokens_offset(_META_FORMAT_VERSION) :] = chunk.tokens.astype("<u4", copy=False).tobytes()
     _seal(value)
     return bytes(value)
 
@@ -197,9 +210,13 @@ def decode_meta(key: bytes | memoryview, value: bytes | memoryview, *, with_toke
         last_access,
         checksum,
     ) = fields
-    if version != _META_FORMAT_VERSION or len(value) != meta_bytes(num_tokens) or checksum != _checksum(value):
+    if version not in (_META_V1, _META_FORMAT_VERSION):
         return None
-    tokens = np.frombuffer(bytes(value[_META.size :]) if with_tokens else b"", dtype="<u4")
+    if len(value) != meta_bytes(num_tokens, version) or checksum != _checksum(value):
+        return None
+    offset = _tokens_offset(version)
+    parent = bytes(value[_META.size : offset]) if version >= 2 else _NO_PARENT
+    tokens = np.frombuffer(bytes(value[offset:]) if with_tokens else b"", dtype="<u4")
     return StoredChunk(
         key=PrefixKey(bytes(key)),
         num_tokens=num_tokens,
@@ -210,6 +227,7 @@ def decode_meta(key: bytes | memoryview, value: bytes | memoryview, *, with_toke
         frame_bytes=frame_bytes,
         last_access_ns=last_access,
         tokens=tokens,
+        parent_key=None if parent == _NO_PARENT else PrefixKey(parent),
     )
 
 

@@ -362,6 +362,7 @@ class DiskWriter:
                 frame_bytes=self._options.frame_bytes,
                 last_access_ns=self._index.last_access_ns(record.key) or 0,
                 tokens=record.tokens,
+                parent_key=record.parent_key,
             )
             frames = tuple(arena[offset : offset + length] for offset, length in item.frame_spans)
             chunks.append(ChunkFrames(key=record.key, meta=encode_meta(chunk), frames=frames))

@@ -46,7 +46,8 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert result.returncode == 0, result.stderr
     assert "bit-identical to what was stored: yes" in result.stdout
-    assert "768 tokens cached (disk: 768)" in result.stdout
+    assert "1000 tokens cached (disk: 1000)" in result.stdout, "the partial last chunk is found by content"
+    assert "8 blend segments cover 2000 tokens at new positions; 70 tokens to compute" in result.stdout
     return path
 
 

@@ -50,10 +50,10 @@ def test_kill_9_during_a_write_storm_loses_nothing_acknowledged_and_corrupts_not
         while seed < durable + 64:
             tokens, kv = sequence(seed)
             result = store.retrieve(store.lookup(tokens))
-            assert torch.equal(result.kv, kv[:, :, : result.num_tokens]), f"sequence {seed} read back different"
+            assert torch.equal(result.kv, kv[:, :, : result.num_prefix_tokens]), f"sequence {seed} read back different"
             if seed < durable:
-                assert result.num_tokens == TOKENS_PER_SEQUENCE, f"acknowledged sequence {seed} lost"
-            num_present += result.num_tokens > 0
+                assert result.num_prefix_tokens == TOKENS_PER_SEQUENCE, f"acknowledged sequence {seed} lost"
+            num_present += result.num_prefix_tokens > 0
             seed += 1
         disk = store.stats().tier(TierName.DISK)
         assert disk is not None and disk.corrupt_reads == 0
@@ -77,7 +77,7 @@ def test_flipped_bytes_are_a_counted_miss_and_the_store_keeps_working(tmp_path: 
     with TieredStore(small_layout, cfg) as store:
         store.store(first_tokens, first_kv)
         store.store(other_tokens, other_kv)
-        second_chunk_key = store.lookup(first_tokens).chunks[1].key
+        second_chunk_key = store.lookup(first_tokens).segments[1].key
     env = lmdb.open(str(tmp_path / "data"), max_dbs=8, readonly=True, lock=False)
     with env.begin() as txn:
         frame = txn.get(frame_key(second_chunk_key, 0), db=env.open_db(b"payload", txn=txn))
@@ -87,7 +87,7 @@ def test_flipped_bytes_are_a_counted_miss_and_the_store_keeps_working(tmp_path: 
 
     with TieredStore(small_layout, cfg) as store:
         result = store.retrieve(store.lookup(first_tokens))
-        assert result.num_tokens == 256, "the prefix is cut at the corrupt chunk, never served wrong"
+        assert result.num_prefix_tokens == 256, "the prefix is cut at the corrupt chunk, never served wrong"
         assert torch.equal(result.kv, first_kv[:, :, :256])
         assert store.stats().tier(TierName.DISK).corrupt_reads == 1  # type: ignore[union-attr]
         assert torch.equal(store.retrieve(store.lookup(other_tokens)).kv, other_kv)
