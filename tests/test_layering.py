@@ -22,6 +22,7 @@ FORBIDDEN = {
     "kvstore.layout": ("kvstore.store", "kvstore.tiers", "kvstore.cli", "kvstore.bench"),
     "kvstore.keys": ("kvstore.store", "kvstore.tiers", "kvstore.cli", "kvstore.bench"),
     "kvstore.errors": ("kvstore.",),
+    "kvstore.models": ("kvstore.store", "kvstore.tiers", "kvstore.blend", "kvstore.cli", "kvstore.bench"),
     "kvstore.store": ("kvstore.cli", "kvstore.bench", "kvstore.server"),
     "kvstore.bench": ("kvstore.cli",),
 }

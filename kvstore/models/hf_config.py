@@ -1,0 +1,149 @@
+"""Reading a Hugging Face model config in kvstore's terms: its KV layout and its RoPE parameters.
+
+Accepts a transformers ``PretrainedConfig`` or the plain dict of a ``config.json``, written by transformers 4
+(``rope_theta`` and ``rope_scaling`` at the top level) or 5 (both inside ``rope_parameters``). Only the RoPE schemes
+a rotation can correct (default, linear, llama3; see ``kvstore.blend.rope``) are accepted; any other is refused here,
+where the config enters, so no KV of such a model is ever re-rotated. Nothing here imports transformers.
+
+Pure functions; thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
+
+__all__ = ["SUPPORTED_ROPE_TYPES", "layout_from_hf_config", "rope_spec_from_hf_config"]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+"""``rope_type`` values whose K can be moved by one rotation."""
+
+_DEFAULT_THETA = 10000.0
+
+
+def _field(config: object, name: str) -> object:
+    if isinstance(config, Mapping):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def _model_name(config: object) -> str:
+    name = _field(config, "_name_or_path") or _field(config, "name_or_path") or _field(config, "model_type")
+    return str(name) if name else "<unnamed model>"
+
+
+def _number(value: object, key: str, rope_type: str, config: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(
+            f"model {_model_name(config)}: {rope_type} rope parameters lack a numeric {key!r} (got {value!r}); "
+            "fix the config's rope_parameters / rope_scaling"
+        )
+    return float(value)
+
+
+def rope_spec_from_hf_config(config: object) -> RopeSpec:
+    """The ``RopeSpec`` of a Hugging Face model config.
+
+    Args:
+        config: a ``PretrainedConfig`` or a ``config.json`` dict.
+
+    Raises:
+        ConfigError: the model uses a RoPE scheme a rotation cannot correct (yarn, dynamic, longrope, ...), rotates
+            only part of each head, or has per-layer RoPE parameters; or a needed parameter is missing.
+    """
+    raw = _field(config, "rope_parameters")
+    if raw is None:
+        raw = _field(config, "rope_scaling")
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"model {_model_name(config)}: rope parameters {raw!r} are not a mapping")
+    parameters: Mapping[str, object] = raw or {}
+    if any(isinstance(value, Mapping) for value in parameters.values()):
+        raise ConfigError(
+            f"model {_model_name(config)} has per-layer-type RoPE parameters ({sorted(parameters)}); kvstore "
+            "re-rotates K of models with one RoPE scheme for every layer only"
+        )
+    rope_type = str(parameters.get("rope_type", parameters.get("type", "default")))
+    theta = parameters.get("rope_theta", _field(config, "rope_theta"))
+    partial = parameters.get("partial_rotary_factor", _field(config, "partial_rotary_factor"))
+    if partial is not None and partial != 1.0:
+        raise ConfigError(
+            f"model {_model_name(config)} rotates only part of each head (partial_rotary_factor={partial}); "
+            "kvstore re-rotates fully rotary heads only"
+        )
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"refusing RoPE correction for model {_model_name(config)}: rope type {rope_type!r} cannot be moved "
+            f"by one rotation (supported: {', '.join(SUPPORTED_ROPE_TYPES)}); blending is not available for it"
+        )
+    theta_value = _number(_DEFAULT_THETA if theta is None else theta, "rope_theta", rope_type, config)
+    if rope_type == "default":
+        return RopeSpec(theta=theta_value)
+    factor = _number(parameters.get("factor"), "factor", rope_type, config)
+    if rope_type == "linear":
+        return RopeSpec(theta=theta_value, scaling=RopeScaling.LINEAR, factor=factor)
+    original = parameters.get("original_max_position_embeddings") or _field(config, "max_position_embeddings")
+    return RopeSpec(
+        theta=theta_value,
+        scaling=RopeScaling.LLAMA3,
+        factor=factor,
+        low_freq_factor=_number(parameters.get("low_freq_factor"), "low_freq_factor", rope_type, config),
+        high_freq_factor=_number(parameters.get("high_freq_factor"), "high_freq_factor", rope_type, config),
+        original_max_position_embeddings=int(
+            _number(original, "original_max_position_embeddings", rope_type, config)
+        ),
+    )
+
+
+def _positive_int(config: object, name: str) -> int | None:
+    value = _field(config, name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"model {_model_name(config)}: {name}={value!r} must be a positive integer")
+    return value
+
+
+def _required_int(config: object, name: str) -> int:
+    value = _positive_int(config, name)
+    if value is None:
+        raise ConfigError(
+            f"model {_model_name(config)}: config has no {name}; is this a decoder-only transformer's config.json?"
+        )
+    return value
+
+
+def layout_from_hf_config(
+    config: object, *, model_id: str | None = None, dtype: KVDtype | str | torch.dtype | None = None
+) -> KVLayout:
+    """The ``KVLayout`` of a Hugging Face model config.
+
+    Args:
+        config: a ``PretrainedConfig`` or a ``config.json`` dict.
+        model_id: the layout's model id; default the config's ``_name_or_path``.
+        dtype: the KV cache dtype; default the config's ``dtype`` (``torch_dtype`` in transformers 4), else float32
+            (what transformers loads a model in when the config names none).
+
+    Raises:
+        ConfigError: a shape field is missing or not a positive integer, the dtype is not a KV dtype, or the RoPE
+            scheme is refused (``rope_spec_from_hf_config``).
+    """
+    num_heads = _required_int(config, "num_attention_heads")
+    head_dim = _positive_int(config, "head_dim") or _required_int(config, "hidden_size") // num_heads
+    if dtype is None:
+        config_dtype = _field(config, "dtype") or _field(config, "torch_dtype")
+        dtype = config_dtype if isinstance(config_dtype, str | torch.dtype) else KVDtype.FLOAT32
+    name = model_id or _field(config, "_name_or_path") or _field(config, "name_or_path")
+    if not name:
+        raise ConfigError("the model config carries no name; pass model_id, e.g. 'meta-llama/Llama-3.1-8B'")
+    return KVLayout(
+        model_id=str(name),
+        num_layers=_required_int(config, "num_hidden_layers"),
+        num_kv_heads=_positive_int(config, "num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        dtype=KVDtype.parse(dtype),
+        rope=rope_spec_from_hf_config(config),
+    )
