@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from kvstore.blend.index import Alias, FingerprintIndex, Match, RegistrationResult
 from kvstore.blend.rope import PlacedRange, RopeRotator, Rotation, inverse_frequencies, rotate_keys, token_deltas
+from kvstore.blend.rope_gate import PositionShift, RopeGateReport, check_rope_gate, gate_tolerance, require_rope_gate
 
 __all__ = [
     "Alias",
     "FingerprintIndex",
     "Match",
     "PlacedRange",
+    "PositionShift",
     "RegistrationResult",
+    "RopeGateReport",
     "RopeRotator",
     "Rotation",
+    "check_rope_gate",
+    "gate_tolerance",
     "inverse_frequencies",
+    "require_rope_gate",
     "rotate_keys",
     "token_deltas",
 ]
