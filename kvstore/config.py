@@ -15,6 +15,7 @@ from kvstore.tiers.base import TierName
 __all__ = ["DEFAULT_DATA_DIR", "StoreConfig", "parse_size", "parse_tiers"]
 
 GIB = 1024**3
+MAX_INDEXED_CHUNK_TOKENS = 2**16 - 1  # the content index keeps chunk lengths in 16 bits
 DEFAULT_DATA_DIR = Path("kvstore-data")
 _TIER_ORDER = (TierName.GPU, TierName.CPU, TierName.DISK)
 _SIZE_UNITS = {
@@ -120,6 +121,11 @@ class StoreConfig:
         for name in ("gpu_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} cannot be negative")
+        if self.enable_blend and self.chunk_size > MAX_INDEXED_CHUNK_TOKENS:
+            raise ConfigError(
+                f"chunk_size={self.chunk_size} is too long for the content index (at most "
+                f"{MAX_INDEXED_CHUNK_TOKENS} tokens); use 256 or turn enable_blend off"
+            )
         if self.enable_dedup_content and not self.enable_blend:
             raise ConfigError(
                 "enable_dedup_content needs enable_blend: deduplicated chunks are found through the content index"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import lmdb
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -31,3 +34,14 @@ def run_in_threads(worker: Callable[[int], None], num_threads: int) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+@contextlib.contextmanager
+def edit_payload(path: Path) -> Iterator[tuple[lmdb.Transaction, lmdb._Database]]:
+    """A write transaction on a closed data dir's frames, behind the tier's back (to plant defects)."""
+    env = lmdb.open(str(path), max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            yield txn, env.open_db(b"payload", txn=txn)
+    finally:
+        env.close()

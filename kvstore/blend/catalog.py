@@ -17,15 +17,17 @@ Threads: safe to share; each part guards itself (index, worker, strike book, ali
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.blend.aliases import AliasTable, AliasTarget
-from kvstore.blend.index import FingerprintIndex, Match, RegistrationResult
+from kvstore.blend.index import ChunkContents, FingerprintIndex, Match, RegistrationResult
 from kvstore.blend.registration import RegistrationJob, RegistrationStats, RegistrationWorker
 from kvstore.blend.strikes import StrikeBook, Verdict
 from kvstore.keys import PrefixKey, TokenArray
@@ -35,6 +37,7 @@ __all__ = ["CatalogStats", "ContentCatalog", "Residency", "SequenceChunk"]
 logger = logging.getLogger(__name__)
 
 _Pinned = TypeVar("_Pinned")
+_REBUILD_BATCH_CHUNKS = 8192  # chunks whose tokens are held at once while the rebuild hashes them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +97,7 @@ class ContentCatalog:
         """For each chunk of a sequence, a resident stored copy of its content under any key, when dedup is on."""
         if not self.dedup_content:
             return []
+        self.sync()  # content stored just before must be seen, or it is written twice
         hits = self.index.find_contents(tokens, self.chunk_size)
         return [hit if hit is not None and self._residency.is_resident(hit.key) else None for hit in hits]
 
@@ -197,28 +201,49 @@ class ContentCatalog:
     def rebuild(self, chunks: Iterable[SequenceChunk]) -> int:
         """Index chunks recorded on disk, relinking each stored sequence through its parent keys.
 
+        One pass over ``chunks`` keeps each chunk's key, parent key and position and hashes its tokens a batch
+        at a time (the tokens are dropped), then every sequence is registered in one call
+        (``FingerprintIndex.register_runs``). A chunk continues its parent's run when the parent is a full chunk
+        that is here too; of several children of one parent (sequences sharing a prefix) the first continues it
+        and the others start runs of their own. A chunk with no known parent (chunk 0, a parent evicted, a meta
+        v1 record without parent keys) starts a run, so every chunk is indexed; only its next link may be lost.
+
         Returns:
             Chunks indexed.
         """
-        by_key = {chunk.key: chunk for chunk in chunks}
-        children: dict[PrefixKey, list[SequenceChunk]] = {}
-        roots: list[SequenceChunk] = []
-        for chunk in by_key.values():
-            if chunk.parent_key is not None and chunk.parent_key in by_key:
-                children.setdefault(chunk.parent_key, []).append(chunk)
-            else:
-                roots.append(chunk)
-        num_indexed = 0
-        while roots:
-            run = [roots.pop()]
-            while run[-1].tokens.shape[0] == self.chunk_size and run[-1].key in children:
-                first, *others = children.pop(run[-1].key)
-                roots.extend(others)  # other continuations of the same prefix start runs of their own
-                run.append(first)
-            tokens = np.concatenate([chunk.tokens for chunk in run])
-            self.index.register(tokens, [chunk.key for chunk in run], self.chunk_size, run[0].source_start)
-            num_indexed += len(run)
-        return num_indexed
+        keys: list[PrefixKey] = []
+        parent_keys: list[PrefixKey | None] = []
+        source_starts: list[int] = []
+        contents: list[ChunkContents] = []
+        iterator = iter(chunks)
+        while batch := list(itertools.islice(iterator, _REBUILD_BATCH_CHUNKS)):
+            lengths = [chunk.tokens.shape[0] for chunk in batch]
+            if not all(1 <= length <= self.chunk_size for length in lengths):
+                batch = [chunk for chunk in batch if 1 <= chunk.tokens.shape[0] <= self.chunk_size]
+                logger.warning("rebuild: skipped %d chunks of no tokens or over chunk_size=%d tokens",
+                               len(lengths) - len(batch), self.chunk_size)  # fmt: skip
+                lengths = [chunk.tokens.shape[0] for chunk in batch]
+                if not batch:
+                    continue
+            keys += [chunk.key for chunk in batch]
+            parent_keys += [chunk.parent_key for chunk in batch]
+            source_starts += [chunk.source_start for chunk in batch]
+            offsets = np.zeros(len(batch) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            tokens = np.concatenate([chunk.tokens for chunk in batch])
+            contents.append(self.index.chunk_contents(tokens, offsets))
+        if not keys:
+            return 0
+        hashed = ChunkContents.concatenate(contents, self.index.fingerprint_bits)
+        order, run_offsets = _sequence_runs(keys, parent_keys, hashed.lengths == self.chunk_size)
+        self.index.register_runs(
+            hashed.take(order),
+            [keys[position] for position in order.tolist()],
+            np.asarray(source_starts, dtype=np.int64)[order],
+            run_offsets,
+            self.chunk_size,
+        )
+        return int(order.shape[0])
 
     def stats(self) -> CatalogStats:
         return CatalogStats(
@@ -233,3 +258,46 @@ class ContentCatalog:
     def close(self) -> None:
         """Finish queued registrations (their completions drop the store's shields), then stop the worker."""
         self._worker.close()
+
+
+def _sequence_runs(
+    keys: Sequence[PrefixKey], parent_keys: Sequence[PrefixKey | None], is_full: npt.NDArray[np.bool_]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Order chunks into runs (``ContentCatalog.rebuild``): ``(order, run_offsets)`` for ``register_runs``.
+
+    Run ``r`` is chunks ``order[run_offsets[r]:run_offsets[r + 1]]``, each the child of the one before. A key that
+    appears twice keeps its last chunk. Parent links are injective once each parent keeps one child, so a walk
+    from a run's head never loops; chunks on a cycle of parent keys (only corrupt records could form one) have
+    no head and are registered one per run.
+    """
+    position = dict(zip(keys, range(len(keys)), strict=True))
+    num_chunks = len(keys)
+    kept = np.zeros(num_chunks, dtype=np.bool_)
+    kept[list(position.values())] = True
+    parent = np.fromiter((position.get(key, -1) for key in parent_keys), dtype=np.int64, count=num_chunks)  # type: ignore[arg-type]
+    has_parent = kept & (parent >= 0)
+    has_parent[has_parent] = is_full[parent[has_parent]]
+    children = np.flatnonzero(has_parent)
+    parents, first = np.unique(parent[children], return_index=True)  # first child of each parent, input order
+    successor = np.full(num_chunks, -1, dtype=np.int64)
+    successor[parents] = children[first]
+    is_head = kept.copy()
+    is_head[children[first]] = False
+    following = successor.tolist()
+    order: list[int] = []
+    run_offsets = [0]
+    for head in np.flatnonzero(is_head).tolist():
+        chunk = head
+        while chunk >= 0:
+            order.append(chunk)
+            chunk = following[chunk]
+        run_offsets.append(len(order))
+    if len(order) < int(kept.sum()):
+        visited = np.zeros(num_chunks, dtype=np.bool_)
+        visited[order] = True
+        stranded = np.flatnonzero(kept & ~visited).tolist()
+        logger.warning("rebuild: %d chunks form cycles of parent keys; indexed without next links", len(stranded))
+        for chunk in stranded:
+            order.append(chunk)
+            run_offsets.append(len(order))
+    return np.asarray(order, dtype=np.int64), np.asarray(run_offsets, dtype=np.int64)

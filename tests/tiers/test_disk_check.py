@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 
@@ -15,7 +12,7 @@ from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_format import frame_key
-from tests.factories import make_kv, make_tokens
+from tests.factories import edit_payload, make_kv, make_tokens
 
 CHUNK = 256
 
@@ -41,17 +38,6 @@ def check(path: Path, layout: KVLayout):  # type: ignore[no-untyped-def]
         return tier.check()
     finally:
         tier.close()
-
-
-@contextlib.contextmanager
-def edit_payload(path: Path) -> Iterator[tuple[lmdb.Transaction, lmdb._Database]]:
-    """A write transaction on the data dir's frames, behind the tier's back (to plant defects)."""
-    env = lmdb.open(str(path), max_dbs=8)
-    try:
-        with env.begin(write=True) as txn:
-            yield txn, env.open_db(b"payload", txn=txn)
-    finally:
-        env.close()
 
 
 def test_a_clean_data_dir_checks_clean(data_dir: tuple[Path, list[bytes]], small_layout: KVLayout) -> None:
