@@ -24,6 +24,14 @@ FORBIDDEN = {
     "kvstore.errors": ("kvstore.",),
     "kvstore.models": ("kvstore.store", "kvstore.tiers", "kvstore.blend", "kvstore.cli", "kvstore.bench"),
     "kvstore.store": ("kvstore.cli", "kvstore.bench", "kvstore.server"),
+    # What the store is built from must not reach back up into it (the blender, an engine, may).
+    "kvstore.plan": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server"),
+    "kvstore.sessions": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server"),
+    "kvstore.prefetch": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server"),
+    **{
+        f"kvstore.blend.{part}": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server", "kvstore.tiers")
+        for part in ("index", "fingerprint_table", "rolling_hash", "catalog", "registration", "strikes", "aliases")
+    },
     "kvstore.bench": ("kvstore.cli",),
 }
 
