@@ -12,7 +12,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstore.config import StoreConfig
 from kvstore.layout import KVLayout
+from kvstore.tiers.base import TierName
 
 
 def make_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -45,3 +47,20 @@ def edit_payload(path: Path) -> Iterator[tuple[lmdb.Transaction, lmdb._Database]
             yield txn, env.open_db(b"payload", txn=txn)
     finally:
         env.close()
+
+
+def store_config(
+    tmp_path: Path, layout: KVLayout, chunk_size: int, *, gpu_chunks: int, cpu_chunks: int, **changes: object
+) -> StoreConfig:
+    """All three tiers sized in chunks (the gpu tier's logic on host memory), data under ``tmp_path/data``."""
+    chunk_bytes = layout.chunk_bytes(chunk_size)
+    settings: dict[str, object] = {
+        "tiers": (TierName.GPU, TierName.CPU, TierName.DISK),
+        "chunk_size": chunk_size,
+        "gpu_capacity_bytes": gpu_chunks * chunk_bytes,
+        "gpu_device": "cpu",
+        "cpu_capacity_bytes": cpu_chunks * chunk_bytes,
+        "disk_path": tmp_path / "data",
+        "disk_capacity_bytes": 64 << 20,
+    }
+    return StoreConfig(**{**settings, **changes})  # type: ignore[arg-type]

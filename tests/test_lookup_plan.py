@@ -3,7 +3,6 @@ dedup-content. Chunks of 8 tokens keep the data tiny; every tier is the real one
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import threading
 from collections.abc import Iterator
@@ -22,24 +21,13 @@ from kvstore.keys import PrefixKey, as_token_array, prefix_keys
 from kvstore.tiers.base import ChunkRecord, TierName
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk_format import frame_key
-from tests.factories import edit_payload, make_kv, make_tokens, run_in_threads
+from tests.factories import edit_payload, make_kv, make_tokens, run_in_threads, store_config
 
 CHUNK = 8
 
 
 def config(tmp_path: Path, layout: KVLayout, **changes: object) -> StoreConfig:
-    chunk_bytes = layout.chunk_bytes(CHUNK)
-    base = StoreConfig(
-        tiers=(TierName.GPU, TierName.CPU, TierName.DISK),
-        chunk_size=CHUNK,
-        gpu_capacity_bytes=8 * chunk_bytes,
-        gpu_device="cpu",
-        cpu_capacity_bytes=16 * chunk_bytes,
-        disk_path=tmp_path / "data",
-        disk_capacity_bytes=64 << 20,
-        enable_blend=True,
-    )
-    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+    return store_config(tmp_path, layout, CHUNK, gpu_chunks=8, cpu_chunks=16, **{"enable_blend": True, **changes})
 
 
 @pytest.fixture

@@ -19,23 +19,13 @@ from kvstore import (
 )
 from kvstore.config import StoreConfig
 from kvstore.tiers.base import TierName
-from tests.factories import make_kv, make_tokens, run_in_threads
+from tests.factories import make_kv, make_tokens, run_in_threads, store_config
 
 CHUNK = 8
 
 
 def config(tmp_path: Path, layout: KVLayout, **changes: object) -> StoreConfig:
-    chunk_bytes = layout.chunk_bytes(CHUNK)
-    base = StoreConfig(
-        tiers=(TierName.GPU, TierName.CPU, TierName.DISK),
-        chunk_size=CHUNK,
-        gpu_capacity_bytes=4 * chunk_bytes,
-        gpu_device="cpu",
-        cpu_capacity_bytes=8 * chunk_bytes,
-        disk_path=tmp_path / "data",
-        disk_capacity_bytes=64 << 20,
-    )
-    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+    return store_config(tmp_path, layout, CHUNK, gpu_chunks=4, cpu_chunks=8, **changes)
 
 
 @pytest.fixture
