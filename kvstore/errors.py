@@ -10,7 +10,9 @@ one of these where they enter (``raise ... from exc``), so callers catch one fam
     ├── CapacityError          a tier cannot hold what was asked even after eviction (everything pinned)
     ├── StoreClosedError       the store (or tier) was used after close()
     ├── StorageError           the disk tier failed in a way that is not a miss (cannot open, disk error)
-    └── ProtocolError          a malformed message between client and server
+    ├── ProtocolError          a malformed message between client and server
+    ├── ServerUnavailableError no kvstore server answered (not running, wrong --url, timed out, stopping)
+    └── ServerBusyError        the server has too many requests in flight; retry
 
 Expected outcomes are not errors: a miss, a full tier during a best-effort promotion or a chunk that failed
 its checksum are returned as ``None``/``False`` and counted in stats.
@@ -27,6 +29,8 @@ __all__ = [
     "KVStoreError",
     "LayoutMismatchError",
     "ProtocolError",
+    "ServerBusyError",
+    "ServerUnavailableError",
     "StorageError",
     "StoreClosedError",
 ]
@@ -62,3 +66,11 @@ class StorageError(KVStoreError, OSError):
 
 class ProtocolError(KVStoreError):
     """A malformed or unexpected message between a client and the server."""
+
+
+class ServerUnavailableError(KVStoreError, ConnectionError):
+    """No kvstore server answered in time: it is not running, the URL is wrong, or it is shutting down."""
+
+
+class ServerBusyError(KVStoreError):
+    """The server refused a request because too many are in flight; retrying later is safe."""
