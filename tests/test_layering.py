@@ -33,6 +33,8 @@ FORBIDDEN = {
         for part in ("index", "fingerprint_table", "rolling_hash", "catalog", "registration", "strikes", "aliases")
     },
     "kvstore.bench": ("kvstore.cli",),
+    "kvstore.server": ("kvstore.cli", "kvstore.bench", "kvstore.client"),
+    "kvstore.client": ("kvstore.cli", "kvstore.bench"),
 }
 
 

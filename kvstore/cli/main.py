@@ -18,6 +18,7 @@ from kvstore.cli.bench import bench_app
 from kvstore.cli.demo import demo_command
 from kvstore.cli.evict import evict_command
 from kvstore.cli.inspect import inspect_command
+from kvstore.cli.serve import serve_command
 from kvstore.errors import KVStoreError
 
 __all__ = ["app", "main"]
@@ -48,6 +49,7 @@ def _configure(
 app.command("inspect")(inspect_command)
 app.command("evict")(evict_command)
 app.command("demo")(demo_command)
+app.command("serve")(serve_command)
 app.add_typer(bench_app, name="bench")
 
 

@@ -1,11 +1,34 @@
-"""``kvstore serve``'s wire: ZeroMQ frames carrying strictly validated msgpack messages.
+"""``kvstore serve``: one process that owns a ``TieredStore`` and serves it over ZeroMQ to engines.
 
-- ``protocol``: frames, headers, versions, limits; ``messages``: each operation's arguments; ``wire_values``:
-  plans, stats and server descriptions on the wire; ``fields``: typed reads of decoded maps; ``errors``: the
-  error codes of replies; ``cuda_ipc``: CUDA tensors shared by handle.
+- ``protocol``, ``messages``, ``wire_values``, ``fields``, ``errors``: the wire format, strictly validated.
+- ``shm``, ``cuda_ipc``: bulk KV by reference (shared memory on the same host, CUDA IPC for GPU tensors).
+- ``handlers``: what each operation does to the store; ``clients``: what each client holds.
+- ``loop``: the ROUTER socket, worker pools and janitor; ``app``: start-up and shutdown of the whole server.
+- ``settings``, ``host_facts``, ``ownership``: flags and config file, checks before start-up, ``serve.json``.
+- ``metrics``: Prometheus ``/metrics`` and ``/healthz``.
+
+The client end is ``kvstore.Client`` (``kvstore/client.py``).
 """
 
+from kvstore.server.app import ServerAddress, run_server
 from kvstore.server.errors import ErrorCode
 from kvstore.server.protocol import PROTOCOL_VERSION, Limits, Op
+from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
+from kvstore.server.wire_values import ChunkInfo, ClientSummary, ServerHealth, ServerHello, ServerInfo
 
-__all__ = ["PROTOCOL_VERSION", "ErrorCode", "Limits", "Op"]
+__all__ = [
+    "ChunkInfo",
+    "ClientSummary",
+    "ErrorCode",
+    "Limits",
+    "Op",
+    "PROTOCOL_VERSION",
+    "ServeFlags",
+    "ServerAddress",
+    "ServerHealth",
+    "ServerHello",
+    "ServerInfo",
+    "ServerSettings",
+    "resolve_settings",
+    "run_server",
+]

@@ -1,0 +1,110 @@
+"""``kvstore serve``: run a store server in the foreground until SIGINT (Ctrl-C) or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+import typer
+
+from kvstore.server.app import ServerAddress, run_server
+from kvstore.server.host_facts import probe_host
+from kvstore.server.settings import ServeFlags, resolve_settings
+
+__all__ = ["serve_command"]
+
+
+def serve_command(
+    tiers: str | None = typer.Option(
+        None, "--tiers", help="Tiers, fastest first, of gpu,cpu,disk [default: gpu,cpu,disk with CUDA, else cpu,disk]."
+    ),
+    chunk_size: int | None = typer.Option(
+        None, "--chunk-size", help="Tokens per chunk [default: the data dir's, else 256]."
+    ),
+    gpu_size_gb: float | None = typer.Option(None, "--gpu-size-gb", help="gpu tier GiB [default: 4, <= 1/4 free]."),
+    cpu_size_gb: float | None = typer.Option(None, "--cpu-size-gb", help="cpu tier GiB [default: 4, <= 1/4 RAM]."),
+    disk_path: Path | None = typer.Option(None, "--disk-path", help="The data dir [default: ./kvstore-data]."),
+    disk_size_gb: float | None = typer.Option(
+        None, "--disk-size-gb", help="disk tier cap, GiB of stored bytes [default: 64, <= 1/2 free disk]."
+    ),
+    enable_blend: bool | None = typer.Option(
+        None, "--enable-blend/--disable-blend", help="Find cached chunks anywhere in a prompt (content index)."
+    ),
+    enable_segmented_prefix: bool | None = typer.Option(
+        None, "--enable-segmented-prefix/--disable-segmented-prefix", help="A missing chunk mid-prefix is a gap."
+    ),
+    enable_dedup_content: bool | None = typer.Option(
+        None, "--enable-dedup-content/--disable-dedup-content", help="Store equal content once (needs blend)."
+    ),
+    host: str | None = typer.Option(None, "--host", help="Interface to listen on [default: 127.0.0.1]."),
+    port: int | None = typer.Option(None, "--port", help="ZeroMQ port [default: 5555; 0: any free port]."),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="HTTP port of /metrics and /healthz [default: 5556; 0: any free port]."
+    ),
+    layout: str | None = typer.Option(
+        None,
+        "--layout",
+        help="Model layout: a preset (llama3.1-8b, smollm2-135m) or a JSON file [default: the data dir's, else the "
+        "first client's].",
+    ),
+    workers: int | None = typer.Option(None, "--workers", help="Threads per pool (lookups; bulk) [default: 4]."),
+    plan_ttl_s: float | None = typer.Option(
+        None, "--plan-ttl-s", help="Release plans not retrieved within this many seconds [default: 600]."
+    ),
+    config: Path | None = typer.Option(None, "--config", help="TOML file; keys mirror the flags (cpu_size_gb = 8)."),
+) -> None:
+    """Serve a tiered KV store to engines on this host (shared memory) or the network (inline bytes).
+
+    Runs in the foreground; Ctrl-C or SIGTERM finishes requests in flight, flushes pending disk writes and exits 0.
+    One server serves one model layout; its data dir keeps the cache across restarts.
+
+    Examples:
+
+        kvstore serve
+
+        kvstore serve --tiers gpu,cpu,disk --gpu-size-gb 16 --cpu-size-gb 64 --disk-size-gb 500 --enable-blend
+
+        kvstore serve --layout llama3.1-8b --port 5555 --metrics-port 5556 --disk-path /nvme/kvstore
+
+        kvstore serve --config kvstore.toml --port 6000
+    """
+    flags = ServeFlags(
+        tiers=tiers,
+        chunk_size=chunk_size,
+        gpu_size_gb=gpu_size_gb,
+        cpu_size_gb=cpu_size_gb,
+        disk_path=disk_path,
+        disk_size_gb=disk_size_gb,
+        enable_blend=enable_blend,
+        enable_segmented_prefix=enable_segmented_prefix,
+        enable_dedup_content=enable_dedup_content,
+        host=host,
+        port=port,
+        metrics_port=metrics_port,
+        layout=layout,
+        workers=workers,
+        plan_ttl_s=plan_ttl_s,
+    )
+    settings = resolve_settings(flags, probe_host(), config)
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            typer.echo("kvstore serve: already stopping (finishing requests, flushing the disk tier)", err=True)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def announce(address: ServerAddress) -> None:
+        layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"
+        typer.echo(f"kvstore serve: listening on {address.url} (metrics {address.metrics_url}); layout {layout_text}")
+        typer.echo("kvstore serve: Ctrl-C to stop", err=True)
+
+    try:
+        run_server(settings, stop, announce)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    typer.echo("kvstore serve: stopped (pending disk writes flushed)")

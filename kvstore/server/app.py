@@ -1,0 +1,119 @@
+"""A whole server: wire the store, the client registry, the handler, the loop and the metrics endpoint; run; stop.
+
+Start-up order puts every failure before the server announces itself: open the store (takes the data dir's lock,
+recovers its index), bind the ZeroMQ port, bind the metrics port, write ``serve.json``, then call ``on_ready``.
+Shutdown is the reverse and always completes: the loop finishes requests in flight, departed clients' plans are
+released, the store is closed (pending disk writes committed and synced), sockets and the metrics endpoint close,
+``serve.json`` is removed.
+
+Threads: ``run_server`` runs the loop on the calling thread; see ``loop`` for the rest.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.server.clients import ClientRegistry
+from kvstore.server.handlers import RequestHandler, ServerIdentity
+from kvstore.server.loop import KVServer
+from kvstore.server.metrics import MetricsServer, ServerMetrics
+from kvstore.server.ownership import ServerRecord, remove_server_record, write_server_record
+from kvstore.server.settings import ServerSettings
+from kvstore.server.shm import host_id, shm_available
+from kvstore.server.store_host import StoreHost
+from kvstore.store import StoreStats
+from kvstore.tiers.base import TierName
+
+__all__ = ["ServerAddress", "run_server", "server_version"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerAddress:
+    """Where a started server listens."""
+
+    url: str
+    metrics_url: str
+
+
+def server_version() -> str:
+    try:
+        return importlib.metadata.version("kvstore")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def run_server(settings: ServerSettings, stop: threading.Event, on_ready: Callable[[ServerAddress], None]) -> None:
+    """Serve until ``stop`` is set; return once everything is flushed and closed.
+
+    Raises:
+        KVStoreError: start-up failed (the data dir is held, a port is taken, the layout does not fit).
+    """
+    config = settings.store
+    started_s = time.monotonic()
+    host = StoreHost(config, settings.layout)
+    try:
+        _serve(settings, host, started_s, stop, on_ready)
+    finally:
+        host.close()
+        logger.info("server stopped after %.1f s", time.monotonic() - started_s)
+
+
+def _serve(
+    settings: ServerSettings,
+    host: StoreHost,
+    started_s: float,
+    stop: threading.Event,
+    on_ready: Callable[[ServerAddress], None],
+) -> None:
+    config = settings.store
+    clients = ClientRegistry()
+
+    def store_stats() -> StoreStats | None:
+        store = host.store
+        return store.stats() if store is not None else None
+
+    metrics = ServerMetrics(store_stats, lambda: clients.num_clients)
+    disk_path = config.disk_path if TierName.DISK in config.tiers else None
+    identity = ServerIdentity(
+        version=server_version(),
+        host_id=host_id(),
+        pid=os.getpid(),
+        started_s=started_s,
+        limits=settings.loop.limits,
+        shm=shm_available(),
+        disk_path=str(disk_path) if disk_path is not None else None,
+    )
+    serving = threading.Event()
+    handler = RequestHandler(host, clients, identity, metrics, is_serving=serving.is_set)
+    server = KVServer(handler, settings.loop)
+    try:
+        metrics_server = MetricsServer(settings.loop.host, settings.metrics_port, metrics, handler.health)
+    except BaseException:
+        server.close()
+        raise
+    metrics_url = f"http://{settings.loop.host}:{metrics_server.port}/metrics"
+    address = ServerAddress(url=server.url, metrics_url=metrics_url)
+    try:
+        metrics_server.start()
+        if disk_path is not None:
+            write_server_record(disk_path, ServerRecord(pid=os.getpid(), url=server.url, metrics_url=metrics_url))
+        serving.set()
+        logger.info("serving on %s (metrics %s)", server.url, metrics_url)
+        on_ready(address)
+        server.serve_forever(stop)
+    finally:
+        serving.clear()
+        for departure in clients.remove_all():
+            handler.give_back(departure)
+        metrics_server.close()
+        server.close()
+        if disk_path is not None:
+            remove_server_record(disk_path)

@@ -1,0 +1,274 @@
+"""Who is connected, and what each client holds: open plans, sessions, shared-memory segments.
+
+The store pins a plan's chunks until the plan is retrieved or released or its session ends; over a network a
+client can vanish without doing any of that. So the server keeps, per client, the plans and segments it holds,
+and takes them back when the client says goodbye, when its process dies (local clients: its pid is checked by the
+janitor every second), or when a plan outlives ``plan_ttl_s`` unretrieved (remote clients can only be timed out).
+
+Plans are owned: a plan id is served only to the client whose lookup made it (ids are sequential, so guessable).
+Sessions are per client: the store sees ``<client id>/<session id>``, so two clients may both call theirs
+``"session-1"``.
+
+Threads: any. ``_clients_lock`` guards ``_clients`` and everything inside each ``ClientState``; it is never held
+while calling the store.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.plan import LookupPlan
+from kvstore.server.errors import ErrorCode, RequestError
+from kvstore.server.shm import pid_alive
+from kvstore.server.wire_values import ClientSummary
+
+__all__ = ["ClientRegistry", "ClientState", "Departure", "OpenPlan", "store_session_id"]
+
+MAX_SEGMENTS_PER_CLIENT = 64
+
+
+def store_session_id(client_id: str, session_id: str) -> str:
+    """The store's name for a client's session."""
+    return f"{client_id}/{session_id}"
+
+
+@dataclass(slots=True)
+class OpenPlan:
+    """A plan a client looked up and has not retrieved or released yet."""
+
+    plan: LookupPlan
+    session_id: str | None
+    opened_s: float
+
+
+@dataclass(slots=True)
+class ClientState:
+    """One registered client; mutated only under the registry's lock."""
+
+    client_id: str
+    name: str
+    pid: int
+    local: bool
+    has_layout: bool
+    last_seen_s: float
+    plans: dict[int, OpenPlan] = field(default_factory=dict)
+    segments: dict[int, torch.Tensor] = field(default_factory=dict)
+    next_segment_id: int = 1
+
+    def sessions(self) -> set[str]:
+        return {open_plan.session_id for open_plan in self.plans.values() if open_plan.session_id is not None}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Departure:
+    """What a departed client still held, for the caller to give back to the store."""
+
+    client_id: str
+    sessions: tuple[str, ...]
+    loose_plans: tuple[LookupPlan, ...]
+
+
+class ClientRegistry:
+    """The server's table of clients.
+
+    Args:
+        clock: monotonic seconds (tests replace it).
+        pid_alive: whether a local client's process still exists (tests replace it).
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, pid_alive: Callable[[int], bool] = pid_alive
+    ) -> None:
+        self._clients_lock = threading.Lock()
+        self._clients: dict[str, ClientState] = {}
+        self._clock = clock
+        self._pid_alive = pid_alive
+
+    def register(self, name: str, pid: int, local: bool, has_layout: bool) -> str:
+        """A new client; returns its id (the token its requests carry)."""
+        client_id = secrets.token_hex(8)
+        with self._clients_lock:
+            self._clients[client_id] = ClientState(
+                client_id=client_id, name=name, pid=pid, local=local, has_layout=has_layout, last_seen_s=self._clock()
+            )
+        return client_id
+
+    def touch(self, client_id: str | None, *, needs_layout: bool) -> None:
+        """Check a request's client token (and that it registered a layout, for KV requests).
+
+        Raises:
+            RequestError: ``not_registered`` for an unknown token; ``config`` when a layout is needed.
+        """
+        if client_id is None:
+            raise RequestError(ErrorCode.NOT_REGISTERED, "say hello first: this request carries no client token")
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            if state is None:
+                raise RequestError(
+                    ErrorCode.NOT_REGISTERED,
+                    f"unknown client {client_id!r:.40} (the server restarted, or the client said goodbye); say hello",
+                )
+            state.last_seen_s = self._clock()
+            has_layout = state.has_layout
+        if needs_layout and not has_layout:
+            raise RequestError(
+                ErrorCode.CONFIG, "this client registered no layout (an admin client); it cannot store or look up"
+            )
+
+    # -- plans -------------------------------------------------------------------------------------------------
+
+    def add_plan(self, client_id: str, plan: LookupPlan, session_id: str | None) -> bool:
+        """Record a client's new plan; ``False`` when the client is gone (the caller releases the plan)."""
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            if state is None:
+                return False
+            state.plans[plan.plan_id] = OpenPlan(plan=plan, session_id=session_id, opened_s=self._clock())
+            return True
+
+    def take_plan(self, client_id: str, plan_id: int) -> OpenPlan:
+        """Hand a client's plan over for retrieve or release (once).
+
+        Raises:
+            RequestError: ``unknown_plan`` when it is not this client's open plan.
+        """
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            open_plan = state.plans.pop(plan_id, None) if state is not None else None
+        if open_plan is None:
+            raise RequestError(
+                ErrorCode.UNKNOWN_PLAN,
+                f"plan {plan_id} was already retrieved or released (or its session ended, or it expired, or it is "
+                "another client's); call lookup() again",
+            )
+        return open_plan
+
+    def take_session(self, client_id: str, session_id: str) -> list[OpenPlan]:
+        """Forget a session's open plans (the caller ends the store's session, which releases them)."""
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            if state is None:
+                return []
+            taken = [p for p in state.plans.values() if p.session_id == session_id]
+            for open_plan in taken:
+                del state.plans[open_plan.plan.plan_id]
+            return taken
+
+    def take_expired_plans(self, ttl_s: float) -> list[OpenPlan]:
+        """Forget every plan older than ``ttl_s`` (the caller releases them)."""
+        deadline = self._clock() - ttl_s
+        expired: list[OpenPlan] = []
+        with self._clients_lock:
+            for state in self._clients.values():
+                old = [p for p in state.plans.values() if p.opened_s < deadline]
+                for open_plan in old:
+                    del state.plans[open_plan.plan.plan_id]
+                expired += old
+        return expired
+
+    # -- segments ----------------------------------------------------------------------------------------------
+
+    def client_pid(self, client_id: str) -> int:
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            if state is None:
+                raise RequestError(ErrorCode.NOT_REGISTERED, f"unknown client {client_id!r:.40}; say hello")
+            if not state.local:
+                raise RequestError(
+                    ErrorCode.CONFIG, "shared memory is for clients on the server's host; send the KV inline"
+                )
+            return state.pid
+
+    def add_segment(self, client_id: str, segment: torch.Tensor) -> int:
+        """Keep a mapped segment for a client; returns its id.
+
+        Raises:
+            RequestError: the client has ``MAX_SEGMENTS_PER_CLIENT`` already, or is gone.
+        """
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            if state is None:
+                raise RequestError(ErrorCode.NOT_REGISTERED, f"unknown client {client_id!r:.40}; say hello")
+            if len(state.segments) >= MAX_SEGMENTS_PER_CLIENT:
+                raise RequestError(
+                    ErrorCode.CONFIG,
+                    f"a client may attach at most {MAX_SEGMENTS_PER_CLIENT} segments; detach one first",
+                )
+            segment_id = state.next_segment_id
+            state.next_segment_id += 1
+            state.segments[segment_id] = segment
+            return segment_id
+
+    def segment(self, client_id: str, segment_id: int) -> torch.Tensor:
+        """A client's mapped segment (the caller's reference keeps it mapped even if it is detached meanwhile).
+
+        Raises:
+            RequestError: ``unknown_segment``.
+        """
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            segment = state.segments.get(segment_id) if state is not None else None
+        if segment is None:
+            raise RequestError(
+                ErrorCode.UNKNOWN_SEGMENT, f"segment {segment_id} is not attached by this client; attach it first"
+            )
+        return segment
+
+    def remove_segment(self, client_id: str, segment_id: int) -> bool:
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            return state is not None and state.segments.pop(segment_id, None) is not None
+
+    # -- departures --------------------------------------------------------------------------------------------
+
+    def remove(self, client_id: str) -> Departure | None:
+        """Forget a client; returns what it held (``None`` when unknown)."""
+        with self._clients_lock:
+            state = self._clients.pop(client_id, None)
+        if state is None:
+            return None
+        return Departure(
+            client_id=client_id,
+            sessions=tuple(sorted(state.sessions())),
+            loose_plans=tuple(p.plan for p in state.plans.values() if p.session_id is None),
+        )
+
+    def remove_dead(self) -> list[Departure]:
+        """Forget local clients whose process is gone."""
+        with self._clients_lock:
+            candidates = [(s.client_id, s.pid) for s in self._clients.values() if s.local]
+        dead = [client_id for client_id, pid in candidates if not self._pid_alive(pid)]
+        return [departure for client_id in dead if (departure := self.remove(client_id)) is not None]
+
+    def remove_all(self) -> list[Departure]:
+        with self._clients_lock:
+            client_ids = list(self._clients)
+        return [departure for client_id in client_ids if (departure := self.remove(client_id)) is not None]
+
+    # -- reporting ---------------------------------------------------------------------------------------------
+
+    @property
+    def num_clients(self) -> int:
+        with self._clients_lock:
+            return len(self._clients)
+
+    def summaries(self) -> tuple[ClientSummary, ...]:
+        with self._clients_lock:
+            return tuple(
+                ClientSummary(
+                    client_id=s.client_id,
+                    name=s.name,
+                    pid=s.pid,
+                    local=s.local,
+                    num_open_plans=len(s.plans),
+                    num_sessions=len(s.sessions()),
+                    num_segments=len(s.segments),
+                )
+                for s in self._clients.values()
+            )

@@ -1,0 +1,433 @@
+"""What the server does for each operation: a request in, reply frames out, never an exception.
+
+``RequestHandler.handle`` parses the op's arguments, checks the client, runs the op against the store and encodes
+the result. Every failure becomes an error reply: ``RequestError`` and kvstore errors by their code
+(``errors.error_for``), anything else as ``internal`` after ``logger.exception`` (a server bug; counted in
+``kvstore_requests_total{outcome="internal"}``).
+
+Bulk KV (``bulk`` argument) is resolved to a tensor here: a view of a client's shared-memory segment, a view of
+the inline payload frame, or an opened CUDA IPC handle; the store then makes its one copy (into a tier on store,
+into that tensor on retrieve).
+
+Threads: any number of workers call ``handle`` concurrently; all state lives in the store, the client registry and
+the hit counter, each with its own lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.errors import ConfigError, InvalidInputError, KVStoreError
+from kvstore.layout import KVLayout
+from kvstore.plan import LookupPlan
+from kvstore.server.clients import ClientRegistry, Departure, store_session_id
+from kvstore.server.cuda_ipc import import_cuda_tensor
+from kvstore.server.errors import ErrorCode, RequestError, error_for
+from kvstore.server.hits import HitCounter
+from kvstore.server.messages import (
+    AttachArgs,
+    BulkRef,
+    ChunkArgs,
+    CudaIpcBulk,
+    DetachArgs,
+    EvictArgs,
+    HelloArgs,
+    InlineBulk,
+    LookupArgs,
+    PlanArgs,
+    RetrieveArgs,
+    SessionArgs,
+    ShmBulk,
+    StoreArgs,
+    layout_from_json,
+)
+from kvstore.server.metrics import ServerMetrics
+from kvstore.server.protocol import Limits, Op, Request, encode_error, encode_ok
+from kvstore.server.shm import open_segment
+from kvstore.server.store_host import StoreHost
+from kvstore.server.wire_values import (
+    ChunkHits,
+    ChunkInfo,
+    ServerFeatures,
+    ServerHealth,
+    ServerHello,
+    ServerInfo,
+    encode_plan,
+    encode_retrieve_result,
+    encode_stats,
+    encode_store_result,
+)
+from kvstore.store import TieredStore
+from kvstore.tiers.base import TierName
+
+__all__ = ["ReplyFrames", "RequestHandler", "ServerIdentity"]
+
+logger = logging.getLogger(__name__)
+
+_NUM_TOP_CHUNKS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyFrames:
+    """A reply ready to send: the header and, for an inline retrieve, the KV bytes."""
+
+    header: bytes
+    payload: memoryview | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerIdentity:
+    """What a server says about itself in hello, info and health replies."""
+
+    version: str
+    host_id: str
+    pid: int
+    started_s: float
+    limits: Limits
+    shm: bool
+    disk_path: str | None
+
+
+class RequestHandler:
+    """Runs operations against the server's store.
+
+    Args:
+        host: owns the store (and decides its layout).
+        clients: who is registered and what each holds.
+        identity: version, host and limits for replies.
+        metrics: where request figures go.
+        is_serving: ``False`` once the server is stopping (health reports it).
+    """
+
+    def __init__(
+        self,
+        host: StoreHost,
+        clients: ClientRegistry,
+        identity: ServerIdentity,
+        metrics: ServerMetrics,
+        is_serving: Callable[[], bool],
+    ) -> None:
+        self._host = host
+        self._clients = clients
+        self._identity = identity
+        self._metrics = metrics
+        self._is_serving = is_serving
+        self._hits = HitCounter()
+        self._num_requests = 0  # approximate under concurrency; only reported
+
+    # -- entry point -------------------------------------------------------------------------------------------
+
+    def handle(self, request: Request) -> ReplyFrames:
+        """Answer one decoded request."""
+        self._num_requests += 1
+        op = request.op
+        try:
+            reply = self._dispatch(request)
+        except RequestError as exc:
+            return self.error_reply(op.value, request.request_id, exc)
+        except KVStoreError as exc:
+            return self.error_reply(op.value, request.request_id, error_for(exc))
+        except Exception as exc:  # the request boundary: a bug must not kill the worker
+            logger.exception("internal error in %s (request %d)", op.value, request.request_id)
+            failure = RequestError(ErrorCode.INTERNAL, f"internal server error in {op.value}: {type(exc).__name__}")
+            return self.error_reply(op.value, request.request_id, failure)
+        self._metrics.requests.labels(op.value, "ok").inc()
+        return reply
+
+    def error_reply(self, op: str, request_id: int | None, error: RequestError) -> ReplyFrames:
+        """An error reply, counted (also used by the I/O loop for requests that never reach a worker)."""
+        self._metrics.requests.labels(op, error.code.value).inc()
+        logger.debug("request %s %s failed: %s %s", op, request_id, error.code.value, error.message)
+        return ReplyFrames(encode_error(request_id, error.code, error.message))
+
+    def _dispatch(self, request: Request) -> ReplyFrames:
+        op, args, client_id = request.op, request.args, request.client_id
+        limits = self._identity.limits
+        if op is Op.HEALTH:
+            args.finish()
+            return self._ok(request, self.health().to_wire())
+        if op is Op.HELLO:
+            return self._ok(request, self._hello(HelloArgs.parse(args, limits)))
+        needs_layout = op in (Op.STORE, Op.LOOKUP, Op.RETRIEVE, Op.RELEASE, Op.END_SESSION)
+        self._clients.touch(client_id, needs_layout=needs_layout)
+        assert client_id is not None, "ClientRegistry.touch accepted a request without a client id"
+        if request.payload is not None and op is not Op.STORE:
+            raise RequestError(ErrorCode.MALFORMED, f"{op.value} takes no payload frame")
+        if op is Op.STORE:
+            return self._ok(request, self._store(client_id, StoreArgs.parse(args, limits), request.payload))
+        if op is Op.LOOKUP:
+            return self._ok(request, self._lookup(client_id, LookupArgs.parse(args, limits)))
+        if op is Op.RETRIEVE:
+            return self._retrieve(request, client_id, RetrieveArgs.parse(args, limits))
+        if op is Op.RELEASE:
+            open_plan = self._clients.take_plan(client_id, PlanArgs.parse(args, limits).plan_id)
+            self._host.require().release(open_plan.plan)
+            return self._ok(request, {})
+        if op is Op.END_SESSION:
+            session_id = SessionArgs.parse(args, limits).session_id
+            self._clients.take_session(client_id, session_id)
+            self._host.require().end_session(store_session_id(client_id, session_id))
+            return self._ok(request, {})
+        if op is Op.EVICT:
+            return self._ok(request, self._evict(EvictArgs.parse(args, limits)))
+        if op is Op.CHUNK:
+            key = ChunkArgs.parse(args, limits).key
+            tiers = tuple(self._host.require().contains(key))
+            return self._ok(request, ChunkInfo(key=key.hex(), tiers=tiers, hits=self._hits.hits(key)).to_wire())
+        if op is Op.ATTACH:
+            attach = AttachArgs.parse(args, limits)
+            segment = open_segment(attach.name, attach.nbytes, self._clients.client_pid(client_id))
+            return self._ok(request, {"segment_id": self._clients.add_segment(client_id, segment)})
+        if op is Op.DETACH:
+            detached = self._clients.remove_segment(client_id, DetachArgs.parse(args, limits).segment_id)
+            return self._ok(request, {"detached": detached})
+        args.finish()
+        if op is Op.FLUSH:
+            self._host.require().flush()
+            return self._ok(request, {})
+        if op is Op.STATS:
+            store = self._host.store
+            return self._ok(request, encode_stats(store.stats()) if store is not None else _empty_stats())
+        if op is Op.INFO:
+            return self._ok(request, self.info().to_wire())
+        assert op is Op.GOODBYE, f"op {op} has no handler: add it to RequestHandler._dispatch"
+        departure = self._clients.remove(client_id)
+        if departure is not None:
+            self.give_back(departure)
+        return self._ok(request, {})
+
+    def _ok(self, request: Request, result: dict[str, object]) -> ReplyFrames:
+        return ReplyFrames(encode_ok(request.request_id, result))
+
+    # -- operations --------------------------------------------------------------------------------------------
+
+    def _hello(self, args: HelloArgs) -> dict[str, object]:
+        layout = None
+        if args.layout_json is not None:
+            layout = self._host.register(layout_from_json(args.layout_json)).layout
+        local = bool(args.host_id) and args.host_id == self._identity.host_id
+        client_id = self._clients.register(args.client_name, args.pid, local, has_layout=layout is not None)
+        logger.info(
+            "client %s registered: %s pid %d (%s)%s", client_id, args.client_name, args.pid,
+            "local" if local else "remote", "" if layout is not None else ", admin",
+        )  # fmt: skip
+        return ServerHello(
+            client_id=client_id,
+            server_version=self._identity.version,
+            layout=self._host.layout,
+            chunk_size=self._host.config.chunk_size,
+            tiers=self._host.tier_capacities(),
+            features=self._features(),
+            limits=self._identity.limits,
+            host_id=self._identity.host_id,
+        ).to_wire()
+
+    def _store(self, client_id: str, args: StoreArgs, payload: memoryview | None) -> dict[str, object]:
+        store = self._host.require()
+        started_s = time.perf_counter()
+        num_tokens = len(args.tokens)
+        kv = self._bulk_tensor(client_id, args.bulk, store.layout, num_tokens, payload)[:, :, :num_tokens]
+        if args.durable and TierName.DISK not in store.config.tiers:
+            raise ConfigError("durable=True needs a disk tier; this server keeps KV in memory only")
+        result = store.store(args.tokens, kv)
+        if args.durable:
+            store.flush()
+        transport = _transport(args.bulk)
+        self._metrics.store_seconds.labels(transport).observe(time.perf_counter() - started_s)
+        self._metrics.bulk_bytes.labels("stored", transport).inc(store.layout.chunk_bytes(num_tokens))
+        return encode_store_result(result)
+
+    def _lookup(self, client_id: str, args: LookupArgs) -> dict[str, object]:
+        store = self._host.require()
+        started_s = time.perf_counter()
+        session = store_session_id(client_id, args.session_id) if args.session_id is not None else None
+        plan = store.lookup(args.tokens, session_id=session, blend=args.blend)
+        if not self._clients.add_plan(client_id, plan, args.session_id):
+            store.release(plan)
+            raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
+        self._hits.add(segment.key for segment in plan.segments)
+        self._metrics.observe_lookup(plan, time.perf_counter() - started_s)
+        return encode_plan(plan, args.session_id)
+
+    def _retrieve(self, request: Request, client_id: str, args: RetrieveArgs) -> ReplyFrames:
+        store = self._host.require()
+        started_s = time.perf_counter()
+        plan = self._clients.take_plan(client_id, args.plan_id).plan
+        try:
+            out = self._retrieve_target(client_id, args.bulk, store, plan)
+        except BaseException:
+            store.release(plan)  # the plan left the registry: its pins must not leak
+            raise
+        try:
+            result = store.retrieve(plan, out)
+        except InvalidInputError:
+            raise
+        except ConfigError as exc:  # its session ended between our registry and the store's ledger
+            raise RequestError(ErrorCode.UNKNOWN_PLAN, str(exc)) from None
+        if out is not None and out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)  # the client may use its tensor as soon as the reply arrives
+        reply = encode_retrieve_result(result)
+        transport = _transport(args.bulk)
+        num_bytes = store.layout.chunk_bytes(int(result.kv.shape[2]))
+        self._metrics.retrieve_seconds.labels(transport).observe(time.perf_counter() - started_s)
+        self._metrics.bulk_bytes.labels("retrieved", transport).inc(num_bytes)
+        payload = None
+        if isinstance(args.bulk, InlineBulk):
+            kv = result.kv.contiguous()
+            payload = memoryview(kv.view(torch.uint8).numpy().data) if kv.numel() else memoryview(b"")
+        return ReplyFrames(encode_ok(request.request_id, reply), payload)
+
+    def _retrieve_target(
+        self, client_id: str, bulk: BulkRef, store: TieredStore, plan: LookupPlan
+    ) -> torch.Tensor | None:
+        """Where a retrieve writes: a client's region or tensor, or ``None`` (inline: the store allocates)."""
+        layout = store.layout
+        if isinstance(bulk, InlineBulk):
+            limit = self._identity.limits.max_payload_bytes
+            if layout.chunk_bytes(plan.end) > limit:
+                raise RequestError(
+                    ErrorCode.TOO_LARGE,
+                    f"the plan's KV is {layout.chunk_bytes(plan.end):,} bytes, over the inline limit of {limit:,}; "
+                    "retrieve through shared memory (same host) or look up a shorter prompt",
+                )
+            return None
+        return self._bulk_tensor(client_id, bulk, layout, plan.end, None)
+
+    def _bulk_tensor(
+        self, client_id: str, bulk: BulkRef, layout: KVLayout, num_tokens: int, payload: memoryview | None
+    ) -> torch.Tensor:
+        """The tensor a bulk reference names: ``[num_layers, 2, T, num_kv_heads, head_dim]`` with ``T >= num_tokens``
+        (``T == num_tokens`` inline; a shared-memory region or CUDA tensor may hold more tokens).
+
+        Raises:
+            RequestError: a missing or extra payload, a size that does not match, an unknown segment.
+        """
+        nbytes = layout.chunk_bytes(num_tokens)
+        shape = layout.chunk_shape(num_tokens)
+        dtype = layout.dtype.torch_dtype
+        if isinstance(bulk, CudaIpcBulk):
+            tensor = import_cuda_tensor(bulk.handle)
+            try:
+                layout.check_kv(tensor[:, :, :num_tokens] if tensor.dim() == 5 else tensor, num_tokens)
+            except InvalidInputError as exc:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"cuda_ipc tensor: {exc}") from None
+            return tensor
+        if isinstance(bulk, InlineBulk):
+            if payload is None:
+                raise RequestError(ErrorCode.MALFORMED, "bulk kind inline needs the KV as the payload frame")
+            if len(payload) != nbytes:
+                raise RequestError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"payload is {len(payload):,} bytes; {num_tokens} tokens of {layout.model_id} need {nbytes:,}",
+                )
+            if nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape)
+        if payload is not None:
+            raise RequestError(ErrorCode.MALFORMED, "bulk kind shm takes no payload frame")
+        assert isinstance(bulk, ShmBulk), f"bulk {bulk!r} of no known kind reached _bulk_tensor"
+        region_tokens, remainder = divmod(bulk.nbytes, layout.bytes_per_token)
+        if remainder or region_tokens < num_tokens:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"bulk nbytes={bulk.nbytes:,} is not a whole number of tokens of at least {num_tokens} "
+                f"({layout.bytes_per_token:,} bytes a token for {layout.model_id}: {nbytes:,} bytes)",
+            )
+        segment = self._clients.segment(client_id, bulk.segment_id)
+        if bulk.offset + bulk.nbytes > segment.numel():
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"bulk region [{bulk.offset}, {bulk.offset + bulk.nbytes}) lies outside segment {bulk.segment_id} "
+                f"({segment.numel():,} bytes)",
+            )
+        region = segment[bulk.offset : bulk.offset + bulk.nbytes]
+        return region.view(dtype).view(layout.chunk_shape(region_tokens))
+
+    def _evict(self, args: EvictArgs) -> dict[str, object]:
+        store = self._host.require()
+        if args.keys is not None:
+            return {"num_evicted": store.evict(list(args.keys))}
+        assert args.tier is not None and args.num_bytes is not None, "EvictArgs.parse left evict by bytes half-set"
+        return {"freed_bytes": store.evict_bytes(args.num_bytes, args.tier)}
+
+    # -- reports -----------------------------------------------------------------------------------------------
+
+    def _features(self) -> ServerFeatures:
+        config = self._host.config
+        return ServerFeatures(
+            blend=config.enable_blend,
+            segmented_prefix=config.enable_segmented_prefix,
+            dedup_content=config.enable_dedup_content,
+            shm=self._identity.shm,
+            cuda_ipc=torch.cuda.is_available(),
+        )
+
+    def health(self) -> ServerHealth:
+        return ServerHealth(
+            status="serving" if self._is_serving() else "stopping",
+            uptime_s=time.monotonic() - self._identity.started_s,
+            layout_registered=self._host.layout is not None,
+            server_version=self._identity.version,
+        )
+
+    def info(self) -> ServerInfo:
+        return ServerInfo(
+            server_version=self._identity.version,
+            pid=os.getpid(),
+            uptime_s=time.monotonic() - self._identity.started_s,
+            layout=self._host.layout,
+            chunk_size=self._host.config.chunk_size,
+            tiers=self._host.tier_capacities(),
+            features=self._features(),
+            disk_path=self._identity.disk_path,
+            num_requests=self._num_requests,
+            clients=self._clients.summaries(),
+            top_chunks=tuple(ChunkHits(key=key.hex(), hits=hits) for key, hits in self._hits.top(_NUM_TOP_CHUNKS)),
+        )
+
+    # -- giving back what departed clients held -----------------------------------------------------------------
+
+    def give_back(self, departure: Departure) -> None:
+        """Release a departed client's plans and end its sessions in the store."""
+        store = self._host.store
+        if store is None:
+            return
+        for session_id in departure.sessions:
+            store.end_session(store_session_id(departure.client_id, session_id))
+        for plan in departure.loose_plans:
+            store.release(plan)
+
+    def janitor_pass(self, plan_ttl_s: float) -> None:
+        """Give back what clients whose process died hold, and release plans older than ``plan_ttl_s``."""
+        for departure in self._clients.remove_dead():
+            logger.info(
+                "client %s is gone (its process died): releasing %d sessions and %d plans",
+                departure.client_id, len(departure.sessions), len(departure.loose_plans),
+            )  # fmt: skip
+            self.give_back(departure)
+        expired = self._clients.take_expired_plans(plan_ttl_s)
+        store = self._host.store
+        if expired and store is not None:
+            logger.warning(
+                "released %d plans neither retrieved nor released within %.0f s (plan TTL)", len(expired), plan_ttl_s
+            )
+            for open_plan in expired:
+                store.release(open_plan.plan)
+
+
+def _transport(bulk: BulkRef) -> str:
+    if isinstance(bulk, ShmBulk):
+        return "shm"
+    if isinstance(bulk, CudaIpcBulk):
+        return "cuda_ipc"
+    return "inline"
+
+
+def _empty_stats() -> dict[str, object]:
+    return {"tiers": [], "num_open_plans": 0, "num_sessions": 0, "catalog": None}

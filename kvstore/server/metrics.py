@@ -1,0 +1,230 @@
+"""Prometheus metrics of a server, and the HTTP endpoint that serves them (``/metrics``) with ``/healthz``.
+
+Two kinds of figures:
+
+- counted by the server per request (its own ``CollectorRegistry``, no process-global state): requests by op and
+  outcome, lookup / retrieve / store latency histograms, bulk bytes by direction and transport, lookup tokens by
+  how the plan covers them (exact, blend, gap) and the per-prompt coverage ratios;
+- read from ``TieredStore.stats()`` at scrape time (``_StoreCollector``), so they never drift from the store:
+  per tier hits, misses, puts, rejected puts, evictions, corrupt reads (counters), capacity, used and stored
+  bytes, chunks and pinned chunks (gauges); the content index's entries, aliases and strikes; open plans,
+  sessions and connected clients.
+
+Threads: the HTTP server runs ``ThreadingHTTPServer`` threads (named ``kvstore-metrics``); prometheus-client's
+metrics are thread-safe; the collector calls ``stats()``, which is.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from kvstore.errors import ConfigError
+from kvstore.plan import LookupPlan
+from kvstore.server.wire_values import ServerHealth
+from kvstore.store import StoreStats
+
+__all__ = ["MetricsServer", "ServerMetrics"]
+
+logger = logging.getLogger(__name__)
+
+_LOOKUP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_BULK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _StatsSources:
+    store_stats: Callable[[], StoreStats | None]
+    num_clients: Callable[[], int]
+
+
+class _StoreCollector(Collector):
+    """Store and tier counters, read from ``stats()`` at each scrape."""
+
+    def __init__(self, sources: _StatsSources) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        clients = GaugeMetricFamily("kvstore_clients", "Clients registered with the server.")
+        clients.add_metric([], self._sources.num_clients())
+        yield clients
+        stats = self._sources.store_stats()
+        if stats is None:
+            return
+        counters = {
+            "hits": "Lookups that found a chunk in this tier.",
+            "misses": "Lookups that did not find a chunk in this tier.",
+            "puts": "Chunks written into this tier.",
+            "rejected_puts": "Chunks this tier refused because everything resident was pinned.",
+            "evictions": "Chunks this tier dropped or demoted to make room.",
+            "corrupt_reads": "Chunks that failed their checksum (a counted miss).",
+        }
+        for name, help_text in counters.items():
+            family = CounterMetricFamily(f"kvstore_tier_{name}", help_text, labels=["tier"])
+            for tier in stats.tiers:
+                family.add_metric([tier.tier.value], getattr(tier, name))
+            yield family
+        gauges = {
+            "capacity_bytes": "Capacity of this tier (disk: stored bytes cap).",
+            "used_bytes": "Uncompressed KV bytes resident in this tier.",
+            "stored_bytes": "Bytes the resident chunks occupy (compressed on disk).",
+            "num_chunks": "Chunks resident in this tier.",
+            "num_pinned": "Chunks pinned in this tier (open plans, pending writes).",
+        }
+        for name, help_text in gauges.items():
+            gauge = GaugeMetricFamily(f"kvstore_tier_{name.removeprefix('num_')}", help_text, labels=["tier"])
+            for tier in stats.tiers:
+                gauge.add_metric([tier.tier.value], getattr(tier, name))
+            yield gauge
+        plans = GaugeMetricFamily("kvstore_open_plans", "Plans looked up and not yet retrieved or released.")
+        plans.add_metric([], stats.num_open_plans)
+        yield plans
+        sessions = GaugeMetricFamily("kvstore_sessions", "Sessions holding open plans.")
+        sessions.add_metric([], stats.num_sessions)
+        yield sessions
+        if stats.catalog is not None:
+            catalog = stats.catalog
+            strikes = CounterMetricFamily("kvstore_blend_strikes", "Index entries found pointing at a gone chunk.")
+            strikes.add_metric([], catalog.num_strikes)
+            yield strikes
+            struck_out = CounterMetricFamily("kvstore_blend_struck_out", "Index entries removed at their 2nd strike.")
+            struck_out.add_metric([], catalog.num_struck_out)
+            yield struck_out
+            entries = GaugeMetricFamily("kvstore_blend_index_entries", "Chunks in the content fingerprint index.")
+            entries.add_metric([], catalog.num_entries)
+            yield entries
+            aliases = GaugeMetricFamily("kvstore_blend_aliases", "Dedup-content aliases.")
+            aliases.add_metric([], catalog.num_aliases)
+            yield aliases
+
+
+class ServerMetrics:
+    """The server's metrics, in a registry of their own.
+
+    Args:
+        store_stats: the store's stats, or ``None`` while no layout is registered.
+        num_clients: clients registered now.
+    """
+
+    def __init__(self, store_stats: Callable[[], StoreStats | None], num_clients: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        registry = self.registry
+        self.requests = Counter(
+            "kvstore_requests", "Requests answered, by op and outcome (ok or the error code).", ["op", "outcome"],
+            registry=registry,
+        )  # fmt: skip
+        self.lookup_seconds = Histogram(
+            "kvstore_lookup_seconds", "Server time of a lookup.", buckets=_LOOKUP_BUCKETS_S, registry=registry
+        )
+        self.retrieve_seconds = Histogram(
+            "kvstore_retrieve_seconds", "Server time of a retrieve, by transport.", ["transport"],
+            buckets=_BULK_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+        self.store_seconds = Histogram(
+            "kvstore_store_seconds", "Server time of a store, by transport.", ["transport"],
+            buckets=_BULK_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+        self.bulk_bytes = Counter(
+            "kvstore_bulk_bytes", "KV bytes moved, by direction (stored, retrieved) and transport.",
+            ["direction", "transport"], registry=registry,
+        )  # fmt: skip
+        self.lookup_tokens = Counter(
+            "kvstore_lookup_tokens", "Prompt tokens looked up, by coverage: exact, blend or gap (to compute).",
+            ["kind"], registry=registry,
+        )  # fmt: skip
+        self.coverage_ratio = Histogram(
+            "kvstore_lookup_coverage_ratio", "Per lookup: cached tokens / prompt tokens.",
+            buckets=_RATIO_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.blend_coverage_ratio = Histogram(
+            "kvstore_blend_coverage_ratio", "Per lookup: tokens covered by blend segments / prompt tokens.",
+            buckets=_RATIO_BUCKETS, registry=registry,
+        )  # fmt: skip
+        registry.register(_StoreCollector(_StatsSources(store_stats=store_stats, num_clients=num_clients)))
+
+    def observe_lookup(self, plan: LookupPlan, seconds: float) -> None:
+        self.lookup_seconds.observe(seconds)
+        exact = sum(segment.num_tokens for segment in plan.segments if segment.exact)
+        blend = plan.num_cached_tokens - exact
+        gap = plan.num_query_tokens - plan.num_cached_tokens
+        self.lookup_tokens.labels("exact").inc(exact)
+        self.lookup_tokens.labels("blend").inc(blend)
+        self.lookup_tokens.labels("gap").inc(gap)
+        if plan.num_query_tokens:
+            self.coverage_ratio.observe(plan.num_cached_tokens / plan.num_query_tokens)
+            self.blend_coverage_ratio.observe(blend / plan.num_query_tokens)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """``/metrics`` (Prometheus text format) and ``/healthz`` (200 while serving, 503 otherwise) over HTTP.
+
+    Args:
+        host: interface to bind.
+        port: TCP port (0: any free port; read ``port`` after).
+        metrics: what ``/metrics`` exposes.
+        health: what ``/healthz`` reports.
+
+    Raises:
+        ConfigError: the port cannot be bound.
+    """
+
+    def __init__(self, host: str, port: int, metrics: ServerMetrics, health: Callable[[], ServerHealth]) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._answer(200, CONTENT_TYPE_LATEST, metrics.exposition())
+                elif path == "/healthz":
+                    report = health()
+                    body = json.dumps(
+                        {"status": report.status, "uptime_s": round(report.uptime_s, 3),
+                         "layout_registered": report.layout_registered, "version": report.server_version}
+                    ).encode()  # fmt: skip
+                    self._answer(200 if report.status == "serving" else 503, "application/json", body)
+                else:
+                    self._answer(404, "text/plain", b"not found: try /metrics or /healthz\n")
+
+            def _answer(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                logger.debug("metrics http: " + format, *args)
+
+        try:
+            self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror}; pick another --metrics-port"
+            ) from exc
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvstore-metrics", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()

@@ -1,0 +1,108 @@
+"""The server's one ``TieredStore``, and the rule that decides its layout.
+
+One server serves exactly one ``KVLayout`` (one model). Why not one store per layout: a data dir records one
+layout and chunk size and is locked by one process, and the memory budgets (``--cpu-size-gb``...) are per
+process; several models on one host run several servers (another ``--port`` and ``--disk-path`` each), which
+keeps every budget, data dir and metric attributable to one model.
+
+The layout is fixed, in this order, by ``--layout``, by the layout the data dir recorded when it was created, or
+else by the first client that registers one (logged at INFO). Until then the store is not open: admin requests
+are answered, KV requests get a ``config`` error. A client whose layout differs from the server's gets
+``layout_mismatch`` naming both.
+
+Threads: any. ``_open_lock`` serialises opening the store; once open, ``store`` is read without a lock (the
+reference is set once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, LayoutMismatchError
+from kvstore.layout import KVLayout
+from kvstore.server.wire_values import TierCapacity
+from kvstore.store import TieredStore
+from kvstore.tiers.base import TierName
+
+__all__ = ["StoreHost"]
+
+logger = logging.getLogger(__name__)
+
+
+class StoreHost:
+    """Opens and owns the server's store.
+
+    Args:
+        config: the store's settings (from ``kvstore serve``'s flags and config file).
+        layout: the layout to open with now, or ``None`` to wait for the first client's.
+    """
+
+    def __init__(self, config: StoreConfig, layout: KVLayout | None) -> None:
+        self.config = config
+        self._open_lock = threading.Lock()
+        self._store: TieredStore | None = None
+        if layout is not None:
+            self._store = TieredStore(layout, config)
+
+    @property
+    def store(self) -> TieredStore | None:
+        return self._store
+
+    @property
+    def layout(self) -> KVLayout | None:
+        store = self._store
+        return store.layout if store is not None else None
+
+    def register(self, layout: KVLayout) -> TieredStore:
+        """The store for a client's layout: opened with it when no layout is fixed yet.
+
+        Raises:
+            LayoutMismatchError: the server holds another layout.
+            ConfigError: the layout does not fit the tiers (a chunk larger than a tier).
+        """
+        with self._open_lock:
+            if self._store is None:
+                self._store = TieredStore(layout, self.config)
+                logger.info("layout set by the first client: %s", layout.describe())
+            store = self._store
+        if store.layout.namespace != layout.namespace:
+            raise LayoutMismatchError(
+                f"this server holds KV of {store.layout.describe()}, the client registered {layout.describe()}; "
+                "start another server (its own --port and --disk-path) for this model"
+            )
+        return store
+
+    def require(self) -> TieredStore:
+        """The store, for requests that need one.
+
+        Raises:
+            ConfigError: no layout is registered yet, so nothing is stored.
+        """
+        store = self._store
+        if store is None:
+            raise ConfigError(
+                "no layout is registered on this server yet (no client has said hello with one, and it was started "
+                "without --layout on an empty data dir): nothing is stored"
+            )
+        return store
+
+    def tier_capacities(self) -> tuple[TierCapacity, ...]:
+        """Each tier's capacity: the real one once the store is open, the configured one before."""
+        store = self._store
+        if store is not None:
+            return tuple(TierCapacity(tier=t.tier, capacity_bytes=t.capacity_bytes) for t in store.stats().tiers)
+        configured = {
+            TierName.GPU: self.config.gpu_capacity_bytes,
+            TierName.CPU: self.config.cpu_capacity_bytes,
+            TierName.DISK: self.config.disk_capacity_bytes,
+        }
+        return tuple(TierCapacity(tier=tier, capacity_bytes=configured[tier]) for tier in self.config.tiers)
+
+    def close(self) -> None:
+        """Close the store: release pins, finish registrations, flush and sync pending disk writes."""
+        with self._open_lock:
+            store = self._store
+        if store is not None:
+            store.close()  # later requests get StoreClosedError: a ``shutting_down`` reply

@@ -1,0 +1,200 @@
+"""``kvstore serve`` as a process: start-up checks (one line, non-zero exit, before anything starts), the
+handshake, graceful SIGTERM/SIGINT, the data dir's ownership."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvstore.cli.main import main
+from kvstore.config import GIB
+from kvstore.errors import ConfigError, LayoutMismatchError
+from kvstore.presets import preset_layout
+from kvstore.server.connection import Connection
+from kvstore.server.host_facts import HostFacts
+from kvstore.server.protocol import PROTOCOL_VERSION, Op, decode_reply
+from kvstore.server.settings import ServeFlags, load_config_file, resolve_settings
+from kvstore.tiers.base import TierName
+from tests.server.conftest import CHUNK_SIZE, REPO_ROOT, SERVER_LAYOUT, ServerProcess, running_server, serve_args
+
+MACHINE = HostFacts(cuda_available=False, available_memory_bytes=16 * GIB, gpu_free_bytes=0)
+
+
+def health_status(server: ServerProcess) -> str:
+    """The ``status`` of a health request over a raw connection (no hello needed)."""
+    connection = Connection(server.url)
+    try:
+        reply = connection.request(Op.HEALTH, None, {}, None, 10.0)
+    finally:
+        connection.close()
+    assert reply.ok and reply.result is not None, reply.error_message
+    return reply.result.required_str("status", 32)
+
+
+def run_serve(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        serve_args(tmp_path / "data", None, *extra), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], fragment: str) -> None:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("kvstore: error:") and fragment in lines[0], result.stderr
+    assert "listening" not in result.stdout
+
+
+# -- settings, in-process ------------------------------------------------------------------------------------------
+
+
+def test_defaults_serve_out_of_the_box(tmp_path: Path) -> None:
+    settings = resolve_settings(ServeFlags(disk_path=tmp_path / "d"), MACHINE)
+    store = settings.store
+    assert store.tiers == (TierName.CPU, TierName.DISK) and store.chunk_size == 256
+    assert store.cpu_capacity_bytes == 4 * GIB and settings.layout is None
+    assert (settings.loop.host, settings.loop.port, settings.metrics_port) == ("127.0.0.1", 5555, 5556)
+    with_cuda = HostFacts(cuda_available=True, available_memory_bytes=16 * GIB, gpu_free_bytes=80 * GIB)
+    assert resolve_settings(ServeFlags(disk_path=tmp_path / "d"), with_cuda).store.tiers[0] is TierName.GPU
+    small = HostFacts(cuda_available=False, available_memory_bytes=2 * GIB, gpu_free_bytes=0)
+    assert resolve_settings(ServeFlags(disk_path=tmp_path / "d"), small).store.cpu_capacity_bytes == GIB // 2
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "kvstore.toml"
+    config.write_text('tiers = ["cpu"]\ncpu_size_gb = 1.5\nport = 6000\nenable_blend = true\nlayout = "llama3.1-8b"\n')
+    settings = resolve_settings(ServeFlags(port=7000, disk_path=tmp_path / "d"), MACHINE, config)
+    assert settings.store.tiers == (TierName.CPU,) and settings.store.cpu_capacity_bytes == int(1.5 * GIB)
+    assert settings.loop.port == 7000 and settings.store.enable_blend
+    assert settings.layout == preset_layout("llama3.1-8b")
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("cpu_size = 1\n", "unknown key 'cpu_size'"),
+        ("port = '5555'\n", "must be a int"),
+        ("tiers = [1]\n", "list of strings"),
+        ("this is not toml", "is not TOML"),
+    ],
+)
+def test_bad_config_files_are_one_line_errors(tmp_path: Path, text: str, fragment: str) -> None:
+    config = tmp_path / "kvstore.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=fragment):
+        load_config_file(config)
+
+
+@pytest.mark.parametrize(
+    ("flags", "error", "fragment"),
+    [
+        (ServeFlags(tiers="gpu,cpu"), ConfigError, "no CUDA"),
+        (ServeFlags(tiers="disk,cpu"), ConfigError, "out of order"),
+        (ServeFlags(tiers=""), ConfigError, "no tiers"),
+        (ServeFlags(cpu_size_gb=64.0), ConfigError, "--cpu-size-gb 64.00 GiB does not fit"),
+        (ServeFlags(disk_size_gb=1e9), ConfigError, "--disk-size-gb"),
+        (ServeFlags(cpu_size_gb=-1.0), ConfigError, "non-negative"),
+        (ServeFlags(port=70000), ConfigError, "not a TCP port"),
+        (ServeFlags(workers=0), ConfigError, "between 1 and 64"),
+        (ServeFlags(enable_dedup_content=True), ConfigError, "needs enable_blend"),
+        (ServeFlags(layout="gpt-17"), ConfigError, "neither a preset"),
+    ],
+)
+def test_invalid_settings_fail_before_start_up(
+    tmp_path: Path, flags: ServeFlags, error: type[Exception], fragment: str
+) -> None:
+    flags = ServeFlags(**{name: getattr(flags, name) for name in ServeFlags.__slots__} | {"disk_path": tmp_path})
+    with pytest.raises(error, match=fragment):
+        resolve_settings(flags, MACHINE)
+
+
+def test_the_data_dir_decides_chunk_size_and_layout(tmp_path: Path) -> None:
+    from kvstore import StoreConfig, TieredStore
+
+    data = tmp_path / "data"
+    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, disk_path=data, disk_capacity_bytes=1 << 26)
+    TieredStore(SERVER_LAYOUT, config).close()
+    settings = resolve_settings(ServeFlags(disk_path=data), MACHINE)
+    assert settings.store.chunk_size == CHUNK_SIZE and settings.layout == SERVER_LAYOUT
+    with pytest.raises(LayoutMismatchError, match="--chunk-size 256 disagrees"):
+        resolve_settings(ServeFlags(disk_path=data, chunk_size=256), MACHINE)
+    with pytest.raises(LayoutMismatchError, match="use another --disk-path"):
+        resolve_settings(ServeFlags(disk_path=data, layout="smollm2-135m"), MACHINE)
+
+
+# -- the process ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "fragment"),
+    [
+        (["--tiers", "gpu,cpu"], 1, "no CUDA"),
+        (["--cpu-size-gb", "100000"], 1, "does not fit"),
+        (["--port", "many"], 2, "--port"),
+        (["--config", "/nonexistent.toml"], 1, "cannot read --config"),
+    ],
+)
+def test_bad_flags_exit_with_one_line_before_start_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, fragment: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--disk-path", str(tmp_path / "data"), *argv])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert exited.value.code == code and len(lines) == 1 and fragment in lines[0], captured.err
+    assert "listening" not in captured.out and not (tmp_path / "data").exists()
+
+
+def test_sigint_finishes_flushes_and_exits_0(tmp_path: Path) -> None:
+    with running_server(tmp_path / "data") as server:
+        assert health_status(server) == "serving"
+        assert json.loads((server.data_dir / "serve.json").read_text())["url"] == server.url
+        code = server.stop(signal.SIGINT)
+        assert server.process.stdout is not None
+        rest = server.process.stdout.read()
+    assert code == 0 and "stopped" in rest, server.stderr()
+    assert "Traceback" not in server.stderr()
+    assert not (server.data_dir / "serve.json").exists()
+
+
+def test_the_socket_answers_malformed_requests_and_a_second_server_is_refused(tmp_path: Path) -> None:
+    import zmq
+
+    with running_server(tmp_path / "data") as server:
+        one_line_error(run_serve(tmp_path), f"held by kvstore serve (pid {server.pid}) at {server.url}")
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(server.url)
+        try:
+            socket.send_multipart([b"\xc1garbage"])
+            socket.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "id": 4, "op": "fly", "args": {}})])
+            socket.send_multipart([msgpack.packb({"v": 9, "id": 5, "op": "health", "args": {}})])
+            socket.send_multipart([msgpack.packb({"v": 1, "id": 6, "op": "stats", "client": None, "args": {}})])
+            replies = []
+            for _ in range(4):
+                assert socket.poll(10_000), "the server stopped answering"
+                replies.append(decode_reply([frame.buffer for frame in socket.recv_multipart(copy=False)]))
+        finally:
+            socket.close()
+            context.term()
+        codes = {reply.request_id: reply.error_code for reply in replies}
+        assert codes == {None: "malformed", 4: "unknown_op", 5: "unsupported_version", 6: "not_registered"}
+        assert health_status(server) == "serving"
+        metrics_base = server.metrics_url.removesuffix("/metrics")
+        with urllib.request.urlopen(f"{metrics_base}/healthz", timeout=10) as response:
+            assert response.status == 200 and json.loads(response.read())["status"] == "serving"
+        with pytest.raises(urllib.error.HTTPError) as not_found:
+            urllib.request.urlopen(f"{metrics_base}/nothing", timeout=10)
+        not_found.value.close()
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        assert 'kvstore_requests_total{op="-",outcome="malformed"} 1.0' in text
+        assert 'kvstore_requests_total{op="stats",outcome="not_registered"} 1.0' in text
+        assert 'kvstore_tier_capacity_bytes{tier="cpu"}' in text
