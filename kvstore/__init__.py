@@ -1,9 +1,11 @@
 """kvstore: a tiered KV-cache storage engine for LLM serving.
 
 GPU pages over a CPU LRU over LMDB + zstd on disk, prefix-chained chunk keys, and (in ``kvstore.blend``) content
-fingerprints and layerwise blending. Start with ``TieredStore`` and ``KVLayout``.
+fingerprints and layerwise blending. Start with ``TieredStore`` and ``KVLayout``; ``Client`` is the same surface
+for a running ``kvstore serve``.
 """
 
+from kvstore.client import Client
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     CapacityError,
@@ -12,6 +14,8 @@ from kvstore.errors import (
     KVStoreError,
     LayoutMismatchError,
     ProtocolError,
+    ServerBusyError,
+    ServerUnavailableError,
     StorageError,
     StoreClosedError,
 )
@@ -20,6 +24,7 @@ from kvstore.store import TieredStore
 
 __all__ = [
     "CapacityError",
+    "Client",
     "ConfigError",
     "InvalidInputError",
     "KVDtype",
@@ -29,6 +34,8 @@ __all__ = [
     "ProtocolError",
     "RopeScaling",
     "RopeSpec",
+    "ServerBusyError",
+    "ServerUnavailableError",
     "StorageError",
     "StoreClosedError",
     "StoreConfig",

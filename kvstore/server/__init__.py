@@ -12,7 +12,7 @@ The client end is ``kvstore.Client`` (``kvstore/client.py``).
 
 from kvstore.server.app import ServerAddress, run_server
 from kvstore.server.errors import ErrorCode
-from kvstore.server.protocol import PROTOCOL_VERSION, Limits, Op
+from kvstore.server.protocol import Limits, Op
 from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
 from kvstore.server.wire_values import ChunkInfo, ClientSummary, ServerHealth, ServerHello, ServerInfo
 
@@ -22,7 +22,6 @@ __all__ = [
     "ErrorCode",
     "Limits",
     "Op",
-    "PROTOCOL_VERSION",
     "ServeFlags",
     "ServerAddress",
     "ServerHealth",

@@ -1,0 +1,457 @@
+"""``kvstore.Client``: a running ``kvstore serve`` behind the same surface as ``TieredStore``.
+
+    with Client("tcp://127.0.0.1:5555", layout) as client:   # hello: registers the layout
+        client.store(tokens, kv)                              # StoreResult
+        with client.session() as session:
+            plan = session.lookup(prompt)                     # LookupPlan: segments, gaps, plan_id
+            result = session.retrieve(plan)                   # RetrieveResult: result.kv
+
+Bulk KV takes the cheapest path the server offers: on the same host through shared memory (the client copies a
+plain tensor into its scratch segment once, the server makes the tier copy; a tensor made by ``buffer()`` moves no
+bytes on the client side at all), through CUDA IPC for CUDA tensors when server and client share a GPU host, and
+inline in the message otherwise (remote clients).
+
+Failures are the store's errors (``InvalidInputError``, ``LayoutMismatchError``, ``ConfigError`` for a plan
+already retrieved, ...) plus ``ServerUnavailableError`` when no server answers within the timeout and
+``ServerBusyError`` when it refuses new work. A server that restarted is detected (``not_registered``) and the
+client says hello again and retries the request once; plans and buffers from before the restart are gone.
+
+Threads: a client may be shared by threads; requests are serialised on one socket (``_request_lock``). For
+parallel requests use one client per thread. A session ended by garbage collection while this thread is inside a
+request is sent just before the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstore.errors import InvalidInputError, KVStoreError, ServerUnavailableError, StorageError
+from kvstore.keys import PrefixKey, as_token_array
+from kvstore.layout import KVLayout
+from kvstore.plan import LookupPlan, RetrieveResult, StoreResult
+from kvstore.server.client_segments import ClientSegments
+from kvstore.server.connection import Connection
+from kvstore.server.cuda_ipc import export_cuda_tensor
+from kvstore.server.errors import ErrorCode, exception_for
+from kvstore.server.fields import Fields
+from kvstore.server.messages import (
+    AttachArgs,
+    BulkRef,
+    ChunkArgs,
+    CudaIpcBulk,
+    DetachArgs,
+    EvictArgs,
+    HelloArgs,
+    InlineBulk,
+    LookupArgs,
+    PlanArgs,
+    RetrieveArgs,
+    SessionArgs,
+    ShmBulk,
+    StoreArgs,
+)
+from kvstore.server.protocol import Op, Reply
+from kvstore.server.shm import OwnedSegment, host_id, shm_available, sweep_stale_segments, unlink_segment
+from kvstore.server.wire_values import (
+    ChunkInfo,
+    RetrievedSegments,
+    ServerHealth,
+    ServerHello,
+    ServerInfo,
+    decode_stats,
+    decode_store_result,
+    plan_from_wire,
+)
+from kvstore.sessions import Session
+from kvstore.store import StoreStats
+from kvstore.tiers.base import TierName
+
+__all__ = ["Client"]
+
+logger = logging.getLogger(__name__)
+
+_Request = Callable[[], tuple[dict[str, object], memoryview | None]]
+
+
+class Client:
+    """A connection to a ``kvstore serve`` process.
+
+    Args:
+        url: the server's address (``kvstore serve`` prints it).
+        layout: the model's KV layout; ``None`` makes an admin client (stats, info, evict, chunk, health, flush).
+        timeout_s: how long to wait for any reply.
+        connect_timeout_s: how long the first hello may take.
+        transport: ``"auto"`` (shared memory when on the server's host, else inline), ``"shm"`` or ``"inline"``.
+        name: shown by ``kvstore inspect --url``.
+
+    Raises:
+        ServerUnavailableError: no server answered the hello.
+        LayoutMismatchError: the server serves another layout.
+    """
+
+    def __init__(
+        self,
+        url: str = "tcp://127.0.0.1:5555",
+        layout: KVLayout | None = None,
+        *,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+        transport: str = "auto",
+        name: str | None = None,
+    ) -> None:
+        if transport not in ("auto", "shm", "inline"):
+            raise InvalidInputError(f"transport {transport!r} must be auto, shm or inline")
+        self.url = url
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self._transport = transport
+        self._name = name or f"python pid {os.getpid()}"
+        self._request_lock = threading.Lock()
+        self._lock_owner: int | None = None
+        self._deferred_sessions: list[str] = []
+        self._closed = False
+        self._connection = Connection(url)
+        self._client_id: str | None = None
+        self._segments: ClientSegments | None = None
+        try:
+            with self._locked():
+                self.server = self._hello(connect_timeout_s)
+        except BaseException:
+            self._connection.close()
+            raise
+        self._shm = self._choose_shm()
+        if self._shm:
+            sweep_stale_segments()
+            assert layout is not None, "shared memory is only chosen for a client with a layout"
+            self._segments = ClientSegments(layout, self._attach, self._detach)
+
+    # -- plumbing ----------------------------------------------------------------------------------------------
+
+    def _locked(self) -> _RequestLock:
+        return _RequestLock(self)
+
+    def _hello(self, timeout_s: float) -> ServerHello:
+        args = HelloArgs(
+            layout_json=self.layout.to_json() if self.layout is not None else None,
+            client_name=self._name,
+            pid=os.getpid(),
+            host_id=host_id(),
+        )
+        reply = self._connection.request(Op.HELLO, None, args.to_wire(), None, timeout_s)
+        hello = ServerHello.from_wire(self._result(reply))
+        self._client_id = hello.client_id
+        return hello
+
+    def _choose_shm(self) -> bool:
+        if self.layout is None or self._transport == "inline":
+            return False
+        usable = self.server.features.shm and self.server.host_id == host_id() and shm_available()
+        if self._transport == "shm" and not usable:
+            raise ServerUnavailableError(
+                f"transport='shm' but the server at {self.url} is not on this host (or has no /dev/shm); use 'auto'"
+            )
+        return usable
+
+    def _result(self, reply: Reply) -> Fields:
+        if not reply.ok:
+            raise exception_for(reply.error_code, reply.error_message)
+        assert reply.result is not None, "decode_reply returned an ok reply without a result"
+        return reply.result
+
+    def _call(self, op: Op, build: _Request, timeout_s: float | None = None) -> Reply:
+        """Send a request built by ``build`` (rebuilt after a re-hello: bulk references change) under the lock."""
+        with self._locked():
+            self._send_deferred()
+            return self._call_locked(op, build, timeout_s)
+
+    def _call_locked(self, op: Op, build: _Request, timeout_s: float | None = None) -> Reply:
+        if self._closed:
+            raise ServerUnavailableError("this Client was closed; create a new one")
+        for attempt in range(2):
+            args, payload = build()
+            reply = self._connection.request(op, self._client_id, args, payload, timeout_s or self.timeout_s)
+            if reply.ok or reply.error_code != ErrorCode.NOT_REGISTERED or attempt:
+                return reply
+            logger.info("server at %s does not know this client (it restarted?): saying hello again", self.url)
+            self.server = self._hello(self.timeout_s)
+            if self._segments is not None:
+                self._segments.forget_server()
+        raise AssertionError("unreachable: the second attempt always returns")
+
+    def _simple(self, op: Op, args: dict[str, object] | None = None, timeout_s: float | None = None) -> Fields:
+        return self._result(self._call(op, lambda: (args or {}, None), timeout_s))
+
+    def _send_deferred(self) -> None:
+        while self._deferred_sessions:
+            args = SessionArgs(session_id=self._deferred_sessions.pop()).to_wire()
+            self._call_locked(Op.END_SESSION, _fixed(args))
+
+    def _attach(self, segment: OwnedSegment) -> int:
+        try:
+            args = AttachArgs(name=segment.name, nbytes=segment.nbytes).to_wire()
+            fields = self._result(self._call_locked(Op.ATTACH, lambda: (args, None)))
+            segment_id = fields.required_int("segment_id", 1, 2**31 - 1)
+            fields.finish()
+            return segment_id
+        finally:
+            unlink_segment(segment.name)  # the server unlinked it too; this covers a failed attach
+
+    def _detach(self, segment_id: int) -> None:
+        try:
+            self._call_locked(Op.DETACH, lambda: (DetachArgs(segment_id=segment_id).to_wire(), None))
+        except KVStoreError as exc:
+            logger.debug("detach of segment %d failed: %s", segment_id, exc)
+
+    def _require_layout(self) -> KVLayout:
+        if self.layout is None:
+            raise InvalidInputError("this is an admin Client (no layout); pass layout= to store or look up KV")
+        return self.layout
+
+    # -- bulk --------------------------------------------------------------------------------------------------
+
+    def _bulk_for_store(self, kv: torch.Tensor, num_tokens: int) -> tuple[BulkRef, memoryview | None]:
+        layout = self._require_layout()
+        if kv.device.type == "cuda" and self.server.features.cuda_ipc and self._shm:
+            return CudaIpcBulk(handle=export_cuda_tensor(kv)), None
+        if self._segments is not None:
+            region = self._segments.region_of(kv, num_tokens)
+            if region is not None:
+                return region, None
+            try:
+                scratch, segment_id = self._segments.scratch(layout.chunk_bytes(num_tokens))
+            except StorageError as exc:
+                logger.warning("shared memory unavailable (%s); sending KV inline", exc)
+            else:
+                nbytes = layout.chunk_bytes(num_tokens)
+                view = scratch[:nbytes].view(layout.dtype.torch_dtype).view(layout.chunk_shape(num_tokens))
+                view.copy_(kv)
+                return _shm(segment_id, nbytes), None
+        data = kv.detach().to("cpu").contiguous()
+        return InlineBulk(), memoryview(data.view(torch.uint8).numpy().data) if data.numel() else memoryview(b"")
+
+    # -- the TieredStore surface -------------------------------------------------------------------------------
+
+    def store(
+        self, tokens: Sequence[int] | npt.NDArray[np.integer], kv: torch.Tensor, *, durable: bool = False
+    ) -> StoreResult:
+        """``TieredStore.store`` on the server; ``durable=True`` returns once the chunks are committed and synced
+        to disk (the acknowledgement survives a crash of the server)."""
+        layout = self._require_layout()
+        token_array = as_token_array(tokens)
+        layout.check_kv(kv, len(token_array))
+
+        def build() -> tuple[dict[str, object], memoryview | None]:
+            bulk, payload = self._bulk_for_store(kv, len(token_array))
+            return StoreArgs(tokens=token_array, bulk=bulk, durable=durable).to_wire(), payload
+
+        return decode_store_result(self._result(self._call(Op.STORE, build)))
+
+    def lookup(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        session_id: str | None = None,
+        blend: bool | None = None,
+    ) -> LookupPlan:
+        """``TieredStore.lookup`` on the server: the plan's chunks stay pinned there until retrieve, release or
+        the session's end (or the client's death or goodbye)."""
+        self._require_layout()
+        args = LookupArgs(tokens=as_token_array(tokens), session_id=session_id, blend=blend).to_wire()
+        return plan_from_wire(self._simple(Op.LOOKUP, args))
+
+    def retrieve(
+        self, plan: LookupPlan, out: torch.Tensor | None = None, *, device: str | torch.device = "cpu"
+    ) -> RetrieveResult:
+        """``TieredStore.retrieve`` on the server. ``out`` made by ``buffer()`` (or a CUDA tensor, with CUDA IPC)
+        is written by the server directly; otherwise the KV lands in the scratch segment and is copied out."""
+        layout = self._require_layout()
+        needed = plan.end
+        if out is not None and (out.dim() != 5 or out.shape[2] < needed):
+            raise InvalidInputError(
+                f"out shape {list(out.shape)} cannot hold the plan's {needed} tokens; "
+                f"expected {list(layout.chunk_shape(needed))} (or more tokens)"
+            )
+        if out is not None:
+            layout.check_kv(out[:, :, :needed], needed)
+        staged: list[torch.Tensor] = []
+
+        def build() -> tuple[dict[str, object], memoryview | None]:
+            staged.clear()
+            bulk = self._bulk_for_retrieve(out, needed, staged)
+            return RetrieveArgs(plan_id=plan.plan_id, bulk=bulk).to_wire(), None
+
+        reply = self._call(Op.RETRIEVE, build)
+        loaded = RetrievedSegments.from_wire(self._result(reply))
+        kv = self._landed_kv(loaded.end, out, device, staged, reply.payload)
+        return RetrieveResult(segments=loaded.segments, num_query_tokens=loaded.num_query_tokens, kv=kv)
+
+    def _bulk_for_retrieve(self, out: torch.Tensor | None, needed: int, staged: list[torch.Tensor]) -> BulkRef:
+        layout = self._require_layout()
+        if out is not None and out.device.type == "cuda" and self.server.features.cuda_ipc and self._shm:
+            return CudaIpcBulk(handle=export_cuda_tensor(out))
+        if self._segments is not None:
+            if out is not None and (region := self._segments.region_of(out, needed)) is not None:
+                return region
+            try:
+                scratch, segment_id = self._segments.scratch(layout.chunk_bytes(needed))
+            except StorageError as exc:
+                logger.warning("shared memory unavailable (%s); retrieving KV inline", exc)
+            else:
+                staged.append(scratch)
+                return _shm(segment_id, layout.chunk_bytes(needed))
+        return InlineBulk()
+
+    def _landed_kv(
+        self,
+        end: int,
+        out: torch.Tensor | None,
+        device: str | torch.device,
+        staged: list[torch.Tensor],
+        payload: memoryview | None,
+    ) -> torch.Tensor:
+        """The retrieved KV as the caller wants it: a view of ``out``, or a new tensor on ``device``."""
+        layout = self._require_layout()
+        if staged:  # the server wrote into the scratch segment
+            source = staged[0][: layout.chunk_bytes(end)].view(layout.dtype.torch_dtype).view(layout.chunk_shape(end))
+        elif payload is not None:  # inline
+            if len(payload) != layout.chunk_bytes(end):
+                raise InvalidInputError(f"inline reply has {len(payload)} bytes for {end} tokens")
+            raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+            source = raw.view(layout.dtype.torch_dtype).view(layout.chunk_shape(end))
+        else:  # written in place (a buffer region or a CUDA tensor)
+            assert out is not None, "the server wrote in place but there is no out tensor"
+            return out[:, :, :end]
+        if out is not None:
+            out[:, :, :end].copy_(source)
+            return out[:, :, :end]
+        if payload is not None and torch.device(device).type == "cpu":
+            return source  # the reply frame's memory is this tensor's own
+        return source.to(device, copy=True)
+
+    def release(self, plan: LookupPlan) -> None:
+        """Drop the pins of a plan that will not be retrieved. Idempotent."""
+        try:
+            self._simple(Op.RELEASE, PlanArgs(plan_id=plan.plan_id).to_wire())
+        except KVStoreError as exc:
+            if "already retrieved or released" not in str(exc):
+                raise
+
+    def end_session(self, session_id: str) -> None:
+        """Release every plan of a session that was not retrieved or released. Idempotent."""
+        if self._closed:
+            return
+        if self._lock_owner == threading.get_ident():  # garbage collection inside one of our requests
+            self._deferred_sessions.append(session_id)
+            return
+        self._simple(Op.END_SESSION, SessionArgs(session_id=session_id).to_wire())
+
+    def session(self, session_id: str | None = None) -> Session:
+        """A session whose end (``close``, a ``with`` block, or garbage collection) releases its plans."""
+        return Session(self, session_id)
+
+    def buffer(self, num_tokens: int) -> torch.Tensor:
+        """A KV tensor ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` in shared memory the server maps:
+        storing from it, or retrieving into it, copies nothing on the client side.
+
+        Raises:
+            ServerUnavailableError: the server is not on this host (no shared memory).
+        """
+        self._require_layout()
+        if self._segments is None:
+            raise ServerUnavailableError(f"buffers need shared memory with the server, and {self.url} is remote")
+        segments = self._segments
+        with self._locked():
+            return segments.new_buffer(num_tokens)
+
+    def flush(self) -> None:
+        """Block until every pending disk write on the server is committed and synced."""
+        self._simple(Op.FLUSH)
+
+    def stats(self) -> StoreStats:
+        """The server store's ``StoreStats``."""
+        return decode_stats(self._simple(Op.STATS))
+
+    def evict(self, keys: Sequence[PrefixKey]) -> int:
+        """Drop chunks from every tier (pinned copies stay); returns the chunk copies dropped."""
+        fields = self._simple(Op.EVICT, EvictArgs(keys=tuple(keys)).to_wire())
+        num_evicted = fields.required_int("num_evicted", 0, 2**63 - 1)
+        fields.finish()
+        return num_evicted
+
+    def evict_bytes(self, num_bytes: int, tier: TierName) -> int:
+        """Free ``num_bytes`` of one tier, least recently used first; returns bytes freed."""
+        fields = self._simple(Op.EVICT, EvictArgs(num_bytes=num_bytes, tier=TierName(tier)).to_wire())
+        freed = fields.required_int("freed_bytes", 0, 2**63 - 1)
+        fields.finish()
+        return freed
+
+    def chunk(self, key: PrefixKey) -> ChunkInfo:
+        """Which tiers hold a chunk, and how many lookups planned it."""
+        return ChunkInfo.from_wire(self._simple(Op.CHUNK, ChunkArgs(key=key).to_wire()))
+
+    def health(self, timeout_s: float = 5.0) -> ServerHealth:
+        """The server's status (no layout needed)."""
+        return ServerHealth.from_wire(self._simple(Op.HEALTH, timeout_s=timeout_s))
+
+    def info(self) -> ServerInfo:
+        """The server's settings, layout, clients and most-hit chunks."""
+        return ServerInfo.from_wire(self._simple(Op.INFO))
+
+    def close(self) -> None:
+        """Say goodbye (the server releases this client's plans and segments) and close. Idempotent."""
+        if self._closed:
+            return
+        try:
+            with self._locked():
+                self._send_deferred()
+                self._call_locked(Op.GOODBYE, lambda: ({}, None), min(self.timeout_s, 2.0))
+        except KVStoreError as exc:
+            logger.debug("goodbye to %s failed: %s", self.url, exc)
+        finally:
+            self._closed = True
+            if self._segments is not None:
+                self._segments.close()
+            self._connection.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _fixed(args: dict[str, object]) -> _Request:
+    """A request builder that always sends ``args`` (no bulk to re-resolve after a re-hello)."""
+    return lambda: (args, None)
+
+
+def _shm(segment_id: int, nbytes: int) -> BulkRef:
+    return ShmBulk(segment_id=segment_id, offset=0, nbytes=nbytes)
+
+
+class _RequestLock:
+    """The client's request lock, remembering its owner thread (so a GC-time ``end_session`` can defer)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()  # before acquiring: nothing between acquire and the owner's assignment allocates
+        self._client._request_lock.acquire()
+        self._client._lock_owner = me
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._client._lock_owner = None
+        self._client._request_lock.release()

@@ -1,0 +1,233 @@
+"""``kvstore.Client`` against real ``kvstore serve`` processes: the ``TieredStore`` surface, bulk KV through shared
+memory and inline, sessions and pins, errors, restarts, and a client killed with -9 leaking nothing."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore import Client, ConfigError, InvalidInputError, KVLayout, LayoutMismatchError, ServerUnavailableError
+from kvstore.tiers.base import TierName
+from tests.factories import make_kv, make_tokens
+from tests.server.conftest import CHUNK_SIZE, REPO_ROOT, SERVER_LAYOUT, ServerProcess, running_server, shm_names_of
+
+pytestmark = pytest.mark.slow
+
+
+def wait_until(condition: object, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_store_lookup_retrieve_round_trip(server: ServerProcess, transport: str) -> None:
+    tokens, kv = make_tokens(100, seed=11 + len(transport)), make_kv(SERVER_LAYOUT, 100, seed=1)
+    with Client(server.url, SERVER_LAYOUT, transport=transport) as client:
+        result = client.store(tokens, kv)
+        assert (result.num_chunks, result.num_new_chunks) == (7, 7)
+        assert client.store(tokens, kv).num_new_chunks == 0
+        plan = client.lookup(np.concatenate([tokens, [1, 2, 3]]))
+        assert [(s.start, s.num_tokens, s.exact) for s in plan.segments][-1] == (96, 4, True)
+        assert plan.num_prefix_tokens == 100 and [(g.start, g.end) for g in plan.gaps] == [(100, 103)]
+        retrieved = client.retrieve(plan)
+        assert torch.equal(retrieved.kv, kv) and retrieved.num_prefix_tokens == 100
+        out = torch.zeros(SERVER_LAYOUT.chunk_shape(120), dtype=torch.bfloat16)
+        into = client.retrieve(client.lookup(tokens), out)
+        assert torch.equal(out[:, :, :100], kv) and into.kv.data_ptr() == out.data_ptr()
+        assert client.stats().num_open_plans == 0
+
+
+def test_documents_in_another_order_come_back_as_blend_segments(server: ServerProcess) -> None:
+    doc_a, doc_b = make_tokens(32, seed=21), make_tokens(32, seed=22)
+    kv_a, kv_b = make_kv(SERVER_LAYOUT, 32, seed=21), make_kv(SERVER_LAYOUT, 32, seed=22)
+    with Client(server.url, SERVER_LAYOUT) as client:
+        client.store(doc_a, kv_a)
+        client.store(doc_b, kv_b)
+        client.flush()  # registrations run after the store returns
+        plan = client.lookup(np.concatenate([[7, 7, 7], doc_b, doc_a]), blend=True)
+        assert [(s.start, s.source_start, s.exact) for s in plan.segments] == [
+            (3, 0, False), (19, 16, False), (35, 0, False), (51, 16, False)
+        ]  # fmt: skip
+        result = client.retrieve(plan)
+        assert torch.equal(result.kv[:, :, 3:35], kv_b) and torch.equal(result.kv[:, :, 35:67], kv_a)
+
+
+def test_buffers_move_no_bytes_on_the_client_side(server: ServerProcess) -> None:
+    tokens = make_tokens(40, seed=31)
+    with Client(server.url, SERVER_LAYOUT) as client:
+        source = client.buffer(64)
+        source.copy_(make_kv(SERVER_LAYOUT, 64, seed=31))
+        client.store(tokens, source[:, :, :40])  # a [:, :, :n] view of a buffer goes by reference
+        target = client.buffer(48)
+        result = client.retrieve(client.lookup(tokens), target)
+        assert result.kv.data_ptr() == target.data_ptr(), "written in place by the server"
+        assert torch.equal(target[:, :, :40], source[:, :, :40])
+        assert client.info().clients[-1].num_segments >= 2
+
+
+def test_sessions_release_their_pins(server: ServerProcess) -> None:
+    tokens, kv = make_tokens(64, seed=41), make_kv(SERVER_LAYOUT, 64, seed=41)
+    with Client(server.url, SERVER_LAYOUT) as client:
+        client.store(tokens, kv)
+        with client.session() as session:
+            plans = [session.lookup(tokens) for _ in range(3)]
+            assert client.stats().num_open_plans == 3
+            session.retrieve(plans[0])
+        assert client.stats().num_open_plans == 0
+        abandoned = client.session()
+        abandoned.lookup(tokens)
+        del abandoned
+        gc.collect()
+        assert client.stats().num_open_plans == 0, "a garbage-collected session ends on the server too"
+        plan = client.lookup(tokens)
+        client.release(plan)
+        client.release(plan)  # idempotent
+        with pytest.raises(ConfigError, match="already retrieved or released"):
+            client.retrieve(plan)
+        mine = client.lookup(tokens)
+        with Client(server.url, SERVER_LAYOUT) as other, pytest.raises(ConfigError, match="another client"):
+            other.retrieve(mine)
+        client.retrieve(mine)
+
+
+def test_admin_clients_inspect_and_evict(server: ServerProcess) -> None:
+    tokens, kv = make_tokens(32, seed=51), make_kv(SERVER_LAYOUT, 32, seed=51)
+    with Client(server.url, SERVER_LAYOUT) as client, Client(server.url) as admin:
+        client.store(tokens, kv, durable=True)
+        key = client.lookup(tokens).segments[0].key
+        info = admin.info()
+        assert info.layout == SERVER_LAYOUT and info.chunk_size == CHUNK_SIZE and info.features.blend
+        assert admin.chunk(key).tiers == (TierName.CPU, TierName.DISK) and admin.chunk(key).hits >= 1
+        with pytest.raises(InvalidInputError, match="admin"):
+            admin.store(tokens, kv)
+        client.end_session("nothing")  # unknown sessions are fine
+        assert admin.stats().num_open_plans == 1
+        assert admin.evict([key]) == 1, "only the disk copy goes: the cpu copy is pinned by the open plan"
+        assert admin.chunk(key).tiers == (TierName.CPU,)
+        client.close()
+        assert wait_until(lambda: admin.stats().num_open_plans == 0), "goodbye releases the client's plans"
+        assert admin.evict([key]) == 1 and admin.chunk(key).tiers == ()
+        assert admin.evict_bytes(1 << 30, TierName.CPU) >= 0
+        with pytest.raises(ConfigError, match="no gpu tier"):
+            admin.evict_bytes(1, TierName.GPU)
+
+
+def test_layout_mismatch_and_bad_input_are_the_store_errors(server: ServerProcess) -> None:
+    other = KVLayout(model_id="other", num_layers=2, num_kv_heads=2, head_dim=16)
+    with pytest.raises(LayoutMismatchError, match="start another server"):
+        Client(server.url, other)
+    with Client(server.url, SERVER_LAYOUT) as client:
+        with pytest.raises(InvalidInputError, match="does not match layout"):
+            client.store(make_tokens(10), make_kv(SERVER_LAYOUT, 9))
+        with pytest.raises(InvalidInputError, match="token ids must lie"):
+            client.lookup([-1, 2])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_no_server_is_a_clear_error_fast(tmp_path: Path) -> None:
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match="is `kvstore serve` running"):
+        Client(f"tcp://127.0.0.1:{free_port()}", SERVER_LAYOUT, connect_timeout_s=0.5)
+    assert time.monotonic() - started < 5
+
+
+def test_a_client_survives_a_server_restart_and_sigterm_flushes(tmp_path: Path) -> None:
+    port = str(free_port())
+    tokens, kv = make_tokens(80, seed=61), make_kv(SERVER_LAYOUT, 80, seed=61)
+    with running_server(tmp_path / "data", "--port", port) as first:
+        client = Client(first.url, SERVER_LAYOUT, timeout_s=2)
+        client.store(tokens, kv)  # not durable: SIGTERM must flush it
+        stale = client.lookup(tokens)
+        assert first.stop(signal.SIGTERM) == 0
+    with pytest.raises(ServerUnavailableError):
+        client.stats()
+    with running_server(tmp_path / "data", "--port", port):
+        with pytest.raises(ConfigError):
+            client.retrieve(stale)  # plans do not survive a restart
+        result = client.retrieve(client.lookup(tokens))  # the same client said hello again
+        assert torch.equal(result.kv, kv), "SIGTERM flushed the pending disk writes"
+        client.close()
+
+
+_CRASHING_CLIENT = """
+import sys, numpy as np, torch
+from kvstore import Client
+from tests.server.conftest import SERVER_LAYOUT
+from tests.factories import make_kv, make_tokens
+client = Client(sys.argv[1], SERVER_LAYOUT)
+tokens = make_tokens(64, seed=71)
+client.store(tokens, make_kv(SERVER_LAYOUT, 64, seed=71))
+buffer = client.buffer(64)
+session = client.session()
+plans = [session.lookup(tokens) for _ in range(5)]
+loose = client.lookup(tokens)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_client_killed_with_minus_9_leaks_no_pins_and_no_shared_memory(server: ServerProcess) -> None:
+    with Client(server.url) as admin:
+        before = admin.stats().num_open_plans
+        with subprocess.Popen(
+            [sys.executable, "-c", _CRASHING_CLIENT, server.url],
+            cwd=REPO_ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as crashing:
+            assert crashing.stdout is not None and crashing.stdout.readline().strip() == "ready"
+            assert admin.stats().num_open_plans == before + 6
+            assert shm_names_of(crashing.pid) == [], "segment names are unlinked once attached"
+            os.kill(crashing.pid, signal.SIGKILL)
+            crashing.wait()
+        assert wait_until(lambda: admin.stats().num_open_plans == before), "the janitor released the dead client"
+        assert all(summary.pid != crashing.pid for summary in admin.info().clients)
+        assert shm_names_of(crashing.pid) == []
+
+
+def test_names_left_by_a_client_killed_mid_attach_are_swept(server: ServerProcess) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    orphan = Path("/dev/shm") / f"kvstore-{dead_pid}-{'ab' * 8}"
+    orphan.write_bytes(b"\x00" * 64)
+    with Client(server.url, SERVER_LAYOUT):
+        assert not orphan.exists()
+
+
+def test_metrics_count_requests_latency_and_bytes(server: ServerProcess) -> None:
+    tokens, kv = make_tokens(48, seed=81), make_kv(SERVER_LAYOUT, 48, seed=81)
+    with Client(server.url, SERVER_LAYOUT) as client:
+        client.store(tokens, kv)
+        client.retrieve(client.lookup(tokens))
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    assert values["kvstore_lookup_seconds_count"] >= 1
+    assert values['kvstore_retrieve_seconds_count{transport="shm"}'] >= 1
+    assert values['kvstore_bulk_bytes_total{direction="stored",transport="shm"}'] >= SERVER_LAYOUT.chunk_bytes(48)
+    assert values['kvstore_lookup_tokens_total{kind="exact"}'] >= 48
+    assert values['kvstore_tier_used_bytes{tier="cpu"}'] > 0
+    assert values['kvstore_requests_total{op="lookup",outcome="ok"}'] >= 1
+    assert "kvstore_blend_strikes_total" in values and "kvstore_lookup_coverage_ratio_count" in values
+
