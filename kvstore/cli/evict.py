@@ -1,4 +1,5 @@
-"""``kvstore evict``: drop chunks from a data dir that no running process holds."""
+"""``kvstore evict``: drop chunks from a data dir that no running process holds, or through a running server
+(``--url``, ``kvstore.cli.online``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
+from kvstore.cli.online import evict_on_server
 from kvstore.config import DEFAULT_DATA_DIR, parse_size
 from kvstore.errors import ConfigError, StorageError
 from kvstore.keys import key_from_hex
+from kvstore.server.ownership import live_server_record
+from kvstore.tiers.base import TierName
 from kvstore.tiers.disk import DiskTier
 
 __all__ = ["evict_command"]
@@ -29,10 +33,15 @@ def evict_command(
     everything: bool = typer.Option(False, "--all", help="Drop every chunk (asks first unless --yes)."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with what was dropped."),
+    url: str | None = typer.Option(None, "--url", help="Evict through a running server (tcp://host:port)."),
+    tier_option: str | None = typer.Option(
+        None, "--tier", help="With --url: the tier --bytes/--all frees [default: each]."
+    ),
 ) -> None:
     """Drop chunks by key, by bytes to free, or all of them.
 
-    The data dir must not be held by a running store or server (it is refused with the holder's pid).
+    Offline (--path), the data dir must not be held by a running store or server (it is refused with the holder's
+    pid; a server's data dir is refused with its --url). With --url the server evicts (pinned chunks stay).
 
     Examples:
 
@@ -41,12 +50,27 @@ def evict_command(
         kvstore evict --path ./kvstore-data --bytes 2GiB
 
         kvstore evict --path ./kvstore-data --all --yes
+
+        kvstore evict --url tcp://127.0.0.1:5555 --bytes 2GiB --tier cpu
     """
     chosen = sum([bool(keys), num_bytes is not None, everything])
     if chosen != 1:
         raise ConfigError("say what to evict: exactly one of --key (repeatable), --bytes SIZE or --all")
     parsed_keys = [key_from_hex(text) for text in keys]
     bytes_to_free = parse_size(num_bytes) if num_bytes is not None else _EVERYTHING_BYTES
+    if url is not None:
+        tier_name = _tier(tier_option) if tier_option is not None else None
+        evict_on_server(url, parsed_keys, bytes_to_free if num_bytes is not None else None, tier_name, everything,
+                        yes, as_json)  # fmt: skip
+        return
+    if tier_option is not None:
+        raise ConfigError("--tier picks a tier of a running server; add --url (offline eviction is disk only)")
+    holder = live_server_record(path)
+    if holder is not None:
+        raise StorageError(
+            f"data dir {path} is held by kvstore serve (pid {holder.pid}); evict through it: "
+            f"kvstore evict --url {holder.url} ..."
+        )
     if not (path / "data.mdb").is_file():
         raise StorageError(
             f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used"
@@ -86,3 +110,10 @@ def evict_command(
         )
     if missing:
         raise typer.Exit(1)
+
+
+def _tier(text: str) -> TierName:
+    try:
+        return TierName(text.strip().lower())
+    except ValueError:
+        raise ConfigError(f"--tier {text!r} must be one of gpu, cpu, disk") from None

@@ -1,4 +1,5 @@
-"""``kvstore inspect``: what a data dir holds, offline and read-only (safe next to a live store)."""
+"""``kvstore inspect``: what a data dir holds, offline and read-only (safe next to a live store), or what a running
+server holds (``--url``, ``kvstore.cli.online``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvstore.cli.online import inspect_server
 from kvstore.config import DEFAULT_DATA_DIR
+from kvstore.errors import ConfigError
 from kvstore.inspection import DataDirSummary, check_data_dir, find_chunk, summarize_data_dir
 from kvstore.keys import key_from_hex
 
@@ -22,8 +25,11 @@ def inspect_command(
     key: str | None = typer.Option(None, "--key", help="Show one chunk by its 32-hex-digit key."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     check: bool = typer.Option(False, "--check", help="Decode every frame and report defects; exit 1 on any."),
+    url: str | None = typer.Option(
+        None, "--url", help="A running server (tcp://host:port): live tiers, hit rates, clients, top chunks."
+    ),
 ) -> None:
-    """Summarise a data dir: chunks, bytes, compression ratio, layout, oldest/newest access.
+    """Summarise a data dir (chunks, bytes, compression ratio, layout, oldest/newest access), or a running server.
 
     Examples:
 
@@ -34,7 +40,14 @@ def inspect_command(
         kvstore inspect --path ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
 
         kvstore inspect --path ./kvstore-data --check
+
+        kvstore inspect --url tcp://127.0.0.1:5555 --json
     """
+    if url is not None:
+        if check:
+            raise ConfigError("--check walks a data dir offline; drop --url (or --check)")
+        inspect_server(url, key, as_json)
+        return
     if check:
         _check(path, as_json)
         return

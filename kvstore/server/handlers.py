@@ -29,7 +29,7 @@ from kvstore.plan import LookupPlan
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
 from kvstore.server.cuda_ipc import import_cuda_tensor
 from kvstore.server.errors import ErrorCode, RequestError, error_for
-from kvstore.server.hits import HitCounter
+from kvstore.server.hits import HitCounter, LookupTally
 from kvstore.server.messages import (
     AttachArgs,
     BulkRef,
@@ -58,6 +58,7 @@ from kvstore.server.wire_values import (
     ServerHealth,
     ServerHello,
     ServerInfo,
+    TierHits,
     encode_plan,
     encode_retrieve_result,
     encode_stats,
@@ -119,6 +120,7 @@ class RequestHandler:
         self._metrics = metrics
         self._is_serving = is_serving
         self._hits = HitCounter()
+        self._tally = LookupTally(host.config.chunk_size)
         self._num_requests = 0  # approximate under concurrency; only reported
 
     # -- entry point -------------------------------------------------------------------------------------------
@@ -252,6 +254,7 @@ class RequestHandler:
             store.release(plan)
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
         self._hits.add(segment.key for segment in plan.segments)
+        self._tally.add(plan)
         self._metrics.observe_lookup(plan, time.perf_counter() - started_s)
         return encode_plan(plan, args.session_id)
 
@@ -377,6 +380,7 @@ class RequestHandler:
         )
 
     def info(self) -> ServerInfo:
+        hits, misses = self._tally.snapshot()
         return ServerInfo(
             server_version=self._identity.version,
             pid=os.getpid(),
@@ -388,7 +392,9 @@ class RequestHandler:
             disk_path=self._identity.disk_path,
             num_requests=self._num_requests,
             clients=self._clients.summaries(),
-            top_chunks=tuple(ChunkHits(key=key.hex(), hits=hits) for key, hits in self._hits.top(_NUM_TOP_CHUNKS)),
+            top_chunks=tuple(ChunkHits(key=key.hex(), hits=count) for key, count in self._hits.top(_NUM_TOP_CHUNKS)),
+            lookup_hits=tuple(TierHits(tier=tier, hits=count) for tier, count in sorted(hits.items())),
+            lookup_misses=misses,
         )
 
     # -- giving back what departed clients held -----------------------------------------------------------------

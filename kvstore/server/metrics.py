@@ -114,9 +114,13 @@ class ServerMetrics:
     Args:
         store_stats: the store's stats, or ``None`` while no layout is registered.
         num_clients: clients registered now.
+        chunk_size: tokens per chunk (to count a prompt's chunk lookups).
     """
 
-    def __init__(self, store_stats: Callable[[], StoreStats | None], num_clients: Callable[[], int]) -> None:
+    def __init__(
+        self, store_stats: Callable[[], StoreStats | None], num_clients: Callable[[], int], chunk_size: int
+    ) -> None:
+        self._chunk_size = chunk_size
         self.registry = CollectorRegistry(auto_describe=False)
         registry = self.registry
         self.requests = Counter(
@@ -142,6 +146,10 @@ class ServerMetrics:
             "kvstore_lookup_tokens", "Prompt tokens looked up, by coverage: exact, blend or gap (to compute).",
             ["kind"], registry=registry,
         )  # fmt: skip
+        self.lookup_chunks = Counter(
+            "kvstore_lookup_chunks", "Chunks lookups planned, by the tier that held each (none: a miss).",
+            ["tier"], registry=registry,
+        )  # fmt: skip
         self.coverage_ratio = Histogram(
             "kvstore_lookup_coverage_ratio", "Per lookup: cached tokens / prompt tokens.",
             buckets=_RATIO_BUCKETS, registry=registry,
@@ -160,6 +168,11 @@ class ServerMetrics:
         self.lookup_tokens.labels("exact").inc(exact)
         self.lookup_tokens.labels("blend").inc(blend)
         self.lookup_tokens.labels("gap").inc(gap)
+        for segment in plan.segments:
+            self.lookup_chunks.labels(segment.tier.value).inc()
+        misses = -(-plan.num_query_tokens // self._chunk_size) - len(plan.segments)
+        if misses > 0:
+            self.lookup_chunks.labels("none").inc(misses)
         if plan.num_query_tokens:
             self.coverage_ratio.observe(plan.num_cached_tokens / plan.num_query_tokens)
             self.blend_coverage_ratio.observe(blend / plan.num_query_tokens)

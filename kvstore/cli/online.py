@@ -1,0 +1,186 @@
+"""``kvstore inspect --url`` and ``kvstore evict --url``: the admin commands against a running server.
+
+They connect as an admin client (no layout), so they work on any server, whatever model it serves. ``inspect``
+shows the server's tiers (capacity, used, chunks, pinned, hit rate, evictions), its layout and features, the
+clients and their open plans, the content index, and the most-hit chunks; ``--key`` shows one chunk.
+``evict`` drops chunks by key, frees bytes of one tier or every tier, or empties them (pinned chunks stay).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import asdict
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.client import Client
+from kvstore.errors import ConfigError
+from kvstore.keys import PrefixKey
+from kvstore.server.wire_values import ServerInfo
+from kvstore.store import StoreStats
+from kvstore.tiers.base import TierName
+
+__all__ = ["evict_on_server", "inspect_server"]
+
+_EVERYTHING_BYTES = 2**62
+
+
+def _connect(url: str) -> Client:
+    return Client(url, None, timeout_s=30.0, connect_timeout_s=5.0, name="kvstore admin CLI")
+
+
+def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, object]:
+    """The JSON of ``kvstore inspect --url``.
+
+    Each tier's ``hit_ratio`` is the share of looked-up chunks that tier served (``lookup_hits`` over all chunk
+    lookups, misses included); ``hits``/``misses`` are the tier's own read counters.
+    """
+    lookup_hits = {hits.tier: hits.hits for hits in info.lookup_hits}
+    num_lookups = sum(lookup_hits.values()) + info.lookup_misses
+    tiers = []
+    for tier in stats.tiers:
+        row: dict[str, object] = asdict(tier)
+        row["tier"] = tier.tier.value
+        row["lookup_hits"] = lookup_hits.get(tier.tier, 0)
+        row["hit_ratio"] = round(lookup_hits.get(tier.tier, 0) / num_lookups, 4) if num_lookups else 0.0
+        tiers.append(row)
+    layout = info.layout
+    return {
+        "url": url,
+        "server_version": info.server_version,
+        "pid": info.pid,
+        "uptime_s": round(info.uptime_s, 1),
+        "layout": layout.describe() if layout is not None else None,
+        "layout_namespace": layout.namespace.hex() if layout is not None else None,
+        "chunk_size": info.chunk_size,
+        "features": asdict(info.features),
+        "disk_path": info.disk_path,
+        "num_requests": info.num_requests,
+        "tiers": tiers,
+        "lookup_misses": info.lookup_misses,
+        "num_open_plans": stats.num_open_plans,
+        "num_sessions": stats.num_sessions,
+        "catalog": asdict(stats.catalog) if stats.catalog is not None else None,
+        "clients": [asdict(client) for client in info.clients],
+        "top_chunks": [asdict(chunk) for chunk in info.top_chunks],
+    }
+
+
+def _mib(num_bytes: object) -> str:
+    return f"{int(num_bytes) / 2**20:,.1f} MiB"  # type: ignore[call-overload]
+
+
+def inspect_server(url: str, key: str | None, as_json: bool) -> None:
+    """Print a running server's state, or one chunk of it."""
+    with _connect(url) as client:
+        if key is not None:
+            chunk = client.chunk(PrefixKey(bytes.fromhex(key)))
+            if as_json:
+                typer.echo(json.dumps({"key": chunk.key, "tiers": [t.value for t in chunk.tiers], "hits": chunk.hits}))
+            else:
+                where = ", ".join(t.value for t in chunk.tiers) or "no tier (not cached)"
+                typer.echo(f"chunk {chunk.key}: {where}; planned by {chunk.hits} lookups")
+            if not chunk.tiers:
+                raise typer.Exit(1)
+            return
+        report = server_report(url, client.info(), client.stats())
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    _render(Console(width=max(120, shutil.get_terminal_size().columns)), report)
+
+
+def _render(console: Console, report: dict[str, object]) -> None:
+    summary = Table(title=f"kvstore server {report['url']}", show_header=False)
+    features = report["features"]
+    assert isinstance(features, dict), "server_report builds features as a dict"
+    rows = [
+        ("version / pid / uptime", f"{report['server_version']} / {report['pid']} / {report['uptime_s']} s"),
+        ("layout", str(report["layout"] or "none registered yet")),
+        ("chunk size", f"{report['chunk_size']} tokens"),
+        ("features", ", ".join(name for name, on in features.items() if on) or "-"),
+        ("data dir", str(report["disk_path"] or "- (memory only)")),
+        ("requests", f"{report['num_requests']:,}"),
+        ("open plans / sessions", f"{report['num_open_plans']} / {report['num_sessions']}"),
+    ]
+    catalog = report["catalog"]
+    if isinstance(catalog, dict):
+        rows.append(
+            ("content index", f"{catalog['num_entries']:,} chunks, {catalog['num_aliases']:,} aliases, "
+             f"{catalog['num_strikes']:,} strikes, {catalog['num_struck_out']:,} struck out")
+        )  # fmt: skip
+    for name, value in rows:
+        summary.add_row(name, value)
+    console.print(summary)
+    tiers = Table(title="tiers")
+    for column in ("tier", "capacity", "used", "stored", "chunks", "pinned", "hit rate", "evictions", "corrupt"):
+        tiers.add_column(column)
+    for row in report["tiers"]:  # type: ignore[attr-defined]
+        tiers.add_row(
+            row["tier"], _mib(row["capacity_bytes"]), _mib(row["used_bytes"]), _mib(row["stored_bytes"]),
+            f"{row['num_chunks']:,}", f"{row['num_pinned']:,}", f"{row['hit_ratio']:.1%}",
+            f"{row['evictions']:,}", f"{row['corrupt_reads']:,}",
+        )  # fmt: skip
+    console.print(tiers)
+    clients = Table(title="clients")
+    for column in ("name", "pid", "where", "open plans", "sessions", "segments"):
+        clients.add_column(column)
+    for client in report["clients"]:  # type: ignore[attr-defined]
+        clients.add_row(
+            client["name"], str(client["pid"]), "local" if client["local"] else "remote",
+            str(client["num_open_plans"]), str(client["num_sessions"]), str(client["num_segments"]),
+        )  # fmt: skip
+    console.print(clients)
+    top = report["top_chunks"]
+    if top:
+        hits = Table(title="most planned chunks")
+        hits.add_column("key")
+        hits.add_column("hits")
+        for chunk in top:  # type: ignore[attr-defined]
+            hits.add_row(chunk["key"], f"{chunk['hits']:,}")
+        console.print(hits)
+
+
+def evict_on_server(
+    url: str, keys: list[PrefixKey], num_bytes: int | None, tier: TierName | None, everything: bool, yes: bool,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """Evict through a running server: by key, by bytes of one tier (or each), or everything unpinned."""
+    if everything and not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError("--all asks for confirmation and there is no terminal to ask on; add --yes")
+        typer.confirm(f"drop every unpinned chunk of the server at {url}?", abort=True)
+    with _connect(url) as client:
+        report: dict[str, object] = {"url": url}
+        missing: list[str] = []
+        if keys:
+            missing = [key.hex() for key in keys if not client.chunk(key).tiers]
+            report["evicted_chunk_copies"] = client.evict(keys)
+            report["still_cached"] = [key.hex() for key in keys if client.chunk(key).tiers]
+        else:
+            server_tiers = [t.tier for t in client.server.tiers]
+            chosen = [tier] if tier is not None else server_tiers
+            if tier is not None and tier not in server_tiers:
+                names = ",".join(t.value for t in server_tiers)
+                raise ConfigError(f"--tier {tier.value}: the server's tiers are {names}")
+            to_free = num_bytes if num_bytes is not None else _EVERYTHING_BYTES
+            report["freed_bytes"] = {t.value: client.evict_bytes(to_free, t) for t in chosen}
+        report["not_found"] = missing
+    if as_json:
+        typer.echo(json.dumps(report))
+    elif keys:
+        typer.echo(
+            f"evicted {report['evicted_chunk_copies']} chunk copies"
+            + (f"; not found: {', '.join(missing)}" if missing else "")
+            + (f"; still cached (pinned): {', '.join(report['still_cached'])}" if report["still_cached"] else "")  # type: ignore[arg-type]
+        )
+    else:
+        freed = report["freed_bytes"]
+        assert isinstance(freed, dict), "freed_bytes is built as a dict"
+        typer.echo("freed " + ", ".join(f"{_mib(value)} of {name}" for name, value in freed.items()))
+    if missing:
+        raise typer.Exit(1)
