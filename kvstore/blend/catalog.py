@@ -7,7 +7,9 @@
   them are dropped when the worker is done);
 - **lookup**: ``sync`` (see every registration submitted before the lookup), ``match`` (the match leg, with the
   strike rules applied to what the tiers report) and ``resolve_alias`` (the prefix leg's dedup aliases);
-- **open**: ``rebuild`` from the disk tier's chunk records, so a restart keeps the content index.
+- **open**: ``rebuild`` (one object per chunk) or ``rebuild_batches`` (batches of records, no object per chunk)
+  from the disk tier's chunk records, so a restart keeps the content index: sequences are relinked through their
+  parent keys (``relink``) and registered in one call.
 
 The catalog never touches a tier: the store passes what it needs as callables (``Residency``), keeping data
 flowing one way (store -> catalog, store -> tiers).
@@ -29,15 +31,19 @@ import numpy.typing as npt
 from kvstore.blend.aliases import AliasTable, AliasTarget
 from kvstore.blend.index import ChunkContents, FingerprintIndex, Match, RegistrationResult
 from kvstore.blend.registration import RegistrationJob, RegistrationStats, RegistrationWorker
+from kvstore.blend.relink import sequence_runs
 from kvstore.blend.strikes import StrikeBook, Verdict
 from kvstore.keys import PrefixKey, TokenArray
 
-__all__ = ["CatalogStats", "ContentCatalog", "Residency", "SequenceChunk"]
+__all__ = ["CatalogStats", "ContentCatalog", "Residency", "SequenceBatch", "SequenceChunk"]
 
 logger = logging.getLogger(__name__)
 
 _Pinned = TypeVar("_Pinned")
-_REBUILD_BATCH_CHUNKS = 8192  # chunks whose tokens are held at once while the rebuild hashes them
+# Chunks the rebuild holds at once while it hashes them. Few enough to die young: batches of 8192 reached the oldest
+# generation of the garbage collector and cost full collections over the whole heap (1M chunks: seconds).
+_REBUILD_BATCH_CHUNKS = 256
+_MAX_POSITION = 2**32 - 1  # the index keeps source starts as u32
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +67,20 @@ class SequenceChunk:
     parent_key: PrefixKey | None
     source_start: int
     tokens: TokenArray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SequenceBatch:
+    """Many chunks of stored sequences as the disk records them (for ``rebuild_batches``), without an object per
+    chunk: chunk ``i`` has key ``keys[i]``, parent ``parent_keys[i]``, source start ``source_starts[i]`` and tokens
+    ``tokens[token_starts[i]:token_ends[i]]`` (spans may skip data between them, e.g. record headers)."""
+
+    keys: Sequence[PrefixKey]
+    parent_keys: Sequence[PrefixKey | None]
+    source_starts: npt.NDArray[np.uint64]
+    tokens: TokenArray
+    token_starts: npt.NDArray[np.int64]
+    token_ends: npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -201,49 +221,66 @@ class ContentCatalog:
     def rebuild(self, chunks: Iterable[SequenceChunk]) -> int:
         """Index chunks recorded on disk, relinking each stored sequence through its parent keys.
 
-        One pass over ``chunks`` keeps each chunk's key, parent key and position and hashes its tokens a batch
-        at a time (the tokens are dropped), then every sequence is registered in one call
-        (``FingerprintIndex.register_runs``). A chunk continues its parent's run when the parent is a full chunk
-        that is here too; of several children of one parent (sequences sharing a prefix) the first continues it
-        and the others start runs of their own. A chunk with no known parent (chunk 0, a parent evicted, a meta
-        v1 record without parent keys) starts a run, so every chunk is indexed; only its next link may be lost.
+        The same as ``rebuild_batches``, from one object per chunk (a few hundred are held at a time).
+
+        Returns:
+            Chunks indexed.
+        """
+        iterator = iter(chunks)
+        return self.rebuild_batches(
+            _as_batch(batch) for batch in iter(lambda: list(itertools.islice(iterator, _REBUILD_BATCH_CHUNKS)), [])
+        )
+
+    def rebuild_batches(self, batches: Iterable[SequenceBatch]) -> int:
+        """Index chunks recorded on disk, a batch at a time, relinking each stored sequence through its parent keys.
+
+        One pass keeps each chunk's key, parent key and position and hashes its tokens (which are then dropped);
+        then every sequence is registered in one call (``FingerprintIndex.register_runs``), its chunks in order
+        (``relink.sequence_runs``): a chunk with no known parent (chunk 0, a parent evicted, a meta v1 record)
+        starts a run, so every chunk is indexed; only a next link may be lost. Chunks of no tokens, more than
+        ``chunk_size`` tokens or a source start past 2**32 are skipped and counted in a warning.
 
         Returns:
             Chunks indexed.
         """
         keys: list[PrefixKey] = []
         parent_keys: list[PrefixKey | None] = []
-        source_starts: list[int] = []
+        source_starts: list[npt.NDArray[np.uint64]] = []
         contents: list[ChunkContents] = []
-        iterator = iter(chunks)
-        while batch := list(itertools.islice(iterator, _REBUILD_BATCH_CHUNKS)):
-            lengths = [chunk.tokens.shape[0] for chunk in batch]
-            if not all(1 <= length <= self.chunk_size for length in lengths):
-                batch = [chunk for chunk in batch if 1 <= chunk.tokens.shape[0] <= self.chunk_size]
-                logger.warning("rebuild: skipped %d chunks of no tokens or over chunk_size=%d tokens",
-                               len(lengths) - len(batch), self.chunk_size)  # fmt: skip
-                lengths = [chunk.tokens.shape[0] for chunk in batch]
-                if not batch:
-                    continue
-            keys += [chunk.key for chunk in batch]
-            parent_keys += [chunk.parent_key for chunk in batch]
-            source_starts += [chunk.source_start for chunk in batch]
-            offsets = np.zeros(len(batch) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            tokens = np.concatenate([chunk.tokens for chunk in batch])
-            contents.append(self.index.chunk_contents(tokens, offsets))
+        num_skipped = 0
+        for batch in batches:
+            lengths = batch.token_ends - batch.token_starts
+            starts = batch.source_starts.astype(np.uint64)
+            in_range = starts <= np.uint64(_MAX_POSITION)  # then the int64 view below cannot wrap
+            ends = np.where(in_range, starts, 0).astype(np.int64) + lengths
+            usable = in_range & (lengths >= 1) & (lengths <= self.chunk_size) & (ends <= _MAX_POSITION)
+            if bool(usable.all()):
+                keys += batch.keys
+                parent_keys += batch.parent_keys
+            else:
+                num_skipped += int((~usable).sum())
+                keys += [key for key, use in zip(batch.keys, usable.tolist(), strict=True) if use]
+                parent_keys += [key for key, use in zip(batch.parent_keys, usable.tolist(), strict=True) if use]
+            if bool(usable.any()):
+                source_starts.append(starts[usable])
+                contents.append(
+                    self.index.chunk_contents(batch.tokens, batch.token_starts[usable], batch.token_ends[usable])
+                )
+        if num_skipped:
+            logger.warning("rebuild: skipped %d chunks of no tokens, over chunk_size=%d tokens or past position 2**32",
+                           num_skipped, self.chunk_size)  # fmt: skip
         if not keys:
             return 0
         hashed = ChunkContents.concatenate(contents, self.index.fingerprint_bits)
-        order, run_offsets = _sequence_runs(keys, parent_keys, hashed.lengths == self.chunk_size)
+        runs = sequence_runs(keys, parent_keys, hashed.lengths == self.chunk_size)
         self.index.register_runs(
-            hashed.take(order),
-            [keys[position] for position in order.tolist()],
-            np.asarray(source_starts, dtype=np.int64)[order],
-            run_offsets,
+            hashed.take(runs.order),
+            list(map(keys.__getitem__, runs.order.tolist())),
+            np.concatenate(source_starts)[runs.order].astype(np.int64),
+            runs.run_offsets,
             self.chunk_size,
         )
-        return int(order.shape[0])
+        return int(runs.order.shape[0])
 
     def stats(self) -> CatalogStats:
         return CatalogStats(
@@ -260,44 +297,15 @@ class ContentCatalog:
         self._worker.close()
 
 
-def _sequence_runs(
-    keys: Sequence[PrefixKey], parent_keys: Sequence[PrefixKey | None], is_full: npt.NDArray[np.bool_]
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Order chunks into runs (``ContentCatalog.rebuild``): ``(order, run_offsets)`` for ``register_runs``.
 
-    Run ``r`` is chunks ``order[run_offsets[r]:run_offsets[r + 1]]``, each the child of the one before. A key that
-    appears twice keeps its last chunk. Parent links are injective once each parent keeps one child, so a walk
-    from a run's head never loops; chunks on a cycle of parent keys (only corrupt records could form one) have
-    no head and are registered one per run.
-    """
-    position = dict(zip(keys, range(len(keys)), strict=True))
-    num_chunks = len(keys)
-    kept = np.zeros(num_chunks, dtype=np.bool_)
-    kept[list(position.values())] = True
-    parent = np.fromiter((position.get(key, -1) for key in parent_keys), dtype=np.int64, count=num_chunks)  # type: ignore[arg-type]
-    has_parent = kept & (parent >= 0)
-    has_parent[has_parent] = is_full[parent[has_parent]]
-    children = np.flatnonzero(has_parent)
-    parents, first = np.unique(parent[children], return_index=True)  # first child of each parent, input order
-    successor = np.full(num_chunks, -1, dtype=np.int64)
-    successor[parents] = children[first]
-    is_head = kept.copy()
-    is_head[children[first]] = False
-    following = successor.tolist()
-    order: list[int] = []
-    run_offsets = [0]
-    for head in np.flatnonzero(is_head).tolist():
-        chunk = head
-        while chunk >= 0:
-            order.append(chunk)
-            chunk = following[chunk]
-        run_offsets.append(len(order))
-    if len(order) < int(kept.sum()):
-        visited = np.zeros(num_chunks, dtype=np.bool_)
-        visited[order] = True
-        stranded = np.flatnonzero(kept & ~visited).tolist()
-        logger.warning("rebuild: %d chunks form cycles of parent keys; indexed without next links", len(stranded))
-        for chunk in stranded:
-            order.append(chunk)
-            run_offsets.append(len(order))
-    return np.asarray(order, dtype=np.int64), np.asarray(run_offsets, dtype=np.int64)
+def _as_batch(chunks: Sequence[SequenceChunk]) -> SequenceBatch:
+    """Chunks as one ``SequenceBatch`` (their tokens concatenated)."""
+    ends = np.cumsum([chunk.tokens.shape[0] for chunk in chunks], dtype=np.int64)
+    return SequenceBatch(
+        keys=[chunk.key for chunk in chunks],
+        parent_keys=[chunk.parent_key for chunk in chunks],
+        source_starts=np.array([chunk.source_start for chunk in chunks], dtype=np.uint64),
+        tokens=np.concatenate([chunk.tokens for chunk in chunks]),
+        token_starts=np.concatenate([[0], ends[:-1]]).astype(np.int64),
+        token_ends=ends,
+    )

@@ -196,6 +196,40 @@ def insert_chunks(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
+def insert_runs(  # type: ignore[no-untyped-def]
+    run_offsets, fingerprints, verifications, lengths, key_low, key_high, source_starts, table_fingerprint,
+    table_verification, table_key_low, table_key_high, table_source_start, table_length, table_next,
+    table_fingerprint_link, table_key_link, fingerprint_heads, fingerprint_shift, key_heads, key_shift,
+    presence_bits, presence_shift, state, out_entries, out_is_new,
+):
+    """``insert_chunks`` for many sequences at once: run ``r`` is chunks ``run_offsets[r]:run_offsets[r + 1]``.
+
+    Exactly as one ``insert_chunks`` call per run, in order (links never cross a run boundary).
+    """
+    for run in range(run_offsets.shape[0] - 1):
+        begin = run_offsets[run]
+        end = run_offsets[run + 1]
+        insert_chunks(
+            fingerprints[begin:end], verifications[begin:end], lengths[begin:end], key_low[begin:end],
+            key_high[begin:end], source_starts[begin:end], table_fingerprint, table_verification, table_key_low,
+            table_key_high, table_source_start, table_length, table_next, table_fingerprint_link, table_key_link,
+            fingerprint_heads, fingerprint_shift, key_heads, key_shift, presence_bits, presence_shift, state,
+            out_entries[begin:end], out_is_new[begin:end],
+        )
+
+
+@njit(cache=True, nogil=True)
+def span_fingerprints(tokens, starts, ends, fingerprint_mask, out):  # type: ignore[no-untyped-def]
+    """Fingerprint of each span ``tokens[starts[i]:ends[i]]``, masked (``rolling_hash``'s polynomial)."""
+    base = np.uint64(0x100000001B3)
+    for span in range(out.shape[0]):
+        value = np.uint64(0)
+        for position in range(starts[span], ends[span]):
+            value = value * base + np.uint64(tokens[position])
+        out[span] = value & fingerprint_mask
+
+
+@njit(cache=True, nogil=True)
 def remove_keys(  # type: ignore[no-untyped-def]
     key_low, key_high, table_fingerprint, table_key_low, table_key_high, table_length, table_next,
     table_fingerprint_link, table_key_link, fingerprint_heads, fingerprint_shift, key_heads, key_shift, state,

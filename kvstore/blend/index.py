@@ -24,6 +24,9 @@ Invariants:
 * Tokens are never kept: 50 bytes per entry row (rows grow by 1/16), plus fingerprint heads, key heads and
   presence bits: 55-63 bytes per chunk from 10K to 1.5M chunks (measured; see ``benchmarks/bench_index.py``).
 
+Bulk registration: ``chunk_contents`` hashes many chunks wherever they lie and ``register_runs`` registers many
+sequences in one numba call, exactly as one ``register`` per sequence would (the content-index rebuild at open).
+
 Threads: ``FingerprintIndex`` is safe to share; ``_index_lock`` guards every array and counter (mutations and
 ``match`` alike, since growth replaces the arrays). The numba kernels release the GIL but run under the lock.
 """
@@ -44,7 +47,7 @@ from kvstore.blend.rolling_hash import block_fingerprints, window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, num_chunks
 
-__all__ = ["Alias", "FingerprintIndex", "Match", "RegistrationResult"]
+__all__ = ["Alias", "ChunkContents", "FingerprintIndex", "Match", "RegistrationResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,49 @@ class RegistrationResult:
     aliases: tuple[Alias, ...]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkContents:
+    """The content hashes of many chunks (``FingerprintIndex.chunk_contents``), for ``register_runs``.
+
+    Lets a caller hash chunks as they stream past, drop their tokens, and register them later in any order.
+
+    Attributes:
+        fingerprints: each chunk's fingerprint, cut to ``fingerprint_bits``.
+        verifications: each chunk's xxh3_64 of its token bytes.
+        lengths: each chunk's tokens.
+        fingerprint_bits: the bits of the index that computed them (only such an index may register them).
+    """
+
+    fingerprints: npt.NDArray[np.uint64]
+    verifications: npt.NDArray[np.uint64]
+    lengths: npt.NDArray[np.uint16]
+    fingerprint_bits: int
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def take(self, order: npt.NDArray[np.int64]) -> ChunkContents:
+        """The chunks at positions ``order``, in that order."""
+        return ChunkContents(
+            fingerprints=self.fingerprints[order],
+            verifications=self.verifications[order],
+            lengths=self.lengths[order],
+            fingerprint_bits=self.fingerprint_bits,
+        )
+
+    @staticmethod
+    def concatenate(parts: Sequence[ChunkContents], fingerprint_bits: int) -> ChunkContents:
+        """The chunks of ``parts``, one after the other (all computed by indexes of ``fingerprint_bits``)."""
+        if any(part.fingerprint_bits != fingerprint_bits for part in parts):
+            raise InvalidInputError("ChunkContents of indexes with different fingerprint_bits cannot be joined")
+        return ChunkContents(
+            fingerprints=np.concatenate([part.fingerprints for part in parts] or [np.empty(0, np.uint64)]),
+            verifications=np.concatenate([part.verifications for part in parts] or [np.empty(0, np.uint64)]),
+            lengths=np.concatenate([part.lengths for part in parts] or [np.empty(0, np.uint16)]),
+            fingerprint_bits=fingerprint_bits,
+        )
+
+
 class FingerprintIndex:
     """Index of stored chunks by content, probed at every token offset of a query.
 
@@ -111,6 +157,7 @@ class FingerprintIndex:
         if not 1 <= initial_capacity <= _MAX_ENTRIES:
             raise ConfigError(f"initial_capacity={initial_capacity} must lie in [1, 2**31), e.g. 1024")
         self._index_lock = threading.Lock()
+        self.fingerprint_bits = fingerprint_bits
         self._fingerprint_mask = np.uint64((1 << fingerprint_bits) - 1)
         self._state = np.array([-1, 0, 0], dtype=np.int64)  # free_head, high_water, num_live
         self._fingerprint = np.zeros(initial_capacity, dtype=np.uint64)
@@ -173,14 +220,135 @@ class FingerprintIndex:
                 self._fingerprint_heads, self._fingerprint_shift, self._key_heads, self._key_shift,
                 self._presence_bits, self._presence_shift, self._state, entries, is_new,
             )  # fmt: skip
-            aliases: list[Alias] = []
-            num_already_indexed = 0
-            for chunk in np.flatnonzero(~is_new).tolist():
-                existing_key = self._key_of(int(entries[chunk]))
-                if existing_key == keys[chunk]:
-                    num_already_indexed += 1
-                else:
-                    aliases.append(Alias(key=keys[chunk], existing_key=existing_key))
+            return self._registration_result(keys, entries, is_new)
+
+    def chunk_contents(
+        self, tokens: TokenArray, chunk_starts: npt.NDArray[np.int64], chunk_ends: npt.NDArray[np.int64]
+    ) -> ChunkContents:
+        """Hash many chunks at once: chunk ``i`` is ``tokens[chunk_starts[i]:chunk_ends[i]]``.
+
+        The spans may lie anywhere in ``tokens`` (in any order, with gaps), so a caller can hash chunks where they
+        already are, e.g. in a buffer of disk records between their headers.
+
+        Args:
+            tokens: token ids holding every chunk.
+            chunk_starts: each chunk's first token position.
+            chunk_ends: each chunk's end position; every chunk has 1 to 65535 tokens.
+
+        Raises:
+            InvalidInputError: spans outside ``tokens``, empty or too long, or arrays of different lengths.
+        """
+        tokens = as_token_array(tokens)
+        starts = np.asarray(chunk_starts, dtype=np.int64)
+        ends = np.asarray(chunk_ends, dtype=np.int64)
+        lengths = ends - starts
+        if starts.ndim != 1 or starts.shape != ends.shape or (
+            starts.size
+            and (
+                int(starts.min()) < 0
+                or int(ends.max()) > tokens.shape[0]
+                or int(lengths.min()) < 1
+                or int(lengths.max()) > _MAX_CHUNK_TOKENS
+            )
+        ):
+            raise InvalidInputError(
+                f"chunk spans must lie in [0, len(tokens)={tokens.shape[0]}] and hold 1 to {_MAX_CHUNK_TOKENS} "
+                "tokens each, one start and one end per chunk"
+            )
+        fingerprints = np.empty(starts.shape[0], dtype=np.uint64)
+        table.span_fingerprints(tokens, starts, ends, self._fingerprint_mask, fingerprints)
+        spans = map(slice, (4 * starts).tolist(), (4 * ends).tolist())
+        verifications = np.fromiter(  # maps, not a generator: 0.3 us a chunk less (a rebuild hashes millions)
+            map(xxhash.xxh3_64_intdigest, map(memoryview(tokens.data).cast("B").__getitem__, spans)),
+            dtype=np.uint64,
+            count=starts.shape[0],
+        )
+        return ChunkContents(
+            fingerprints=fingerprints,
+            verifications=verifications,
+            lengths=lengths.astype(np.uint16),
+            fingerprint_bits=self.fingerprint_bits,
+        )
+
+    def register_runs(
+        self,
+        contents: ChunkContents,
+        keys: Sequence[PrefixKey],
+        source_starts: npt.NDArray[np.int64],
+        run_offsets: npt.NDArray[np.int64],
+        chunk_size: int,
+    ) -> RegistrationResult:
+        """Index many stored sequences at once: the same as one ``register`` per run, in order, in one call.
+
+        Rebuilding the index of a reopened data dir registers every stored sequence this way.
+
+        Args:
+            contents: every chunk's hashes (``chunk_contents``), runs one after the other.
+            keys: every chunk's prefix key, in the same order.
+            source_starts: every chunk's token position in its stored sequence.
+            run_offsets: ``num_runs + 1`` increasing chunk offsets, from 0 to ``len(contents)``; a run is one
+                sequence's consecutive chunks, each of ``chunk_size`` tokens but the last (next links join them).
+            chunk_size: tokens per chunk, in [1, 65535].
+
+        Raises:
+            InvalidInputError: arrays of different lengths, run offsets that do not cut the chunks into runs, a
+                chunk longer than ``chunk_size`` or a short one before its run's end, or a key not 16 bytes.
+            ConfigError: ``chunk_size`` or a source start out of range, or contents of another ``fingerprint_bits``.
+        """
+        _check_chunk_size(chunk_size)
+        if contents.fingerprint_bits != self.fingerprint_bits:
+            raise ConfigError(
+                f"contents hashed with fingerprint_bits={contents.fingerprint_bits} cannot be registered in an "
+                f"index of {self.fingerprint_bits}; hash them with this index's chunk_contents"
+            )
+        count = len(contents)
+        runs = np.asarray(run_offsets, dtype=np.int64)
+        starts = np.asarray(source_starts, dtype=np.int64)
+        lengths = contents.lengths.astype(np.int64)
+        if len(keys) != count or starts.shape != (count,) or runs.ndim != 1 or runs.shape[0] == 0:
+            raise InvalidInputError(
+                f"got {len(keys)} keys and {starts.shape[0]} source starts for {count} chunks; give one of each "
+                "per chunk, and run_offsets from 0 to the chunk count"
+            )
+        if runs[0] != 0 or runs[-1] != count or (runs.shape[0] > 1 and int(np.diff(runs).min()) < 1):
+            raise InvalidInputError(f"run_offsets must rise from 0 to {count} chunks, each run one chunk or more")
+        run_ends = np.zeros(count, dtype=np.bool_)
+        run_ends[runs[1:] - 1] = True
+        if count and (int(lengths.max()) > chunk_size or bool((lengths[~run_ends] != chunk_size).any())):
+            raise InvalidInputError(
+                f"every chunk but a run's last must have chunk_size={chunk_size} tokens, and none more"
+            )
+        if count and (int(starts.min()) < 0 or int((starts + lengths).max()) > _MAX_POSITION):
+            raise ConfigError("every source start must lie in [0, 2**32 - its chunk's tokens)")
+        if count and set(map(len, keys)) != {KEY_BYTES}:
+            raise InvalidInputError(f"every prefix key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
+        key_halves = np.frombuffer(b"".join(keys), dtype="<u8").reshape(count, 2)
+        entries = np.empty(count, dtype=np.int32)
+        is_new = np.empty(count, dtype=np.bool_)
+        with self._index_lock:
+            self._reserve(int(self._state[2]) + count)
+            table.insert_runs(
+                runs, contents.fingerprints, contents.verifications, contents.lengths, key_halves[:, 0].copy(),
+                key_halves[:, 1].copy(), starts.astype(np.uint32), self._fingerprint, self._verification,
+                self._key_low, self._key_high, self._source_start, self._length, self._next,
+                self._fingerprint_link, self._key_link, self._fingerprint_heads, self._fingerprint_shift,
+                self._key_heads, self._key_shift, self._presence_bits, self._presence_shift, self._state,
+                entries, is_new,
+            )  # fmt: skip
+            return self._registration_result(keys, entries, is_new)
+
+    def _registration_result(
+        self, keys: Sequence[PrefixKey], entries: npt.NDArray[np.int32], is_new: npt.NDArray[np.bool_]
+    ) -> RegistrationResult:
+        """Sort the chunks that found an entry already there into re-registrations and aliases (lock held)."""
+        aliases: list[Alias] = []
+        num_already_indexed = 0
+        for chunk in np.flatnonzero(~is_new).tolist():
+            existing_key = self._key_of(int(entries[chunk]))
+            if existing_key == keys[chunk]:
+                num_already_indexed += 1
+            else:
+                aliases.append(Alias(key=keys[chunk], existing_key=existing_key))
         return RegistrationResult(
             num_added=int(is_new.sum()), num_already_indexed=num_already_indexed, aliases=tuple(aliases)
         )

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.blend import Alias, FingerprintIndex, Match
+from kvstore.blend.index import ChunkContents
 from kvstore.blend.rolling_hash import block_fingerprints, rolling_fingerprints
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.keys import PrefixKey, TokenArray, num_chunks
@@ -292,3 +295,111 @@ def test_repeated_content_links_to_itself_and_terminates() -> None:
     assert result.aliases == (Alias(key=keys[1], existing_key=keys[0]),)
     matches = index.match(np.full(11, 7, dtype=np.uint32), 4)
     assert [(m.query_start, m.num_tokens, m.key) for m in matches] == [(0, 4, keys[0]), (4, 4, keys[0])]
+
+
+# -- bulk registration (the rebuild at open) --------------------------------------------------------------------
+
+
+def runs_of(
+    documents: list[TokenArray], keys: list[list[PrefixKey]], chunk_size: int
+) -> tuple[TokenArray, np.ndarray, np.ndarray, np.ndarray]:
+    """The documents as ``register_runs`` takes them: tokens, chunk offsets, source starts, run offsets."""
+    chunk_offsets, source_starts, run_offsets, position = [0], [], [0], 0
+    for document in documents:
+        for start in range(0, len(document), chunk_size):
+            position += min(chunk_size, len(document) - start)
+            chunk_offsets.append(position)
+            source_starts.append(start)
+        run_offsets.append(len(source_starts))
+    assert len(source_starts) == sum(len(document_keys) for document_keys in keys)
+    return (
+        np.concatenate(documents),
+        np.asarray(chunk_offsets, dtype=np.int64),
+        np.asarray(source_starts, dtype=np.int64),
+        np.asarray(run_offsets, dtype=np.int64),
+    )
+
+
+@PROPERTY_SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    chunk_size=st.integers(2, 24),
+    lengths=st.lists(st.integers(1, 90), min_size=1, max_size=8),
+    fingerprint_bits=st.sampled_from([6, 64]),
+    data=st.data(),
+)
+def test_register_runs_is_one_register_per_run(
+    seed: int, chunk_size: int, lengths: list[int], fingerprint_bits: int, data: st.DataObject
+) -> None:
+    rng = np.random.default_rng(seed)
+    documents = [random_tokens(rng, length, vocab=1000) for length in lengths]
+    keys = [random_keys(rng, num_chunks(length, chunk_size)) for length in lengths]
+    for copy_idx in data.draw(st.lists(st.integers(0, len(lengths) - 1), max_size=3)):
+        documents.append(documents[copy_idx])  # equal content under new keys: aliases
+        keys.append(random_keys(rng, len(keys[copy_idx])))
+    for again_idx in data.draw(st.lists(st.integers(0, len(lengths) - 1), max_size=2)):
+        documents.append(documents[again_idx])  # the same keys again: already indexed
+        keys.append(keys[again_idx])
+    one_by_one = FingerprintIndex(initial_capacity=1, fingerprint_bits=fingerprint_bits)
+    results = [one_by_one.register(document, k, chunk_size) for document, k in zip(documents, keys, strict=True)]
+    bulk = FingerprintIndex(initial_capacity=1, fingerprint_bits=fingerprint_bits)
+    tokens, chunk_offsets, source_starts, run_offsets = runs_of(documents, keys, chunk_size)
+
+    contents = bulk.chunk_contents(tokens, chunk_offsets[:-1], chunk_offsets[1:])
+    result = bulk.register_runs(contents, [k for document_keys in keys for k in document_keys], source_starts,
+                                run_offsets, chunk_size)  # fmt: skip
+
+    assert result.num_added == sum(r.num_added for r in results)
+    assert result.num_already_indexed == sum(r.num_already_indexed for r in results)
+    assert result.aliases == tuple(alias for r in results for alias in r.aliases)
+    assert len(bulk) == len(one_by_one)
+    separator = np.array([999_999], dtype=np.uint32)
+    query = np.concatenate([part for document in documents for part in (separator, document)])
+    assert bulk.match(query, chunk_size) == one_by_one.match(query, chunk_size)
+    for document in documents:
+        assert bulk.find_contents(document, chunk_size) == one_by_one.find_contents(document, chunk_size)
+
+
+def test_chunk_contents_hash_each_span_like_register() -> None:
+    rng = np.random.default_rng(11)
+    tokens = random_tokens(rng, 100, vocab=2**32 - 1)
+    offsets = np.array([0, 16, 17, 40, 100], dtype=np.int64)
+    contents = FingerprintIndex(fingerprint_bits=20).chunk_contents(tokens, offsets[:-1], offsets[1:])
+    for span, (begin, end) in enumerate(itertools.pairwise(offsets)):
+        assert contents.fingerprints[span] == block_fingerprints(tokens[begin:end], end - begin)[0] & (2**20 - 1)
+        assert contents.verifications[span] == xxhash.xxh3_64_intdigest(tokens[begin:end].tobytes())
+    assert contents.lengths.tolist() == [16, 1, 23, 60]
+    reordered = contents.take(np.array([3, 0], dtype=np.int64))
+    assert reordered.lengths.tolist() == [60, 16] and len(reordered) == 2
+    joined = ChunkContents.concatenate([contents, reordered], fingerprint_bits=20)
+    assert joined.lengths.tolist() == [16, 1, 23, 60, 60, 16]
+
+
+def test_bulk_registration_refuses_bad_input_with_the_fix() -> None:
+    index = FingerprintIndex()
+    tokens = np.arange(40, dtype=np.uint32)
+    keys = [PrefixKey(bytes([n]) * 16) for n in range(3)]
+    contents = index.chunk_contents(tokens, np.array([0, 16, 32]), np.array([16, 32, 40]))
+    starts = np.array([0, 16, 32])
+    with pytest.raises(InvalidInputError, match="chunk spans must lie in"):
+        index.chunk_contents(tokens, np.array([0, 16]), np.array([16, 16]))  # an empty chunk
+    with pytest.raises(InvalidInputError, match="chunk spans must lie in"):
+        index.chunk_contents(tokens, np.array([30]), np.array([41]))  # past the end
+    with pytest.raises(InvalidInputError, match="chunk spans must lie in"):
+        index.chunk_contents(tokens, np.array([0, 5]), np.array([4]))
+    with pytest.raises(InvalidInputError, match="3 keys and 2 source starts"):
+        index.register_runs(contents, keys, starts[:2], np.array([0, 3]), 16)
+    with pytest.raises(InvalidInputError, match="run_offsets must rise"):
+        index.register_runs(contents, keys, starts, np.array([0, 0, 3]), 16)
+    with pytest.raises(InvalidInputError, match="every chunk but a run's last"):
+        index.register_runs(contents, keys, starts, np.array([0, 3]), 32)  # 16-token chunks before the end
+    with pytest.raises(InvalidInputError, match="every chunk but a run's last"):
+        index.register_runs(contents, keys, starts, np.array([0, 3]), 8)  # chunks longer than chunk_size
+    with pytest.raises(ConfigError, match="source start"):
+        index.register_runs(contents, keys, np.array([0, 16, 2**32 - 4]), np.array([0, 3]), 16)
+    with pytest.raises(InvalidInputError, match="16 bytes"):
+        index.register_runs(contents, [keys[0], keys[1], PrefixKey(b"short")], starts, np.array([0, 3]), 16)
+    with pytest.raises(ConfigError, match="fingerprint_bits=64 cannot be registered"):
+        FingerprintIndex(fingerprint_bits=8).register_runs(contents, keys, starts, np.array([0, 3]), 16)
+    assert len(index) == 0
+    assert index.register_runs(contents, keys, starts, np.array([0, 1, 3]), 16).num_added == 3
