@@ -1,0 +1,161 @@
+"""Chunk meta values: a batch decodes exactly as each record alone, whatever versions and defects it mixes."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.keys import PrefixKey, as_token_array
+from kvstore.tiers.disk_format import (
+    StoredChunk,
+    decode_content_records,
+    decode_meta,
+    decode_meta_values,
+    encode_meta,
+)
+
+FIELDS = [name for name in StoredChunk.__slots__ if name != "tokens"]
+
+
+def stored_chunk(seed: int, num_tokens: int, *, with_parent: bool = True) -> StoredChunk:
+    rng = np.random.default_rng(seed)
+    return StoredChunk(
+        key=PrefixKey(rng.bytes(16)),
+        num_tokens=num_tokens,
+        source_start=int(rng.integers(0, 2**40)),
+        raw_bytes=num_tokens * 512,
+        stored_bytes=num_tokens * 300,
+        num_frames=1,
+        frame_bytes=2**20,
+        last_access_ns=int(rng.integers(0, 2**62)),
+        tokens=as_token_array(rng.integers(0, 2**32 - 1, size=num_tokens)),
+        parent_key=PrefixKey(rng.bytes(16)) if with_parent else None,
+    )
+
+
+def as_version_1(value: bytes) -> bytes:
+    """The same record as a version 1 value (no parent key), resealed."""
+    old = bytearray(value[:56]) + value[72:]
+    struct.pack_into("<H", old, 0, 1)
+    struct.pack_into("<Q", old, 48, xxhash.xxh3_64_intdigest(bytes(old[:48] + old[56:])))
+    return bytes(old)
+
+
+def same_chunk(got: StoredChunk | None, want: StoredChunk | None) -> bool:
+    if got is None or want is None:
+        return got is want
+    return all(getattr(got, name) == getattr(want, name) for name in FIELDS) and np.array_equal(
+        got.tokens, want.tokens
+    )
+
+
+# A record and how to spoil it: intact, as version 1, a flipped byte, cut short, one byte longer, unknown version.
+DEFECTS = ["intact", "version_1", "flipped", "truncated", "one_more_byte", "version_9"]
+
+
+def spoiled(chunk: StoredChunk, defect: str, position: int) -> bytes:
+    value = encode_meta(chunk)
+    if defect == "version_1":
+        return as_version_1(value)
+    if defect == "flipped":
+        flipped = bytearray(value)
+        flipped[position % len(value)] ^= 0x10
+        return bytes(flipped)
+    if defect == "truncated":
+        return value[: position % len(value)]
+    if defect == "one_more_byte":
+        return value + b"\x00"
+    if defect == "version_9":
+        return struct.pack("<H", 9) + value[2:]
+    return value
+
+
+def test_a_decoded_chunk_equals_the_one_encoded_in_both_versions() -> None:
+    chunk = stored_chunk(1, 5)
+    assert same_chunk(decode_meta(chunk.key, encode_meta(chunk)), chunk)
+    v1 = decode_meta(chunk.key, as_version_1(encode_meta(chunk)))
+    assert v1 is not None and v1.parent_key is None and v1.tokens.tolist() == chunk.tokens.tolist()
+    assert same_chunk(decode_meta(chunk.key, encode_meta(stored_chunk(1, 5, with_parent=False))), v1)
+    sizes_only = decode_meta(chunk.key, encode_meta(chunk), with_tokens=False)
+    assert sizes_only is not None and sizes_only.tokens.shape == (0,) and sizes_only.num_tokens == 5
+    assert decode_meta(b"short", encode_meta(chunk)) is None
+
+
+def test_decoded_chunks_are_frozen_like_constructed_ones() -> None:
+    chunk = stored_chunk(2, 3)
+    decoded = decode_meta(chunk.key, encode_meta(chunk))
+    assert decoded is not None and type(decoded) is StoredChunk
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decoded.num_tokens = 4  # type: ignore[misc]
+    assert same_chunk(dataclasses.replace(decoded), chunk)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    records=st.lists(
+        st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 40), st.sampled_from(DEFECTS), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=12,
+    ),
+    with_tokens=st.booleans(),
+    as_views=st.booleans(),
+)
+def test_a_batch_decodes_as_each_record_alone(
+    records: list[tuple[int, int, str, int]], with_tokens: bool, as_views: bool
+) -> None:
+    chunks = [stored_chunk(seed, num_tokens) for seed, num_tokens, _, _ in records]
+    values = [spoiled(chunk, defect, position) for chunk, (_, _, defect, position) in zip(chunks, records, strict=True)]
+    keys = [chunk.key for chunk in chunks]
+    batch_values: list[bytes | memoryview] = [memoryview(value) for value in values] if as_views else list(values)
+
+    decoded = decode_meta_values(keys, batch_values, with_tokens=with_tokens)
+
+    assert len(decoded) == len(values)
+    for key, value, got, (_, _, defect, _) in zip(keys, values, decoded, records, strict=True):
+        assert same_chunk(got, decode_meta(key, value, with_tokens=with_tokens))
+        if defect in ("intact", "version_1"):
+            assert got is not None  # the values after a misaligned one decode too
+        if got is not None:
+            assert got.tokens.dtype == np.dtype("<u4") and got.tokens.flags.c_contiguous
+            assert got.tokens.shape == ((got.num_tokens,) if with_tokens else (0,))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    records=st.lists(
+        st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 40), st.sampled_from(DEFECTS), st.integers(0, 10**6)),
+        max_size=12,
+    ),
+    max_records=st.integers(1, 14),
+    keep_every=st.sampled_from([None, 1, 2]),
+)
+def test_content_records_hold_what_each_record_decodes_to(
+    records: list[tuple[int, int, str, int]], max_records: int, keep_every: int | None
+) -> None:
+    chunks = [stored_chunk(seed, num_tokens, with_parent=seed % 3 > 0) for seed, num_tokens, _, _ in records]
+    values = [spoiled(chunk, defect, position) for chunk, (_, _, defect, position) in zip(chunks, records, strict=True)]
+    keys = [chunk.key for chunk in chunks]
+    keep = None if keep_every is None else {key for index, key in enumerate(keys) if index % keep_every == 0}
+    views = iter([(memoryview(key), memoryview(value)) for key, value in zip(keys, values, strict=True)])
+
+    content, num_read = decode_content_records(views, max_records, keep=keep)
+
+    assert num_read == min(max_records, len(records))
+    expected = [
+        chunk
+        for key, value in zip(keys[:num_read], values[:num_read], strict=True)
+        if (chunk := decode_meta(key, value)) is not None and (keep is None or key in keep)
+    ]
+    assert len(content) == len(expected)
+    assert list(content.keys) == [chunk.key for chunk in expected]
+    assert list(content.parent_keys) == [chunk.parent_key for chunk in expected]
+    assert content.source_starts.tolist() == [chunk.source_start for chunk in expected]
+    for start, end, chunk in zip(content.token_starts, content.token_ends, expected, strict=True):
+        assert content.tokens[start:end].tolist() == chunk.tokens.tolist()
+    assert len(list(views)) == len(records) - num_read, "records past max_records are left unread"
