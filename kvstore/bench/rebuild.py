@@ -1,0 +1,446 @@
+"""Content index rebuild at open (issue 3, persistence): how long reopening a data dir of N chunks takes.
+
+``kvstore bench rebuild`` (and ``benchmarks/bench_rebuild.py``) runs it. The workload is the index benchmark's
+(``kvstore.bench.index``): documents of 3000 random tokens in chunks of 256 (12 chunks, the last one of 184
+tokens), each chunk written through a real ``DiskTier`` with its prefix key, source start, tokens and parent key.
+The KV is tiny (1 layer x 1 KV head x ``head_dim`` fp16), so a million chunks build in minutes and fit in a few
+GB; the rebuild reads only the chunks' meta records, whose size does not depend on the KV.
+
+The data dir is kept: a later run with the same chunk count, seed and layout reuses it (a manifest in the dir
+says what it holds), so repeated runs skip the build. A dir that holds anything else is never touched.
+
+Measured, each ``num_repeats`` times, alternating (figures are medians):
+
+* rebuild_s: ``TieredStore(layout, StoreConfig(tiers=("disk",), enable_blend=True))``: opening the disk tier
+  (its own recovery of every meta record) plus ``ContentCatalog.rebuild`` over ``DiskTier.iter_records()``
+  (relink sequences through their parent keys, register them in the ``FingerprintIndex``): everything the store
+  does before it serves a lookup; rebuild_gc_s of it ran the cyclic garbage collector (``gc.callbacks``);
+* the baseline, in the same run: disk_open_s (the same ``DiskTier`` opened alone) plus read_records_s (one pass of
+  ``DiskTier.iter_records()``, which decodes and checks every meta record, tokens included): the raw cost of getting
+  the records out of LMDB without indexing them; ``rebuild_to_baseline_ratio`` compares the two;
+* rebuild_lean_s: the disk tier opened, then ``ContentCatalog.rebuild_batches`` over
+  ``DiskTier.iter_content_records()`` (batches of records, no object per chunk): the open once the store reads
+  content records instead of ``StoredChunk`` objects;
+* chunks_per_s: chunks / rebuild_s (target 100,000: 1M chunks in 10 s on the 2-core dev machine);
+* index_entries: entries in the rebuilt index (every chunk: the documents' contents are distinct; the lean path
+  must index as many);
+* recall, doc_coverage, false_positives: ``lookup`` on the reopened store of ``num_queries`` queries of a 30-token
+  system prompt + 5 documents in random order with 4-token separators + a 20-token question; recall is full chunks
+  found at their place with their key, coverage counts every document token (partial last chunks included),
+  a false positive is a segment that is not a document chunk at its place.
+
+With ``cold`` the data dir is dropped from the page cache (``POSIX_FADV_DONTNEED``) before every timed open.
+
+Threads: the caller's (the tiers and the catalog run their own workers). While it times an open it adds a callback
+to ``gc.callbacks`` (removed afterwards). Logs; never prints.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.bench.index import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
+from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency, SequenceBatch
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError
+from kvstore.keys import PrefixKey, TokenArray, prefix_keys
+from kvstore.layout import KVDtype, KVLayout
+from kvstore.store import TieredStore
+from kvstore.tiers.base import ChunkRecord, TierName
+from kvstore.tiers.disk import DiskTier
+
+__all__ = ["RebuildBenchOptions", "RebuildBenchRow", "RebuildProgress", "default_data_dir", "run_rebuild_benchmark"]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "kvstore-bench-rebuild.json"
+TARGET_CHUNKS_PER_S = 100_000  # issue 3: 1M chunks in <= 10 s on the dev machine
+_SYSTEM_TOKENS, _SEPARATOR_TOKENS, _QUESTION_TOKENS = 30, 4, 20
+_MIB = 1024 * 1024
+_QUERY_STREAM = 2**32 - 1  # the queries' random stream: no document index reaches it
+
+RebuildProgress = Callable[[str, int, int | None], None]
+"""Called with a step's description, the units done and the units in all (``None``: unknown)."""
+
+
+def default_data_dir(num_chunks: int, seed: int = 0) -> Path:
+    """Where the data dir of ``num_chunks`` chunks lives unless ``--dir`` says otherwise (kept between runs)."""
+    return Path(tempfile.gettempdir()) / f"kvstore-bench-rebuild-{num_chunks}-seed{seed}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RebuildBenchOptions:
+    """What ``run_rebuild_benchmark`` builds and measures.
+
+    Args:
+        num_chunks: chunks to store, rounded down to whole documents of 12 chunks (at least 5 documents).
+        data_dir: the data dir (default ``default_data_dir``); built when missing, reused when its manifest
+            matches, rebuilt when it is an older build of this benchmark, refused when it holds anything else.
+        num_queries: lookups that check the rebuilt index.
+        num_repeats: timed opens of the store, and of the baseline, alternating.
+        head_dim: of the tiny KV layout (1 layer, 1 KV head, fp16).
+        seed: of the documents (each document's tokens come from ``(seed, document index)``) and the queries.
+        cold: drop the data dir from the page cache before each timed open.
+    """
+
+    num_chunks: int = 1_000_000
+    data_dir: Path | None = None
+    num_queries: int = 200
+    num_repeats: int = 3
+    head_dim: int = 2
+    seed: int = 0
+    cold: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_chunks < 1:
+            raise ConfigError(f"--chunks {self.num_chunks}: give a positive chunk count, e.g. 1000000")
+        if self.num_queries < 1 or self.num_repeats < 1:
+            raise ConfigError("--queries and --repeats must be positive, e.g. --queries 200 --repeats 3")
+        if not 1 <= self.head_dim <= 256:
+            raise ConfigError(f"--head-dim {self.head_dim} must lie in [1, 256]; the default 2 keeps chunks tiny")
+
+    @property
+    def num_documents(self) -> int:
+        return max(DOCUMENTS_PER_QUERY, self.num_chunks // CHUNKS_PER_DOCUMENT)
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(
+            model_id="kvstore-bench-rebuild",
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=self.head_dim,
+            dtype=KVDtype.FLOAT16,
+        )
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        return self.data_dir if self.data_dir is not None else default_data_dir(self.num_chunks, self.seed)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Room for every chunk twice over: nothing is evicted, at build or at open."""
+        chunk_bound_bytes = self.layout.chunk_bytes(CHUNK_TOKENS) + 4 * CHUNK_TOKENS + 256
+        return 2 * self.num_documents * CHUNKS_PER_DOCUMENT * chunk_bound_bytes + 64 * _MIB
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RebuildBenchRow:
+    """One measured data dir; every field is described in the module docstring."""
+
+    chunks: int
+    documents: int
+    data_dir: str
+    data_dir_bytes: int
+    reused_data_dir: bool
+    build_s: float | None
+    cold: bool
+    repeats: int
+    rebuild_s: float
+    rebuild_s_min: float
+    rebuild_s_max: float
+    rebuild_gc_s: float
+    rebuild_lean_s: float
+    baseline: str
+    disk_open_s: float
+    read_records_s: float
+    rebuild_to_baseline_ratio: float
+    chunks_per_s: int
+    target_chunks_per_s: int
+    met: bool
+    index_entries: int
+    index_bytes_per_chunk: float
+    queries: int
+    recall: float
+    doc_coverage: float
+    false_positives: int
+    lookup_ms_median: float
+
+    def to_json_dict(self) -> dict[str, str | int | float | bool | None]:
+        return {"bench": "index_rebuild"} | {name: getattr(self, name) for name in self.__slots__}
+
+
+def document_tokens(seed: int, document_idx: int) -> TokenArray:
+    """The tokens of one document, regenerated from its seed (the run never holds every document)."""
+    return np.random.default_rng((seed, document_idx)).integers(0, VOCAB, DOCUMENT_TOKENS).astype("<u4")
+
+
+def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgress | None = None) -> RebuildBenchRow:
+    """Build (or reuse) the data dir, time the store's open against the baseline, check the rebuilt index."""
+    say = progress or (lambda _step, _done, _total: None)
+    data_dir = options.resolved_data_dir
+    build_s = _ensure_data_dir(options, data_dir, say)
+    config = StoreConfig(
+        tiers=(TierName.DISK,), disk_path=data_dir, disk_capacity_bytes=options.capacity_bytes, enable_blend=True
+    )
+    expected_chunks = options.num_documents * CHUNKS_PER_DOCUMENT
+    samples: dict[str, list[float]] = {name: [] for name in ("rebuild", "gc", "lean", "disk_open", "read")}
+    catalog: CatalogStats | None = None
+    for repeat in range(options.num_repeats):
+        say(f"timing opens, repeat {repeat + 1}/{options.num_repeats}", repeat, options.num_repeats)
+        disk_open_s, read_records_s, num_records = _time_baseline(options, data_dir)
+        if num_records != expected_chunks:
+            raise ConfigError(
+                f"data dir {data_dir} holds {num_records} chunks, its manifest says {expected_chunks}; "
+                "delete it and run again"
+            )
+        samples["disk_open"].append(disk_open_s)
+        samples["read"].append(read_records_s)
+        lean_s, lean_entries = _time_lean_rebuild(options, data_dir)
+        samples["lean"].append(lean_s)
+        if options.cold:
+            _drop_page_cache(data_dir)
+        with _GcClock() as gc_clock:
+            started_s = time.perf_counter()
+            store = TieredStore(options.layout, config)
+            samples["rebuild"].append(time.perf_counter() - started_s)
+        samples["gc"].append(gc_clock.elapsed_s)
+        catalog = store.stats().catalog
+        assert catalog is not None, "TieredStore(enable_blend=True) opened without a catalog"
+        if repeat < options.num_repeats - 1:
+            store.close()
+        if lean_entries != catalog.num_entries:
+            raise AssertionError(f"the lean rebuild indexed {lean_entries} chunks, the store {catalog.num_entries}")
+    assert catalog is not None, "num_repeats >= 1 (RebuildBenchOptions checks it)"
+    say("checking the rebuilt index", 0, options.num_queries)
+    try:
+        check = _check_lookups(store, options, say)
+    finally:
+        store.close()
+    rebuild_s = statistics.median(samples["rebuild"])
+    baseline_s = statistics.median(samples["disk_open"]) + statistics.median(samples["read"])
+    chunks_per_s = round(expected_chunks / rebuild_s)
+    return RebuildBenchRow(
+        chunks=expected_chunks,
+        documents=options.num_documents,
+        data_dir=str(data_dir),
+        data_dir_bytes=sum(path.stat().st_size for path in data_dir.iterdir() if path.is_file()),
+        reused_data_dir=build_s is None,
+        build_s=None if build_s is None else round(build_s, 2),
+        cold=options.cold,
+        repeats=options.num_repeats,
+        rebuild_s=round(rebuild_s, 3),
+        rebuild_s_min=round(min(samples["rebuild"]), 3),
+        rebuild_s_max=round(max(samples["rebuild"]), 3),
+        rebuild_gc_s=round(statistics.median(samples["gc"]), 3),
+        rebuild_lean_s=round(statistics.median(samples["lean"]), 3),
+        baseline="DiskTier open + one pass of DiskTier.iter_records() (records read and checked, not indexed)",
+        disk_open_s=round(statistics.median(samples["disk_open"]), 3),
+        read_records_s=round(statistics.median(samples["read"]), 3),
+        rebuild_to_baseline_ratio=round(rebuild_s / baseline_s, 2),
+        chunks_per_s=chunks_per_s,
+        target_chunks_per_s=TARGET_CHUNKS_PER_S,
+        met=chunks_per_s >= TARGET_CHUNKS_PER_S and check.recall == 1.0,
+        index_entries=catalog.num_entries,
+        index_bytes_per_chunk=round(catalog.index_bytes / max(1, catalog.num_entries), 2),
+        queries=options.num_queries,
+        recall=round(check.recall, 6),
+        doc_coverage=round(check.doc_coverage, 6),
+        false_positives=check.false_positives,
+        lookup_ms_median=round(check.lookup_ms_median, 3),
+    )
+
+
+# -- the data dir -----------------------------------------------------------------------------------------------
+
+
+def _manifest(options: RebuildBenchOptions) -> dict[str, int | str]:
+    return {
+        "num_documents": options.num_documents,
+        "document_tokens": DOCUMENT_TOKENS,
+        "chunk_size": CHUNK_TOKENS,
+        "seed": options.seed,
+        "layout": options.layout.to_json(),
+    }
+
+
+def _ensure_data_dir(options: RebuildBenchOptions, data_dir: Path, say: RebuildProgress) -> float | None:
+    """Build the data dir unless it already holds this workload; returns the build's seconds (``None``: reused)."""
+    manifest_path = data_dir / MANIFEST_NAME
+    wanted = _manifest(options)
+    if manifest_path.exists():
+        if json.loads(manifest_path.read_text()) == wanted:
+            logger.info("bench rebuild: reusing %s (%d documents)", data_dir, options.num_documents)
+            return None
+        logger.info("bench rebuild: %s holds another build of this benchmark; rebuilding it", data_dir)
+        for path in data_dir.iterdir():
+            path.unlink()
+    elif data_dir.exists() and any(data_dir.iterdir()):
+        raise ConfigError(
+            f"--dir {data_dir} is not empty and was not built by kvstore bench rebuild; "
+            "give a new or empty directory"
+        )
+    data_dir.mkdir(parents=True, exist_ok=True)
+    started_s = time.perf_counter()
+    _build(options, data_dir, say)
+    build_s = time.perf_counter() - started_s
+    manifest_path.write_text(json.dumps(wanted))  # last: a build cut short is never reused
+    logger.info("bench rebuild: built %s in %.1f s", data_dir, build_s)
+    return build_s
+
+
+def _build(options: RebuildBenchOptions, data_dir: Path, say: RebuildProgress) -> None:
+    """Write every document's chunks through a real disk tier, each with its key, position, tokens and parent."""
+    layout = options.layout
+    generator = torch.Generator().manual_seed(options.seed)
+    kv = torch.randn(layout.chunk_shape(DOCUMENT_TOKENS), generator=generator).to(layout.dtype.torch_dtype)
+    namespace = layout.namespace
+    total_chunks = options.num_documents * CHUNKS_PER_DOCUMENT
+    disk = DiskTier(data_dir, layout, CHUNK_TOKENS, options.capacity_bytes)
+    try:
+        for document_idx in range(options.num_documents):
+            tokens = document_tokens(options.seed, document_idx)
+            parent: PrefixKey | None = None
+            for chunk_idx, key in enumerate(prefix_keys(namespace, tokens, CHUNK_TOKENS)):
+                start = chunk_idx * CHUNK_TOKENS
+                end = min(start + CHUNK_TOKENS, DOCUMENT_TOKENS)
+                record = ChunkRecord(key=key, source_start=start, tokens=tokens[start:end], parent_key=parent)
+                if not disk.put(record, kv[:, :, start:end]):
+                    raise ConfigError(f"disk tier {data_dir} rejected a chunk; its capacity is too small")
+                parent = key
+            if document_idx % 256 == 255:
+                say("building the data dir (chunks)", (document_idx + 1) * CHUNKS_PER_DOCUMENT, total_chunks)
+        say("building the data dir: flushing", total_chunks, total_chunks)
+        disk.flush()
+    finally:
+        disk.close()
+
+
+def _time_baseline(options: RebuildBenchOptions, data_dir: Path) -> tuple[float, float, int]:
+    """Seconds to open the disk tier alone and to read every record once; and how many records it read."""
+    if options.cold:
+        _drop_page_cache(data_dir)
+    started_s = time.perf_counter()
+    disk = DiskTier(data_dir, options.layout, CHUNK_TOKENS, options.capacity_bytes)
+    try:
+        opened_s = time.perf_counter()
+        num_records = sum(1 for _ in disk.iter_records())
+        read_s = time.perf_counter()
+    finally:
+        disk.close()
+    return opened_s - started_s, read_s - opened_s, num_records
+
+
+def _time_lean_rebuild(options: RebuildBenchOptions, data_dir: Path) -> tuple[float, int]:
+    """Seconds to open the disk tier and rebuild a content index from its content records; and the index's size."""
+    if options.cold:
+        _drop_page_cache(data_dir)
+    started_s = time.perf_counter()
+    disk = DiskTier(data_dir, options.layout, CHUNK_TOKENS, options.capacity_bytes)
+    catalog = ContentCatalog(CHUNK_TOKENS, Residency(is_resident=disk.contains, in_transit=lambda _key: False))
+    try:
+        catalog.rebuild_batches(
+            SequenceBatch(
+                keys=records.keys,
+                parent_keys=records.parent_keys,
+                source_starts=records.source_starts,
+                tokens=records.tokens,
+                token_starts=records.token_starts,
+                token_ends=records.token_ends,
+            )
+            for records in disk.iter_content_records()
+        )
+        elapsed_s = time.perf_counter() - started_s
+        return elapsed_s, len(catalog.index)
+    finally:
+        catalog.close()
+        disk.close()
+
+
+class _GcClock:
+    """Seconds the cyclic garbage collector runs inside a ``with`` block (through ``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.elapsed_s = 0.0
+        self._started_s = 0.0
+
+    def __enter__(self) -> _GcClock:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started_s = time.perf_counter()
+        else:
+            self.elapsed_s += time.perf_counter() - self._started_s
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """Drop the data dir's files from the page cache (clean pages only: the tier synced them at close)."""
+    for path in directory.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# -- the check --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _LookupCheck:
+    recall: float
+    doc_coverage: float
+    false_positives: int
+    lookup_ms_median: float
+
+
+def _check_lookups(store: TieredStore, options: RebuildBenchOptions, say: RebuildProgress) -> _LookupCheck:
+    """Look up reordered multi-document queries; every document must be found whole at its place."""
+    rng = np.random.default_rng((options.seed, _QUERY_STREAM))
+    namespace = options.layout.namespace
+    found = expected = covered = false_positives = 0
+    latencies_ms: list[float] = []
+    for query_idx in range(options.num_queries):
+        chosen = rng.choice(options.num_documents, size=DOCUMENTS_PER_QUERY, replace=False).tolist()
+        parts = [rng.integers(0, VOCAB, _SYSTEM_TOKENS).astype("<u4")]
+        # query position -> (key, source start) of the document chunk placed there
+        placed: dict[int, tuple[PrefixKey, int]] = {}
+        position = _SYSTEM_TOKENS
+        for document_idx in chosen:
+            tokens = document_tokens(options.seed, document_idx)
+            for chunk_idx, key in enumerate(prefix_keys(namespace, tokens, CHUNK_TOKENS)):
+                placed[position + chunk_idx * CHUNK_TOKENS] = (key, chunk_idx * CHUNK_TOKENS)
+            parts += [tokens, rng.integers(0, VOCAB, _SEPARATOR_TOKENS).astype("<u4")]
+            position += DOCUMENT_TOKENS + _SEPARATOR_TOKENS
+        parts[-1] = rng.integers(0, VOCAB, _QUESTION_TOKENS).astype("<u4")
+        query = np.concatenate(parts)
+        started_s = time.perf_counter()
+        plan = store.lookup(query)
+        latencies_ms.append((time.perf_counter() - started_s) * 1e3)
+        store.release(plan)
+        hits = {segment.start: segment for segment in plan.segments}
+        for query_start, (key, source_start) in placed.items():
+            segment = hits.pop(query_start, None)
+            is_hit = segment is not None and segment.key == key and segment.source_start == source_start
+            covered += segment.num_tokens if is_hit and segment is not None else 0
+            false_positives += int(segment is not None and not is_hit)
+            if source_start + CHUNK_TOKENS <= DOCUMENT_TOKENS:  # recall counts full chunks
+                expected += 1
+                found += int(is_hit)
+        false_positives += len(hits)
+        if query_idx % 16 == 15:
+            say("checking the rebuilt index", query_idx + 1, options.num_queries)
+    return _LookupCheck(
+        recall=found / max(1, expected),
+        doc_coverage=covered / (options.num_queries * DOCUMENTS_PER_QUERY * DOCUMENT_TOKENS),
+        false_positives=false_positives,
+        lookup_ms_median=statistics.median(latencies_ms),
+    )
