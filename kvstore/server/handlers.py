@@ -151,6 +151,8 @@ class RequestHandler:
     def _dispatch(self, request: Request) -> ReplyFrames:
         op, args, client_id = request.op, request.args, request.client_id
         limits = self._identity.limits
+        if request.payload is not None and op is not Op.STORE:
+            raise RequestError(ErrorCode.MALFORMED, f"{op.value} takes no payload frame")
         if op is Op.HEALTH:
             args.finish()
             return self._ok(request, self.health().to_wire())
@@ -159,8 +161,6 @@ class RequestHandler:
         needs_layout = op in (Op.STORE, Op.LOOKUP, Op.RETRIEVE, Op.RELEASE, Op.END_SESSION)
         self._clients.touch(client_id, needs_layout=needs_layout)
         assert client_id is not None, "ClientRegistry.touch accepted a request without a client id"
-        if request.payload is not None and op is not Op.STORE:
-            raise RequestError(ErrorCode.MALFORMED, f"{op.value} takes no payload frame")
         if op is Op.STORE:
             return self._ok(request, self._store(client_id, StoreArgs.parse(args, limits), request.payload))
         if op is Op.LOOKUP:

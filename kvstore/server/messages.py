@@ -204,12 +204,14 @@ class HelloArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> HelloArgs:
-        return cls(
+        parsed = cls(
             layout_json=fields.str_("layout", _MAX_LAYOUT_JSON_CHARS, optional=True),
             client_name=fields.required_str("client_name", _MAX_NAME_CHARS),
             pid=fields.required_int("pid", 0, 2**31 - 1),
             host_id=fields.str_("host_id", _MAX_HOST_ID_CHARS, allow_empty=True) or "",
         )
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"layout": self.layout_json, "client_name": self.client_name, "pid": self.pid, "host_id": self.host_id}
@@ -225,11 +227,13 @@ class StoreArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> StoreArgs:
-        return cls(
+        parsed = cls(
             tokens=tokens_from_wire(fields, "tokens", limits),
             bulk=parse_bulk(fields.map_("bulk")),
             durable=fields.required_bool("durable"),
         )
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"tokens": tokens_to_wire(self.tokens), "bulk": self.bulk.to_wire(), "durable": self.durable}
@@ -245,11 +249,13 @@ class LookupArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> LookupArgs:
-        return cls(
+        parsed = cls(
             tokens=tokens_from_wire(fields, "tokens", limits),
             session_id=fields.str_("session_id", _MAX_SESSION_CHARS, optional=True),
             blend=fields.bool_("blend", optional=True),
         )
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"tokens": tokens_to_wire(self.tokens), "session_id": self.session_id, "blend": self.blend}
@@ -264,7 +270,9 @@ class RetrieveArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> RetrieveArgs:
-        return cls(plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID), bulk=parse_bulk(fields.map_("bulk")))
+        parsed = cls(plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID), bulk=parse_bulk(fields.map_("bulk")))
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"plan_id": self.plan_id, "bulk": self.bulk.to_wire()}
@@ -278,7 +286,9 @@ class PlanArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> PlanArgs:
-        return cls(plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID))
+        parsed = cls(plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID))
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"plan_id": self.plan_id}
@@ -292,7 +302,9 @@ class SessionArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> SessionArgs:
-        return cls(session_id=fields.required_str("session_id", _MAX_SESSION_CHARS))
+        parsed = cls(session_id=fields.required_str("session_id", _MAX_SESSION_CHARS))
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"session_id": self.session_id}
@@ -317,7 +329,9 @@ class EvictArgs:
                         ErrorCode.INVALID_ARGUMENT, f"evict args: keys[{index}] must be a {KEY_BYTES}-byte bin"
                     )
                 keys.append(PrefixKey(key))
-            return cls(keys=tuple(keys))
+            parsed = cls(keys=tuple(keys))
+            fields.finish()
+            return parsed
         num_bytes = fields.required_int("num_bytes", 0, 2**62)
         tier_name = fields.required_str("tier", 8)
         try:
@@ -326,7 +340,9 @@ class EvictArgs:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT, f"evict args: tier {tier_name!r} is not one of gpu, cpu, disk"
             ) from None
-        return cls(num_bytes=num_bytes, tier=tier)
+        parsed = cls(num_bytes=num_bytes, tier=tier)
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         if self.keys is not None:
@@ -343,7 +359,9 @@ class ChunkArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> ChunkArgs:
-        return cls(key=PrefixKey(fields.bytes_("key", max_length=KEY_BYTES, exact_length=KEY_BYTES)))
+        parsed = cls(key=PrefixKey(fields.bytes_("key", max_length=KEY_BYTES, exact_length=KEY_BYTES)))
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"key": bytes(self.key)}
@@ -358,7 +376,9 @@ class AttachArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> AttachArgs:
-        return cls(name=fields.required_str("name", 128), nbytes=fields.required_int("nbytes", 1, _MAX_OFFSET))
+        parsed = cls(name=fields.required_str("name", 128), nbytes=fields.required_int("nbytes", 1, _MAX_OFFSET))
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"name": self.name, "nbytes": self.nbytes}
@@ -372,7 +392,9 @@ class DetachArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> DetachArgs:
-        return cls(segment_id=fields.required_int("segment_id", 1, _MAX_SEGMENT_ID))
+        parsed = cls(segment_id=fields.required_int("segment_id", 1, _MAX_SEGMENT_ID))
+        fields.finish()
+        return parsed
 
     def to_wire(self) -> dict[str, object]:
         return {"segment_id": self.segment_id}
