@@ -2,7 +2,7 @@
 
 - **scratch**: where the client copies a plain tensor's KV before a store, and where the server writes a retrieve
   the caller did not direct into a buffer. It grows to the next power of two of the largest request (at least
-  64 MiB) and is reused, so its pages are faulted in once.
+  1 MiB) and is reused, so its pages are faulted in once.
 - **buffers** (``Client.buffer``): segments the caller computes KV into (or retrieves into) directly; a store or
   retrieve on a tensor lying in one moves no bytes at all on the client side. ``region_of`` recognises such a
   tensor: the first ``n`` tokens of a ``[num_layers, 2, T, num_kv_heads, head_dim]`` buffer (a ``[:, :, :n]`` view
@@ -31,7 +31,7 @@ __all__ = ["ClientSegments"]
 
 logger = logging.getLogger(__name__)
 
-_MIN_SCRATCH_BYTES = 64 * 1024 * 1024
+_MIN_SCRATCH_BYTES = 1024 * 1024
 _ALIGN_BYTES = 64
 
 
