@@ -13,6 +13,7 @@ from rich.table import Table
 from kvstore.bench.index import run_index_benchmark
 from kvstore.bench.rebuild import RebuildBenchOptions, default_data_dir, run_rebuild_benchmark
 from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
+from kvstore.cli.bench_server import bench_server_command
 from kvstore.config import parse_size, parse_tiers
 from kvstore.errors import ConfigError
 from kvstore.presets import PRESET_NAMES
@@ -192,3 +193,5 @@ def bench_rebuild_command(
     else:
         typer.echo("  ".join(f"{name}={value}" for name, value in row.to_json_dict().items()))
 
+
+bench_app.command("server")(bench_server_command)

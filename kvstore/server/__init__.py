@@ -10,7 +10,7 @@
 The client end is ``kvstore.Client`` (``kvstore/client.py``).
 """
 
-from kvstore.server.app import ServerAddress, run_server
+from kvstore.server.app import ServerAddress, background_server, run_server
 from kvstore.server.errors import ErrorCode
 from kvstore.server.protocol import Limits, Op
 from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
@@ -28,6 +28,7 @@ __all__ = [
     "ServerHello",
     "ServerInfo",
     "ServerSettings",
+    "background_server",
     "resolve_settings",
     "run_server",
 ]

@@ -11,26 +11,29 @@ Threads: ``run_server`` runs the loop on the calling thread; see ``loop`` for th
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvstore.errors import ServerUnavailableError
 from kvstore.server.clients import ClientRegistry
 from kvstore.server.handlers import RequestHandler, ServerIdentity
+from kvstore.server.host_facts import probe_host
 from kvstore.server.loop import KVServer
 from kvstore.server.metrics import MetricsServer, ServerMetrics
 from kvstore.server.ownership import ServerRecord, remove_server_record, write_server_record
-from kvstore.server.settings import ServerSettings
+from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
 from kvstore.server.shm import host_id, shm_available
 from kvstore.server.store_host import StoreHost
 from kvstore.store import StoreStats
 from kvstore.tiers.base import TierName
 
-__all__ = ["ServerAddress", "run_server", "server_version"]
+__all__ = ["ServerAddress", "background_server", "run_server", "server_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,3 +120,47 @@ def _serve(
         server.close()
         if disk_path is not None:
             remove_server_record(disk_path)
+
+
+@contextlib.contextmanager
+def background_server(flags: ServeFlags, start_timeout_s: float = 120.0) -> Iterator[ServerAddress]:
+    """A server on a thread of this process, for embedding and examples (``kvstore serve`` runs the same server
+    in its own process, which is what production wants: its own GIL and a lifetime of its own).
+
+    Example::
+
+        with background_server(ServeFlags(tiers="cpu", port=0, metrics_port=0)) as address:
+            with Client(address.url, layout) as client:
+                ...
+
+    Raises:
+        KVStoreError: the settings are invalid or start-up failed.
+        ServerUnavailableError: it did not start within ``start_timeout_s``.
+    """
+    settings = resolve_settings(flags, probe_host())
+    stop, ready = threading.Event(), threading.Event()
+    started: list[ServerAddress] = []
+    failure: list[BaseException] = []
+
+    def announce(address: ServerAddress) -> None:
+        started.append(address)
+        ready.set()
+
+    def serve() -> None:
+        try:
+            run_server(settings, stop, announce)
+        except BaseException as exc:  # the thread's boundary: hand start-up failures to the caller
+            failure.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=serve, name="kvstore-background-server", daemon=True)
+    thread.start()
+    try:
+        if not ready.wait(start_timeout_s):
+            raise ServerUnavailableError(f"the background server did not start within {start_timeout_s:g} s")
+        if failure:
+            raise failure[0]
+        yield started[0]
+    finally:
+        stop.set()
+        thread.join()

@@ -16,6 +16,7 @@ metrics are thread-safe; the collector calls ``stats()``, which is.
 
 from __future__ import annotations
 
+import collections
 import http.server
 import json
 import logging
@@ -168,8 +169,8 @@ class ServerMetrics:
         self.lookup_tokens.labels("exact").inc(exact)
         self.lookup_tokens.labels("blend").inc(blend)
         self.lookup_tokens.labels("gap").inc(gap)
-        for segment in plan.segments:
-            self.lookup_chunks.labels(segment.tier.value).inc()
+        for tier, count in collections.Counter(segment.tier.value for segment in plan.segments).items():
+            self.lookup_chunks.labels(tier).inc(count)  # one labelled update per tier, not per segment
         misses = -(-plan.num_query_tokens // self._chunk_size) - len(plan.segments)
         if misses > 0:
             self.lookup_chunks.labels("none").inc(misses)

@@ -52,6 +52,7 @@ __all__ = [
 _MAX_SEGMENTS = 1 << 22
 _MAX_POSITION = 2**40
 _MAX_COUNT = 2**63 - 1
+_TIERS = {tier.value: tier for tier in TierName}  # a dict lookup: TierName(...) costs ~1 us a segment
 
 
 # -- segments and plans -----------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def decode_segments(fields: Fields, name: str, num_query_tokens: int) -> tuple[S
             and type(key) is bytes
             and len(key) == KEY_BYTES
             and type(exact) is bool
-            and tier in ("gpu", "cpu", "disk")
+            and tier in _TIERS
             and cursor <= start
             and num_tokens > 0
             and start + num_tokens <= num_query_tokens
@@ -90,7 +91,7 @@ def decode_segments(fields: Fields, name: str, num_query_tokens: int) -> tuple[S
                 key=PrefixKey(key),
                 source_start=source_start,
                 exact=exact,
-                tier=TierName(tier),
+                tier=_TIERS[tier],
             )
         )
         cursor = start + num_tokens
