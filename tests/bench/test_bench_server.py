@@ -1,0 +1,28 @@
+"""``kvstore bench server`` end to end with tiny sizes: every figure is measured against the in-process store and
+every read is verified."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstore.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_server_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "server", "--json", "--lookup-tokens", "512", "--lookups", "5", "--bulk-tokens", "64"]
+    argv += ["--bulk-layout", "smollm2-135m", "--repeats", "1", "--chunk-size", "16"]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert exited.value.code == 0
+    assert [(row["op"], row["unit"]) for row in rows] == [
+        ("lookup", "ms"), ("store", "GB/s"), ("store", "GB/s"), ("retrieve", "GB/s"), ("retrieve", "GB/s")
+    ]  # fmt: skip
+    assert "32 segments" in rows[0]["note"] and rows[0]["num_samples"] == 5
+    for row in rows:
+        assert row["value"] > 0 and row["baseline_value"] > 0 and "DIFFER" not in row["note"]
+        assert "in-process TieredStore" in row["baseline"]
