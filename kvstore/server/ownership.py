@@ -36,6 +36,7 @@ class ServerRecord:
 
 def write_server_record(data_dir: Path, record: ServerRecord) -> None:
     """Write the record atomically (a reader never sees half a file)."""
+    Path(data_dir).mkdir(parents=True, exist_ok=True)  # a fresh dir: the store opens at the first client's hello
     path = Path(data_dir) / _RECORD_FILE
     temporary = path.with_suffix(f".tmp-{os.getpid()}")
     temporary.write_text(json.dumps({"pid": record.pid, "url": record.url, "metrics_url": record.metrics_url}))

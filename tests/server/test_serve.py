@@ -198,3 +198,20 @@ def test_the_socket_answers_malformed_requests_and_a_second_server_is_refused(tm
         assert 'kvstore_requests_total{op="-",outcome="malformed"} 1.0' in text
         assert 'kvstore_requests_total{op="stats",outcome="not_registered"} 1.0' in text
         assert 'kvstore_tier_capacity_bytes{tier="cpu"}' in text
+
+
+def test_the_first_client_sets_the_layout_of_a_fresh_server(tmp_path: Path) -> None:
+    from kvstore import Client, KVLayout
+
+    data = tmp_path / "data"
+    with running_server(data, layout=None) as server:
+        with Client(server.url) as admin:
+            assert admin.info().layout is None and not admin.health().layout_registered
+            with pytest.raises(ConfigError, match="no layout is registered"):
+                admin.flush()
+        with Client(server.url, SERVER_LAYOUT) as first:
+            assert first.server.layout == SERVER_LAYOUT
+        with pytest.raises(LayoutMismatchError, match="start another server"):
+            Client(server.url, KVLayout(model_id="second", num_layers=2, num_kv_heads=2, head_dim=16))
+        assert server.stop() == 0
+    assert resolve_settings(ServeFlags(disk_path=data), MACHINE).layout == SERVER_LAYOUT, "the data dir recorded it"
