@@ -324,6 +324,8 @@ class Client:
         elif payload is not None:  # inline
             if len(payload) != layout.chunk_bytes(end):
                 raise InvalidInputError(f"inline reply has {len(payload)} bytes for {end} tokens")
+            if payload.readonly:  # ZeroMQ frames are writable; anything else gets one copy (torch needs writable)
+                payload = memoryview(bytearray(payload))
             raw = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
             source = raw.view(layout.dtype.torch_dtype).view(layout.chunk_shape(end))
         else:  # written in place (a buffer region or a CUDA tensor)

@@ -331,6 +331,8 @@ class RequestHandler:
                 )
             if nbytes == 0:
                 return torch.empty(shape, dtype=dtype)
+            if payload.readonly:  # ZeroMQ frames are writable; a read-only buffer gets one copy (torch needs writable)
+                payload = memoryview(bytearray(payload))
             return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape)
         if payload is not None:
             raise RequestError(ErrorCode.MALFORMED, "bulk kind shm takes no payload frame")

@@ -200,7 +200,13 @@ class MetricsServer:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._answer(200, CONTENT_TYPE_LATEST, metrics.exposition())
+                    try:
+                        body = metrics.exposition()
+                    except Exception:  # the request boundary: a failing collector is a 500, not a dead thread
+                        logger.exception("metrics exposition failed")
+                        self._answer(500, "text/plain", b"metrics failed; see the server log\n")
+                        return
+                    self._answer(200, CONTENT_TYPE_LATEST, body)
                 elif path == "/healthz":
                     report = health()
                     body = json.dumps(
