@@ -94,7 +94,7 @@ def main() -> None:
                 rows[name].append(row)
     for name, side_rows in rows.items():
         medians = {key: statistics.median(row[key] for row in side_rows) for key in side_rows[0]}
-        print(f"{name}: median over {len(side_rows)} opens: " + ", ".join(f"{k}={v}" for k, v in medians.items()))
+        print(f"{name}: median over {len(side_rows)} opens: " + ", ".join(f"{k}={v:g}" for k, v in medians.items()))
 
 
 if __name__ == "__main__":
