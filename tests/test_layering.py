@@ -54,6 +54,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _under(module: str, prefix: str) -> bool:
+    """``module`` is ``prefix`` or inside it (``kvstore.client`` is not under ``kvstore.cli``); a prefix ending in
+    a dot matches everything below it."""
+    if prefix.endswith("."):
+        return module.startswith(prefix)
+    return module == prefix or module.startswith(prefix + ".")
+
+
 def test_no_upward_imports() -> None:
     violations = []
     for path in PACKAGE_ROOT.rglob("*.py"):
@@ -63,7 +71,7 @@ def test_no_upward_imports() -> None:
                 violations += [
                     f"{name} imports {imported}"
                     for imported in imports_of(path)
-                    if imported.startswith(banned)
+                    if any(_under(imported, prefix) for prefix in banned)
                 ]
     assert violations == []
 
