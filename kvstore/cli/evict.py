@@ -35,7 +35,7 @@ def evict_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with what was dropped."),
     url: str | None = typer.Option(None, "--url", help="Evict through a running server (tcp://host:port)."),
     tier_option: str | None = typer.Option(
-        None, "--tier", help="With --url: the tier --bytes/--all frees [default: each]."
+        None, "--tier", help="With --url: the tier --bytes/--all frees (default: each)."
     ),
 ) -> None:
     """Drop chunks by key, by bytes to free, or all of them.

@@ -18,16 +18,16 @@ __all__ = ["serve_command"]
 
 def serve_command(
     tiers: str | None = typer.Option(
-        None, "--tiers", help="Tiers, fastest first, of gpu,cpu,disk [default: gpu,cpu,disk with CUDA, else cpu,disk]."
+        None, "--tiers", help="Tiers, fastest first, of gpu,cpu,disk (default: gpu,cpu,disk with CUDA, else cpu,disk)."
     ),
     chunk_size: int | None = typer.Option(
-        None, "--chunk-size", help="Tokens per chunk [default: the data dir's, else 256]."
+        None, "--chunk-size", help="Tokens per chunk (default: the data dir's, else 256)."
     ),
-    gpu_size_gb: float | None = typer.Option(None, "--gpu-size-gb", help="gpu tier GiB [default: 4, <= 1/4 free]."),
-    cpu_size_gb: float | None = typer.Option(None, "--cpu-size-gb", help="cpu tier GiB [default: 4, <= 1/4 RAM]."),
-    disk_path: Path | None = typer.Option(None, "--disk-path", help="The data dir [default: ./kvstore-data]."),
+    gpu_size_gb: float | None = typer.Option(None, "--gpu-size-gb", help="gpu tier GiB (default: 4, <= 1/4 free)."),
+    cpu_size_gb: float | None = typer.Option(None, "--cpu-size-gb", help="cpu tier GiB (default: 4, <= 1/4 RAM)."),
+    disk_path: Path | None = typer.Option(None, "--disk-path", help="The data dir (default: ./kvstore-data)."),
     disk_size_gb: float | None = typer.Option(
-        None, "--disk-size-gb", help="disk tier cap, GiB of stored bytes [default: 64, <= 1/2 free disk]."
+        None, "--disk-size-gb", help="disk tier cap, GiB of stored bytes (default: 64, <= 1/2 free disk)."
     ),
     enable_blend: bool | None = typer.Option(
         None, "--enable-blend/--disable-blend", help="Find cached chunks anywhere in a prompt (content index)."
@@ -38,20 +38,20 @@ def serve_command(
     enable_dedup_content: bool | None = typer.Option(
         None, "--enable-dedup-content/--disable-dedup-content", help="Store equal content once (needs blend)."
     ),
-    host: str | None = typer.Option(None, "--host", help="Interface to listen on [default: 127.0.0.1]."),
-    port: int | None = typer.Option(None, "--port", help="ZeroMQ port [default: 5555; 0: any free port]."),
+    host: str | None = typer.Option(None, "--host", help="Interface to listen on (default: 127.0.0.1)."),
+    port: int | None = typer.Option(None, "--port", help="ZeroMQ port (default: 5555; 0: any free port)."),
     metrics_port: int | None = typer.Option(
-        None, "--metrics-port", help="HTTP port of /metrics and /healthz [default: 5556; 0: any free port]."
+        None, "--metrics-port", help="HTTP port of /metrics and /healthz (default: 5556; 0: any free port)."
     ),
     layout: str | None = typer.Option(
         None,
         "--layout",
-        help="Model layout: a preset (llama3.1-8b, smollm2-135m) or a JSON file [default: the data dir's, else the "
-        "first client's].",
+        help="Model layout: a preset (llama3.1-8b, smollm2-135m) or a JSON file (default: the data dir's, else the "
+        "first client's).",
     ),
-    workers: int | None = typer.Option(None, "--workers", help="Threads per pool (lookups; bulk) [default: 4]."),
+    workers: int | None = typer.Option(None, "--workers", help="Threads per pool (lookups; bulk) (default: 4)."),
     plan_ttl_s: float | None = typer.Option(
-        None, "--plan-ttl-s", help="Release plans not retrieved within this many seconds [default: 600]."
+        None, "--plan-ttl-s", help="Release plans not retrieved within this many seconds (default: 600)."
     ),
     config: Path | None = typer.Option(None, "--config", help="TOML file; keys mirror the flags (cpu_size_gb = 8)."),
 ) -> None:

@@ -215,3 +215,11 @@ def test_the_first_client_sets_the_layout_of_a_fresh_server(tmp_path: Path) -> N
             Client(server.url, KVLayout(model_id="second", num_layers=2, num_kv_heads=2, head_dim=16))
         assert server.stop() == 0
     assert resolve_settings(ServeFlags(disk_path=data), MACHINE).layout == SERVER_LAYOUT, "the data dir recorded it"
+
+
+def test_serve_help_has_examples_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert exited.value.code == 0 and "Examples" in out and "kvstore serve --config" in out
+    assert "(default:" in out and "[default:" not in out
