@@ -3,7 +3,8 @@
 The store pins a plan's chunks until the plan is retrieved or released or its session ends; over a network a
 client can vanish without doing any of that. So the server keeps, per client, the plans and segments it holds,
 and takes them back when the client says goodbye, when its process dies (local clients: its pid is checked by the
-janitor every second), or when a plan outlives ``plan_ttl_s`` unretrieved (remote clients can only be timed out).
+janitor every second), or when a plan outlives ``plan_ttl_s`` unretrieved (remote clients can only be timed out);
+a remote client idle that long with nothing held is forgotten too (it says hello again if it comes back).
 
 Plans are owned: a plan id is served only to the client whose lookup made it (ids are sequential, so guessable).
 Sessions are per client: the store sees ``<client id>/<session id>``, so two clients may both call theirs
@@ -245,6 +246,18 @@ class ClientRegistry:
             candidates = [(s.client_id, s.pid) for s in self._clients.values() if s.local]
         dead = [client_id for client_id, pid in candidates if not self._pid_alive(pid)]
         return [departure for client_id in dead if (departure := self.remove(client_id)) is not None]
+
+    def remove_idle(self, idle_s: float) -> list[Departure]:
+        """Forget remote clients that hold no plans and sent nothing for ``idle_s`` (they may come back: their next
+        request gets ``not_registered`` and the client says hello again). Keeps the table bounded."""
+        deadline = self._clock() - idle_s
+        with self._clients_lock:
+            idle = [
+                s.client_id
+                for s in self._clients.values()
+                if not s.local and not s.plans and s.last_seen_s < deadline
+            ]
+        return [departure for client_id in idle if (departure := self.remove(client_id)) is not None]
 
     def remove_all(self) -> list[Departure]:
         with self._clients_lock:

@@ -412,13 +412,16 @@ class RequestHandler:
             store.release(plan)
 
     def janitor_pass(self, plan_ttl_s: float) -> None:
-        """Give back what clients whose process died hold, and release plans older than ``plan_ttl_s``."""
+        """Give back what clients whose process died hold, release plans older than ``plan_ttl_s``, and forget
+        remote clients idle that long."""
         for departure in self._clients.remove_dead():
             logger.info(
                 "client %s is gone (its process died): releasing %d sessions and %d plans",
                 departure.client_id, len(departure.sessions), len(departure.loose_plans),
             )  # fmt: skip
             self.give_back(departure)
+        for departure in self._clients.remove_idle(plan_ttl_s):
+            logger.info("client %s idle for %.0f s holding nothing: forgotten", departure.client_id, plan_ttl_s)
         expired = self._clients.take_expired_plans(plan_ttl_s)
         store = self._host.store
         if expired and store is not None:

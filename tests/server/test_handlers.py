@@ -212,6 +212,12 @@ def test_the_janitor_releases_dead_clients_and_expired_plans(harness: Harness) -
     harness.now[0] += 601
     harness.handler.janitor_pass(plan_ttl_s=600)
     assert store.stats().num_open_plans == 0 and store.stats().num_sessions == 0
+    remote = harness.ok(Op.HELLO, {"layout": None, "client_name": "r", "pid": 1, "host_id": "elsewhere"})[0]
+    remote_id = remote.required_str("client_id", 64)
+    harness.now[0] += 601
+    harness.handler.janitor_pass(plan_ttl_s=600)
+    assert harness.code(Op.STATS, {}, remote_id) == ErrorCode.NOT_REGISTERED, "an idle remote client is forgotten"
+    assert harness.clients.num_clients == 1, "a live local client is kept however idle"
 
 
 def test_a_bug_is_an_internal_reply_not_a_dead_worker(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
