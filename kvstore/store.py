@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import enum
+import gc
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -37,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency, SequenceChunk
+from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency
 from kvstore.blend.index import Match
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
@@ -59,6 +61,23 @@ logger = logging.getLogger(__name__)
 
 def _no_op() -> None:
     pass
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a data dir opens.
+
+    Opening builds an index entry per stored chunk (a million objects for a million chunks), none of them garbage;
+    each allocation threshold crossed would start a collection that walks them all again (measured: 8 of the 30 s
+    a 1M-chunk open took). Reference counting still frees everything as usual meanwhile.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _Lifecycle(enum.Enum):
@@ -109,8 +128,9 @@ class TieredStore:
         self._scratch_lock = threading.Lock()
         self._scratch: torch.Tensor | None = None
         try:
-            self._open_tiers()
-            self._open_content()
+            with _collector_paused():
+                self._open_tiers()
+                self._open_content()
         except BaseException:
             self._shutdown()
             raise
@@ -156,12 +176,7 @@ class TieredStore:
             self.config.chunk_size, residency, dedup_content=self.config.enable_dedup_content
         )
         if self._disk is not None:
-            disk = self._disk
-            chunks = (
-                SequenceChunk(key=c.key, parent_key=c.parent_key, source_start=c.source_start, tokens=c.tokens)
-                for c in disk.iter_records()
-            )
-            num_indexed = self._catalog.rebuild(chunks)
+            num_indexed = self._catalog.rebuild_batches(self._disk.iter_content_records())
             if num_indexed:
                 logger.info("content index rebuilt from %s: %d chunks", self.config.disk_path, num_indexed)
 

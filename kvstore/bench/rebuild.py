@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from kvstore.bench.index import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
-from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency, SequenceBatch
+from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey, TokenArray, prefix_keys
@@ -355,17 +355,7 @@ def _time_lean_rebuild(options: RebuildBenchOptions, data_dir: Path) -> tuple[fl
     disk = DiskTier(data_dir, options.layout, CHUNK_TOKENS, options.capacity_bytes)
     catalog = ContentCatalog(CHUNK_TOKENS, Residency(is_resident=disk.contains, in_transit=lambda _key: False))
     try:
-        catalog.rebuild_batches(
-            SequenceBatch(
-                keys=records.keys,
-                parent_keys=records.parent_keys,
-                source_starts=records.source_starts,
-                tokens=records.tokens,
-                token_starts=records.token_starts,
-                token_ends=records.token_ends,
-            )
-            for records in disk.iter_content_records()
-        )
+        catalog.rebuild_batches(disk.iter_content_records())
         elapsed_s = time.perf_counter() - started_s
         return elapsed_s, len(catalog.index)
     finally:

@@ -23,7 +23,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -69,11 +69,36 @@ class SequenceChunk:
     tokens: TokenArray
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SequenceBatch:
+class SequenceBatch(Protocol):
     """Many chunks of stored sequences as the disk records them (for ``rebuild_batches``), without an object per
     chunk: chunk ``i`` has key ``keys[i]``, parent ``parent_keys[i]``, source start ``source_starts[i]`` and tokens
-    ``tokens[token_starts[i]:token_ends[i]]`` (spans may skip data between them, e.g. record headers)."""
+    ``tokens[token_starts[i]:token_ends[i]]`` (spans may skip data between them, e.g. record headers).
+
+    The disk tier's ``ContentRecords`` is one (the catalog never imports a tier; the shape is the contract).
+    """
+
+    @property
+    def keys(self) -> Sequence[PrefixKey]: ...
+
+    @property
+    def parent_keys(self) -> Sequence[PrefixKey | None]: ...
+
+    @property
+    def source_starts(self) -> npt.NDArray[np.uint64]: ...
+
+    @property
+    def tokens(self) -> TokenArray: ...
+
+    @property
+    def token_starts(self) -> npt.NDArray[np.int64]: ...
+
+    @property
+    def token_ends(self) -> npt.NDArray[np.int64]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _ChunkBatch:
+    """A ``SequenceBatch`` built from ``SequenceChunk`` objects (``rebuild``)."""
 
     keys: Sequence[PrefixKey]
     parent_keys: Sequence[PrefixKey | None]
@@ -297,11 +322,10 @@ class ContentCatalog:
         self._worker.close()
 
 
-
-def _as_batch(chunks: Sequence[SequenceChunk]) -> SequenceBatch:
-    """Chunks as one ``SequenceBatch`` (their tokens concatenated)."""
+def _as_batch(chunks: Sequence[SequenceChunk]) -> _ChunkBatch:
+    """Chunks as one batch (their tokens concatenated)."""
     ends = np.cumsum([chunk.tokens.shape[0] for chunk in chunks], dtype=np.int64)
-    return SequenceBatch(
+    return _ChunkBatch(
         keys=[chunk.key for chunk in chunks],
         parent_keys=[chunk.parent_key for chunk in chunks],
         source_starts=np.array([chunk.source_start for chunk in chunks], dtype=np.uint64),
