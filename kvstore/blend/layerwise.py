@@ -1,0 +1,373 @@
+"""One blended prefill, layer by layer: reuse a plan's cached KV, recompute the tokens that need it.
+
+Given a prompt of T tokens and its plan (exact segments, blend segments, gaps), the pass builds the prompt's KV
+``[num_layers, 2, T, num_kv_heads, head_dim]`` (the layout dtype, on the model device) and the last token's logits::
+
+    token classes (from the segments the retrieve actually loaded):
+      exact  - cached for these tokens after the same preceding tokens: used as is, never computed
+      blend  - cached at other positions: K re-rotated by the segment's rope_delta, then blended
+      gap    - no cached KV (separators, the question, chunks that failed to load): always computed
+    active   = blend U gap U {last token}        computed in layers 0..check_layer
+    selected = top recompute_ratio of blend by K (or K+V) deviation at the check layer U gap U {last}
+                                                 computed in the layers after it; the others keep their cached KV
+
+    layer:   0 ........ c-1 | c (check) | c+1 ........ L-1
+    queries: active         | active    | selected
+    KV:      fresh for the queries, cached (rotated) for everything else, attention causal by absolute position
+
+Special cases fall out of the same loop: ratio 1.0 selects every blend token (the cached blend KV is never read, so
+it is not even loaded, and without exact segments the result is a full prefill); ratio 0 selects at "layer -1"
+(only gaps and the last token are ever computed: plain reuse); a plan without blend segments is a prefix-cache hit
+(the active tokens are computed, the exact ones reused).
+
+Exact segments are never recomputed, not even at ratio 1.0: their KV is what a prefill of the same preceding
+tokens produced (or, when a blended prefill stored it, the best KV the store has for that prefix), and a prefix
+cache would reuse it the same way.
+
+Loading overlaps compute (``kv_loading``): layers before the first one that reads cached KV compute every token
+and keep their fresh K/V aside (``pending``) until the retrieve has filled the buffer, then write them in.
+
+Runs on the caller's thread under ``torch.inference_mode``; not thread-safe (one model).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.blend.kv_loading import KVLoader, PendingLoad
+from kvstore.blend.llama_layers import LlamaStack, Projection, QueryMask
+from kvstore.blend.rope import RopeRotator, Rotation, token_deltas
+from kvstore.blend.selection import DeviationMetric, select_tokens, token_deviation
+from kvstore.blend.stage_clock import Mark, StageClock
+from kvstore.errors import ConfigError
+from kvstore.keys import TokenArray
+from kvstore.layout import KVLayout
+from kvstore.plan import LookupPlan, RetrieveResult, Segment
+from kvstore.sessions import Session
+
+__all__ = ["BlendConfig", "BlendPassResult", "BlendPlanSummary", "LayerKV", "run_blend_pass"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendPlanSummary:
+    """How a prompt's tokens were served.
+
+    Args:
+        num_tokens: prompt length.
+        num_exact_tokens: reused as cached (same tokens, same preceding tokens).
+        num_blend_tokens: cached at other positions, re-rotated and blended.
+        num_gap_tokens: no cached KV, computed.
+    """
+
+    num_tokens: int
+    num_exact_tokens: int
+    num_blend_tokens: int
+    num_gap_tokens: int
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_exact_tokens + self.num_blend_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKV:
+    """One layer's K and V of the whole prompt in the model dtype, ``[1, num_kv_heads, T, head_dim]`` each."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendPassResult:
+    """What one blended prefill produced; times in milliseconds on the model device."""
+
+    logits: torch.Tensor
+    kv: torch.Tensor
+    layers: tuple[LayerKV, ...]
+    num_recomputed_tokens: int
+    summary: BlendPlanSummary
+    lookup_ms: float
+    load_ms: float
+    load_total_ms: float
+    recompute_ms: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendConfig:
+    """How a blended prefill chooses what to recompute.
+
+    Args:
+        recompute_ratio: fraction of the cached (blend) tokens recomputed after the check layer, in ``[0, 1]``;
+            CacheBlend's default 0.15. 1.0 reproduces a full prefill, 0 is plain reuse.
+        check_layer: the layer (0-based) whose fresh K/V select the tokens; layers up to it compute every
+            non-exact token. LMCache's default 1.
+        deviation: what the selection compares (K alone, or K and V).
+
+    Raises:
+        ConfigError: a ratio outside ``[0, 1]`` or a negative check layer (the upper bound is checked against the
+            model by ``LayerwiseBlender``).
+    """
+
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+    deviation: DeviationMetric = DeviationMetric.KEY
+
+    def __post_init__(self) -> None:
+        ratio = self.recompute_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
+            raise ConfigError(
+                f"recompute_ratio={ratio!r} must be a fraction in [0, 1] (0.15 is CacheBlend's default; 1.0 "
+                "recomputes everything, 0 reuses everything)"
+            )
+        object.__setattr__(self, "recompute_ratio", float(ratio))
+        layer = self.check_layer
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ConfigError(f"check_layer={layer!r} must be a layer index >= 0 (default 1)")
+        try:
+            object.__setattr__(self, "deviation", DeviationMetric(self.deviation))
+        except ValueError:
+            raise ConfigError(
+                f"deviation={self.deviation!r} is not one of {', '.join(metric.value for metric in DeviationMetric)}"
+            ) from None
+
+
+class _TokenClasses:
+    """Exact / blend / gap membership of every prompt position, from the segments that were (or will be) loaded."""
+
+    def __init__(self, segments: Sequence[Segment], num_tokens: int) -> None:
+        self.exact = torch.zeros(num_tokens, dtype=torch.bool)
+        self.blend = torch.zeros(num_tokens, dtype=torch.bool)
+        for segment in segments:
+            (self.exact if segment.exact else self.blend)[segment.start : segment.end] = True
+        self.deltas = token_deltas(segments, num_tokens)
+        active = ~self.exact
+        active[-1] = True
+        forced = active & ~self.blend
+        forced[-1] = True
+        self.active = active.nonzero().flatten()
+        self.forced = forced.nonzero().flatten()
+        self.blend_positions = self.blend.nonzero().flatten()
+
+    @property
+    def has_exact(self) -> bool:
+        return bool(self.exact.any())
+
+    @property
+    def has_blend(self) -> bool:
+        return bool(self.blend.any())
+
+    def summary(self) -> BlendPlanSummary:
+        num_exact, num_blend = int(self.exact.sum()), int(self.blend.sum())
+        total = int(self.exact.numel())
+        return BlendPlanSummary(
+            num_tokens=total,
+            num_exact_tokens=num_exact,
+            num_blend_tokens=num_blend,
+            num_gap_tokens=total - num_exact - num_blend,
+        )
+
+
+def _narrow_layer(classes: _TokenClasses, settings: BlendConfig) -> int | None:
+    """The layer after which only selected tokens are computed: -1 (from the start), the check layer, or never."""
+    if not classes.has_blend or settings.recompute_ratio >= 1.0:
+        return None
+    return -1 if settings.recompute_ratio == 0.0 else settings.check_layer
+
+
+class _Pass:
+    """The state of one blended prefill (see the module docstring)."""
+
+    def __init__(
+        self,
+        stack: LlamaStack,
+        rotator: RopeRotator,
+        layout: KVLayout,
+        settings: BlendConfig,
+        token_ids: torch.Tensor,
+        clock: StageClock,
+    ) -> None:
+        self.stack = stack
+        self.rotator = rotator
+        self.layout = layout
+        self.settings = settings
+        self.token_ids = token_ids
+        self.clock = clock
+        self.num_tokens = int(token_ids.numel())
+        self.device = stack.device
+        self.kv = torch.zeros(layout.chunk_shape(self.num_tokens), dtype=layout.dtype.torch_dtype, device=self.device)
+        self.same_dtype = layout.dtype.torch_dtype == stack.dtype
+        self.layers: list[LayerKV] = []
+        self.load_marks: tuple[Mark, Mark] | None = None
+
+    def run(self, classes: _TokenClasses, pending: PendingLoad | None) -> tuple[torch.Tensor, int, BlendPlanSummary]:
+        stack, settings, num_tokens = self.stack, self.settings, self.num_tokens
+        narrow = _narrow_layer(classes, settings)
+        if classes.has_exact or narrow == -1:
+            cache_from = 0
+        elif pending is not None:
+            cache_from = settings.check_layer
+        else:
+            cache_from = stack.num_layers  # nothing cached is read: ratio 1.0 without exact segments
+        rotation: Rotation | None = None
+        reuse_from: int | None = None
+        pending_writes: list[tuple[int, Projection]] = []
+        blend_in_active = torch.empty(0, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden: torch.Tensor | None = None
+        for layer_idx in range(stack.num_layers):
+            if layer_idx == cache_from:
+                if pending is not None:
+                    classes = _TokenClasses(self._wait(pending).segments, num_tokens)
+                    narrow = _narrow_layer(classes, settings)
+                for written_idx, written in pending_writes:
+                    self._store_fresh(written_idx, written)
+                if narrow is not None:
+                    reuse_from = max(narrow, 0)
+                    rotation = self.rotator.rotation(classes.deltas.to(self.device), device=self.device)
+                if hidden is None:
+                    source = classes.forced if narrow == -1 else classes.active
+                    positions = source.to(self.device)
+                blend_in_active = torch.searchsorted(positions, classes.blend_positions.to(self.device))
+            if hidden is None:
+                hidden = stack.embed(self.token_ids[positions])
+                mask = QueryMask(positions, num_tokens, stack.dtype)
+                rotary = stack.rotary(hidden, positions)
+            projection = stack.project(layer_idx, hidden, rotary)
+            if layer_idx < cache_from:  # every token, fresh K/V only: plain causal attention
+                hidden = stack.attend_and_finish(
+                    layer_idx, hidden, projection.query,
+                    projection.token_major_key(), projection.token_major_value(), mask,
+                )  # fmt: skip
+                if pending is None:
+                    self._store_fresh(layer_idx, projection)
+                else:  # the retrieve is still writing every layer of the buffer
+                    pending_writes.append((layer_idx, projection))
+                self.layers.append(LayerKV(projection.key, projection.value))
+                continue
+            if rotation is not None and reuse_from is not None and layer_idx >= reuse_from:
+                rotation.apply(self.kv[layer_idx, 0], in_place=True)
+            keys, values = self._working_kv(layer_idx)
+            selected: torch.Tensor | None = None
+            if layer_idx == narrow:
+                selected = self._select(classes, projection, keys, values, blend_in_active)
+            self._write(layer_idx, keys, values, positions, projection)
+            hidden = stack.attend_and_finish(layer_idx, hidden, projection.query, keys, values, mask)
+            self.layers.append(LayerKV(keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]))
+            if selected is not None:
+                hidden = hidden[:, torch.searchsorted(positions, selected)]
+                positions = selected
+                mask = QueryMask(positions, num_tokens, stack.dtype)
+                rotary = stack.rotary(hidden, positions)
+        assert hidden is not None, "a model has at least one layer (LlamaStack checks)"
+        return hidden, int(positions.numel()), classes.summary()
+
+    def _wait(self, pending: PendingLoad) -> RetrieveResult:
+        before = self.clock.mark()
+        result = pending.wait()
+        self.load_marks = (before, self.clock.mark())
+        return result
+
+    def _store_fresh(self, layer_idx: int, fresh: Projection) -> None:
+        """A layer computed for every token: its fresh K/V are the layer's KV."""
+        self.kv[layer_idx, 0].copy_(fresh.token_major_key())
+        self.kv[layer_idx, 1].copy_(fresh.token_major_value())
+
+    def _working_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V ``[T, Hkv, D]`` in the model dtype: views of the output buffer when the dtypes agree."""
+        keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        if self.same_dtype:
+            return keys, values
+        return keys.to(self.stack.dtype), values.to(self.stack.dtype)
+
+    def _write(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, fresh: Projection
+    ) -> None:
+        keys.index_copy_(0, positions, fresh.token_major_key())
+        values.index_copy_(0, positions, fresh.token_major_value())
+        if not self.same_dtype:
+            cache_dtype = self.layout.dtype.torch_dtype
+            self.kv[layer_idx, 0].index_copy_(0, positions, fresh.token_major_key().to(cache_dtype))
+            self.kv[layer_idx, 1].index_copy_(0, positions, fresh.token_major_value().to(cache_dtype))
+
+    def _select(
+        self,
+        classes: _TokenClasses,
+        fresh: Projection,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        blend_in_active: torch.Tensor,
+    ) -> torch.Tensor:
+        """At the check layer: the positions computed from here on (before ``keys`` get the fresh values)."""
+        blend_positions = classes.blend_positions.to(self.device)
+        deviation = token_deviation(
+            self.settings.deviation,
+            fresh.token_major_key()[blend_in_active],
+            keys[blend_positions],
+            fresh.token_major_value()[blend_in_active],
+            values[blend_positions],
+        )
+        return select_tokens(
+            deviation=deviation,
+            cached_positions=blend_positions,
+            forced_positions=classes.forced.to(self.device),
+            recompute_ratio=self.settings.recompute_ratio,
+        )
+
+
+def run_blend_pass(
+    *,
+    stack: LlamaStack,
+    rotator: RopeRotator,
+    loader: KVLoader,
+    owner: Session,
+    layout: KVLayout,
+    tokens: TokenArray,
+    settings: BlendConfig,
+    clock: StageClock,
+) -> BlendPassResult:
+    """Look the prompt up, load its cached KV on the loader, run every layer; see the module docstring.
+
+    The plan is retrieved or released on every path (an exception included).
+
+    Raises:
+        ConfigError: the store was opened without ``enable_blend`` (from its lookup).
+    """
+    token_ids = torch.as_tensor(tokens.astype("int64"), device=stack.device)
+    started = clock.mark()
+    plan: LookupPlan = owner.lookup(tokens, blend=True)
+    looked_up = clock.mark()
+    work = _Pass(stack, rotator, layout, settings, token_ids, clock)
+    classes = _TokenClasses(plan.segments, work.num_tokens)
+    needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
+    pending: PendingLoad | None = None
+    if needs_load:
+        pending = loader.start(lambda out: owner.retrieve(plan, out), work.kv)
+    else:
+        owner.release(plan)
+    try:
+        layers_start = clock.mark()
+        hidden, num_recomputed, summary = work.run(classes, pending)
+        layers_end = clock.mark()
+        logits = stack.logits(hidden).cpu()
+    finally:
+        if pending is not None:
+            pending.settle()
+    clock.synchronize()
+    load_ms = clock.between(*work.load_marks) if work.load_marks is not None else 0.0
+    return BlendPassResult(
+        logits=logits,
+        kv=work.kv,
+        layers=tuple(work.layers),
+        num_recomputed_tokens=num_recomputed,
+        summary=summary,
+        lookup_ms=(looked_up.host_s - started.host_s) * 1e3,  # host work only
+        load_ms=load_ms,
+        load_total_ms=pending.duration_ms() if pending is not None else 0.0,
+        recompute_ms=clock.between(layers_start, layers_end) - load_ms,
+    )
