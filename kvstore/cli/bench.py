@@ -13,6 +13,7 @@ from rich.table import Table
 from kvstore.bench.index import run_index_benchmark
 from kvstore.bench.rebuild import RebuildBenchOptions, default_data_dir, run_rebuild_benchmark
 from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
+from kvstore.cli.bench_blend import multi_doc_qa_command, shuffle_command
 from kvstore.cli.bench_server import bench_server_command
 from kvstore.config import parse_size, parse_tiers
 from kvstore.errors import ConfigError
@@ -194,4 +195,6 @@ def bench_rebuild_command(
         typer.echo("  ".join(f"{name}={value}" for name, value in row.to_json_dict().items()))
 
 
+bench_app.command("multi-doc-qa")(multi_doc_qa_command)
+bench_app.command("shuffle")(shuffle_command)
 bench_app.command("server")(bench_server_command)

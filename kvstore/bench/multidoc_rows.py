@@ -1,0 +1,159 @@
+"""Rows of ``kvstore bench multi-doc-qa`` / ``shuffle``: one per mode, summarising every timed query.
+
+Latencies are reported as mean, p50, p90, p99 and max (nearest rank) of ``total_ms`` (TTFT); ``speedup_vs_full`` is
+the mean full-prefill TTFT of the same run divided by the mode's mean. Stage times are means. Quality fields are
+means over queries, ``None`` when quality was not measured (random-init models).
+
+Pure values and functions; thread-safe.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.blend import PrefillTimings
+
+__all__ = ["MultiDocRow", "QuerySample", "RunContext", "summarize"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunContext:
+    """What every row of one run repeats: the workload, the model and where it ran."""
+
+    bench: str
+    check_layer: int
+    deviation: str
+    model: str
+    device: str
+    dtype: str
+    tiers: str
+    chunk_size: int
+    num_documents: int
+    document_tokens: int
+    docs_per_query: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QuerySample:
+    """One query in one mode; quality fields are ``None`` when not measured."""
+
+    timings: PrefillTimings
+    prompt_tokens: int
+    exact_tokens: int
+    blend_tokens: int
+    recomputed_tokens: int
+    top1: bool | None = None
+    kl: float | None = None
+    continuation_match: float | None = None
+    fact_correct: bool | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MultiDocRow:
+    """One mode's figures over every timed query (see the module docstring and docs/benchmarks.md)."""
+
+    bench: str
+    mode: str
+    recompute_ratio: float | None
+    check_layer: int
+    deviation: str
+    model: str
+    device: str
+    dtype: str
+    tiers: str
+    chunk_size: int
+    num_documents: int
+    document_tokens: int
+    docs_per_query: int
+    num_queries: int
+    prompt_tokens_mean: float
+    cached_tokens_mean: float
+    exact_tokens_mean: float
+    blend_tokens_mean: float
+    recomputed_tokens_mean: float
+    ttft_ms_mean: float
+    ttft_ms_p50: float
+    ttft_ms_p90: float
+    ttft_ms_p99: float
+    ttft_ms_max: float
+    speedup_vs_full: float
+    lookup_ms_mean: float
+    load_ms_mean: float
+    load_total_ms_mean: float
+    recompute_ms_mean: float
+    other_ms_mean: float
+    top1_agreement: float | None
+    kl_mean: float | None
+    continuation_match: float | None
+    fact_accuracy: float | None
+    baseline: str = "full prefill of the same prompts with the same model, same run"
+
+    def to_json_dict(self) -> dict[str, str | int | float | None]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def _percentile(values: Sequence[float], ratio: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(ratio * len(ordered)))]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return round(statistics.fmean(values), 3)
+
+
+def _mean_or_none(values: Sequence[float | bool | None]) -> float | None:
+    present = [float(value) for value in values if value is not None]
+    return round(statistics.fmean(present), 4) if present else None
+
+
+def summarize(
+    context: RunContext,
+    mode: str,
+    recompute_ratio: float | None,
+    samples: Sequence[QuerySample],
+    full_mean_ms: float,
+) -> MultiDocRow:
+    """The row of one mode from its samples; ``full_mean_ms`` is the same run's mean full-prefill TTFT."""
+    totals = [sample.timings.total_ms for sample in samples]
+
+    def stage(name: str) -> float:
+        return _mean([getattr(sample.timings, name) for sample in samples])
+
+    return MultiDocRow(
+        bench=context.bench,
+        mode=mode,
+        recompute_ratio=recompute_ratio,
+        check_layer=context.check_layer,
+        deviation=context.deviation,
+        model=context.model,
+        device=context.device,
+        dtype=context.dtype,
+        tiers=context.tiers,
+        chunk_size=context.chunk_size,
+        num_documents=context.num_documents,
+        document_tokens=context.document_tokens,
+        docs_per_query=context.docs_per_query,
+        num_queries=len(samples),
+        prompt_tokens_mean=_mean([sample.prompt_tokens for sample in samples]),
+        cached_tokens_mean=_mean([sample.exact_tokens + sample.blend_tokens for sample in samples]),
+        exact_tokens_mean=_mean([sample.exact_tokens for sample in samples]),
+        blend_tokens_mean=_mean([sample.blend_tokens for sample in samples]),
+        recomputed_tokens_mean=_mean([sample.recomputed_tokens for sample in samples]),
+        ttft_ms_mean=_mean(totals),
+        ttft_ms_p50=round(statistics.median(totals), 3),
+        ttft_ms_p90=round(_percentile(totals, 0.9), 3),
+        ttft_ms_p99=round(_percentile(totals, 0.99), 3),
+        ttft_ms_max=round(max(totals), 3),
+        speedup_vs_full=round(full_mean_ms / statistics.fmean(totals), 3),
+        lookup_ms_mean=stage("lookup_ms"),
+        load_ms_mean=stage("load_ms"),
+        load_total_ms_mean=stage("load_total_ms"),
+        recompute_ms_mean=stage("recompute_ms"),
+        other_ms_mean=stage("other_ms"),
+        top1_agreement=_mean_or_none([sample.top1 for sample in samples]),
+        kl_mean=_mean_or_none([sample.kl for sample in samples]),
+        continuation_match=_mean_or_none([sample.continuation_match for sample in samples]),
+        fact_accuracy=_mean_or_none([sample.fact_correct for sample in samples]),
+    )

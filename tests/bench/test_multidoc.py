@@ -1,0 +1,146 @@
+"""``kvstore bench multi-doc-qa`` / ``shuffle`` end to end on a tiny random model, and the workload's pieces."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, run_multidoc_benchmark
+from kvstore.bench.multidoc_workload import (
+    FACT_NAMES,
+    PromptFormat,
+    docstring_corpus,
+    pick_combinations,
+    pick_derangements,
+    prose_documents,
+)
+from kvstore.cli.main import main
+from kvstore.errors import ConfigError
+from kvstore.models import default_model_cache_dir
+
+TINY = ["--random-init", "tiny-llama", "--device", "cpu", "--num-documents", "4", "--document-tokens", "40",
+        "--num-queries", "2", "--docs-per-query", "3", "--chunk-size", "8"]  # fmt: skip
+ROW_FIELDS = ("mode", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "speedup_vs_full", "top1_agreement", "kl_mean",
+              "continuation_match", "fact_accuracy", "lookup_ms_mean", "load_ms_mean", "recompute_ms_mean",
+              "other_ms_mean")  # fmt: skip
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    captured = capsys.readouterr()
+    code = exited.value.code
+    return (code if isinstance(code, int) else 0), captured.out, captured.err
+
+
+def test_multi_doc_qa_prints_one_json_row_per_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["bench", "multi-doc-qa", *TINY, "--json"], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [row["mode"] for row in rows] == ["full", "prefix", "blend", "reuse"]
+    for row in rows:
+        assert all(name in row for name in ROW_FIELDS)
+        assert row["top1_agreement"] is None and row["fact_accuracy"] is None  # random-init: TTFT only
+        assert row["num_queries"] == 2 and row["ttft_ms_p50"] <= row["ttft_ms_max"]
+    full, prefix, blend, reuse = rows
+    assert full["speedup_vs_full"] == 1.0 and full["cached_tokens_mean"] == 0
+    assert prefix["exact_tokens_mean"] == 0  # documents were stored alone: the preamble hides them from a prefix
+    assert blend["blend_tokens_mean"] == 3 * 42 and blend["recompute_ratio"] == 0.15
+    assert reuse["recompute_ratio"] == 0.0 and reuse["recomputed_tokens_mean"] < blend["recomputed_tokens_mean"]
+
+
+def test_an_unmet_expected_ttft_gain_exits_non_zero_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["bench", "shuffle", *TINY, "--modes", "blend", "--json", "--expected-ttft-gain", "1000"],
+                         capsys)  # fmt: skip
+    assert code == 1
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [row["mode"] for row in rows] == ["full", "blend"] and rows[1]["docs_per_query"] == 4
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvstore: error: blend TTFT speedup")
+    assert "below --expected-ttft-gain 1000" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--modes", "fast"], "--modes 'fast': each mode must be one of full, prefix, blend, reuse"),
+        (["--docs-per-query", "9"], "--docs-per-query 9 must be between 1 and --num-documents 4"),
+        (["--recompute-ratio", "2"], "recompute_ratio=2.0 must be a fraction in [0, 1]"),
+        (["--check-layer", "7"], "check_layer=7 is beyond the model's 4 layers"),
+        (["--tiers", "tape"], "--tiers 'tape'"),
+        (["--deviation", "cosine"], "--deviation 'cosine': use key, value or key_value"),
+        (["--model", "/nonexistent"], "--model and --random-init exclude each other"),
+    ],
+)
+def test_bad_options_are_one_line_errors(flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["bench", "multi-doc-qa", *TINY, *flags], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("kvstore: error:"), err
+    assert fragment in lines[0]
+
+
+def test_derangements_move_every_document() -> None:
+    for num_documents in (2, 5, 9):
+        queries = pick_derangements(num_documents, 12, seed=3)
+        assert len(queries) == 12
+        for query in queries:
+            assert sorted(query.order) == list(range(num_documents)) and query.asked in query.order
+            assert all(document != slot for slot, document in enumerate(query.order))
+    with pytest.raises(ConfigError, match="a derangement needs at least 2 documents"):
+        pick_derangements(1, 3, seed=0)
+
+
+def test_combinations_are_distinct_documents_and_reproducible() -> None:
+    first = pick_combinations(10, 4, 20, seed=5)
+    assert first == pick_combinations(10, 4, 20, seed=5)
+    for query in first:
+        assert len(set(query.order)) == 4 and query.asked in query.order
+
+
+def test_prose_documents_have_the_exact_length_and_their_fact() -> None:
+    from transformers import LlamaTokenizerFast  # noqa: F401  (the blend extra is installed)
+
+    smollm2_dir = default_model_cache_dir(os.environ) / "models"
+    tokenizer_dirs = sorted(smollm2_dir.glob("SmolLM2-135M-Instruct-*"))
+    if not tokenizer_dirs:
+        pytest.skip("the converted SmolLM2 copy is not cached yet (tests/blend create it)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dirs[-1], local_files_only=True)
+    documents = prose_documents(tokenizer, 3, 300, seed=1)
+    assert len(docstring_corpus()) > 500
+    prompt_format = PromptFormat.for_tokenizer(tokenizer)
+    for index, document in enumerate(documents):
+        assert document.tokens.shape == (300,) and document.fact is not None
+        assert document.fact.name == FACT_NAMES[index] and len(document.fact.code) == 4
+        assert document.fact.sentence in tokenizer.decode(document.tokens)
+    question = prompt_format.question(documents[1].fact, np.random.default_rng(0), 49152)
+    prompt = prompt_format.query_prompt([documents[2], documents[0]], question)
+    text = tokenizer.decode(prompt)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert "What is the access code for the Juniper archive?" in text
+    start = len(prompt_format.preamble) + len(prompt_format.separator)
+    assert np.array_equal(prompt[start : start + 300], documents[2].tokens)  # tokenised alone, placed as is
+
+
+def test_a_small_quality_run_on_smollm2() -> None:
+    """The quality path end to end on the real model: continuations, KL, fact answers (tiny sizes)."""
+    options = MultiDocOptions(
+        workload=BenchWorkload.MULTI_DOC_QA,
+        model_cache_dir=default_model_cache_dir(os.environ),
+        device="cpu",
+        num_documents=3,
+        document_tokens=120,
+        docs_per_query=2,
+        num_queries=1,
+        chunk_size=32,
+        modes=(BenchMode.FULL, BenchMode.BLEND),
+        continuation_tokens=8,
+    )
+    full, blend = run_multidoc_benchmark(options)
+    assert full.top1_agreement == 1.0 and full.kl_mean == 0.0 and full.continuation_match == 1.0
+    assert full.fact_accuracy in (0.0, 1.0) and blend.fact_accuracy in (0.0, 1.0)
+    assert blend.blend_tokens_mean > 200 and blend.kl_mean is not None and blend.kl_mean < 1.0
