@@ -41,7 +41,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import shutil
 import statistics
 import tempfile
@@ -54,6 +53,7 @@ import numpy as np
 import torch
 
 from kvstore.bench.index import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
+from kvstore.bench.page_cache import drop_page_cache
 from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
@@ -204,7 +204,7 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
         lean_s, lean_entries = _time_lean_rebuild(options, data_dir)
         samples["lean"].append(lean_s)
         if options.cold:
-            _drop_page_cache(data_dir)
+            drop_page_cache(data_dir)
         with _GcClock() as gc_clock:
             started_s, started_cpu_s = time.perf_counter(), time.process_time()
             store = TieredStore(options.layout, config)
@@ -335,7 +335,7 @@ def _build(options: RebuildBenchOptions, data_dir: Path, say: RebuildProgress) -
 def _time_baseline(options: RebuildBenchOptions, data_dir: Path) -> tuple[float, float, int]:
     """Seconds to open the disk tier alone and to read every record once; and how many records it read."""
     if options.cold:
-        _drop_page_cache(data_dir)
+        drop_page_cache(data_dir)
     started_s = time.perf_counter()
     disk = DiskTier(data_dir, options.layout, CHUNK_TOKENS, options.capacity_bytes)
     try:
@@ -350,7 +350,7 @@ def _time_baseline(options: RebuildBenchOptions, data_dir: Path) -> tuple[float,
 def _time_lean_rebuild(options: RebuildBenchOptions, data_dir: Path) -> tuple[float, int]:
     """Seconds to open the disk tier and rebuild a content index from its content records; and the index's size."""
     if options.cold:
-        _drop_page_cache(data_dir)
+        drop_page_cache(data_dir)
     started_s = time.perf_counter()
     disk = DiskTier(data_dir, options.layout, CHUNK_TOKENS, options.capacity_bytes)
     catalog = ContentCatalog(CHUNK_TOKENS, Residency(is_resident=disk.contains, in_transit=lambda _key: False))
@@ -383,16 +383,6 @@ class _GcClock:
         else:
             self.elapsed_s += time.perf_counter() - self._started_s
 
-
-def _drop_page_cache(directory: Path) -> None:
-    """Drop the data dir's files from the page cache (clean pages only: the tier synced them at close)."""
-    for path in directory.iterdir():
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 # -- the check --------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstore.bench.page_cache import drop_page_cache
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.layout import KVLayout
@@ -391,16 +392,6 @@ def _bench_gpu(options: TierBenchOptions, case: _Case, device: torch.device) -> 
                device=device, note="cpu tier pinned" if cuda else "cpu tier not pinned", verified=verified)
 
 
-def _drop_page_cache(directory: Path) -> None:
-    """Drop every file under ``directory`` from the page cache (only clean pages go: sync before)."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
 
 def _raw_write(path: Path, case: _Case) -> float:
     """Seconds to write every chunk's source bytes sequentially, then fsync: the disk put baseline."""
@@ -420,7 +411,7 @@ def _raw_write(path: Path, case: _Case) -> float:
 
 def _raw_read(path: Path, buffer: memoryview) -> float:
     """Seconds to read ``path`` from a cold page cache into ``buffer`` (wrapping), 4 MiB per ``readinto``."""
-    _drop_page_cache(path.parent)
+    drop_page_cache(path.parent)
     with open(path, "rb", buffering=0) as file:
         start_s = time.perf_counter()
         offset = 0
@@ -470,10 +461,10 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
                 compression_ratios.append(stats.compression_ratio)
             finally:
                 writer.close()
-            _drop_page_cache(data_dir)
+            drop_page_cache(data_dir)
             reader = open_tier(data_dir, read_only=True)
             try:
-                _drop_page_cache(data_dir)  # again: opening may have read some pages
+                drop_page_cache(data_dir)  # again: opening may have read some pages
                 for out in outs:
                     out.zero_()
                 get_into = reader.get_into
