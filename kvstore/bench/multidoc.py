@@ -2,7 +2,8 @@
 
 The seed benchmark's design (LMCache's multi_doc_qa / shuffle_doc_qa) on the embedded store with a local model:
 
-1. **warm-up**: ``multi_doc_qa`` stores each document alone (separator + document, from position 0);
+1. **warm-up**: ``multi_doc_qa`` stores each document after the system preamble (as a query's first document sits;
+   ``warm_up=alone``: each document from position 0, so no query starts with a cached prefix);
    ``shuffle`` stores the identity order once (preamble + every document);
 2. **queries**: ``multi_doc_qa`` sends random ordered selections of ``docs_per_query`` documents; ``shuffle``
    sends derangements (no document in its warm-up slot); each ends with a question about one planted fact.
@@ -60,7 +61,15 @@ from kvstore.models import load_local_model, load_smollm2, random_init_model
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
 
-__all__ = ["BenchMode", "BenchWorkload", "MultiDocOptions", "resolve_device", "resolve_dtype", "run_multidoc_benchmark"]
+__all__ = [
+    "BenchMode",
+    "BenchWorkload",
+    "MultiDocOptions",
+    "WarmUp",
+    "resolve_device",
+    "resolve_dtype",
+    "run_multidoc_benchmark",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +79,13 @@ Progress = Callable[[str, int, int], None]
 class BenchWorkload(enum.StrEnum):
     MULTI_DOC_QA = "multi_doc_qa"
     SHUFFLE = "shuffle"
+
+
+class WarmUp(enum.StrEnum):
+    """How multi-doc-qa's warm-up stores each document (see ``kvstore.bench.multidoc_workload``)."""
+
+    PREAMBLE = "preamble"
+    ALONE = "alone"
 
 
 class BenchMode(enum.StrEnum):
@@ -92,7 +108,8 @@ class MultiDocOptions:
     dtype: str = "auto"
     tiers: tuple[TierName, ...] = (TierName.CPU,)
     data_dir: Path | None = None
-    chunk_size: int = 256
+    chunk_size: int = 64  # a document's head up to a chunk is a gap (its first chunk holds the preamble)
+    warm_up: WarmUp = WarmUp.PREAMBLE
     cpu_capacity_bytes: int | None = None
     gpu_capacity_bytes: int | None = None
     disk_capacity_bytes: int = 64 * GIB
@@ -109,6 +126,7 @@ class MultiDocOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workload", BenchWorkload(self.workload))
+        object.__setattr__(self, "warm_up", WarmUp(self.warm_up))
         object.__setattr__(self, "modes", tuple(BenchMode(mode) for mode in self.modes))
         if BenchMode.FULL not in self.modes:
             object.__setattr__(self, "modes", (BenchMode.FULL, *self.modes))  # the baseline of every ratio
@@ -215,7 +233,10 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
     )
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     warm_ups = (
-        [prompt_format.warm_up_prompt(document) for document in documents]
+        [
+            prompt_format.warm_up_prompt(document, after_preamble=options.warm_up is WarmUp.PREAMBLE)
+            for document in documents
+        ]
         if options.workload is BenchWorkload.MULTI_DOC_QA
         else [prompt_format.context_prompt(documents)]
     )
@@ -265,6 +286,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         dtype=str(dtype).removeprefix("torch."),
         tiers=",".join(tier.value for tier in options.tiers),
         chunk_size=options.chunk_size,
+        warm_up=options.warm_up.value if options.workload is BenchWorkload.MULTI_DOC_QA else "identity_order",
         num_documents=options.num_documents,
         document_tokens=options.document_tokens,
         docs_per_query=options.num_documents if options.workload is BenchWorkload.SHUFFLE else options.docs_per_query,

@@ -30,6 +30,7 @@ class RunContext:
     dtype: str
     tiers: str
     chunk_size: int
+    warm_up: str
     num_documents: int
     document_tokens: int
     docs_per_query: int
@@ -64,6 +65,7 @@ class MultiDocRow:
     dtype: str
     tiers: str
     chunk_size: int
+    warm_up: str
     num_documents: int
     document_tokens: int
     docs_per_query: int
@@ -132,6 +134,7 @@ def summarize(
         dtype=context.dtype,
         tiers=context.tiers,
         chunk_size=context.chunk_size,
+        warm_up=context.warm_up,
         num_documents=context.num_documents,
         document_tokens=context.document_tokens,
         docs_per_query=context.docs_per_query,

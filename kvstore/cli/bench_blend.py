@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, run_multidoc_benchmark
+from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, WarmUp, run_multidoc_benchmark
 from kvstore.bench.multidoc_rows import MultiDocRow
 from kvstore.blend import DeviationMetric
 from kvstore.config import parse_size, parse_tiers
@@ -60,6 +60,13 @@ def _parse_modes(text: str) -> tuple[BenchMode, ...]:
         ) from None
 
 
+def _parse_warm_up(text: str) -> WarmUp:
+    try:
+        return WarmUp(text)
+    except ValueError:
+        raise ConfigError(f"--warm-up {text!r}: use preamble or alone") from None
+
+
 def _render(rows: list[MultiDocRow]) -> None:
     table = Table(title=f"kvstore bench {rows[0].bench.replace('_', '-')} ({rows[0].model}, {rows[0].device})")
     for column in ("mode", "ratio", "TTFT mean ms", "p50", "p99", "speedup", "lookup", "load", "recompute",
@@ -95,6 +102,9 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
         tiers: str = typer.Option("cpu", "--tiers", help="Store tiers holding the cached KV, e.g. gpu / cpu,disk."),
         data_dir: Path | None = typer.Option(None, "--data-dir", help="Disk tier data dir (default: a temp dir)."),
         chunk_size: int = typer.Option(_DEFAULTS.chunk_size, "--chunk-size", help="Tokens per stored chunk."),
+        warm_up: str = typer.Option(
+            _DEFAULTS.warm_up.value, "--warm-up", help="multi-doc-qa: store documents after the 'preamble' or 'alone'."
+        ),
         cpu_capacity: str | None = typer.Option(
             None, "--cpu-capacity", help="cpu tier size (default: twice the documents' KV, at least 64MiB)."
         ),
@@ -132,6 +142,7 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             tiers=parse_tiers(tiers),
             data_dir=data_dir,
             chunk_size=chunk_size,
+            warm_up=_parse_warm_up(warm_up),
             cpu_capacity_bytes=parse_size(cpu_capacity) if cpu_capacity else None,
             gpu_capacity_bytes=parse_size(gpu_capacity) if gpu_capacity else None,
             num_documents=num_documents,

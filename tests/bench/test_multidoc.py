@@ -46,10 +46,23 @@ def test_multi_doc_qa_prints_one_json_row_per_mode(capsys: pytest.CaptureFixture
         assert row["top1_agreement"] is None and row["fact_accuracy"] is None  # random-init: TTFT only
         assert row["num_queries"] == 2 and row["ttft_ms_p50"] <= row["ttft_ms_max"]
     full, prefix, blend, reuse = rows
-    assert full["speedup_vs_full"] == 1.0 and full["cached_tokens_mean"] == 0
-    assert prefix["exact_tokens_mean"] == 0  # documents were stored alone: the preamble hides them from a prefix
-    assert blend["blend_tokens_mean"] == 3 * 42 and blend["recompute_ratio"] == 0.15
-    assert reuse["recompute_ratio"] == 0.0 and reuse["recomputed_tokens_mean"] < blend["recomputed_tokens_mean"]
+    assert full["speedup_vs_full"] == 1.0 and full["cached_tokens_mean"] == 0 and full["warm_up"] == "preamble"
+    # Documents were stored after the 16-token preamble (two whole chunks): a query's first document is an exact
+    # prefix (7 whole chunks for a prefix cache, its partial last chunk too for the content match) and the other
+    # two, separator included, are found at their new offsets.
+    assert prefix["exact_tokens_mean"] == 56 and prefix["recomputed_tokens_mean"] == 176 - 56
+    assert blend["exact_tokens_mean"] == 58 and blend["blend_tokens_mean"] == 2 * 42
+    assert blend["recompute_ratio"] == 0.15 and blend["recomputed_tokens_mean"] == 34 + 13
+    assert reuse["recompute_ratio"] == 0.0 and reuse["recomputed_tokens_mean"] == 176 - 58 - 84
+
+
+def test_documents_stored_alone_are_no_prefix_hit_and_blend_in_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["bench", "multi-doc-qa", *TINY, "--warm-up", "alone", "--modes", "prefix,blend", "--json"],
+                         capsys)  # fmt: skip
+    assert code == 0, err
+    _, prefix, blend = (json.loads(line) for line in out.splitlines())
+    assert prefix["exact_tokens_mean"] == 0 and prefix["warm_up"] == "alone"
+    assert blend["exact_tokens_mean"] == 0 and blend["blend_tokens_mean"] == 3 * 42
 
 
 def test_an_unmet_expected_ttft_gain_exits_non_zero_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,6 +85,7 @@ def test_an_unmet_expected_ttft_gain_exits_non_zero_with_one_line(capsys: pytest
         (["--check-layer", "7"], "check_layer=7 is beyond the model's 4 layers"),
         (["--tiers", "tape"], "--tiers 'tape'"),
         (["--deviation", "cosine"], "--deviation 'cosine': use key, value or key_value"),
+        (["--warm-up", "cold"], "--warm-up 'cold': use preamble or alone"),
         (["--model", "/nonexistent"], "--model and --random-init exclude each other"),
     ],
 )
@@ -143,4 +157,5 @@ def test_a_small_quality_run_on_smollm2() -> None:
     full, blend = run_multidoc_benchmark(options)
     assert full.top1_agreement == 1.0 and full.kl_mean == 0.0 and full.continuation_match == 1.0
     assert full.fact_accuracy in (0.0, 1.0) and blend.fact_accuracy in (0.0, 1.0)
-    assert blend.blend_tokens_mean > 200 and blend.kl_mean is not None and blend.kl_mean < 1.0
+    assert blend.exact_tokens_mean > 100 and blend.blend_tokens_mean > 100  # the first document is an exact prefix
+    assert blend.kl_mean is not None and blend.kl_mean < 1.0
