@@ -19,7 +19,7 @@ from kvstore.bench.multidoc_workload import (
 )
 from kvstore.cli.main import main
 from kvstore.errors import ConfigError
-from kvstore.models import default_model_cache_dir
+from kvstore.models import default_model_cache_dir, load_smollm2
 
 TINY = ["--random-init", "tiny-llama", "--device", "cpu", "--num-documents", "4", "--document-tokens", "40",
         "--num-queries", "2", "--docs-per-query", "3", "--chunk-size", "8"]  # fmt: skip
@@ -115,15 +115,8 @@ def test_combinations_are_distinct_documents_and_reproducible() -> None:
 
 
 def test_prose_documents_have_the_exact_length_and_their_fact() -> None:
-    from transformers import LlamaTokenizerFast  # noqa: F401  (the blend extra is installed)
-
-    smollm2_dir = default_model_cache_dir(os.environ) / "models"
-    tokenizer_dirs = sorted(smollm2_dir.glob("SmolLM2-135M-Instruct-*"))
-    if not tokenizer_dirs:
-        pytest.skip("the converted SmolLM2 copy is not cached yet (tests/blend create it)")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dirs[-1], local_files_only=True)
+    # The real tokenizer, from the cached converted copy (made on first use, as tests/blend do).
+    tokenizer = load_smollm2(cache_dir=default_model_cache_dir(os.environ)).tokenizer
     documents = prose_documents(tokenizer, 3, 300, seed=1)
     assert len(docstring_corpus()) > 500
     prompt_format = PromptFormat.for_tokenizer(tokenizer)
