@@ -152,3 +152,10 @@ def test_a_small_quality_run_on_smollm2() -> None:
     assert full.fact_accuracy in (0.0, 1.0) and blend.fact_accuracy in (0.0, 1.0)
     assert blend.exact_tokens_mean > 100 and blend.blend_tokens_mean > 100  # the first document is an exact prefix
     assert blend.kl_mean is not None and blend.kl_mean < 1.0
+
+
+def test_without_json_a_table_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["bench", "shuffle", *TINY, "--modes", "reuse"], capsys)
+    assert code == 0, err
+    assert "kvstore bench shuffle (random-init/tiny-llama-seed0, cpu)" in out
+    assert "reuse" in out and "speedup" in out
