@@ -6,7 +6,7 @@ Opens the disk tier read-only, so it is safe next to a live process that owns th
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from kvstore.keys import PrefixKey
 from kvstore.tiers.disk import DiskTier, StoredChunk
 from kvstore.tiers.disk_check import DiskCheckReport
 
-__all__ = ["ChunkSummary", "DataDirSummary", "check_data_dir", "find_chunk", "summarize_data_dir"]
+__all__ = ["ChunkSummary", "DataDirSummary", "check_data_dir", "chunks_on_disk", "find_chunk", "summarize_data_dir"]
 
 ProgressCallback = Callable[[int, int], None]
 """Called with (chunks seen, chunks in total) while a summary scans the data dir."""
@@ -141,5 +141,21 @@ def check_data_dir(path: Path, progress: Callable[[int], None] | None = None) ->
     tier = _open(path)
     try:
         return tier.check(progress)
+    finally:
+        tier.close()
+
+
+def chunks_on_disk(path: Path, keys: Iterable[PrefixKey]) -> set[PrefixKey]:
+    """Which of ``keys`` the data dir holds (``kvstore inspect``'s tiers of its top documents, offline).
+
+    Raises:
+        StorageError: ``path`` is not a data dir or cannot be opened.
+    """
+    wanted = list(keys)
+    if not wanted:
+        return set()
+    tier = _open(path)
+    try:
+        return {key for key in wanted if tier.contains(key)}
     finally:
         tier.close()

@@ -1,9 +1,11 @@
 """``kvstore inspect``: what a data dir holds, offline and read-only (safe next to a live store), or what a running
-server holds (``--url``, ``kvstore.cli.online``)."""
+server holds (``--url``, ``kvstore.cli.online``); both with the top documents by hits (``kvstore.cli.top_documents``:
+offline, the counts the last server saved in the data dir)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import typer
@@ -12,10 +14,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvstore.cli.online import inspect_server
+from kvstore.cli.top_documents import render_top_documents, saved_top_documents
 from kvstore.config import DEFAULT_DATA_DIR
 from kvstore.errors import ConfigError
 from kvstore.inspection import DataDirSummary, check_data_dir, find_chunk, summarize_data_dir
 from kvstore.keys import key_from_hex
+from kvstore.server.document_report import MAX_TOP_DOCUMENTS
 
 __all__ = ["inspect_command", "render_summary"]
 
@@ -26,10 +30,14 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     check: bool = typer.Option(False, "--check", help="Decode every frame and report defects; exit 1 on any."),
     url: str | None = typer.Option(
-        None, "--url", help="A running server (tcp://host:port): live tiers, hit rates, clients, top chunks."
+        None, "--url", help="A running server (tcp://host:port): live tiers, hit rates, clients, top documents."
+    ),
+    top: int = typer.Option(
+        10, "--top", min=1, max=MAX_TOP_DOCUMENTS, help="How many of the most-hit documents to show."
     ),
 ) -> None:
-    """Summarise a data dir (chunks, bytes, compression ratio, layout, oldest/newest access), or a running server.
+    """Summarise a data dir (chunks, bytes, compression ratio, layout, oldest/newest access), or a running server;
+    both with the top documents by hits (a document: the chunks one store added; hits: lookups that reused it).
 
     Examples:
 
@@ -41,12 +49,12 @@ def inspect_command(
 
         kvstore inspect --path ./kvstore-data --check
 
-        kvstore inspect --url tcp://127.0.0.1:5555 --json
+        kvstore inspect --url tcp://127.0.0.1:5555 --top 20 --json
     """
     if url is not None:
         if check:
             raise ConfigError("--check walks a data dir offline; drop --url (or --check)")
-        inspect_server(url, key, as_json)
+        inspect_server(url, key, as_json, top)
         return
     if check:
         _check(path, as_json)
@@ -65,15 +73,17 @@ def inspect_command(
             Console().print(table)
         return
     if as_json:
-        typer.echo(json.dumps(summarize_data_dir(path).to_json_dict()))
+        summary = summarize_data_dir(path)
+        typer.echo(json.dumps(summary.to_json_dict() | saved_top_documents(path, top).to_json_dict()))
         return
-    console = Console()
+    console = Console(width=max(120, shutil.get_terminal_size().columns))  # the top documents' 32-digit keys
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"scanning {path}", total=None)
         summary = summarize_data_dir(
             path, lambda seen, total: progress.update(task, completed=seen, total=total)
         )
     render_summary(console, summary)
+    render_top_documents(console, saved_top_documents(path, top), offline=True)
 
 
 def _mib(num_bytes: int) -> str:

@@ -2,7 +2,8 @@
 
 They connect as an admin client (no layout), so they work on any server, whatever model it serves. ``inspect``
 shows the server's tiers (capacity, used, chunks, pinned, hit rate, evictions), its layout and features, the
-clients and their open plans, the content index, and the most-hit chunks; ``--key`` shows one chunk.
+clients and their open plans, the content index, the most-hit chunks and the most-hit documents (``--top``; counted
+by the server from the plans it hands out, ``kvstore.server.document_hits``); ``--key`` shows one chunk.
 ``evict`` drops chunks by key, frees bytes of one tier or every tier, or empties them (pinned chunks stay).
 """
 
@@ -17,8 +18,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvstore.cli.top_documents import TopDocuments, render_top_documents
 from kvstore.client import Client
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, ProtocolError
 from kvstore.keys import PrefixKey
 from kvstore.server.wire_values import ServerInfo
 from kvstore.store import StoreStats
@@ -74,8 +76,23 @@ def _mib(num_bytes: object) -> str:
     return f"{int(num_bytes) / 2**20:,.1f} MiB"  # type: ignore[call-overload]
 
 
-def inspect_server(url: str, key: str | None, as_json: bool) -> None:
-    """Print a running server's state, or one chunk of it."""
+def _top_documents(client: Client, top: int) -> TopDocuments:
+    """The server's most-hit documents; a server older than document counting gives a note instead."""
+    try:
+        report = client.documents(top)
+    except ProtocolError as exc:
+        return TopDocuments(documents=(), note=str(exc))
+    note = None
+    if report.num_dropped:
+        note = (
+            f"{report.num_dropped:,} less-hit documents were dropped from the counts to stay within "
+            f"{report.max_documents:,} tracked documents"
+        )
+    return TopDocuments(documents=report.documents, note=note)
+
+
+def inspect_server(url: str, key: str | None, as_json: bool, top: int = 10) -> None:
+    """Print a running server's state (with its ``top`` most-hit documents), or one chunk of it."""
     with _connect(url) as client:
         if key is not None:
             chunk = client.chunk(PrefixKey(bytes.fromhex(key)))
@@ -88,10 +105,13 @@ def inspect_server(url: str, key: str | None, as_json: bool) -> None:
                 raise typer.Exit(1)
             return
         report = server_report(url, client.info(), client.stats())
+        documents = _top_documents(client, top)
     if as_json:
-        typer.echo(json.dumps(report))
+        typer.echo(json.dumps(report | documents.to_json_dict()))
         return
-    _render(Console(width=max(120, shutil.get_terminal_size().columns)), report)
+    console = Console(width=max(120, shutil.get_terminal_size().columns))
+    _render(console, report)
+    render_top_documents(console, documents, offline=False)
 
 
 def _render(console: Console, report: dict[str, object]) -> None:

@@ -6,11 +6,14 @@
 - ``loop``: the ROUTER socket, worker pools and janitor; ``app``: start-up and shutdown of the whole server.
 - ``settings``, ``host_facts``, ``ownership``: flags and config file, checks before start-up, ``serve.json``.
 - ``metrics``: Prometheus ``/metrics`` and ``/healthz``.
+- ``hits``, ``document_hits``, ``document_hits_file``, ``document_report``: lookup hits per tier and chunk, hits per
+  stored document (kept in the data dir across restarts) and the ``documents`` report of ``kvstore inspect``.
 
 The client end is ``kvstore.Client`` (``kvstore/client.py``).
 """
 
 from kvstore.server.app import ServerAddress, background_server, run_server
+from kvstore.server.document_report import DocumentsReport, TierChunks, TopDocument
 from kvstore.server.errors import ErrorCode
 from kvstore.server.protocol import Limits, Op
 from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
@@ -19,6 +22,7 @@ from kvstore.server.wire_values import ChunkInfo, ClientSummary, ServerHealth, S
 __all__ = [
     "ChunkInfo",
     "ClientSummary",
+    "DocumentsReport",
     "ErrorCode",
     "Limits",
     "Op",
@@ -28,6 +32,8 @@ __all__ = [
     "ServerHello",
     "ServerInfo",
     "ServerSettings",
+    "TierChunks",
+    "TopDocument",
     "background_server",
     "resolve_settings",
     "run_server",

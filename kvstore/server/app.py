@@ -3,8 +3,8 @@
 Start-up order puts every failure before the server announces itself: open the store (takes the data dir's lock,
 recovers its index), bind the ZeroMQ port, bind the metrics port, write ``serve.json``, then call ``on_ready``.
 Shutdown is the reverse and always completes: the loop finishes requests in flight, departed clients' plans are
-released, the store is closed (pending disk writes committed and synced), sockets and the metrics endpoint close,
-``serve.json`` is removed.
+released, sockets and the metrics endpoint close, the document hit counts are saved into the data dir (a failure is
+logged, not raised), ``serve.json`` is removed, and the store is closed (pending disk writes committed and synced).
 
 Threads: ``run_server`` runs the loop on the calling thread; see ``loop`` for the rest.
 """
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvstore.errors import ServerUnavailableError
+from kvstore.errors import KVStoreError, ServerUnavailableError
 from kvstore.server.clients import ClientRegistry
 from kvstore.server.handlers import RequestHandler, ServerIdentity
 from kvstore.server.host_facts import probe_host
@@ -118,6 +118,10 @@ def _serve(
             handler.give_back(departure)
         metrics_server.close()
         server.close()
+        try:
+            handler.save_document_hits()
+        except KVStoreError as exc:  # shutdown must complete; the counts of the last minute are what is lost
+            logger.error("document hit counts not saved at shutdown: %s", exc)
         if disk_path is not None:
             remove_server_record(disk_path)
 

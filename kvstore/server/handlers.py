@@ -9,8 +9,12 @@ Bulk KV (``bulk`` argument) is resolved to a tensor here: a view of a client's s
 the inline payload frame, or an opened CUDA IPC handle; the store then makes its one copy (into a tier on store,
 into that tensor on retrieve).
 
-Threads: any number of workers call ``handle`` concurrently; all state lives in the store, the client registry and
-the hit counter, each with its own lock.
+Document hits (``document_hits``) are fed here: each store names a document, each lookup plan counts a hit for the
+documents it used. With a data dir they are loaded at start, saved by the janitor every ``documents_save_interval_s``
+while they change, and saved at shutdown (``save_document_hits``; ``document_hits_file.DocumentHitsSaver``).
+
+Threads: any number of workers call ``handle`` concurrently; all state lives in the store, the client registry, the
+hit counters and the saver, each with its own lock. ``janitor_pass`` runs on the janitor thread.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.errors import ConfigError, InvalidInputError, KVStoreError
+from kvstore.keys import prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
 from kvstore.server.cuda_ipc import import_cuda_tensor
+from kvstore.server.document_hits import DocumentHits
+from kvstore.server.document_hits_file import DocumentHitsSaver
+from kvstore.server.document_report import DocumentsArgs, DocumentsReport, count_by_tier, top_document
 from kvstore.server.errors import ErrorCode, RequestError, error_for
 from kvstore.server.hits import HitCounter, LookupTally
 from kvstore.server.messages import (
@@ -104,6 +112,8 @@ class RequestHandler:
         identity: version, host and limits for replies.
         metrics: where request figures go.
         is_serving: ``False`` once the server is stopping (health reports it).
+        documents: the document hit counts (a fresh ``DocumentHits`` unless given).
+        documents_save_interval_s: how often the janitor saves changed document hit counts into the data dir.
     """
 
     def __init__(
@@ -113,6 +123,9 @@ class RequestHandler:
         identity: ServerIdentity,
         metrics: ServerMetrics,
         is_serving: Callable[[], bool],
+        *,
+        documents: DocumentHits | None = None,
+        documents_save_interval_s: float = 60.0,
     ) -> None:
         self._host = host
         self._clients = clients
@@ -122,6 +135,11 @@ class RequestHandler:
         self._hits = HitCounter()
         self._tally = LookupTally(host.config.chunk_size)
         self._num_requests = 0  # approximate under concurrency; only reported
+        self._documents = documents if documents is not None else DocumentHits()
+        self._documents_saver = None
+        if identity.disk_path is not None:
+            self._documents_saver = DocumentHitsSaver(self._documents, identity.disk_path, documents_save_interval_s)
+            self._documents_saver.load()
 
     # -- entry point -------------------------------------------------------------------------------------------
 
@@ -186,6 +204,8 @@ class RequestHandler:
             attach = AttachArgs.parse(args, limits)
             segment = open_segment(attach.name, attach.nbytes, self._clients.client_pid(client_id))
             return self._ok(request, {"segment_id": self._clients.add_segment(client_id, segment)})
+        if op is Op.DOCUMENTS:
+            return self._ok(request, self._top_documents(DocumentsArgs.parse(args, limits).top).to_wire())
         if op is Op.DETACH:
             detached = self._clients.remove_segment(client_id, DetachArgs.parse(args, limits).segment_id)
             return self._ok(request, {"detached": detached})
@@ -240,6 +260,8 @@ class RequestHandler:
         result = store.store(args.tokens, kv)
         if args.durable:
             store.flush()
+        keys = prefix_keys(store.layout.namespace, args.tokens, store.config.chunk_size)
+        self._documents.add_stored(keys, args.tokens, store.config.chunk_size)
         transport = _transport(args.bulk)
         self._metrics.store_seconds.labels(transport).observe(time.perf_counter() - started_s)
         self._metrics.bulk_bytes.labels("stored", transport).inc(store.layout.chunk_bytes(num_tokens))
@@ -255,6 +277,7 @@ class RequestHandler:
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
         self._hits.add(segment.key for segment in plan.segments)
         self._tally.add(plan)
+        self._documents.add_plan(plan, args.tokens)
         self._metrics.observe_lookup(plan, time.perf_counter() - started_s)
         return encode_plan(plan, args.session_id)
 
@@ -363,6 +386,20 @@ class RequestHandler:
 
     # -- reports -----------------------------------------------------------------------------------------------
 
+    def _top_documents(self, num_documents: int) -> DocumentsReport:
+        """The most-hit documents, each with the tiers holding its chunks now."""
+        store = self._host.store
+        rows = []
+        for document in self._documents.top(num_documents):
+            chunk_tiers = [store.contains(key) for key in document.chunk_keys] if store is not None else []
+            rows.append(top_document(document, count_by_tier(chunk_tiers)))
+        return DocumentsReport(
+            documents=tuple(rows),
+            num_tracked=self._documents.num_documents,
+            num_dropped=self._documents.num_dropped,
+            max_documents=self._documents.max_documents,
+        )
+
     def _features(self) -> ServerFeatures:
         config = self._host.config
         return ServerFeatures(
@@ -412,8 +449,8 @@ class RequestHandler:
             store.release(plan)
 
     def janitor_pass(self, plan_ttl_s: float) -> None:
-        """Give back what clients whose process died hold, release plans older than ``plan_ttl_s``, and forget
-        remote clients idle that long."""
+        """Give back what clients whose process died hold, release plans older than ``plan_ttl_s``, forget
+        remote clients idle that long, and save changed document hit counts every ``documents_save_interval_s``."""
         for departure in self._clients.remove_dead():
             logger.info(
                 "client %s is gone (its process died): releasing %d sessions and %d plans",
@@ -430,6 +467,17 @@ class RequestHandler:
             )
             for open_plan in expired:
                 store.release(open_plan.plan)
+        if self._documents_saver is not None:  # last: a failed save (full disk) must not skip the rest of the pass
+            self._documents_saver.save_if_due()
+
+    def save_document_hits(self) -> None:
+        """Save changed document hit counts into the data dir now (at shutdown); no-op without a data dir.
+
+        Raises:
+            StorageError: the file cannot be written.
+        """
+        if self._documents_saver is not None:
+            self._documents_saver.save()
 
 
 def _transport(bulk: BulkRef) -> str:

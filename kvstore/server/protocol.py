@@ -76,6 +76,7 @@ class Op(enum.StrEnum):
     HEALTH = "health"
     ATTACH = "attach"
     DETACH = "detach"
+    DOCUMENTS = "documents"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

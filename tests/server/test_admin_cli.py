@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kvstore import Client
 from kvstore.cli.main import main
+from kvstore.cli.top_documents import NO_HITS_NOTE
+from kvstore.server.document_hits_file import DOCUMENT_HITS_FILE
 from tests.factories import make_kv, make_tokens
-from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess
+from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +62,59 @@ def test_inspect_url_one_chunk(
     assert code == 0 and json.loads(out)["tiers"] == ["cpu", "disk"]
     code, out, _ = run(["inspect", "--url", server.url, "--key", "00" * 16], capsys)
     assert code == 1 and "not cached" in out
+
+
+def test_inspect_url_top_documents(
+    server: ServerProcess, stored_keys: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(["inspect", "--url", server.url, "--json", "--top", "3"], capsys)
+    assert code == 0
+    documents = {row["first_key"]: row for row in json.loads(out)["top_documents"]}
+    document = documents[stored_keys[0]]
+    assert (document["num_chunks"], document["num_tokens"]) == (4, 64)
+    assert document["hits"] >= 2 and document["tokens_served"] >= 128 and document["last_hit"] is not None
+    assert document["tiers"] == {"cpu": 4, "disk": 4}
+    assert document["first_tokens"] == [int(t) for t in make_tokens(64, seed=101)[:16]]
+    code, out, _ = run(["inspect", "--url", server.url, "--top", "1"], capsys)
+    assert code == 0 and "top documents by hits" in out and stored_keys[0] in out
+    for bad in ("0", "1001", "many"):
+        code, _, err = run(["inspect", "--url", server.url, "--top", bad], capsys)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "--top" in lines[0], err
+
+
+def test_offline_inspect_shows_the_document_hits_the_server_saved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data_dir = tmp_path / "data"
+    tokens = make_tokens(48, seed=77)
+    with running_server(data_dir) as started:
+        with Client(started.url, SERVER_LAYOUT, name="offline-test") as client:
+            client.store(tokens, make_kv(SERVER_LAYOUT, 48, seed=77), durable=True)
+            for _ in range(3):
+                client.release(client.lookup(tokens))
+        code, out, _ = run(["inspect", "--path", str(data_dir), "--json"], capsys)
+        report = json.loads(out)
+        assert code == 0 and report["top_documents"] == [] and report["top_documents_note"] == NO_HITS_NOTE, (
+            "nothing saved yet (a minute has not passed): said, not failed"
+        )
+        assert started.stop() == 0
+    assert (data_dir / DOCUMENT_HITS_FILE).is_file(), "saved at shutdown"
+    code, out, _ = run(["inspect", "--path", str(data_dir), "--json", "--top", "5"], capsys)
+    (document,) = json.loads(out)["top_documents"]
+    assert code == 0 and (document["hits"], document["tokens_served"], document["num_tokens"]) == (3, 144, 48)
+    assert document["tiers"] == {"disk": 3}
+    code, out, _ = run(["inspect", "--path", str(data_dir)], capsys)
+    assert code == 0 and "top documents by hits" in out and document["first_key"] in out
+    with running_server(data_dir) as restarted:
+        with Client(restarted.url, SERVER_LAYOUT, name="offline-test") as client:
+            client.release(client.lookup(tokens))
+        code, out, _ = run(["inspect", "--url", restarted.url, "--json"], capsys)
+        (live,) = json.loads(out)["top_documents"]
+        assert live["hits"] == 4 and live["first_key"] == document["first_key"], "counting goes on after a restart"
+    (data_dir / DOCUMENT_HITS_FILE).write_bytes(b"garbage")
+    code, out, _ = run(["inspect", "--path", str(data_dir)], capsys)
+    assert code == 0 and "hit counts unreadable" in out
 
 
 def test_offline_commands_beside_a_live_server(

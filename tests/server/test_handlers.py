@@ -28,6 +28,8 @@ from kvstore.errors import (
 from kvstore.keys import as_token_array
 from kvstore.layout import KVLayout
 from kvstore.server.clients import ClientRegistry
+from kvstore.server.document_hits_file import load_document_hits
+from kvstore.server.document_report import DocumentsArgs, DocumentsReport, TierChunks
 from kvstore.server.errors import ErrorCode, error_for, exception_for
 from kvstore.server.handlers import ReplyFrames, RequestHandler, ServerIdentity
 from kvstore.server.messages import (
@@ -92,7 +94,7 @@ def _frames(reply: ReplyFrames) -> list[memoryview]:
     return frames
 
 
-def make_harness(config: StoreConfig, layout: KVLayout | None) -> Harness:
+def make_harness(config: StoreConfig, layout: KVLayout | None, **handler_options: object) -> Harness:
     now = [1000.0]
     alive: set[int] = set()
     host = StoreHost(config, layout)
@@ -102,10 +104,11 @@ def make_harness(config: StoreConfig, layout: KVLayout | None) -> Harness:
         return host.store.stats() if host.store is not None else None
 
     metrics = ServerMetrics(stats, lambda: clients.num_clients, config.chunk_size)
+    disk_path = str(config.disk_path) if TierName.DISK in config.tiers else None
     identity = ServerIdentity(
-        version="test", host_id="h", pid=1, started_s=time.monotonic(), limits=LIMITS, shm=True, disk_path=None
+        version="test", host_id="h", pid=1, started_s=time.monotonic(), limits=LIMITS, shm=True, disk_path=disk_path
     )
-    handler = RequestHandler(host, clients, identity, metrics, is_serving=lambda: True)
+    handler = RequestHandler(host, clients, identity, metrics, is_serving=lambda: True, **handler_options)  # type: ignore[arg-type]
     return Harness(handler, host, clients, metrics, now, alive)
 
 
@@ -195,6 +198,49 @@ def test_admin_ops_and_their_errors(harness: Harness) -> None:
     assert harness.code(Op.HELLO, args) == ErrorCode.LAYOUT_MISMATCH
     remote = harness.ok(Op.HELLO, args | {"layout": None})[0].required_str("client_id", 64)
     assert harness.code(Op.ATTACH, {"name": "kvstore-1-" + "a" * 16, "nbytes": 64}, remote) == ErrorCode.CONFIG
+
+
+def test_documents_op_counts_stores_and_lookups_and_the_janitor_saves_them(tmp_path: Path) -> None:
+    config = StoreConfig(
+        tiers=(TierName.CPU, TierName.DISK), chunk_size=CHUNK_SIZE, cpu_capacity_bytes=1 << 20,
+        disk_path=tmp_path / "data", disk_capacity_bytes=1 << 26,
+    )  # fmt: skip
+    harness = make_harness(config, SERVER_LAYOUT, documents_save_interval_s=0.0)
+    try:
+        client, admin = harness.hello(), harness.hello(layout=None, pid=4343)
+        tokens = as_token_array(make_tokens(40, seed=7))
+        _, payload = kv_bytes(40, 7)
+        harness.ok(Op.STORE, StoreArgs(tokens=tokens, bulk=InlineBulk(), durable=True).to_wire(), client, payload)
+        for _ in range(3):
+            plan, _ = harness.ok(Op.LOOKUP, LookupArgs(tokens=tokens, session_id=None, blend=None).to_wire(), client)
+            harness.ok(Op.RELEASE, {"plan_id": plan.required_int("plan_id", 0, 2**62)}, client)
+        result, _ = harness.ok(Op.DOCUMENTS, DocumentsArgs(top=5).to_wire(), admin)
+        report = DocumentsReport.from_wire(result)
+        (document,) = report.documents
+        assert (document.num_chunks, document.num_tokens, document.num_hits, document.num_tokens_served) == (
+            3, 40, 3, 120,
+        )  # fmt: skip
+        assert {held.tier: held.num_chunks for held in document.tiers} == {TierName.CPU: 3, TierName.DISK: 3}
+        assert document.first_tokens == tuple(int(t) for t in tokens[:16]) and document.last_hit is not None
+        assert (report.num_tracked, report.num_dropped) == (1, 0)
+        assert harness.code(Op.DOCUMENTS, {"top": 0}, admin) == ErrorCode.INVALID_ARGUMENT
+        assert harness.code(Op.DOCUMENTS, {"top": 5, "extra": 1}, admin) == ErrorCode.INVALID_ARGUMENT
+        harness.handler.janitor_pass(plan_ttl_s=600)
+        saved = load_document_hits(tmp_path / "data")
+        assert saved is not None and [d.num_hits for d in saved.documents] == [3]
+    finally:
+        harness.host.close()
+    reopened = make_harness(config, SERVER_LAYOUT)
+    try:
+        admin = reopened.hello(layout=None, pid=4343)
+        result, _ = reopened.ok(Op.DOCUMENTS, DocumentsArgs(top=5).to_wire(), admin)
+        (restored,) = DocumentsReport.from_wire(result).documents
+        assert (restored.first_key, restored.num_hits, restored.last_hit_ns) == (
+            document.first_key, 3, document.last_hit_ns,
+        ), "a restarted server keeps its counts"  # fmt: skip
+        assert restored.tiers == (TierChunks(tier=TierName.DISK, num_chunks=3),), "after a restart only the disk has it"
+    finally:
+        reopened.host.close()
 
 
 def test_the_janitor_releases_dead_clients_and_expired_plans(harness: Harness) -> None:
