@@ -92,7 +92,9 @@ def run_client(url: str, seed: int, seconds: float) -> None:
                 stats = client.stats()
                 assert stats.num_open_plans >= 0
                 counts["stats"] += 1
-    print(json.dumps(counts | {"pid": os.getpid()}), flush=True)
+    # One write(2) under PIPE_BUF bytes: the eight forked clients share the pipe, and print's separate writes of the
+    # line and its newline interleaved two clients' lines into one (test_eight_clients_with_mixed_operations).
+    os.write(sys.stdout.fileno(), (json.dumps(counts | {"pid": os.getpid()}) + "\n").encode())
 
 
 def main() -> None:
