@@ -33,14 +33,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore.errors import InvalidInputError, KVStoreError, ProtocolError, ServerUnavailableError, StorageError
+from kvstore.errors import InvalidInputError, KVStoreError, ServerUnavailableError, StorageError
 from kvstore.keys import PrefixKey, as_token_array
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan, RetrieveResult, StoreResult
+from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
 from kvstore.server.client_segments import ClientSegments
 from kvstore.server.connection import Connection
 from kvstore.server.cuda_ipc import export_cuda_tensor
-from kvstore.server.document_report import DocumentsArgs, DocumentsReport
 from kvstore.server.errors import ErrorCode, exception_for
 from kvstore.server.fields import Fields
 from kvstore.server.messages import (
@@ -269,10 +268,18 @@ class Client:
         return plan_from_wire(self._simple(Op.LOOKUP, args))
 
     def retrieve(
-        self, plan: LookupPlan, out: torch.Tensor | None = None, *, device: str | torch.device = "cpu"
+        self,
+        plan: LookupPlan,
+        out: torch.Tensor | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        progress: RetrieveProgress | None = None,
     ) -> RetrieveResult:
         """``TieredStore.retrieve`` on the server. ``out`` made by ``buffer()`` (or a CUDA tensor, with CUDA IPC)
-        is written by the server directly; otherwise the KV lands in the scratch segment and is copied out."""
+        is written by the server directly; otherwise the KV lands in the scratch segment and is copied out.
+
+        The server moves the KV in one piece, so ``progress`` hears of the segments and of every layer at once,
+        after the whole retrieve."""
         layout = self._require_layout()
         needed = plan.end
         if out is not None and (out.dim() != 5 or out.shape[2] < needed):
@@ -292,6 +299,10 @@ class Client:
         reply = self._call(Op.RETRIEVE, build)
         loaded = RetrievedSegments.from_wire(self._result(reply))
         kv = self._landed_kv(loaded.end, out, device, staged, reply.payload)
+        if progress is not None:
+            progress.segments_loaded(loaded.segments)
+            for layer in range(layout.num_layers):
+                progress.layer_queued(layer)
         return RetrieveResult(segments=loaded.segments, num_query_tokens=loaded.num_query_tokens, kv=kv)
 
     def _bulk_for_retrieve(self, out: torch.Tensor | None, needed: int, staged: list[torch.Tensor]) -> BulkRef:
@@ -399,20 +410,6 @@ class Client:
     def chunk(self, key: PrefixKey) -> ChunkInfo:
         """Which tiers hold a chunk, and how many lookups planned it."""
         return ChunkInfo.from_wire(self._simple(Op.CHUNK, ChunkArgs(key=key).to_wire()))
-
-    def documents(self, top: int = 10) -> DocumentsReport:
-        """The ``top`` (1..1000) most-hit stored documents and the tiers holding them (``kvstore inspect``).
-
-        Raises:
-            ProtocolError: the server predates document hit counts (it answers ``unknown_op``).
-        """
-        reply = self._call(Op.DOCUMENTS, lambda: (DocumentsArgs(top=top).to_wire(), None))
-        if not reply.ok and reply.error_code == ErrorCode.UNKNOWN_OP:
-            raise ProtocolError(
-                f"the server at {self.url} (version {self.server.server_version}) does not count document hits; "
-                "upgrade it to a kvstore with the documents operation"
-            )
-        return DocumentsReport.from_wire(self._result(reply))
 
     def health(self, timeout_s: float = 5.0) -> ServerHealth:
         """The server's status (no layout needed)."""

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kvstore.keys import PrefixKey
 from kvstore.tiers.base import TierName
 
-__all__ = ["Gap", "LookupPlan", "RetrieveResult", "Segment", "StoreResult"]
+__all__ = ["Gap", "LookupPlan", "RetrieveProgress", "RetrieveResult", "Segment", "StoreResult"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,6 +149,21 @@ class LookupPlan:
     def num_tokens_in(self, tier: TierName) -> int:
         """Cached tokens that were found in ``tier``."""
         return sum(segment.num_tokens for segment in self.segments if segment.tier is tier)
+
+
+class RetrieveProgress(Protocol):
+    """Told how far a layer-by-layer retrieve has got, so a consumer can start on layer 0 before layer 31 lands.
+
+    ``TieredStore.retrieve(..., progress=...)`` first loads the segments that need decoding (disk), then calls
+    ``segments_loaded`` once with the segments that will be in the result (a corrupt chunk is already a gap), then
+    queues the copies of every layer in order, calling ``layer_queued(layer)`` after each. On a device buffer the
+    copies run on the caller's current stream: an event recorded in ``layer_queued`` completes when that layer (and
+    every one before it) has landed. Called on the retrieving thread.
+    """
+
+    def segments_loaded(self, segments: tuple[Segment, ...]) -> None: ...
+
+    def layer_queued(self, layer: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

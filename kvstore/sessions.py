@@ -33,7 +33,7 @@ from kvstore.keys import PrefixKey
 from kvstore.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from kvstore.plan import LookupPlan, RetrieveResult
+    from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult
 
 __all__ = ["Pin", "PinLedger", "Session", "SessionOwner"]
 
@@ -121,7 +121,12 @@ class SessionOwner(Protocol):
     ) -> LookupPlan: ...
 
     def retrieve(
-        self, plan: LookupPlan, out: torch.Tensor | None = ..., *, device: str | torch.device = ...
+        self,
+        plan: LookupPlan,
+        out: torch.Tensor | None = ...,
+        *,
+        device: str | torch.device = ...,
+        progress: RetrieveProgress | None = ...,
     ) -> RetrieveResult: ...
 
     def release(self, plan: LookupPlan) -> None: ...
@@ -155,10 +160,15 @@ class Session:
         return self._owner.lookup(tokens, session_id=self.session_id, blend=blend)
 
     def retrieve(
-        self, plan: LookupPlan, out: torch.Tensor | None = None, *, device: str | torch.device = "cpu"
+        self,
+        plan: LookupPlan,
+        out: torch.Tensor | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        progress: RetrieveProgress | None = None,
     ) -> RetrieveResult:
         """``TieredStore.retrieve``."""
-        return self._owner.retrieve(plan, out, device=device)
+        return self._owner.retrieve(plan, out, device=device, progress=progress)
 
     def release(self, plan: LookupPlan) -> None:
         """``TieredStore.release``."""

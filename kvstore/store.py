@@ -45,7 +45,7 @@ from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
 from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, prefix_keys
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan, RetrieveResult, Segment, StoreResult
+from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
 from kvstore.prefetch import Prefetcher
 from kvstore.sessions import Pin, PinLedger, Session
 from kvstore.tiers.arena import ArenaTier
@@ -455,7 +455,12 @@ class TieredStore:
     # -- retrieve / release -------------------------------------------------------------------------------------
 
     def retrieve(
-        self, plan: LookupPlan, out: torch.Tensor | None = None, *, device: str | torch.device = "cpu"
+        self,
+        plan: LookupPlan,
+        out: torch.Tensor | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        progress: RetrieveProgress | None = None,
     ) -> RetrieveResult:
         """Load the KV of a plan's segments to their places in the prompt, then release the plan's pins.
 
@@ -464,6 +469,9 @@ class TieredStore:
             out: a buffer ``[num_layers, 2, >= plan.end, num_kv_heads, head_dim]`` of the layout's dtype on any
                 device; gaps are left untouched. When omitted a tensor is allocated on ``device``.
             device: where to allocate when ``out`` is omitted.
+            progress: when given, the chunks held in memory tiers are copied layer by layer (every chunk's layer
+                0, then layer 1, ...) and ``progress`` hears of each layer (``RetrieveProgress``): a layerwise
+                prefill starts computing before the last layer has landed. Without it each chunk is copied whole.
 
         Returns:
             The segments loaded and the KV (a view of ``out`` when given). A chunk that fails to load (corrupt on
@@ -483,23 +491,69 @@ class TieredStore:
         loaded: list[Segment] = []
         try:
             out = self._prepare_out(plan, out, device)
-            landed = {key for tier, key in pins if tier is self._cpu}
-            prefix_cut = False
-            for segment in plan.segments:
-                if segment.exact and prefix_cut:
-                    continue
-                if self._load_segment(segment, segment.key in landed, out[:, :, segment.start : segment.end]):
-                    loaded.append(segment)
-                    continue
-                logger.warning("retrieve: chunk %s failed to load; tokens %d-%d become a gap",
-                               segment.key.hex(), segment.start, segment.end)  # fmt: skip
-                prefix_cut = segment.exact and not self.config.enable_segmented_prefix
+            copies = self._load_segments(plan, pins, out, loaded)
+            if progress is not None:
+                progress.segments_loaded(tuple(loaded))
+            self._copy_from_memory(copies, out.device, progress)
         finally:
             self._unpin(pins)
         if self.config.promote_on_hit and self._gpu is not None:
             self._promote_to_gpu([segment for segment in loaded if segment.tier is not TierName.GPU])
         end = loaded[-1].end if loaded else 0
         return RetrieveResult(segments=tuple(loaded), num_query_tokens=plan.num_query_tokens, kv=out[:, :, :end])
+
+    def _load_segments(
+        self, plan: LookupPlan, pins: Sequence[Pin], out: torch.Tensor, loaded: list[Segment]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Decode the plan's disk chunks into ``out`` and append every segment that will be served to ``loaded``.
+
+        Returns the ``(pinned chunk view, place in out)`` pairs of the chunks in memory tiers, still to be copied:
+        those copies cannot fail, so the segments are final before any of them runs.
+        """
+        landed = {key for tier, key in pins if tier is self._cpu}
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        prefix_cut = False
+        for segment in plan.segments:
+            if segment.exact and prefix_cut:
+                continue
+            place = out[:, :, segment.start : segment.end]
+            tier = self._cpu if segment.key in landed else self._tier(segment.tier)
+            if isinstance(tier, ArenaTier):
+                copies.append((tier.view(segment.key), place))
+                loaded.append(segment)
+                continue
+            if self._load_from_disk(segment.key, segment.num_tokens, place):
+                loaded.append(segment)
+                continue
+            logger.warning("retrieve: chunk %s failed to load; tokens %d-%d become a gap",
+                           segment.key.hex(), segment.start, segment.end)  # fmt: skip
+            prefix_cut = segment.exact and not self.config.enable_segmented_prefix
+        return copies
+
+    def _copy_from_memory(
+        self,
+        copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        progress: RetrieveProgress | None,
+    ) -> None:
+        """Copy pinned chunks into the caller's buffer: whole chunks, or layer-major when someone watches progress.
+
+        Copies to a device are queued without waiting (pinned host memory, or device memory) and awaited once at
+        the end, before the caller's ``finally`` drops the pins: a chunk must not be evicted and overwritten while
+        a copy out of it is still in flight.
+        """
+        asynchronous = device.type == "cuda"
+        if progress is None:
+            for source, place in copies:
+                place.copy_(source, non_blocking=asynchronous)
+        else:
+            for layer in range(self.layout.num_layers):
+                for source, place in copies:  # K and V of a layer are each contiguous on both sides
+                    place[layer, 0].copy_(source[layer, 0], non_blocking=asynchronous)
+                    place[layer, 1].copy_(source[layer, 1], non_blocking=asynchronous)
+                progress.layer_queued(layer)
+        if asynchronous and copies:
+            torch.cuda.current_stream(device).synchronize()
 
     def release(self, plan: LookupPlan) -> None:
         """Drop the pins of a plan that will not be retrieved. Idempotent."""
@@ -524,14 +578,6 @@ class TieredStore:
             )
         self.layout.check_kv(out[:, :, :needed], needed)
         return out
-
-    def _load_segment(self, segment: Segment, landed_in_cpu: bool, out: torch.Tensor) -> bool:
-        """Copy one pinned chunk into ``out``: from the cpu tier when a prefetch landed it there, else its tier."""
-        tier = self._cpu if landed_in_cpu else self._tier(segment.tier)
-        if isinstance(tier, ArenaTier):
-            out.copy_(tier.view(segment.key))
-            return True
-        return self._load_from_disk(segment.key, segment.num_tokens, out)
 
     def _load_from_disk(self, key: PrefixKey, num_tokens: int, out: torch.Tensor) -> bool:
         assert self._disk is not None

@@ -11,9 +11,14 @@ Given a prompt of T tokens and its plan (exact segments, blend segments, gaps), 
     selected = top recompute_ratio of blend by K (or K+V) deviation at the check layer U gap U {last}
                                                  computed in the layers after it; the others keep their cached KV
 
-    layer:   0 ........ c-1 | c (check) | c+1 ........ L-1
-    queries: active         | active    | selected
-    KV:      fresh for the queries, cached (rotated) for everything else, attention causal by absolute position
+    layer:     0 ........ c-1 | c (check) | c+1 ........ L-1
+    fresh K/V: active         | active    | selected
+    queries:   active         | selected  | selected
+    KV:        fresh where computed, cached (rotated) for everything else, attention causal by absolute position
+
+At the check layer every active token's K/V is projected (the selection compares it with the cached K/V, and it
+replaces the cached K/V of that layer), but only the selected tokens go on through attention and the MLP: the other
+tokens' hidden states are never read again, so that work would be thrown away.
 
 Special cases fall out of the same loop: ratio 1.0 selects every blend token (the cached blend KV is never read, so
 it is not even loaded, and without exact segments the result is a full prefill); ratio 0 selects at "layer -1"
@@ -24,34 +29,41 @@ Exact segments are never recomputed, not even at ratio 1.0: their KV is what a p
 tokens produced (or, when a blended prefill stored it, the best KV the store has for that prefix), and a prefix
 cache would reuse it the same way.
 
-Loading overlaps compute (``kv_loading``): layers before the first one that reads cached KV compute every token
-and keep their fresh K/V aside (``pending``) until the retrieve has filled the buffer, then write them in.
+Loading overlaps compute (``kv_loading``): the retrieve copies the cached KV layer by layer on a worker thread (a
+side stream on CUDA) and each layer waits only for its own copies. Layers before the first one that reads cached
+KV compute every token and keep their fresh K/V aside (``pending_writes``) until the retrieve has written that
+layer of the buffer, then write them over it.
 
 Runs on the caller's thread under ``torch.inference_mode``; not thread-safe (one model).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from kvstore.blend.kv_loading import KVLoader, PendingLoad
-from kvstore.blend.llama_layers import LlamaStack, Projection, QueryMask
+from kvstore.blend.llama_layers import LlamaStack, Projection
+from kvstore.blend.query_attention import AttentionKernel, QueryMask
 from kvstore.blend.rope import RopeRotator, Rotation, token_deltas
 from kvstore.blend.selection import DeviationMetric, select_tokens, token_deviation
 from kvstore.blend.stage_clock import Mark, StageClock
 from kvstore.errors import ConfigError
 from kvstore.keys import TokenArray
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan, RetrieveResult, Segment
+from kvstore.plan import LookupPlan, Segment
 from kvstore.sessions import Session
 
 __all__ = ["BlendConfig", "BlendPassResult", "BlendPlanSummary", "LayerKV", "run_blend_pass"]
 
 logger = logging.getLogger(__name__)
+
+_Waited = TypeVar("_Waited")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +120,8 @@ class BlendConfig:
         check_layer: the layer (0-based) whose fresh K/V select the tokens; layers up to it compute every
             non-exact token. LMCache's default 1.
         deviation: what the selection compares (K alone, or K and V).
+        attention: the kernel that attends a subset of the tokens (``query_attention``; ``auto``: flex attention
+            on CUDA, grouped sdpa elsewhere).
 
     Raises:
         ConfigError: a ratio outside ``[0, 1]`` or a negative check layer (the upper bound is checked against the
@@ -117,6 +131,7 @@ class BlendConfig:
     recompute_ratio: float = 0.15
     check_layer: int = 1
     deviation: DeviationMetric = DeviationMetric.KEY
+    attention: AttentionKernel = AttentionKernel.AUTO
 
     def __post_init__(self) -> None:
         ratio = self.recompute_ratio
@@ -134,6 +149,12 @@ class BlendConfig:
         except ValueError:
             raise ConfigError(
                 f"deviation={self.deviation!r} is not one of {', '.join(metric.value for metric in DeviationMetric)}"
+            ) from None
+        try:
+            object.__setattr__(self, "attention", AttentionKernel(self.attention))
+        except ValueError:
+            raise ConfigError(
+                f"attention={self.attention!r} is not one of {', '.join(kernel.value for kernel in AttentionKernel)}"
             ) from None
 
 
@@ -203,7 +224,7 @@ class _Pass:
         self.kv = torch.zeros(layout.chunk_shape(self.num_tokens), dtype=layout.dtype.torch_dtype, device=self.device)
         self.same_dtype = layout.dtype.torch_dtype == stack.dtype
         self.layers: list[LayerKV] = []
-        self.load_marks: tuple[Mark, Mark] | None = None
+        self.load_marks: list[tuple[Mark, Mark]] = []
 
     def run(self, classes: _TokenClasses, pending: PendingLoad | None) -> tuple[torch.Tensor, int, BlendPlanSummary]:
         stack, settings, num_tokens = self.stack, self.settings, self.num_tokens
@@ -223,9 +244,11 @@ class _Pass:
         for layer_idx in range(stack.num_layers):
             if layer_idx == cache_from:
                 if pending is not None:
-                    classes = _TokenClasses(self._wait(pending).segments, num_tokens)
+                    classes = _TokenClasses(self._timed(pending.segments), num_tokens)
                     narrow = _narrow_layer(classes, settings)
-                for written_idx, written in pending_writes:
+                for written_idx, written in pending_writes:  # after the retrieve has written that layer
+                    if pending is not None:
+                        self._timed(functools.partial(pending.wait_layer, written_idx))
                     self._store_fresh(written_idx, written)
                 if narrow is not None:
                     reuse_from = max(narrow, 0)
@@ -236,7 +259,7 @@ class _Pass:
                 blend_in_active = torch.searchsorted(positions, classes.blend_positions.to(self.device))
             if hidden is None:
                 hidden = stack.embed(self.token_ids[positions])
-                mask = QueryMask(positions, num_tokens, stack.dtype)
+                mask = QueryMask(positions, num_tokens, stack.dtype, settings.attention)
                 rotary = stack.rotary(hidden, positions)
             projection = stack.project(layer_idx, hidden, rotary)
             if layer_idx < cache_from:  # every token, fresh K/V only: plain causal attention
@@ -246,32 +269,36 @@ class _Pass:
                 )  # fmt: skip
                 if pending is None:
                     self._store_fresh(layer_idx, projection)
-                else:  # the retrieve is still writing every layer of the buffer
+                else:  # the retrieve will still write this layer of the buffer
                     pending_writes.append((layer_idx, projection))
                 self.layers.append(LayerKV(projection.key, projection.value))
                 continue
+            if pending is not None:
+                self._timed(functools.partial(pending.wait_layer, layer_idx))
             if rotation is not None and reuse_from is not None and layer_idx >= reuse_from:
                 rotation.apply(self.kv[layer_idx, 0], in_place=True)
             keys, values = self._working_kv(layer_idx)
+            query = projection.query
             selected: torch.Tensor | None = None
             if layer_idx == narrow:
                 selected = self._select(classes, projection, keys, values, blend_in_active)
             self._write(layer_idx, keys, values, positions, projection)
-            hidden = stack.attend_and_finish(layer_idx, hidden, projection.query, keys, values, mask)
-            self.layers.append(LayerKV(keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]))
-            if selected is not None:
-                hidden = hidden[:, torch.searchsorted(positions, selected)]
-                positions = selected
-                mask = QueryMask(positions, num_tokens, stack.dtype)
+            if selected is not None:  # the check layer's K/V are fresh for every active token; from here on
+                rows = torch.searchsorted(positions, selected)  # only the selected ones are computed
+                hidden, query, positions = hidden[:, rows], query[:, :, rows], selected
+                mask = QueryMask(positions, num_tokens, stack.dtype, settings.attention)
                 rotary = stack.rotary(hidden, positions)
+            hidden = stack.attend_and_finish(layer_idx, hidden, query, keys, values, mask)
+            self.layers.append(LayerKV(keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]))
         assert hidden is not None, "a model has at least one layer (LlamaStack checks)"
         return hidden, int(positions.numel()), classes.summary()
 
-    def _wait(self, pending: PendingLoad) -> RetrieveResult:
+    def _timed(self, wait: Callable[[], _Waited]) -> _Waited:
+        """Run a wait for loaded KV and count the time the compute stream (or the CPU) spent in it as load."""
         before = self.clock.mark()
-        result = pending.wait()
-        self.load_marks = (before, self.clock.mark())
-        return result
+        waited = wait()
+        self.load_marks.append((before, self.clock.mark()))
+        return waited
 
     def _store_fresh(self, layer_idx: int, fresh: Projection) -> None:
         """A layer computed for every token: its fresh K/V are the layer's KV."""
@@ -347,7 +374,7 @@ def run_blend_pass(
     needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
     pending: PendingLoad | None = None
     if needs_load:
-        pending = loader.start(lambda out: owner.retrieve(plan, out), work.kv)
+        pending = loader.start(lambda out, progress: owner.retrieve(plan, out, progress=progress), work.kv)
     else:
         owner.release(plan)
     try:
@@ -359,7 +386,7 @@ def run_blend_pass(
         if pending is not None:
             pending.settle()
     clock.synchronize()
-    load_ms = clock.between(*work.load_marks) if work.load_marks is not None else 0.0
+    load_ms = sum(clock.between(before, after) for before, after in work.load_marks)
     return BlendPassResult(
         logits=logits,
         kv=work.kv,

@@ -14,9 +14,8 @@ embedding, final norm, LM head) and does only the attention itself, with the sam
     --post_attention_layernorm--> MLP --> + hidden
 
 When the queries are the whole prompt in order the attention is plain causal (``is_causal``, grouped-query heads
-handled by sdpa, exactly what transformers does); otherwise it takes an additive mask built once per query set by
-``QueryMask`` and KV heads repeated to the query heads (the fused kernels that accept a mask do not take
-``enable_gqa``).
+handled by sdpa, exactly what transformers does); otherwise ``QueryMask`` (``query_attention``) attends a subset of
+the tokens causally by absolute position.
 
 Models: ``model_type`` llama, mistral and qwen2 (the same decoder; qwen2's q/k/v biases live in its projections).
 Refused: other types, sliding-window attention, and models whose modules are not where Llama keeps them.
@@ -31,11 +30,11 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as functional
 
+from kvstore.blend.query_attention import QueryMask
 from kvstore.errors import ConfigError
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "LlamaStack", "Projection", "QueryMask", "RotaryTable"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "LlamaStack", "Projection", "RotaryTable"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 _LAYER_MODULES = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 _ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MASK_ALIGN_ELEMENTS = 16  # fused attention kernels want the mask's rows 16-element aligned
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,28 +67,6 @@ class Projection:
 
     def token_major_value(self) -> torch.Tensor:
         return self.value[0].transpose(0, 1)
-
-
-class QueryMask:
-    """Which keys each query token may attend to: those at positions up to its own (causal by absolute position).
-
-    ``causal`` is set when the queries are every position ``0..T-1`` in order (then sdpa's own causal path runs and
-    no mask is built); otherwise ``bias`` is ``[1, 1, n, T]``: 0 where allowed, -inf elsewhere, in the model dtype.
-    """
-
-    def __init__(self, query_positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> None:
-        self.num_queries = int(query_positions.numel())
-        self.causal = self.num_queries == num_keys and bool(
-            torch.equal(query_positions, torch.arange(num_keys, device=query_positions.device))
-        )
-        self.bias: torch.Tensor | None = None
-        if not self.causal:
-            padded_keys = -(-num_keys // _MASK_ALIGN_ELEMENTS) * _MASK_ALIGN_ELEMENTS
-            key_positions = torch.arange(num_keys, device=query_positions.device)
-            allowed = key_positions[None, :] <= query_positions[:, None]
-            bias = torch.zeros((1, 1, self.num_queries, padded_keys), dtype=dtype, device=query_positions.device)
-            bias[..., :num_keys].masked_fill_(~allowed, float("-inf"))
-            self.bias = bias[..., :num_keys]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -212,20 +188,10 @@ class LlamaStack:
             The layer's output hidden states ``[1, n, hidden]``.
         """
         layer = self._layers[layer_idx]
-        key_heads = keys.permute(1, 0, 2)[None]
-        value_heads = values.permute(1, 0, 2)[None]
-        if mask.causal:
-            attended = functional.scaled_dot_product_attention(
-                query, key_heads, value_heads, is_causal=True, scale=self.scaling,
-                enable_gqa=self.num_key_value_groups > 1,
-            )  # fmt: skip
-        else:
-            if self.num_key_value_groups > 1:
-                key_heads = key_heads.repeat_interleave(self.num_key_value_groups, dim=1)
-                value_heads = value_heads.repeat_interleave(self.num_key_value_groups, dim=1)
-            attended = functional.scaled_dot_product_attention(
-                query, key_heads, value_heads, attn_mask=mask.bias, scale=self.scaling
-            )
+        attended = mask.attend(
+            query, keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None],
+            scale=self.scaling, kv_groups=self.num_key_value_groups,
+        )  # fmt: skip
         attended = attended.transpose(1, 2).reshape(1, hidden.shape[1], -1)
         hidden = hidden + layer.self_attn.o_proj(attended)
         return cast(torch.Tensor, hidden + layer.mlp(layer.post_attention_layernorm(hidden)))

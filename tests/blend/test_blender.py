@@ -75,6 +75,23 @@ def test_ratio_one_reproduces_full_prefill_on_a_tiny_llama(blender: LayerwiseBle
     assert blended.timings.load_total_ms == 0.0  # ratio 1.0 never reads the cached blend KV: not even loaded
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_selecting_every_token_at_the_check_layer_also_reproduces_full_prefill(
+    blender: LayerwiseBlender, attention: str
+) -> None:
+    """Just under 1.0 the pass narrows at the check layer (its attention and MLP run for the selected tokens only,
+    later layers wait for their loaded KV layer by layer) yet every cached token is selected: a full prefill again."""
+    docs = documents(4)
+    warm(blender, docs)
+    prompt = multi_doc_prompt(docs)
+    full = blender.prefill(prompt, mode="full", store_result=False)
+    config = BlendConfig(recompute_ratio=0.999, attention=attention)  # type: ignore[arg-type]
+    blended = blender.prefill(prompt, store_result=False, config=config)
+    assert blended.num_recomputed_tokens == len(prompt) and blended.timings.load_total_ms > 0
+    torch.testing.assert_close(blended.logits, full.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(blended.kv, full.kv, rtol=0, atol=1e-5)
+
+
 def test_ratio_one_with_an_exact_prefix_and_blend_segments_matches_full(blender: LayerwiseBlender) -> None:
     docs = documents(1)
     head = docs[0] + [5, 6, 7, 8, 9]  # 32 tokens: 4 whole chunks, stored as a prefix of the next prompt

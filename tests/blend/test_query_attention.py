@@ -1,0 +1,69 @@
+"""Attention of a scattered subset of queries, causal by absolute position: both kernels against a dense reference
+(every score computed, masked, softmaxed in float64), grouped-query heads, one group and several."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.blend.layerwise import BlendConfig
+from kvstore.blend.query_attention import SDPA_GROUP_QUERIES, AttentionKernel, QueryMask
+from kvstore.errors import ConfigError
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+def dense_reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    groups = query.shape[1] // keys.shape[1]
+    keys64 = keys.double().repeat_interleave(groups, dim=1)
+    values64 = values.double().repeat_interleave(groups, dim=1)
+    scores = query.double() @ keys64.transpose(-1, -2) * HEAD_DIM**-0.5
+    allowed = torch.arange(keys.shape[2])[None, :] <= positions[:, None]
+    return (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ values64).float()
+
+
+def scattered(num_queries: int, num_keys: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    chosen = torch.randperm(num_keys - 1, generator=generator)[: num_queries - 1]
+    return torch.cat([chosen.sort().values, torch.tensor([num_keys - 1])])  # the last token is always a query
+
+
+@pytest.mark.parametrize("kernel", [AttentionKernel.SDPA, AttentionKernel.FLEX])
+@pytest.mark.parametrize("num_queries", [40, SDPA_GROUP_QUERIES * 2 + 17])
+def test_each_kernel_matches_the_dense_reference(kernel: AttentionKernel, num_queries: int) -> None:
+    num_keys = 1500
+    generator = torch.Generator().manual_seed(num_queries)
+    positions = scattered(num_queries, num_keys, seed=num_queries)
+    query = torch.randn(1, HEADS, num_queries, HEAD_DIM, generator=generator)
+    keys = torch.randn(1, KV_HEADS, num_keys, HEAD_DIM, generator=generator)
+    values = torch.randn(1, KV_HEADS, num_keys, HEAD_DIM, generator=generator)
+    mask = QueryMask(positions, num_keys, torch.float32, kernel)
+    assert not mask.causal and mask.kernel is kernel
+    out = mask.attend(query, keys, values, scale=HEAD_DIM**-0.5, kv_groups=HEADS // KV_HEADS)
+    torch.testing.assert_close(out, dense_reference(query, keys, values, positions), atol=2e-5, rtol=2e-5)
+
+
+def test_every_position_in_order_is_plain_causal_attention() -> None:
+    num_keys = 64
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(1, HEADS, num_keys, HEAD_DIM, generator=generator)
+    keys = torch.randn(1, KV_HEADS, num_keys, HEAD_DIM, generator=generator)
+    values = torch.randn(1, KV_HEADS, num_keys, HEAD_DIM, generator=generator)
+    mask = QueryMask(torch.arange(num_keys), num_keys, torch.float32, AttentionKernel.FLEX)
+    assert mask.causal
+    out = mask.attend(query, keys, values, scale=HEAD_DIM**-0.5, kv_groups=2)
+    torch.testing.assert_close(out, dense_reference(query, keys, values, torch.arange(num_keys)), atol=2e-5, rtol=2e-5)
+
+
+def test_auto_is_flex_on_cuda_and_sdpa_elsewhere() -> None:
+    assert AttentionKernel.AUTO.resolve(torch.device("cpu")) is AttentionKernel.SDPA
+    assert AttentionKernel.AUTO.resolve(torch.device("cuda", 0)) is AttentionKernel.FLEX
+    assert AttentionKernel.SDPA.resolve(torch.device("cuda", 0)) is AttentionKernel.SDPA
+
+
+def test_an_unknown_kernel_is_a_clear_config_error() -> None:
+    assert BlendConfig(attention="sdpa").attention is AttentionKernel.SDPA  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="attention='fast' is not one of auto, sdpa, flex"):
+        BlendConfig(attention="fast")  # type: ignore[arg-type]
