@@ -33,13 +33,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore.errors import InvalidInputError, KVStoreError, ServerUnavailableError, StorageError
+from kvstore.errors import InvalidInputError, KVStoreError, ProtocolError, ServerUnavailableError, StorageError
 from kvstore.keys import PrefixKey, as_token_array
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
 from kvstore.server.client_segments import ClientSegments
 from kvstore.server.connection import Connection
 from kvstore.server.cuda_ipc import export_cuda_tensor
+from kvstore.server.document_report import DocumentsArgs, DocumentsReport
 from kvstore.server.errors import ErrorCode, exception_for
 from kvstore.server.fields import Fields
 from kvstore.server.messages import (
@@ -410,6 +411,20 @@ class Client:
     def chunk(self, key: PrefixKey) -> ChunkInfo:
         """Which tiers hold a chunk, and how many lookups planned it."""
         return ChunkInfo.from_wire(self._simple(Op.CHUNK, ChunkArgs(key=key).to_wire()))
+
+    def documents(self, top: int = 10) -> DocumentsReport:
+        """The ``top`` (1..1000) most-hit stored documents and the tiers holding them (``kvstore inspect``).
+
+        Raises:
+            ProtocolError: the server predates document hit counts (it answers ``unknown_op``).
+        """
+        reply = self._call(Op.DOCUMENTS, lambda: (DocumentsArgs(top=top).to_wire(), None))
+        if not reply.ok and reply.error_code == ErrorCode.UNKNOWN_OP:
+            raise ProtocolError(
+                f"the server at {self.url} (version {self.server.server_version}) does not count document hits; "
+                "upgrade it to a kvstore with the documents operation"
+            )
+        return DocumentsReport.from_wire(self._result(reply))
 
     def health(self, timeout_s: float = 5.0) -> ServerHealth:
         """The server's status (no layout needed)."""
