@@ -68,6 +68,50 @@ def _flex_attention(compiled: bool) -> Callable[..., torch.Tensor]:
     return cast(Callable[..., torch.Tensor], torch.compile(flex_attention, dynamic=True))
 
 
+class _FlexState:
+    """Whether flex attention failed once in this process (no compiler, an old Triton, ...): ``auto`` then stays on
+    sdpa for the process's lifetime instead of failing (and logging) on every layer."""
+
+    broken = False
+
+
+class _SdpaGroups:
+    """The additive mask ``[1, 1, n, T (16-aligned)]`` and the query groups ``(first row, end row, key end)``."""
+
+    def __init__(self, query_positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> None:
+        device = query_positions.device
+        num_queries = int(query_positions.numel())
+        padded_keys = -(-num_keys // _MASK_ALIGN_ELEMENTS) * _MASK_ALIGN_ELEMENTS
+        allowed = torch.arange(num_keys, device=device)[None, :] <= query_positions[:, None]
+        self.bias = torch.zeros((1, 1, num_queries, padded_keys), dtype=dtype, device=device)
+        self.bias[..., :num_keys].masked_fill_(~allowed, float("-inf"))
+        last_rows = list(range(SDPA_GROUP_QUERIES - 1, num_queries, SDPA_GROUP_QUERIES))
+        if not last_rows or last_rows[-1] != num_queries - 1:
+            last_rows.append(num_queries - 1)
+        key_ends = (query_positions[last_rows] + 1).tolist()  # one host read per query set
+        firsts = [0, *(row + 1 for row in last_rows[:-1])]
+        self.groups = [
+            (first, last + 1, int(key_end)) for first, last, key_end in zip(firsts, last_rows, key_ends, strict=True)
+        ]
+
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, kv_groups: int
+    ) -> torch.Tensor:
+        if kv_groups > 1:  # the kernels that take a mask do not take enable_gqa
+            keys = keys.repeat_interleave(kv_groups, dim=1)
+            values = values.repeat_interleave(kv_groups, dim=1)
+        parts = []
+        for first, end, key_end in self.groups:
+            bias = self.bias[:, :, first:end, :key_end]
+            sliced_keys, sliced_values = keys[:, :, :key_end], values[:, :, :key_end]
+            parts.append(
+                functional.scaled_dot_product_attention(
+                    query[:, :, first:end], sliced_keys, sliced_values, attn_mask=bias, scale=scale
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 class QueryMask:
     """Which keys each query token may attend to (those at positions up to its own), built once per query set.
 
@@ -75,7 +119,9 @@ class QueryMask:
         query_positions: positions of the query tokens, sorted, on the model device.
         num_keys: tokens in the layer's KV (the prompt length).
         dtype: the model dtype (of the additive mask).
-        kernel: how to attend (see the module docstring).
+        kernel: how to attend (see the module docstring). With ``auto``, a flex attention that fails (e.g. no
+            working compiler) is logged once and sdpa takes over for the rest of the process; an explicit
+            ``flex`` raises instead.
 
     ``causal`` is set when the queries are every position ``0..T-1`` in order (then sdpa's own causal path runs and
     no mask is built).
@@ -89,33 +135,19 @@ class QueryMask:
         kernel: AttentionKernel = AttentionKernel.SDPA,
     ) -> None:
         device = query_positions.device
+        self._positions, self._num_keys, self._dtype = query_positions, num_keys, dtype
         self.num_queries = int(query_positions.numel())
         self.causal = self.num_queries == num_keys and bool(
             torch.equal(query_positions, torch.arange(num_keys, device=device))
         )
+        self._fallback = kernel is AttentionKernel.AUTO
         self.kernel = kernel.resolve(device)
-        self._groups: list[tuple[int, int, int]] = []
-        self._bias: torch.Tensor | None = None
+        if self._fallback and _FlexState.broken:
+            self.kernel = AttentionKernel.SDPA
+        self._sdpa: _SdpaGroups | None = None
         self._block_mask: Any = None
-        if self.causal:
-            return
-        if self.kernel is AttentionKernel.FLEX:
+        if not self.causal and self.kernel is AttentionKernel.FLEX:
             self._block_mask = _block_mask(query_positions, num_keys)
-            return
-        padded_keys = -(-num_keys // _MASK_ALIGN_ELEMENTS) * _MASK_ALIGN_ELEMENTS
-        key_positions = torch.arange(num_keys, device=device)
-        allowed = key_positions[None, :] <= query_positions[:, None]
-        bias = torch.zeros((1, 1, self.num_queries, padded_keys), dtype=dtype, device=device)
-        bias[..., :num_keys].masked_fill_(~allowed, float("-inf"))
-        self._bias = bias
-        last_rows = list(range(SDPA_GROUP_QUERIES - 1, self.num_queries, SDPA_GROUP_QUERIES))
-        if not last_rows or last_rows[-1] != self.num_queries - 1:
-            last_rows.append(self.num_queries - 1)
-        key_ends = (query_positions[last_rows] + 1).tolist()  # one host read per query set
-        start = 0
-        for last_row, key_end in zip(last_rows, key_ends, strict=True):
-            self._groups.append((start, last_row + 1, int(key_end)))
-            start = last_row + 1
 
     def attend(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float, kv_groups: int
@@ -126,32 +158,30 @@ class QueryMask:
             return functional.scaled_dot_product_attention(
                 query, keys, values, is_causal=True, scale=scale, enable_gqa=kv_groups > 1
             )
-        if self._block_mask is not None:
-            compiled = query.device.type == "cuda"
-            with warnings.catch_warnings():
-                if not compiled:  # the CPU reference is uncompiled on purpose
-                    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-                return _flex_attention(compiled)(
-                    query, keys, values, block_mask=self._block_mask, scale=scale, enable_gqa=kv_groups > 1
-                )
-        assert self._bias is not None
-        if kv_groups > 1:  # the kernels that take a mask do not take enable_gqa
-            keys = keys.repeat_interleave(kv_groups, dim=1)
-            values = values.repeat_interleave(kv_groups, dim=1)
-        if len(self._groups) == 1:
-            return functional.scaled_dot_product_attention(
-                query, keys, values, attn_mask=self._bias[..., : keys.shape[2]], scale=scale
+        if self.kernel is AttentionKernel.FLEX:
+            try:
+                return self._flex(query, keys, values, scale, kv_groups)
+            except Exception as exc:
+                if not self._fallback:
+                    raise
+                logger.warning("flex attention failed (%s: %s); attending with sdpa from now on",
+                               type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")  # fmt: skip
+                _FlexState.broken = True
+                self.kernel = AttentionKernel.SDPA
+        if self._sdpa is None:
+            self._sdpa = _SdpaGroups(self._positions, self._num_keys, self._dtype)
+        return self._sdpa.attend(query, keys, values, scale, kv_groups)
+
+    def _flex(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, kv_groups: int
+    ) -> torch.Tensor:
+        compiled = query.device.type == "cuda"
+        with warnings.catch_warnings():
+            if not compiled:  # the CPU reference is uncompiled on purpose
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return _flex_attention(compiled)(
+                query, keys, values, block_mask=self._block_mask, scale=scale, enable_gqa=kv_groups > 1
             )
-        parts = []
-        for start, end, key_end in self._groups:
-            bias = self._bias[:, :, start:end, :key_end]
-            sliced_keys, sliced_values = keys[:, :, :key_end], values[:, :, :key_end]
-            parts.append(
-                functional.scaled_dot_product_attention(
-                    query[:, :, start:end], sliced_keys, sliced_values, attn_mask=bias, scale=scale
-                )
-            )
-        return torch.cat(parts, dim=2)
 
 
 def _block_mask(query_positions: torch.Tensor, num_keys: int) -> Any:
