@@ -21,7 +21,8 @@ from kvstore.tiers.base import TierName
 __all__ = ["NO_HITS_NOTE", "TopDocuments", "render_top_documents", "saved_top_documents"]
 
 NO_HITS_NOTE = "no hits recorded (hits are counted by a running server)"
-_NUM_SHOWN_TOKENS = 8
+_NUM_SHOWN_TOKENS = 6
+_TABLE_WIDTH = 170
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,9 +74,9 @@ def render_top_documents(console: Console, top: TopDocuments, *, offline: bool) 
         console.print(f"top documents: {top.note or 'no hits recorded yet'}")
         return
     table = Table(title="top documents by hits" + (" (saved by the last server)" if offline else ""))
-    table.add_column("first chunk key", no_wrap=True)
-    for column in ("chunks", "tokens", "hits", "tokens served", "last hit", "tiers", "first tokens"):
-        table.add_column(column)
+    for column in ("first chunk key", "chunks", "tokens", "hits", "tokens served", "last hit (UTC)", "tiers"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("first tokens", no_wrap=True, overflow="ellipsis")
     for row in top.documents:
         held = ", ".join(f"{tiers.tier.value} {tiers.num_chunks}/{row.num_chunks}" for tiers in row.tiers) or "evicted"
         preview = " ".join(str(token) for token in row.first_tokens[:_NUM_SHOWN_TOKENS])
@@ -83,8 +84,14 @@ def render_top_documents(console: Console, top: TopDocuments, *, offline: bool) 
             preview += " ..."
         table.add_row(
             row.first_key, f"{row.num_chunks:,}", f"{row.num_tokens:,}", f"{row.num_hits:,}",
-            f"{row.num_tokens_served:,}", row.last_hit or "-", held, preview,
+            f"{row.num_tokens_served:,}", _short_time(row.last_hit), held, preview,
         )  # fmt: skip
-    console.print(table)
+    # One line a document: 32-digit keys and six token ids need more than the usual 120 columns.
+    Console(width=max(console.width, _TABLE_WIDTH), file=console.file).print(table)
     if top.note:
         console.print(top.note)
+
+
+def _short_time(iso: str | None) -> str:
+    """``2026-11-29T14:35:29+00:00`` as ``2026-11-29 14:35:29`` (the column says UTC)."""
+    return iso.replace("T", " ").removesuffix("+00:00") if iso else "-"
