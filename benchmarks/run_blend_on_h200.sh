@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: the blender's CUDA twin tests, then `kvstore bench multi-doc-qa` (issue 4's speed figures) on a
+# One device call: the blender's CUDA twin tests, the scattered-query attention kernels
+# (benchmarks/attention_selected.py), then `kvstore bench multi-doc-qa` (issue 4's speed figures) on a
 # random-init model of Llama-3.1-8B's shape in bfloat16: 5 documents x 3000 tokens, all five in every query in a new
 # order (15,060-token prompts), modes full / prefix / blend (0.15) / reuse, with the documents' KV in the gpu, the cpu
 # and the disk tier (one tier per run, so every load comes from that tier; the disk runs read through the page
@@ -24,8 +25,10 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/blend/test_blender.py 2>&1 | tail -15 \
-  | tee "$OUT/blend_gpu_tests.txt"
+python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/blend/test_blender.py \
+  tests/blend/test_query_attention.py tests/test_store.py 2>&1 | tail -15 | tee "$OUT/blend_gpu_tests.txt"
+python3 benchmarks/attention_selected.py --keys 15060 --queries 2302 2>"$OUT/attention_selected.log" \
+  | tee "$OUT/attention_selected.jsonl"
 
 COMMON=(--random-init llama3.1-8b --device cuda --dtype bfloat16 --num-documents 5 --document-tokens 3000
         --docs-per-query 5 --num-queries 20 --modes full,prefix,blend,reuse --warm-up alone --chunk-size 256 --json)

@@ -323,6 +323,8 @@ def test_the_blend_pass_on_each_tier_and_device(device: str, tiers: tuple[TierNa
         full = blender.prefill(prompt, mode="full", store_result=False)
         exact = blender.prefill(prompt, store_result=False, config=BlendConfig(recompute_ratio=1.0))
         torch.testing.assert_close(exact.logits, full.logits, rtol=0, atol=1e-4)
+        narrowed = blender.prefill(prompt, store_result=False, config=BlendConfig(recompute_ratio=0.999))
+        torch.testing.assert_close(narrowed.logits, full.logits, rtol=0, atol=1e-4)  # layered loads, narrowed attention
         blended = blender.prefill(prompt, store_result=False)
         assert blended.kv.device.type == device and blended.plan.num_blend_tokens == 81
         assert blended.num_recomputed_tokens == 24
