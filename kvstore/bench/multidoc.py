@@ -31,7 +31,6 @@ import dataclasses
 import enum
 import logging
 import shutil
-import statistics
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -229,7 +228,9 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         for query in queries
     ]
     blend_config = BlendConfig(
-        recompute_ratio=options.recompute_ratio, check_layer=options.check_layer, deviation=options.deviation
+        recompute_ratio=options.recompute_ratio,
+        check_layer=options.check_layer,
+        deviation=options.deviation,
     )
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     warm_ups = (
@@ -281,6 +282,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         bench=options.workload.value,
         check_layer=options.check_layer,
         deviation=options.deviation.value,
+        seed=options.seed,
         model=model.name,
         device=device,
         dtype=str(dtype).removeprefix("torch."),
@@ -291,10 +293,9 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         document_tokens=options.document_tokens,
         docs_per_query=options.num_documents if options.workload is BenchWorkload.SHUFFLE else options.docs_per_query,
     )
-    full_mean_ms = statistics.fmean(sample.timings.total_ms for sample in samples[BenchMode.FULL])
     return [
         summarize(context, mode.value, configs[mode].recompute_ratio if mode in configs else None, samples[mode],
-                  full_mean_ms)
+                  samples[BenchMode.FULL])
         for mode in options.modes
     ]  # fmt: skip
 

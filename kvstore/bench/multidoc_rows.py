@@ -2,7 +2,10 @@
 
 Latencies are reported as mean, p50, p90, p99 and max (nearest rank) of ``total_ms`` (TTFT); ``speedup_vs_full`` is
 the mean full-prefill TTFT of the same run divided by the mode's mean. Stage times are means. Quality fields are
-means over queries, ``None`` when quality was not measured (random-init models).
+means over queries, ``None`` when quality was not measured (random-init models). Fact accuracy comes with its 95%
+interval and with the paired comparison against full prefill on the same queries (``kvstore.bench.multidoc_stats``):
+``fact_full_only`` / ``fact_mode_only`` count the queries only one of the two answers right, and
+``fact_difference_vs_full`` (mode minus full) has its own, much narrower, interval.
 
 Pure values and functions; thread-safe.
 """
@@ -13,6 +16,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstore.bench.multidoc_stats import paired_facts, wilson_interval
 from kvstore.blend import PrefillTimings
 
 __all__ = ["MultiDocRow", "QuerySample", "RunContext", "summarize"]
@@ -25,6 +29,7 @@ class RunContext:
     bench: str
     check_layer: int
     deviation: str
+    seed: int
     model: str
     device: str
     dtype: str
@@ -60,6 +65,7 @@ class MultiDocRow:
     recompute_ratio: float | None
     check_layer: int
     deviation: str
+    seed: int
     model: str
     device: str
     dtype: str
@@ -90,6 +96,14 @@ class MultiDocRow:
     kl_mean: float | None
     continuation_match: float | None
     fact_accuracy: float | None
+    fact_accuracy_ci95_low: float | None
+    fact_accuracy_ci95_high: float | None
+    fact_agreement_with_full: float | None
+    fact_full_only: int | None
+    fact_mode_only: int | None
+    fact_difference_vs_full: float | None
+    fact_difference_ci95_low: float | None
+    fact_difference_ci95_high: float | None
     baseline: str = "full prefill of the same prompts with the same model, same run"
 
     def to_json_dict(self) -> dict[str, str | int | float | None]:
@@ -110,15 +124,64 @@ def _mean_or_none(values: Sequence[float | bool | None]) -> float | None:
     return round(statistics.fmean(present), 4) if present else None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _FactFields:
+    """The fact-accuracy columns of one row (all ``None`` when facts were not asked)."""
+
+    accuracy_ci95_low: float | None = None
+    accuracy_ci95_high: float | None = None
+    agreement_with_full: float | None = None
+    full_only: int | None = None
+    mode_only: int | None = None
+    difference_vs_full: float | None = None
+    difference_ci95_low: float | None = None
+    difference_ci95_high: float | None = None
+
+
+def _fact_fields(samples: Sequence[QuerySample], full_samples: Sequence[QuerySample]) -> _FactFields:
+    pairs = [
+        (full.fact_correct, sample.fact_correct)
+        for full, sample in zip(full_samples, samples, strict=True)
+        if full.fact_correct is not None and sample.fact_correct is not None
+    ]
+    if not pairs:
+        return _FactFields()
+    full_correct = [full for full, _ in pairs]
+    mode_correct = [mode for _, mode in pairs]
+    accuracy = wilson_interval(sum(mode_correct), len(mode_correct))
+    paired = paired_facts(full_correct, mode_correct)
+    return _FactFields(
+        accuracy_ci95_low=round(accuracy.low, 4),
+        accuracy_ci95_high=round(accuracy.high, 4),
+        agreement_with_full=round(paired.agreement_ratio, 4),
+        full_only=paired.full_only,
+        mode_only=paired.mode_only,
+        difference_vs_full=round(paired.difference, 4),
+        difference_ci95_low=round(paired.difference_ci95.low, 4),
+        difference_ci95_high=round(paired.difference_ci95.high, 4),
+    )
+
+
 def summarize(
     context: RunContext,
     mode: str,
     recompute_ratio: float | None,
     samples: Sequence[QuerySample],
-    full_mean_ms: float,
+    full_samples: Sequence[QuerySample],
 ) -> MultiDocRow:
-    """The row of one mode from its samples; ``full_mean_ms`` is the same run's mean full-prefill TTFT."""
+    """The row of one mode from its samples.
+
+    Args:
+        context: what every row of the run repeats.
+        mode: the mode's name.
+        recompute_ratio: the blend ratio of the mode (``None`` for full and prefix).
+        samples: the mode's samples, one per query.
+        full_samples: full prefill's samples of the same queries in the same order (the TTFT baseline and the
+            reference of the paired fact comparison).
+    """
     totals = [sample.timings.total_ms for sample in samples]
+    full_mean_ms = statistics.fmean(sample.timings.total_ms for sample in full_samples)
+    facts = _fact_fields(samples, full_samples)
 
     def stage(name: str) -> float:
         return _mean([getattr(sample.timings, name) for sample in samples])
@@ -129,6 +192,7 @@ def summarize(
         recompute_ratio=recompute_ratio,
         check_layer=context.check_layer,
         deviation=context.deviation,
+        seed=context.seed,
         model=context.model,
         device=context.device,
         dtype=context.dtype,
@@ -159,4 +223,12 @@ def summarize(
         kl_mean=_mean_or_none([sample.kl for sample in samples]),
         continuation_match=_mean_or_none([sample.continuation_match for sample in samples]),
         fact_accuracy=_mean_or_none([sample.fact_correct for sample in samples]),
+        fact_accuracy_ci95_low=facts.accuracy_ci95_low,
+        fact_accuracy_ci95_high=facts.accuracy_ci95_high,
+        fact_agreement_with_full=facts.agreement_with_full,
+        fact_full_only=facts.full_only,
+        fact_mode_only=facts.mode_only,
+        fact_difference_vs_full=facts.difference_vs_full,
+        fact_difference_ci95_low=facts.difference_ci95_low,
+        fact_difference_ci95_high=facts.difference_ci95_high,
     )

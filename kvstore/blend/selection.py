@@ -9,6 +9,12 @@ separators, the question) and the last token (its logits are the prefill's outpu
 
     deviation[i] = sum over heads and dims of (K_fresh[i] - K_cached[i])**2      (+ the same for V with KEY_VALUE)
     selected     = top ceil(ratio * num_cached) cached tokens by deviation  U  gap tokens  U  {last token}
+                   (U  the first ``num_head_tokens`` of every reused span, when asked: ``span_head_positions``)
+
+A *reused span* is a run of blend segments that continues one cached sequence (each segment starts where the
+previous one ended, in the prompt and in the source). Its first tokens attended only to what preceded them where
+the span was cached, typically nothing (a document stored alone starts at position 0: its first tokens are attention
+sinks there, but not in the prompt). EPIC (Hu et al., 2024, "LegoLink") recomputes those few tokens of every chunk.
 
 Pure functions on tensors; thread-safe.
 """
@@ -17,12 +23,14 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 
 import torch
 
 from kvstore.errors import InvalidInputError
+from kvstore.plan import Segment
 
-__all__ = ["DeviationMetric", "num_tokens_to_recompute", "select_tokens", "token_deviation"]
+__all__ = ["DeviationMetric", "num_tokens_to_recompute", "select_tokens", "span_head_positions", "token_deviation"]
 
 
 class DeviationMetric(enum.StrEnum):
@@ -99,3 +107,36 @@ def select_tokens(
     chosen = cached_positions[torch.topk(deviation, count, sorted=False).indices] if count else cached_positions[:0]
     selected: torch.Tensor = torch.unique(torch.cat([chosen, forced_positions.to(cached_positions.device)]))
     return selected  # unique() sorts
+
+
+def span_head_positions(segments: Sequence[Segment], num_head_tokens: int) -> torch.Tensor:
+    """The first ``num_head_tokens`` positions of every reused span of the blend (non-exact) segments.
+
+    A span is a maximal run of blend segments in which each segment continues the previous one both in the prompt
+    (``start == previous.end``) and in the source (``source_start == previous source end``), i.e. one cached
+    sequence placed as a whole. A span shorter than ``num_head_tokens`` contributes all its tokens.
+
+    Args:
+        segments: the plan's segments, in prompt order; exact segments are skipped (and end a span).
+        num_head_tokens: tokens per span, ``>= 0``.
+
+    Returns:
+        int64 positions on the CPU, sorted ascending.
+    """
+    heads: list[int] = []
+    previous: Segment | None = None
+    span_start = 0
+    for segment in segments:
+        if segment.exact:
+            previous = None
+            continue
+        continues = (
+            previous is not None
+            and segment.start == previous.end
+            and segment.source_start == previous.source_start + previous.num_tokens
+        )
+        if not continues:
+            span_start = segment.start
+        heads += range(segment.start, min(segment.end, span_start + num_head_tokens))
+        previous = segment
+    return torch.tensor(heads, dtype=torch.int64)

@@ -70,11 +70,21 @@ def _parse_warm_up(text: str) -> WarmUp:
 def _render(rows: list[MultiDocRow]) -> None:
     table = Table(title=f"kvstore bench {rows[0].bench.replace('_', '-')} ({rows[0].model}, {rows[0].device})")
     for column in ("mode", "ratio", "TTFT mean ms", "p50", "p99", "speedup", "lookup", "load", "recompute",
-                   "other", "recomputed tok", "top-1", "KL", "cont. match", "fact acc."):  # fmt: skip
+                   "other", "recomputed tok", "top-1", "KL", "cont. match", "fact acc.", "fact vs full (95% CI)",
+                   "full only / mode only"):  # fmt: skip
         table.add_column(column)
 
     def show(value: float | None, digits: int = 3) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
+
+    def difference(row: MultiDocRow) -> str:
+        if row.fact_difference_vs_full is None:
+            return "-"
+        return (f"{row.fact_difference_vs_full:+.3f} ({row.fact_difference_ci95_low:+.3f}, "
+                f"{row.fact_difference_ci95_high:+.3f})")  # fmt: skip
+
+    def discordant(row: MultiDocRow) -> str:
+        return "-" if row.fact_full_only is None else f"{row.fact_full_only} / {row.fact_mode_only}"
 
     for row in rows:
         table.add_row(
@@ -82,9 +92,9 @@ def _render(rows: list[MultiDocRow]) -> None:
             show(row.ttft_ms_p99, 1), show(row.speedup_vs_full, 2), show(row.lookup_ms_mean, 1),
             show(row.load_ms_mean, 1), show(row.recompute_ms_mean, 1), show(row.other_ms_mean, 1),
             show(row.recomputed_tokens_mean, 0), show(row.top1_agreement), show(row.kl_mean, 4),
-            show(row.continuation_match), show(row.fact_accuracy),
+            show(row.continuation_match), show(row.fact_accuracy), difference(row), discordant(row),
         )  # fmt: skip
-    Console(width=180).print(table)
+    Console(width=220).print(table)
 
 
 def _command(workload: BenchWorkload) -> Callable[..., None]:

@@ -2,7 +2,7 @@
 
     clients (DEALER) ---> ROUTER --(I/O thread: decode header, route)--> control pool: hello, lookup, release,
           ^                 ^                                             end_session, stats, info, chunk, health,
-          |                 |                                             attach, detach, goodbye
+          |                 |                                             attach, detach, goodbye, documents
           |                 |                                       --> bulk pool: store, retrieve, flush, evict
           +---- replies ----+<-- PULL (inproc) <-- PUSH (one per worker thread)
 

@@ -21,6 +21,7 @@ prompt is a 60 KB memcpy, not 15k msgpack ints to decode). Chunk keys are 16-byt
     health       -                                                 status, uptime (no hello needed)
     attach       name, nbytes                                      segment_id
     detach       segment_id                                        -
+    documents    top (1..1000)                                     most-hit documents (``document_report``)
 
 A ``BulkRef`` says where a request's KV is (store) or should go (retrieve): ``{"kind": "inline"}`` (the payload
 frame), ``{"kind": "shm", "segment_id", "offset", "nbytes"}`` (a region of a segment this client attached), or

@@ -25,7 +25,9 @@ TINY = ["--random-init", "tiny-llama", "--device", "cpu", "--num-documents", "4"
         "--num-queries", "2", "--docs-per-query", "3", "--chunk-size", "8"]  # fmt: skip
 ROW_FIELDS = ("mode", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "speedup_vs_full", "top1_agreement", "kl_mean",
               "continuation_match", "fact_accuracy", "lookup_ms_mean", "load_ms_mean", "recompute_ms_mean",
-              "other_ms_mean")  # fmt: skip
+              "other_ms_mean", "fact_agreement_with_full", "fact_full_only", "fact_mode_only",
+              "fact_difference_vs_full", "fact_difference_ci95_low", "fact_difference_ci95_high",
+              "fact_accuracy_ci95_low", "fact_accuracy_ci95_high", "seed")  # fmt: skip
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -44,6 +46,7 @@ def test_multi_doc_qa_prints_one_json_row_per_mode(capsys: pytest.CaptureFixture
     for row in rows:
         assert all(name in row for name in ROW_FIELDS)
         assert row["top1_agreement"] is None and row["fact_accuracy"] is None  # random-init: TTFT only
+        assert row["fact_agreement_with_full"] is None and row["fact_difference_ci95_low"] is None
         assert row["num_queries"] == 2 and row["ttft_ms_p50"] <= row["ttft_ms_max"]
     full, prefix, blend, reuse = rows
     assert full["speedup_vs_full"] == 1.0 and full["cached_tokens_mean"] == 0 and full["warm_up"] == "preamble"
@@ -150,6 +153,13 @@ def test_a_small_quality_run_on_smollm2() -> None:
     full, blend = run_multidoc_benchmark(options)
     assert full.top1_agreement == 1.0 and full.kl_mean == 0.0 and full.continuation_match == 1.0
     assert full.fact_accuracy in (0.0, 1.0) and blend.fact_accuracy in (0.0, 1.0)
+    # Paired with full prefill on the same query: full agrees with itself; blend's counts follow its answer.
+    assert full.fact_agreement_with_full == 1.0 and full.fact_full_only == full.fact_mode_only == 0
+    assert blend.fact_difference_vs_full == blend.fact_accuracy - full.fact_accuracy
+    assert blend.fact_full_only == int(full.fact_accuracy > blend.fact_accuracy)
+    assert blend.fact_mode_only == int(blend.fact_accuracy > full.fact_accuracy)
+    assert blend.fact_difference_ci95_low is not None and blend.fact_difference_ci95_high is not None
+    assert blend.fact_difference_ci95_low < blend.fact_difference_vs_full < blend.fact_difference_ci95_high
     assert blend.exact_tokens_mean > 100 and blend.blend_tokens_mean > 100  # the first document is an exact prefix
     assert blend.kl_mean is not None and blend.kl_mean < 1.0
 

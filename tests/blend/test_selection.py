@@ -1,12 +1,21 @@
-"""Token selection at the check layer: top deviations among cached tokens, plus gaps and the last token."""
+"""Token selection at the check layer: top deviations among cached tokens, plus gaps, the last token and span heads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvstore.blend.selection import DeviationMetric, num_tokens_to_recompute, select_tokens, token_deviation
+from kvstore.blend.selection import (
+    DeviationMetric,
+    num_tokens_to_recompute,
+    select_tokens,
+    span_head_positions,
+    token_deviation,
+)
 from kvstore.errors import InvalidInputError
+from kvstore.keys import PrefixKey
+from kvstore.plan import Segment
+from kvstore.tiers.base import TierName
 
 
 def test_the_top_deviations_gaps_and_the_last_token_are_selected() -> None:
@@ -50,3 +59,30 @@ def test_mismatched_lengths_are_refused() -> None:
     with pytest.raises(InvalidInputError, match="one value per cached position"):
         select_tokens(deviation=torch.ones(3), cached_positions=torch.arange(4), forced_positions=torch.tensor([5]),
                       recompute_ratio=0.5)  # fmt: skip
+
+
+def _segment(start: int, num_tokens: int, source_start: int, *, exact: bool = False) -> Segment:
+    return Segment(start=start, num_tokens=num_tokens, key=PrefixKey(bytes(16)), source_start=source_start,
+                   exact=exact, tier=TierName.CPU)  # fmt: skip
+
+
+def test_span_heads_are_the_first_tokens_of_each_run_continuing_one_cached_sequence() -> None:
+    segments = [
+        _segment(0, 8, 0, exact=True),  # exact prefix: never a head
+        _segment(10, 8, 0),  # document A placed at 10: a span starts (its source starts at 0)
+        _segment(18, 8, 8),  # continues A in the prompt and in the source
+        _segment(26, 8, 0),  # document B right behind A: contiguous in the prompt, a new source run
+        _segment(40, 8, 16),  # after a gap: a new span even though its source is not at 0
+    ]
+    assert span_head_positions(segments, 3).tolist() == [10, 11, 12, 26, 27, 28, 40, 41, 42]
+    assert span_head_positions(segments, 0).tolist() == []
+
+
+def test_span_heads_longer_than_a_segment_reach_into_the_next_one_and_stop_at_the_span() -> None:
+    segments = [_segment(4, 2, 0), _segment(6, 2, 2), _segment(8, 4, 4), _segment(12, 4, 0)]
+    assert span_head_positions(segments, 5).tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15]
+
+
+def test_an_exact_segment_ends_a_span() -> None:
+    segments = [_segment(0, 4, 0), _segment(4, 4, 4, exact=True), _segment(8, 4, 8)]
+    assert span_head_positions(segments, 2).tolist() == [0, 1, 8, 9]

@@ -38,6 +38,7 @@ _ARG_TYPES: dict[str, tuple[type, ...]] = {
     "name": (str,),
     "nbytes": (int,),
     "segment_id": (int,),
+    "top": (int,),
 }
 
 
@@ -69,6 +70,7 @@ class BadMessages:
             ("chunk", {"key": bytes(16)}),
             ("attach", {"name": "kvstore-1-" + "0" * 16, "nbytes": 64}),
             ("detach", {"segment_id": 1}),
+            ("documents", {"top": 5}),
         ]
 
     def categories(self) -> dict[str, Callable[[], Frames]]:
