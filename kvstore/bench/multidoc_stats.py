@@ -92,7 +92,7 @@ def paired_facts(full_correct: Sequence[bool], mode_correct: Sequence[bool]) -> 
     adjusted_n = num_queries + 2
     adjusted_full_only, adjusted_mode_only = full_only + 0.5, mode_only + 0.5
     centre = (adjusted_mode_only - adjusted_full_only) / adjusted_n
-    variance = (adjusted_mode_only + adjusted_full_only - (adjusted_mode_only - adjusted_full_only) ** 2 / adjusted_n)
+    variance = adjusted_mode_only + adjusted_full_only - (adjusted_mode_only - adjusted_full_only) ** 2 / adjusted_n
     half = _Z95 * math.sqrt(max(variance, 0.0)) / adjusted_n
     return PairedFacts(
         num_queries=num_queries,
