@@ -112,6 +112,10 @@ def test_offline_inspect_shows_the_document_hits_the_server_saved(
         code, out, _ = run(["inspect", "--url", restarted.url, "--json"], capsys)
         (live,) = json.loads(out)["top_documents"]
         assert live["hits"] == 4 and live["first_key"] == document["first_key"], "counting goes on after a restart"
+        code, out, _ = run(["inspect", "--path", str(data_dir), "--json"], capsys)
+        saved = json.loads(out)
+        assert code == 0 and saved["top_documents"][0]["hits"] == 3, "offline: the counts as last saved"
+        assert f"live: --url {restarted.url}" in saved["top_documents_note"]
     (data_dir / DOCUMENT_HITS_FILE).write_bytes(b"garbage")
     code, out, _ = run(["inspect", "--path", str(data_dir)], capsys)
     assert code == 0 and "hit counts unreadable" in out

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore import StoreConfig, TieredStore
 from kvstore.errors import StorageError
-from kvstore.keys import as_token_array, prefix_keys
+from kvstore.keys import PrefixKey, as_token_array, prefix_keys
 from kvstore.server.document_hits import DocumentHits
 from kvstore.server.document_hits_file import (
     DOCUMENT_HITS_FILE,
@@ -42,12 +42,12 @@ def store() -> Iterator[TieredStore]:
         yield opened
 
 
-def stored(store: TieredStore, documents: DocumentHits, tokens: np.ndarray) -> bytes | None:
-    """Store ``tokens`` as the server does: in the store, then named a document."""
+def stored(store: TieredStore, documents: DocumentHits, tokens: np.ndarray) -> PrefixKey:
+    """Store ``tokens`` as the server does: in the store, then named a document (its first key; empty when none)."""
     token_array = as_token_array(tokens)
     store.store(token_array, make_kv(SERVER_LAYOUT, len(token_array), seed=len(token_array)))
     keys = prefix_keys(SERVER_LAYOUT.namespace, token_array, CHUNK_SIZE)
-    return documents.add_stored(keys, token_array, CHUNK_SIZE)
+    return documents.add_stored(keys, token_array, CHUNK_SIZE) or PrefixKey(b"")
 
 
 def looked_up(store: TieredStore, documents: DocumentHits, tokens: np.ndarray, *, blend: bool = False) -> None:
@@ -63,7 +63,7 @@ def test_a_document_is_what_one_store_added_and_a_plan_hits_each_document_once(s
     preamble, first, second = make_tokens(16, seed=1), make_tokens(48, seed=2), make_tokens(32, seed=3)
     first_doc = stored(store, documents, np.concatenate([preamble, first]))
     second_doc = stored(store, documents, np.concatenate([preamble, second]))
-    assert stored(store, documents, np.concatenate([preamble, first])) is None, "nothing new: no document"
+    assert stored(store, documents, np.concatenate([preamble, first])) == b"", "nothing new: no document"
     second_keys = prefix_keys(SERVER_LAYOUT.namespace, as_token_array(np.concatenate([preamble, second])), CHUNK_SIZE)
     assert second_doc == second_keys[1], "the shared preamble stays with the first document"
     assert documents.top(10) == [], "documents never hit are not in the top list"
