@@ -74,22 +74,34 @@ def main() -> None:
 
     with torch.inference_mode():
         reference = None
-        for name, group_size in (("sdpa_one_mask", 1 << 30), ("sdpa_grouped", query_attention.SDPA_GROUP_QUERIES)):
-            query_attention.SDPA_GROUP_QUERIES = group_size
-            mask = QueryMask(positions, num_keys, dtype, AttentionKernel.SDPA)
-            out = mask.attend(query, keys, values, scale=scale, kv_groups=groups)
-            reference = out if reference is None else reference
+        # the blend pass hands over strided views: q from [1, n, H, D] storage, K/V from the [T, Hkv, D] cache
+        strided_query = torch.randn(1, num_queries, HEADS, HEAD_DIM, device=device, dtype=dtype).transpose(1, 2)
+        strided_keys = torch.randn(num_keys, KV_HEADS, HEAD_DIM, device=device, dtype=dtype).permute(1, 0, 2)[None]
+        strided_values = torch.randn(num_keys, KV_HEADS, HEAD_DIM, device=device, dtype=dtype).permute(1, 0, 2)[None]
+        for layout_name, inputs in (("contiguous", (query, keys, values)),
+                                    ("strided", (strided_query, strided_keys, strided_values))):  # fmt: skip
+            for name, group_size in (("sdpa_one_mask", 1 << 30), ("sdpa_grouped", 256)):
+                query_attention.SDPA_GROUP_QUERIES = group_size
+                mask = QueryMask(positions, num_keys, dtype, AttentionKernel.SDPA)
+                out = mask.attend(*inputs, scale=scale, kv_groups=groups)
+                reference = out if name == "sdpa_one_mask" else reference
+                error = float((out.float() - reference.float()).abs().max())
+                attend = functools.partial(mask.attend, *inputs, scale=scale, kv_groups=groups)
+                record(name, timed_ms(attend, args.repeats), layout=layout_name, max_abs_error_vs_one_mask=error)
+            build_ms = timed_ms(lambda: QueryMask(positions, num_keys, dtype, AttentionKernel.FLEX), args.repeats)
+            flex_mask = QueryMask(positions, num_keys, dtype, AttentionKernel.FLEX)
+            out = flex_mask.attend(*inputs, scale=scale, kv_groups=groups)
+            assert reference is not None
             error = float((out.float() - reference.float()).abs().max())
-            attend = functools.partial(mask.attend, query, keys, values, scale=scale, kv_groups=groups)
-            record(name, timed_ms(attend, args.repeats), max_abs_error_vs_one_mask=error)
-        build_ms = timed_ms(lambda: QueryMask(positions, num_keys, dtype, AttentionKernel.FLEX), args.repeats)
-        flex_mask = QueryMask(positions, num_keys, dtype, AttentionKernel.FLEX)
-        out = flex_mask.attend(query, keys, values, scale=scale, kv_groups=groups)
-        assert reference is not None
-        error = float((out.float() - reference.float()).abs().max())
-        attend = functools.partial(flex_mask.attend, query, keys, values, scale=scale, kv_groups=groups)
-        flex_ms = timed_ms(attend, args.repeats)
-        record("flex", flex_ms, mask_build_ms=round(build_ms, 4), max_abs_error_vs_one_mask=error)
+            attend = functools.partial(flex_mask.attend, *inputs, scale=scale, kv_groups=groups)
+            flex_ms = timed_ms(attend, args.repeats)
+            record("flex", flex_ms, layout=layout_name, mask_build_ms=round(build_ms, 4),
+                   max_abs_error_vs_one_mask=error)  # fmt: skip
+        for small in (50, 300):  # a plain-reuse query set (gaps and the last token) and a short prompt's
+            small_mask = QueryMask(positions[-small:], num_keys, dtype, AttentionKernel.FLEX)
+            small_query = query[:, :, -small:]
+            attend = functools.partial(small_mask.attend, small_query, keys, values, scale=scale, kv_groups=groups)
+            record("flex", timed_ms(attend, args.repeats), layout="contiguous", queries_here=small)
         full_query = torch.randn(1, HEADS, num_keys, HEAD_DIM, device=device, dtype=dtype)
         record("flash_causal_full", timed_ms(lambda: functional.scaled_dot_product_attention(
             full_query, keys, values, is_causal=True, scale=scale, enable_gqa=True), args.repeats))  # fmt: skip

@@ -53,6 +53,7 @@ from kvstore.bench.multidoc_workload import (
     random_documents,
 )
 from kvstore.blend import BlendConfig, BlendOutput, DeviationMetric, LayerwiseBlender
+from kvstore.blend.query_attention import AttentionKernel
 from kvstore.config import GIB, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout
@@ -119,6 +120,7 @@ class MultiDocOptions:
     recompute_ratio: float = 0.15
     check_layer: int = 1
     deviation: DeviationMetric = DeviationMetric.KEY
+    attention: AttentionKernel = AttentionKernel.AUTO
     modes: tuple[BenchMode, ...] = tuple(BenchMode)
     continuation_tokens: int = 32
     seed: int = 0
@@ -231,6 +233,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         recompute_ratio=options.recompute_ratio,
         check_layer=options.check_layer,
         deviation=options.deviation,
+        attention=options.attention,
     )
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     warm_ups = (

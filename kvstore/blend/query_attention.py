@@ -45,6 +45,7 @@ SDPA_GROUP_QUERIES = 256
 part of the keys it reads, large enough that 15% of a 15k prompt is a handful of kernel launches per layer."""
 
 _MASK_ALIGN_ELEMENTS = 16  # fused attention kernels want the mask's rows 16-element aligned
+_FLEX_QUERY_BLOCK = 128  # flex attention's query block: whole blocks only (a 50-query set failed to compile)
 
 
 class AttentionKernel(enum.StrEnum):
@@ -147,6 +148,9 @@ class QueryMask:
         self._sdpa: _SdpaGroups | None = None
         self._block_mask: Any = None
         if not self.causal and self.kernel is AttentionKernel.FLEX:
+            padding = -self.num_queries % _FLEX_QUERY_BLOCK
+            if padding:  # padded rows repeat the last query's position: valid rows, dropped after the kernel
+                query_positions = torch.cat([query_positions, query_positions[-1:].expand(padding)])
             self._block_mask = _block_mask(query_positions, num_keys)
 
     def attend(
@@ -176,12 +180,16 @@ class QueryMask:
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, kv_groups: int
     ) -> torch.Tensor:
         compiled = query.device.type == "cuda"
+        padding = -self.num_queries % _FLEX_QUERY_BLOCK
+        if padding:
+            query = functional.pad(query, (0, 0, 0, padding))
         with warnings.catch_warnings():
             if not compiled:  # the CPU reference is uncompiled on purpose
                 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return _flex_attention(compiled)(
+            attended = _flex_attention(compiled)(
                 query, keys, values, block_mask=self._block_mask, scale=scale, enable_gqa=kv_groups > 1
             )
+        return attended[:, :, : self.num_queries]
 
 
 def _block_mask(query_positions: torch.Tensor, num_keys: int) -> Any:

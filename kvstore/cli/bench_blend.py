@@ -15,6 +15,7 @@ from rich.table import Table
 from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, WarmUp, run_multidoc_benchmark
 from kvstore.bench.multidoc_rows import MultiDocRow
 from kvstore.blend import DeviationMetric
+from kvstore.blend.query_attention import AttentionKernel
 from kvstore.config import parse_size, parse_tiers
 from kvstore.errors import ConfigError
 from kvstore.models import default_model_cache_dir
