@@ -52,6 +52,13 @@ _HELP = {
 }
 
 
+def _attention_kernel(text: str) -> AttentionKernel:
+    try:
+        return AttentionKernel(text)
+    except ValueError:
+        raise ConfigError(f"--attention {text!r}: use sdpa, flex or auto") from None
+
+
 def _parse_modes(text: str) -> tuple[BenchMode, ...]:
     try:
         return tuple(BenchMode(part.strip()) for part in text.split(",") if part.strip())
@@ -131,6 +138,9 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
         recompute_ratio: float = typer.Option(_DEFAULTS.recompute_ratio, "--recompute-ratio", help="Blend ratio."),
         check_layer: int = typer.Option(_DEFAULTS.check_layer, "--check-layer", help="Blend check layer."),
         deviation: str = typer.Option("key", "--deviation", help="Selection by 'key', 'value' or 'key_value'."),
+        attention: str = typer.Option(
+            "auto", "--attention", help="Attention of the recomputed tokens: 'sdpa', 'flex' or 'auto' (flex on CUDA)."
+        ),
         modes: str = typer.Option("full,prefix,blend,reuse", "--modes", help="Modes to run (full always runs)."),
         continuation_tokens: int = typer.Option(32, "--continuation-tokens", help="Greedy tokens compared."),
         seed: int = typer.Option(_DEFAULTS.seed, "--seed", help="Seed of documents, facts, queries, weights."),
@@ -163,6 +173,7 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             recompute_ratio=recompute_ratio,
             check_layer=check_layer,
             deviation=deviation_metric,
+            attention=_attention_kernel(attention),
             modes=_parse_modes(modes),
             continuation_tokens=continuation_tokens,
             seed=seed,
