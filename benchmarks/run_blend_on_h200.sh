@@ -4,7 +4,7 @@
 # random-init model of Llama-3.1-8B's shape in bfloat16: 5 documents x 3000 tokens, all five in every query in a new
 # order (15,060-token prompts), modes full / prefix / blend (0.15) / reuse, with the documents' KV in the gpu, the cpu
 # and the disk tier (one tier per run, so every load comes from that tier; the disk runs read through the page
-# cache). Documents are stored alone (--warm-up alone), so every one of them is reused at a new position and no
+# cache; the cpu tier once more with the grouped-sdpa attention instead of flex). Documents are stored alone (--warm-up alone), so every one of them is reused at a new position and no
 # query starts with a cached prefix: the blend's worst case for TTFT (with the default preamble warm-up a query's
 # first document would be an exact prefix hit). Chunks of 256 tokens, the store's default. The cpu-tier run also checks the target (--expected-ttft-gain 3.3; its exit code is saved). A shuffle run
 # (derangements) on the cpu tier closes. Results land in $OUT: *.jsonl (one JSON row per mode), *.log, *.rc.
@@ -39,6 +39,7 @@ run() {  # name, then bench arguments
 }
 run multi_doc_qa_gpu multi-doc-qa "${COMMON[@]}" --tiers gpu "$@"
 run multi_doc_qa_cpu multi-doc-qa "${COMMON[@]}" --tiers cpu --expected-ttft-gain 3.3 "$@"
+run multi_doc_qa_cpu_sdpa multi-doc-qa "${COMMON[@]}" --tiers cpu --attention sdpa --modes full,blend "$@"
 run multi_doc_qa_disk multi-doc-qa "${COMMON[@]}" --tiers disk "$@"
 run shuffle_cpu shuffle "${COMMON[@]}" --tiers cpu --num-queries 10 "$@"
 tail -n +1 "$OUT"/*.rc
