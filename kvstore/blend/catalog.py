@@ -31,9 +31,10 @@ import numpy.typing as npt
 from kvstore.blend.aliases import AliasTable, AliasTarget
 from kvstore.blend.index import ChunkContents, FingerprintIndex, Match, RegistrationResult
 from kvstore.blend.registration import RegistrationJob, RegistrationStats, RegistrationWorker
-from kvstore.blend.relink import sequence_runs
+from kvstore.blend.relink import sequence_runs_of_words
 from kvstore.blend.strikes import StrikeBook, Verdict
-from kvstore.keys import PrefixKey, TokenArray
+from kvstore.errors import InvalidInputError
+from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray
 
 __all__ = ["CatalogStats", "ContentCatalog", "Residency", "SequenceBatch", "SequenceChunk"]
 
@@ -44,6 +45,7 @@ _Pinned = TypeVar("_Pinned")
 # generation of the garbage collector and cost full collections over the whole heap (1M chunks: seconds).
 _REBUILD_BATCH_CHUNKS = 256
 _MAX_POSITION = 2**32 - 1  # the index keeps source starts as u32
+_NO_KEY = bytes(KEY_BYTES)  # a parent key of zeros means "none known", as on disk
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,7 +73,8 @@ class SequenceChunk:
 
 class SequenceBatch(Protocol):
     """Many chunks of stored sequences as the disk records them (for ``rebuild_batches``), without an object per
-    chunk: chunk ``i`` has key ``keys[i]``, parent ``parent_keys[i]``, source start ``source_starts[i]`` and tokens
+    chunk: chunk ``i`` has key ``keys[i]``, also as two little-endian u64 words ``key_words[i]``, parent key
+    ``parent_words[i]`` in the same form (``[0, 0]``: none known), source start ``source_starts[i]`` and tokens
     ``tokens[token_starts[i]:token_ends[i]]`` (spans may skip data between them, e.g. record headers).
 
     The disk tier's ``ContentRecords`` is one (the catalog never imports a tier; the shape is the contract).
@@ -81,7 +84,10 @@ class SequenceBatch(Protocol):
     def keys(self) -> Sequence[PrefixKey]: ...
 
     @property
-    def parent_keys(self) -> Sequence[PrefixKey | None]: ...
+    def key_words(self) -> npt.NDArray[np.uint64]: ...
+
+    @property
+    def parent_words(self) -> npt.NDArray[np.uint64]: ...
 
     @property
     def source_starts(self) -> npt.NDArray[np.uint64]: ...
@@ -101,7 +107,8 @@ class _ChunkBatch:
     """A ``SequenceBatch`` built from ``SequenceChunk`` objects (``rebuild``)."""
 
     keys: Sequence[PrefixKey]
-    parent_keys: Sequence[PrefixKey | None]
+    key_words: npt.NDArray[np.uint64]
+    parent_words: npt.NDArray[np.uint64]
     source_starts: npt.NDArray[np.uint64]
     tokens: TokenArray
     token_starts: npt.NDArray[np.int64]
@@ -261,7 +268,7 @@ class ContentCatalog:
 
         One pass keeps each chunk's key, parent key and position and hashes its tokens (which are then dropped);
         then every sequence is registered in one call (``FingerprintIndex.register_runs``), its chunks in order
-        (``relink.sequence_runs``): a chunk with no known parent (chunk 0, a parent evicted, a meta v1 record)
+        (``relink.sequence_runs_of_words``): a chunk with no known parent (chunk 0, a parent evicted, a meta v1 record)
         starts a run, so every chunk is indexed; only a next link may be lost. Chunks of no tokens, more than
         ``chunk_size`` tokens or a source start past 2**32 are skipped and counted in a warning.
 
@@ -269,7 +276,8 @@ class ContentCatalog:
             Chunks indexed.
         """
         keys: list[PrefixKey] = []
-        parent_keys: list[PrefixKey | None] = []
+        key_words: list[npt.NDArray[np.uint64]] = []
+        parent_words: list[npt.NDArray[np.uint64]] = []
         source_starts: list[npt.NDArray[np.uint64]] = []
         contents: list[ChunkContents] = []
         num_skipped = 0
@@ -281,12 +289,12 @@ class ContentCatalog:
             usable = in_range & (lengths >= 1) & (lengths <= self.chunk_size) & (ends <= _MAX_POSITION)
             if bool(usable.all()):
                 keys += batch.keys
-                parent_keys += batch.parent_keys
             else:
                 num_skipped += int((~usable).sum())
                 keys += [key for key, use in zip(batch.keys, usable.tolist(), strict=True) if use]
-                parent_keys += [key for key, use in zip(batch.parent_keys, usable.tolist(), strict=True) if use]
             if bool(usable.any()):
+                key_words.append(batch.key_words[usable])
+                parent_words.append(batch.parent_words[usable])
                 source_starts.append(starts[usable])
                 contents.append(
                     self.index.chunk_contents(batch.tokens, batch.token_starts[usable], batch.token_ends[usable])
@@ -297,7 +305,9 @@ class ContentCatalog:
         if not keys:
             return 0
         hashed = ChunkContents.concatenate(contents, self.index.fingerprint_bits)
-        runs = sequence_runs(keys, parent_keys, hashed.lengths == self.chunk_size)
+        runs = sequence_runs_of_words(
+            np.concatenate(key_words), np.concatenate(parent_words), hashed.lengths == self.chunk_size
+        )
         self.index.register_runs(
             hashed.take(runs.order),
             list(map(keys.__getitem__, runs.order.tolist())),
@@ -323,13 +333,25 @@ class ContentCatalog:
 
 
 def _as_batch(chunks: Sequence[SequenceChunk]) -> _ChunkBatch:
-    """Chunks as one batch (their tokens concatenated)."""
+    """Chunks as one batch (their tokens concatenated).
+
+    Raises:
+        InvalidInputError: a key or parent key that is not 16 bytes.
+    """
     ends = np.cumsum([chunk.tokens.shape[0] for chunk in chunks], dtype=np.int64)
     return _ChunkBatch(
         keys=[chunk.key for chunk in chunks],
-        parent_keys=[chunk.parent_key for chunk in chunks],
+        key_words=_words([chunk.key for chunk in chunks]),
+        parent_words=_words([chunk.parent_key or _NO_KEY for chunk in chunks]),
         source_starts=np.array([chunk.source_start for chunk in chunks], dtype=np.uint64),
         tokens=np.concatenate([chunk.tokens for chunk in chunks]),
         token_starts=np.concatenate([[0], ends[:-1]]).astype(np.int64),
         token_ends=ends,
     )
+
+
+def _words(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+    """Keys as rows of two little-endian u64 words."""
+    if any(len(key) != KEY_BYTES for key in keys):
+        raise InvalidInputError(f"every key and parent key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
+    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)

@@ -54,8 +54,9 @@ from kvstore.tiers.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk_catalog import DiskTierInfo, iter_content_records, iter_stored_chunks, read_stored_chunk
 from kvstore.tiers.disk_check import DiskCheckReport, check_data_dir
 from kvstore.tiers.disk_env import DiskEnvironment
-from kvstore.tiers.disk_format import ContentRecords, FrameGeometry, StoredChunk, balanced_frame_bytes
+from kvstore.tiers.disk_format import FrameGeometry, StoredChunk, balanced_frame_bytes
 from kvstore.tiers.disk_index import Admission, PendingWrite
+from kvstore.tiers.disk_meta_batch import ContentRecords
 from kvstore.tiers.disk_open import close_disk_parts, open_disk_parts
 from kvstore.tiers.disk_reader import read_chunk
 from kvstore.tiers.disk_tuning import DiskTuning
@@ -248,16 +249,14 @@ class DiskTier(Tier):
 
     def iter_content_records(self, batch_size: int = 1024) -> Iterator[ContentRecords]:
         """The key, parent key, source start and tokens of every committed chunk, in key order, in batches of up to
-        ``batch_size`` chunks with no object per chunk: what a content index rebuilds from at open. Reading costs
-        about what ``iter_records`` costs; the rebuild after it skips a ``StoredChunk`` and a ``SequenceChunk`` per
-        chunk (``rebuild_lean_s`` against ``rebuild_s`` in ``kvstore bench rebuild``).
+        ``batch_size`` chunks with no object per chunk: what a content index rebuilds from at open. Records are
+        decoded a batch at a time into arrays (``disk_meta_batch``), several times faster than ``iter_records``.
 
-        Each batch is read in its own read transaction. Which chunks are resident is read once, at the start: a
-        chunk evicted while the iteration runs may still be yielded.
+        Each batch is read in its own read transaction, and which of its chunks are resident is asked once per batch:
+        a chunk evicted after its batch was read may still be yielded.
         """
         self._check_usable()
-        resident = set(self._index.keys())
-        return iter_content_records(self._env, resident, batch_size)
+        return iter_content_records(self._env, self._index.resident_mask, batch_size)
 
     # -- writes ----------------------------------------------------------------------------------------------
 

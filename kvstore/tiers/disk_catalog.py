@@ -1,14 +1,15 @@
 """What a data dir holds, read from its ``meta`` records: recovery at open, single lookups, batched listing.
 
-The in-memory index is rebuilt from these records at open (``load_stored_chunks``), so a restart serves every
-chunk the dir held, in its last LRU order. ``kvstore inspect`` lists them (``iter_stored_chunks``) and shows a
+The in-memory index is rebuilt from these records at open (``recover_chunks``), so a restart serves every chunk
+the dir held, in its last LRU order. ``kvstore inspect`` lists them (``iter_stored_chunks``) and shows a
 ``DiskTierInfo``. A content index rebuilds from ``iter_content_records`` (batches, no object per chunk). Records
 that fail their checksum or disagree with the layout are returned separately so a writable tier can delete them;
 they are never served.
 
-Every open reads every record (twice with blending on), so the readers decode records in batches
-(``disk_format.decode_meta_values``) and hold few lmdb views at a time: thousands of held views made the garbage
-collector cost ~5 us per record.
+Every open reads every record (twice with blending on: a million records each for 1M chunks), so recovery and the
+content records decode a batch of records at a time into arrays (``disk_meta_batch``: no Python per record but
+the cursor's own step); ``iter_stored_chunks``, which builds a ``StoredChunk`` per record anyway, decodes with
+``disk_format.decode_meta_values``.
 
 Threads: pure functions over a ``DiskEnvironment``; each opens its own short read transactions, so they run on
 any thread and never hold an LMDB snapshot across a ``yield``.
@@ -16,29 +17,30 @@ any thread and never hold an LMDB snapshot across a ``yield``.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.disk_env import DiskEnvironment
-from kvstore.tiers.disk_format import (
-    ContentRecords,
-    StoredChunk,
-    decode_content_records,
-    decode_meta,
-    decode_meta_values,
-)
+from kvstore.tiers.disk_format import StoredChunk, decode_meta, decode_meta_values
+from kvstore.tiers.disk_meta_batch import ContentRecords, MetaBatch, read_meta_batches
+from kvstore.tiers.disk_recovered import RecoveredChunks
 
-__all__ = ["DiskTierInfo", "iter_content_records", "iter_stored_chunks", "load_stored_chunks", "read_stored_chunk"]
+__all__ = ["DiskTierInfo", "Recovery", "iter_content_records", "iter_stored_chunks", "read_stored_chunk",
+           "recover_chunks"]  # fmt: skip
 
-# Records decoded at once. Held views into the map cost the garbage collector dearly (4096 at a time: 5 us per record,
-# 64: nothing measurable), so batches stay small.
+# Records decoded into StoredChunks at once. Held views into the map cost the garbage collector dearly (4096 at a
+# time: 5 us per record with a million index objects alive, 64: nothing measurable), so these batches stay small.
 _VIEW_BATCH_RECORDS = 64
+# Records decoded into arrays at once (``MetaBatch``): enough to spread numpy's per-call cost (~1 us) thin, few enough
+# that the views held until the batch is copied stay cheap.
+_ARRAY_BATCH_RECORDS = 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,33 +82,51 @@ class DiskTierInfo:
     write_errors: int
 
 
-def load_stored_chunks(
-    env: DiskEnvironment, layout: KVLayout, chunk_size: int
-) -> tuple[list[StoredChunk], list[PrefixKey]]:
-    """Every chunk record (tokens left out), and the keys of records unreadable or at odds with the layout.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recovery:
+    """What recovery read from the meta records: the chunks to index, and the keys of records to delete.
 
-    The chunks come least recently used first (``DiskIndex.load`` sorts them so; presorted, that sort is one pass).
+    Args:
+        chunks: readable records that agree with the layout and chunk size.
+        broken_keys: records unreadable (``decode_meta`` refuses them) or at odds with the layout.
     """
-    chunks: list[StoredChunk] = []
+
+    chunks: RecoveredChunks
+    broken_keys: list[PrefixKey]
+
+
+def recover_chunks(env: DiskEnvironment, layout: KVLayout, chunk_size: int) -> Recovery:
+    """Every chunk record's sizes and last access (tokens left out), in key order, and the broken records' keys."""
+    parts: list[RecoveredChunks] = []
     broken: list[PrefixKey] = []
-    bytes_per_token = layout.bytes_per_token  # a property that costs ~1 us: read once, not per chunk
+    bytes_per_token = layout.bytes_per_token
     with env.read() as txn:
-        for keys, values in _batches(txn.cursor(db=env.meta_db), _VIEW_BATCH_RECORDS):
-            for key, chunk in zip(keys, decode_meta_values(keys, values, with_tokens=False), strict=True):
-                if (
-                    chunk is not None
-                    and 0 < chunk.num_tokens <= chunk_size
-                    and chunk.raw_bytes == chunk.num_tokens * bytes_per_token
-                    and chunk.frame_bytes > 0
-                    and chunk.num_frames == -(-chunk.raw_bytes // chunk.frame_bytes)
-                ):
-                    chunks.append(chunk)
-                else:
-                    broken.append(PrefixKey(bytes(key)))
-    if chunks:
-        last_access = np.fromiter((chunk.last_access_ns for chunk in chunks), dtype=np.uint64, count=len(chunks))
-        chunks = [chunks[position] for position in np.argsort(last_access, kind="stable").tolist()]
-    return chunks, broken
+        for batch in read_meta_batches(iter(txn.cursor(db=env.meta_db)), _ARRAY_BATCH_RECORDS):
+            broken += batch.broken_keys
+            consistent = (
+                (batch.num_tokens > 0)
+                & (batch.num_tokens <= chunk_size)
+                & (batch.raw_bytes == batch.num_tokens * bytes_per_token)
+                & (batch.frame_bytes > 0)
+                & (batch.num_frames == -(-batch.raw_bytes // np.maximum(batch.frame_bytes, 1)))
+            )
+            parts.append(_recovered(batch, consistent))
+            if not consistent.all():
+                broken += [key for key, keep in zip(batch.keys, consistent.tolist(), strict=True) if not keep]
+    return Recovery(chunks=RecoveredChunks.concatenate(parts), broken_keys=broken)
+
+
+def _recovered(batch: MetaBatch, keep: npt.NDArray[np.bool_]) -> RecoveredChunks:
+    all_kept = bool(keep.all())
+    return RecoveredChunks(
+        keys=batch.keys if all_kept else [key for key, kept in zip(batch.keys, keep.tolist(), strict=True) if kept],
+        num_tokens=batch.num_tokens[keep],
+        raw_bytes=batch.raw_bytes[keep],
+        stored_bytes=batch.stored_bytes[keep],
+        num_frames=batch.num_frames[keep],
+        frame_bytes=batch.frame_bytes[keep],
+        last_access_ns=batch.last_access_ns[keep],
+    )
 
 
 def read_stored_chunk(env: DiskEnvironment, key: PrefixKey) -> StoredChunk | None:
@@ -137,10 +157,12 @@ def iter_stored_chunks(env: DiskEnvironment, batch_size: int = 256) -> Iterator[
 
 
 def iter_content_records(
-    env: DiskEnvironment, keep: Container[bytes] | None = None, batch_size: int = 1024
+    env: DiskEnvironment,
+    resident_mask: Callable[[list[PrefixKey]], npt.NDArray[np.bool_]] | None = None,
+    batch_size: int = _ARRAY_BATCH_RECORDS,
 ) -> Iterator[ContentRecords]:
     """Every readable record's key, parent key, source start and tokens in key order, ``batch_size`` records per
-    read transaction (``decode_content_records``); records whose key ``keep`` lacks are left out."""
+    read transaction; records that ``resident_mask`` says are not resident are left out."""
     resume_at: bytes | None = None  # the first key of the next transaction's batch
     while True:
         with env.read() as txn:
@@ -148,12 +170,22 @@ def iter_content_records(
             if not (cursor.set_range(resume_at) if resume_at is not None else cursor.first()):
                 return
             # islice stops on the batch's last record, so the cursor rests there (it moves before each next one)
-            batch, num_read = decode_content_records(iter(cursor), batch_size, keep=keep)
+            batch = next(read_meta_batches(iter(cursor), batch_size), None)
+            if batch is None:
+                return
+            num_read = len(batch) + len(batch.broken_keys)
             resume_at = bytes(cursor.key()) if num_read == batch_size and cursor.next() else None
-        if len(batch):
-            yield batch
+        content = _content_records(batch, resident_mask)
+        if len(content):
+            yield content
         if resume_at is None:
             return
+
+
+def _content_records(
+    batch: MetaBatch, resident_mask: Callable[[list[PrefixKey]], npt.NDArray[np.bool_]] | None
+) -> ContentRecords:
+    return batch.content(None if resident_mask is None else resident_mask(batch.keys))
 
 
 def _batches(

@@ -37,13 +37,11 @@ Pure functions and immutable values; thread-safe.
 
 from __future__ import annotations
 
-import itertools
 import struct
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 import xxhash
 
 from kvstore.errors import ConfigError
@@ -57,11 +55,9 @@ __all__ = [
     "INFO_FORMAT_VERSION",
     "INFO_LAYOUT",
     "MAX_FRAMES_PER_CHUNK",
-    "ContentRecords",
     "FrameGeometry",
     "StoredChunk",
     "balanced_frame_bytes",
-    "decode_content_records",
     "decode_meta",
     "decode_meta_values",
     "encode_intent",
@@ -138,25 +134,6 @@ _new_object = object.__new__
     _set_tokens,
     _set_parent_key,
 ) = (getattr(StoredChunk, name).__set__ for name in StoredChunk.__slots__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ContentRecords:
-    """What a content index needs of many chunk records (``DiskTier.iter_content_records``), without an object per
-    chunk: chunk ``i`` has key ``keys[i]``, parent ``parent_keys[i]``, source start ``source_starts[i]`` and tokens
-    ``tokens[token_starts[i]:token_ends[i]]``. ``tokens`` views the batch's meta values copied into one buffer, so
-    the spans skip each value's header.
-    """
-
-    keys: Sequence[PrefixKey]
-    parent_keys: Sequence[PrefixKey | None]
-    source_starts: npt.NDArray[np.uint64]
-    tokens: TokenArray
-    token_starts: npt.NDArray[np.int64]
-    token_ends: npt.NDArray[np.int64]
-
-    def __len__(self) -> int:
-        return len(self.keys)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -248,10 +225,10 @@ def decode_meta_values(
 ) -> list[StoredChunk | None]:
     """``decode_meta`` of many records (inside their read transaction when they are views into the map).
 
-    Every open decodes every record (twice with blending on: 1M chunks, 2M records), so this is written for speed:
-    with tokens, the values are copied once, into one buffer, and each chunk's ``tokens`` is a view of it (a chunk
-    kept alive keeps its batch's buffer alive); without, nothing is copied. Chunks are built without the dataclass's
-    ``__init__`` (``_new_stored_chunk``).
+    ``kvstore inspect`` lists every record through this (opening a data dir decodes arrays instead:
+    ``disk_meta_batch``), so it is written for speed: with tokens, the values are copied once, into one buffer, and
+    each chunk's ``tokens`` is a view of it (a chunk kept alive keeps its batch's buffer alive); without, nothing is
+    copied. Chunks are built without the dataclass's ``__init__`` (``_new_stored_chunk``).
     """
     joined = b"".join(values) if with_tokens else b""
     all_tokens = np.frombuffer(joined, dtype=_TOKEN_DTYPE, count=len(joined) // 4)
@@ -294,65 +271,6 @@ def decode_meta_values(
     return chunks
 
 
-def decode_content_records(
-    records: Iterable[tuple[bytes | memoryview, bytes | memoryview]],
-    max_records: int,
-    *,
-    keep: Container[bytes] | None = None,
-) -> tuple[ContentRecords, int]:
-    """The key, parent key, source start and tokens of up to ``max_records`` records (inside their read transaction
-    when they are views into the map), and how many were read. Records that ``decode_meta`` would refuse, or whose
-    key ``keep`` lacks, are left out.
-
-    Built for a content-index rebuild at open (a million records): no object per chunk but its keys, and no view
-    held past its record (thousands of held lmdb views make the garbage collector expensive): each record is checked
-    in place and its value appended to one buffer, whose tokens the spans point at.
-    """
-    buffer = bytearray()
-    unpack_from = _META.unpack_from
-    offsets = _TOKENS_OFFSETS
-    kept_keys: list[PrefixKey] = []
-    parent_keys: list[PrefixKey | None] = []
-    source_starts: list[int] = []
-    token_starts: list[int] = []
-    token_ends: list[int] = []
-    num_read = 0
-    for key, value in itertools.islice(records, max_records):
-        num_read += 1
-        size = len(value)
-        if len(key) != KEY_BYTES or size < _META.size or size % 4:  # a value of 4n + 1..3 bytes is corrupt
-            continue
-        key_bytes = PrefixKey(bytes(key))
-        if keep is not None and key_bytes not in keep:
-            continue
-        fields = unpack_from(value, 0)
-        offset = offsets.get(fields[0])
-        if offset is None or size != offset + 4 * fields[2]:
-            continue
-        view = memoryview(value)
-        hasher = _xxh3_64(view[:_CHECKSUM_OFFSET])
-        hasher.update(view[_CHECKSUM_OFFSET + 8 :])
-        if fields[9] != hasher.intdigest():
-            continue
-        parent = bytes(view[_META.size : offset]) if offset > _META.size else _NO_PARENT
-        start = len(buffer)  # a multiple of 4: so is every value appended
-        buffer += view
-        kept_keys.append(key_bytes)
-        parent_keys.append(None if parent == _NO_PARENT else PrefixKey(parent))
-        source_starts.append(fields[3])
-        token_starts.append((start + offset) // 4)
-        token_ends.append((start + size) // 4)
-    records_read = ContentRecords(
-        keys=kept_keys,
-        parent_keys=parent_keys,
-        source_starts=np.array(source_starts, dtype=np.uint64),
-        tokens=np.frombuffer(bytes(buffer), dtype=_TOKEN_DTYPE),
-        token_starts=np.array(token_starts, dtype=np.int64),
-        token_ends=np.array(token_ends, dtype=np.int64),
-    )
-    return records_read, num_read
-
-
 def _new_stored_chunk(
     key: bytes,
     num_tokens: int,
@@ -368,7 +286,7 @@ def _new_stored_chunk(
     """A ``StoredChunk`` built without ``__init__``, for ``decode_meta_values`` only.
 
     A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``: 1.5 us for these ten fields on
-    the dev machine, against 0.6 us through the slots' own setters, and a million-chunk open builds two million.
+    the dev machine, against 0.6 us through the slots' own setters, and listing a million-chunk dir builds a million.
     ``StoredChunk`` has no ``__post_init__`` to skip; ``tests/tiers/test_disk_format.py`` checks that both ways
     build equal chunks.
     """

@@ -1,15 +1,17 @@
 """The disk tier's in-memory state: an LRU index of resident chunks, pins, writes in flight and counters.
 
-Entries are kept in an ``OrderedDict`` from least to most recently used. At open it is rebuilt from the
-``meta`` sub-database sorted by last access, so a restart keeps both the chunks and their LRU order. A chunk
-is resident from the moment ``admit`` accepts its write: until the writer commits it the entry is *pending* --
-it carries the bytes being written (read-your-writes) and an upper bound of its stored size, and it is never a
-victim.
+At open it is rebuilt from the ``meta`` sub-database, so a restart keeps both the chunks and their LRU order:
+the recovered chunks stay in arrays (``RecoveredRows``, ordered by last access) until they are used, and the chunks
+used since the open are ``IndexEntry`` objects in an ``OrderedDict`` from least to most recently used, all of
+them more recent than any recovered row (a million-chunk open builds no object per chunk). A chunk is resident
+from the moment ``admit`` accepts its write: until the writer commits it the entry is *pending* -- it carries the
+bytes being written (read-your-writes) and an upper bound of its stored size, and it is never a victim.
 
 Invariants (under ``_lock``):
-- ``_stored_bytes`` is the sum of ``stored_bytes`` of committed entries; ``_pending_bound_bytes`` the sum of
-  the stored-size bounds of pending ones; ``_pinned_stored_bytes`` the stored bytes of committed pinned
-  entries; ``_num_pinned`` the entries with ``num_pins > 0`` (so ``stats`` is O(1)).
+- a key is in ``_entries`` or in ``_recovered``, never both; recovered rows are committed and never pending.
+- ``_stored_bytes`` is the sum of ``stored_bytes`` of committed entries and recovered rows;
+  ``_pending_bound_bytes`` the sum of the stored-size bounds of pending ones; ``_pinned_stored_bytes`` the stored
+  bytes of committed pinned entries and rows; ``_num_pinned`` the entries and rows with pins (so ``stats`` is O(1)).
 - a pending entry or one with ``num_pins > 0`` is never removed by ``take_victims`` or ``evict``.
 - a ``PendingWrite``'s bytes are released by the writer only after ``wait_for_readers`` (no copy in flight).
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +33,7 @@ import numpy.typing as npt
 
 from kvstore.keys import PrefixKey
 from kvstore.tiers.base import ChunkRecord, TierName, TierStats
-from kvstore.tiers.disk_format import StoredChunk
+from kvstore.tiers.disk_recovered import RecoveredChunks, RecoveredRows
 
 __all__ = ["Admission", "DiskCounters", "DiskIndex", "IndexEntry", "PendingWrite", "ReadTicket"]
 
@@ -102,6 +103,7 @@ class DiskIndex:
         self._readers_done = threading.Condition(self._lock)
         self._pending_done = threading.Condition(self._lock)
         self._entries: OrderedDict[PrefixKey, IndexEntry] = OrderedDict()
+        self._recovered = RecoveredRows(RecoveredChunks.concatenate([]))
         self._stored_bytes = 0
         self._raw_bytes = 0
         self._pending_bound_bytes = 0
@@ -110,31 +112,32 @@ class DiskIndex:
         self._dirty_access: dict[PrefixKey, int] = {}
         self._counters = DiskCounters()
 
-    def load(self, chunks: Iterable[StoredChunk]) -> None:
+    def load(self, chunks: RecoveredChunks) -> None:
         """Fill the index from the data dir's meta records (at open, before any other call)."""
         with self._lock:
-            for chunk in sorted(chunks, key=lambda c: c.last_access_ns):
-                self._entries[chunk.key] = IndexEntry(
-                    num_tokens=chunk.num_tokens,
-                    raw_bytes=chunk.raw_bytes,
-                    stored_bytes=chunk.stored_bytes,
-                    num_frames=chunk.num_frames,
-                    frame_bytes=chunk.frame_bytes,
-                    last_access_ns=chunk.last_access_ns,
-                )
-                self._stored_bytes += chunk.stored_bytes
-                self._raw_bytes += chunk.raw_bytes
+            assert not self._entries and not self._recovered, "DiskIndex.load after use: disk_open wiring"
+            self._recovered = RecoveredRows(chunks)
+            self._stored_bytes += self._recovered.total_stored_bytes
+            self._raw_bytes += self._recovered.total_raw_bytes
 
     # -- queries ---------------------------------------------------------------------------------------------
 
     def contains(self, key: PrefixKey) -> bool:
         with self._lock:
-            return key in self._entries
+            return key in self._entries or key in self._recovered
+
+    def resident_mask(self, keys: list[PrefixKey]) -> npt.NDArray[np.bool_]:
+        """Which of ``keys`` are resident (one lock round for a batch)."""
+        with self._lock:
+            mask = self._recovered.contains_many(keys)
+            if self._entries:
+                mask |= np.fromiter(map(self._entries.__contains__, keys), dtype=np.bool_, count=len(keys))
+            return mask
 
     def num_tokens(self, key: PrefixKey) -> int | None:
         with self._lock:
             entry = self._entries.get(key)
-            return None if entry is None else entry.num_tokens
+            return self._recovered.num_tokens(key) if entry is None else entry.num_tokens
 
     def pending_record(self, key: PrefixKey) -> ChunkRecord | None:
         with self._lock:
@@ -142,21 +145,25 @@ class DiskIndex:
             return None if entry is None or entry.pending is None else entry.pending.record
 
     def keys(self) -> list[PrefixKey]:
+        """Resident keys, least recently used first."""
         with self._lock:
-            return list(self._entries)
+            return self._recovered.keys() + list(self._entries)
 
     def access_range_ns(self) -> tuple[int | None, int | None]:
         """Oldest and newest last-access time of resident chunks."""
         with self._lock:
-            if not self._entries:
-                return None, None
             times = [entry.last_access_ns for entry in self._entries.values()]
+            recovered_range = self._recovered.access_range_ns()
+            if recovered_range is not None:
+                times += recovered_range
+            if not times:
+                return None, None
             return min(times), max(times)
 
     def last_access_ns(self, key: PrefixKey) -> int | None:
         with self._lock:
             entry = self._entries.get(key)
-            return None if entry is None else entry.last_access_ns
+            return self._recovered.last_access_ns(key) if entry is None else entry.last_access_ns
 
     # -- writes ----------------------------------------------------------------------------------------------
 
@@ -169,7 +176,7 @@ class DiskIndex:
         key = pending.record.key
         with self._lock:
             while True:
-                if key in self._entries:
+                if key in self._entries or key in self._recovered:
                     return Admission.ALREADY_RESIDENT
                 if self._pinned_stored_bytes + stored_bound_bytes > self.capacity_bytes:
                     self._counters.rejected_puts += 1
@@ -212,6 +219,8 @@ class DiskIndex:
             assert entry.pending is not None, "DiskIndex.abandon of a committed chunk: writer bookkeeping"
             self._pending_bound_bytes -= entry.stored_bytes
             self._raw_bytes -= entry.raw_bytes
+            if entry.num_pins:  # a pending chunk pinned by a lookup (its pinned bytes were never counted)
+                self._num_pinned -= 1
             if rejected:
                 self._counters.rejected_puts += 1
             else:
@@ -240,8 +249,10 @@ class DiskIndex:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                self._counters.misses += 1
-                return None
+                entry = self._take_recovered_locked(key)
+                if entry is None:
+                    self._counters.misses += 1
+                    return None
             self._entries.move_to_end(key)
             entry.last_access_ns = now_ns
             if entry.pending is not None:
@@ -280,7 +291,11 @@ class DiskIndex:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                return False
+                num_pins = self._recovered.pin(key)
+                if num_pins == 1:
+                    self._num_pinned += 1
+                    self._pinned_stored_bytes += self._recovered.stored_bytes(key) or 0
+                return num_pins is not None
             entry.num_pins += 1
             if entry.num_pins == 1:
                 self._num_pinned += 1
@@ -292,7 +307,12 @@ class DiskIndex:
         """Undo one ``pin``; a no-op when the chunk is gone (dropped as corrupt) or not pinned."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or entry.num_pins == 0:
+            if entry is None:
+                if self._recovered.unpin(key) == 0:
+                    self._num_pinned -= 1
+                    self._pinned_stored_bytes -= self._recovered.stored_bytes(key) or 0
+                return
+            if entry.num_pins == 0:
                 return
             entry.num_pins -= 1
             if entry.num_pins == 0:
@@ -304,6 +324,8 @@ class DiskIndex:
         """Remove an unpinned committed chunk (the caller deletes it from LMDB)."""
         with self._lock:
             entry = self._entries.get(key)
+            if entry is None and self._recovered.num_pins(key) == 0:
+                entry = self._take_recovered_locked(key)  # removed just below
             if entry is None or entry.num_pins or entry.pending is not None:
                 return False
             self._remove_locked(key, entry)
@@ -313,7 +335,7 @@ class DiskIndex:
     def drop(self, key: PrefixKey) -> bool:
         """Remove a committed chunk whatever its pins (it is corrupt); ``False`` when already gone."""
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._entries.get(key) or self._take_recovered_locked(key)
             if entry is None or entry.pending is not None:
                 return False
             self._remove_locked(key, entry)
@@ -325,24 +347,53 @@ class DiskIndex:
         Returns:
             The removed keys (the caller deletes them from LMDB) and the stored bytes they held.
         """
+        recovered_victims: list[PrefixKey] = []
         victims: list[PrefixKey] = []
         freed = 0
         with self._lock:
+            if num_bytes > 0:
+                for key, stored_bytes in self._recovered.iter_unpinned():
+                    recovered_victims.append(key)
+                    freed += stored_bytes
+                    if freed >= num_bytes:
+                        break
             for key, entry in self._entries.items():
                 if freed >= num_bytes:
                     break
                 if entry.num_pins == 0 and entry.pending is None:
                     victims.append(key)
                     freed += entry.stored_bytes
+            for key in recovered_victims:
+                taken = self._take_recovered_locked(key)
+                assert taken is not None, "DiskIndex.take_victims: a recovered victim vanished under the lock"
+                self._remove_locked(key, taken)
             for key in victims:
                 self._remove_locked(key, self._entries[key])
-            self._counters.evictions += len(victims)
-        return victims, freed
+            self._counters.evictions += len(recovered_victims) + len(victims)
+        return recovered_victims + victims, freed
 
     def overflow_bytes(self, incoming_bytes: int) -> int:
         """Stored bytes to free before ``incoming_bytes`` more fit under the capacity (0 when they fit)."""
         with self._lock:
             return max(0, self._stored_bytes + incoming_bytes - self.capacity_bytes)
+
+    def _take_recovered_locked(self, key: PrefixKey) -> IndexEntry | None:
+        """Move a recovered chunk into ``_entries`` (at the most recently used end; callers using it move it there
+        anyway, callers removing it remove it next); ``None`` when it is not a recovered row."""
+        row = self._recovered.take(key)
+        if row is None:
+            return None
+        entry = IndexEntry(
+            num_tokens=row.num_tokens,
+            raw_bytes=row.raw_bytes,
+            stored_bytes=row.stored_bytes,
+            num_frames=row.num_frames,
+            frame_bytes=row.frame_bytes,
+            last_access_ns=row.last_access_ns,
+            num_pins=row.num_pins,
+        )
+        self._entries[key] = entry
+        return entry
 
     def _remove_locked(self, key: PrefixKey, entry: IndexEntry) -> None:
         del self._entries[key]
@@ -363,7 +414,7 @@ class DiskIndex:
                 capacity_bytes=self.capacity_bytes,
                 used_bytes=self._raw_bytes,
                 stored_bytes=self._stored_bytes,
-                num_chunks=len(self._entries),
+                num_chunks=len(self._entries) + len(self._recovered),
                 num_pinned=self._num_pinned,
                 hits=counters.hits,
                 misses=counters.misses,

@@ -20,7 +20,7 @@ from pathlib import Path
 from kvstore.keys import PrefixKey
 from kvstore.tiers.codec import FrameCodec
 from kvstore.tiers.codec_pool import CodecPool
-from kvstore.tiers.disk_catalog import load_stored_chunks
+from kvstore.tiers.disk_catalog import recover_chunks
 from kvstore.tiers.disk_commit import remove_unfinished_chunks
 from kvstore.tiers.disk_env import DiskEnvironment, tune_malloc_for_large_values
 from kvstore.tiers.disk_format import FrameGeometry
@@ -109,8 +109,9 @@ def close_disk_parts(parts: DiskParts) -> None:
 def _recover(env: DiskEnvironment, index: DiskIndex, geometry: FrameGeometry, read_only: bool) -> list[PrefixKey]:
     """Rebuild the index from the meta records; returns the keys of broken records."""
     started_s = time.perf_counter()
-    chunks, broken = load_stored_chunks(env, geometry.layout, geometry.chunk_size)
-    index.load(chunks)
+    recovery = recover_chunks(env, geometry.layout, geometry.chunk_size)
+    index.load(recovery.chunks)
+    broken = recovery.broken_keys
     if broken:
         logger.warning("disk tier %s: %d chunks with unreadable metadata dropped", env.path, len(broken))
     stats = index.stats()

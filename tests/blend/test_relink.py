@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.blend.relink import sequence_runs
+from kvstore.blend.relink import sequence_runs, sequence_runs_of_words
 from kvstore.errors import InvalidInputError
 from kvstore.keys import PrefixKey
 
@@ -94,3 +94,20 @@ def test_keys_must_be_16_bytes() -> None:
         sequence_runs([PrefixKey(b"short")], [None], np.ones(1, dtype=np.bool_))
     with pytest.raises(InvalidInputError, match="parent keys"):
         sequence_runs([make_key(1, 1)], [], np.ones(1, dtype=np.bool_))
+
+
+def test_key_words_must_be_rows_of_two() -> None:
+    with pytest.raises(InvalidInputError, match=r"\(n, 2\)"):
+        sequence_runs_of_words(np.zeros((3, 2), np.uint64), np.zeros((2, 2), np.uint64), np.ones(3, dtype=np.bool_))
+
+
+def test_words_and_bytes_relink_alike() -> None:
+    keys = [make_key(index + 1, index) for index in range(50)]
+    parents = [None, *keys[:24], None, *keys[25:49]]
+    words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(50, 2)
+    parent_words = np.frombuffer(b"".join(key or bytes(16) for key in parents), dtype="<u8").reshape(50, 2)
+
+    runs = sequence_runs_of_words(words[::-1], parent_words[::-1], np.ones(50, dtype=np.bool_))
+
+    assert runs.order.tolist() == list(range(24, -1, -1)) + list(range(49, 24, -1))
+    assert runs.run_offsets.tolist() == [0, 25, 50]

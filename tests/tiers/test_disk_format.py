@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from kvstore.keys import PrefixKey, as_token_array
 from kvstore.tiers.disk_format import (
     StoredChunk,
-    decode_content_records,
     decode_meta,
     decode_meta_values,
     encode_meta,
@@ -126,36 +125,3 @@ def test_a_batch_decodes_as_each_record_alone(
             assert got.tokens.shape == ((got.num_tokens,) if with_tokens else (0,))
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    records=st.lists(
-        st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 40), st.sampled_from(DEFECTS), st.integers(0, 10**6)),
-        max_size=12,
-    ),
-    max_records=st.integers(1, 14),
-    keep_every=st.sampled_from([None, 1, 2]),
-)
-def test_content_records_hold_what_each_record_decodes_to(
-    records: list[tuple[int, int, str, int]], max_records: int, keep_every: int | None
-) -> None:
-    chunks = [stored_chunk(seed, num_tokens, with_parent=seed % 3 > 0) for seed, num_tokens, _, _ in records]
-    values = [spoiled(chunk, defect, position) for chunk, (_, _, defect, position) in zip(chunks, records, strict=True)]
-    keys = [chunk.key for chunk in chunks]
-    keep = None if keep_every is None else {key for index, key in enumerate(keys) if index % keep_every == 0}
-    views = iter([(memoryview(key), memoryview(value)) for key, value in zip(keys, values, strict=True)])
-
-    content, num_read = decode_content_records(views, max_records, keep=keep)
-
-    assert num_read == min(max_records, len(records))
-    expected = [
-        chunk
-        for key, value in zip(keys[:num_read], values[:num_read], strict=True)
-        if (chunk := decode_meta(key, value)) is not None and (keep is None or key in keep)
-    ]
-    assert len(content) == len(expected)
-    assert list(content.keys) == [chunk.key for chunk in expected]
-    assert list(content.parent_keys) == [chunk.parent_key for chunk in expected]
-    assert content.source_starts.tolist() == [chunk.source_start for chunk in expected]
-    for start, end, chunk in zip(content.token_starts, content.token_ends, expected, strict=True):
-        assert content.tokens[start:end].tolist() == chunk.tokens.tolist()
-    assert len(list(views)) == len(records) - num_read, "records past max_records are left unread"
