@@ -546,11 +546,13 @@ class TieredStore:
         if progress is None:
             for source, place in copies:
                 place.copy_(source, non_blocking=asynchronous)
-        else:
+        else:  # K and V of a layer are each contiguous on both sides; one call per layer queues them all (a
+            # Python loop of copy_ calls was host-bound: ~30 us per copy, 116 ms for 15k tokens of an 8B model)
             for layer in range(self.layout.num_layers):
-                for source, place in copies:  # K and V of a layer are each contiguous on both sides
-                    place[layer, 0].copy_(source[layer, 0], non_blocking=asynchronous)
-                    place[layer, 1].copy_(source[layer, 1], non_blocking=asynchronous)
+                places = [place[layer, kind] for _, place in copies for kind in (0, 1)]
+                sources = [source[layer, kind] for source, _ in copies for kind in (0, 1)]
+                if places:
+                    torch._foreach_copy_(places, sources, non_blocking=asynchronous)
                 progress.layer_queued(layer)
         if asynchronous and copies:
             torch.cuda.current_stream(device).synchronize()
