@@ -3,6 +3,7 @@ tiers (the gpu tier's logic on host memory, LMDB on disk) with chunks of 8 token
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from kvstore.blend.kv_loading import KVLoader
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.plan import RetrieveProgress, Segment
+from kvstore.store import _LAYERS_PER_STEP as LAYERS_PER_STEP
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk_format import frame_key
 from tests.factories import edit_payload, make_kv, make_tokens, store_config
@@ -46,21 +48,23 @@ def sentinel_buffer(layout: KVLayout, num_tokens: int) -> torch.Tensor:
 def test_memory_chunks_arrive_layer_by_layer_and_the_result_matches_a_whole_chunk_retrieve(
     tmp_path: Path, small_layout: KVLayout
 ) -> None:
-    config = store_config(tmp_path, small_layout, CHUNK, gpu_chunks=2, cpu_chunks=2)
-    tokens, kv = make_tokens(6 * CHUNK), make_kv(small_layout, 6 * CHUNK)
-    with TieredStore(small_layout, config) as store:
+    deep = dataclasses.replace(small_layout, num_layers=2 * LAYERS_PER_STEP + 2)  # two whole steps and a short one
+    config = store_config(tmp_path, deep, CHUNK, gpu_chunks=2, cpu_chunks=2)
+    tokens, kv = make_tokens(6 * CHUNK), make_kv(deep, 6 * CHUNK)
+    with TieredStore(deep, config) as store:
         store.store(tokens, kv)
         store.flush()
         plan = store.lookup(tokens)
         assert {segment.tier for segment in plan.segments} == {TierName.GPU, TierName.CPU, TierName.DISK}
-        out = sentinel_buffer(small_layout, 6 * CHUNK)
+        out = sentinel_buffer(deep, 6 * CHUNK)
         in_gpu_tier = next(segment for segment in plan.segments if segment.tier is TierName.GPU)
         recorder = Recorder(out, in_gpu_tier)
         result = store.retrieve(plan, out, progress=recorder)
-        num_layers = small_layout.num_layers
+        num_layers = deep.num_layers
         assert recorder.events[0] == result.segments and recorder.events[1:] == list(range(num_layers))
-        for layer, written in enumerate(recorder.written_at_report):
-            assert written == [index <= layer for index in range(num_layers)], f"at layer {layer}: {written}"
+        for layer, written in enumerate(recorder.written_at_report):  # a step's layers land together
+            step_end = min((layer // LAYERS_PER_STEP + 1) * LAYERS_PER_STEP, num_layers)
+            assert written == [index < step_end for index in range(num_layers)], f"at layer {layer}: {written}"
         assert torch.equal(result.kv, kv)
         whole = store.retrieve(store.lookup(tokens))
         assert torch.equal(whole.kv, result.kv)
