@@ -20,9 +20,9 @@ from kvstore.cli.main import main
 
 
 def run() -> None:
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-        with contextlib.suppress(SystemExit):
-            main(["bench", "multi-doc-qa", *sys.argv[1:]])
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as profiler, contextlib.suppress(SystemExit):
+        main(["bench", "multi-doc-qa", *sys.argv[1:]])
     table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
     sys.stderr.write(table + "\n")
 

@@ -7,7 +7,7 @@
 # cache; the cpu tier once more with the grouped-sdpa attention instead of flex). Documents are stored alone (--warm-up alone), so every one of them is reused at a new position and no
 # query starts with a cached prefix: the blend's worst case for TTFT (with the default preamble warm-up a query's
 # first document would be an exact prefix hit). Chunks of 256 tokens, the store's default. The cpu-tier run also checks the target (--expected-ttft-gain 3.3; its exit code is saved). A shuffle run
-# (derangements) on the cpu tier closes. Results land in $OUT: *.jsonl (one JSON row per mode), *.log, *.rc.
+# (derangements) on the cpu tier closes, after a profile of two cpu-tier blends (benchmarks/profile_blend.py). Results land in $OUT: *.jsonl (one JSON row per mode), *.log, *.rc.
 #
 # Run through the device tool from the repo root, carrying .whl:
 #   bash benchmarks/run_blend_on_h200.sh                  (extra arguments go to every bench run: --num-queries 40)
@@ -41,5 +41,7 @@ run multi_doc_qa_gpu multi-doc-qa "${COMMON[@]}" --tiers gpu "$@"
 run multi_doc_qa_cpu multi-doc-qa "${COMMON[@]}" --tiers cpu --expected-ttft-gain 3.3 "$@"
 run multi_doc_qa_cpu_sdpa multi-doc-qa "${COMMON[@]}" --tiers cpu --attention sdpa --modes full,blend "$@"
 run multi_doc_qa_disk multi-doc-qa "${COMMON[@]}" --tiers disk "$@"
+python3 benchmarks/profile_blend.py "${COMMON[@]}" --tiers cpu --num-queries 2 --modes blend \
+  >/dev/null 2>"$OUT/profile_blend_cpu.txt"
 run shuffle_cpu shuffle "${COMMON[@]}" --tiers cpu --num-queries 10 "$@"
 tail -n +1 "$OUT"/*.rc
