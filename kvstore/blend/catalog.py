@@ -7,9 +7,10 @@
   them are dropped when the worker is done);
 - **lookup**: ``sync`` (see every registration submitted before the lookup), ``match`` (the match leg, with the
   strike rules applied to what the tiers report) and ``resolve_alias`` (the prefix leg's dedup aliases);
-- **open**: ``rebuild`` (one object per chunk) or ``rebuild_batches`` (batches of records, no object per chunk)
-  from the disk tier's chunk records, so a restart keeps the content index: sequences are relinked through their
-  parent keys (``relink``) and registered in one call.
+- **open**: ``rebuild`` (one object per chunk), ``rebuild_batches`` (batches of records, no object per chunk) or
+  ``start_rebuild`` (fed batches by the disk tier's own recovery pass) from the disk's chunk records, so a restart
+  keeps the content index: sequences are relinked through their parent keys (``relink``) and registered in one call
+  (``catalog_rebuild``).
 
 The catalog never touches a tier: the store passes what it needs as callables (``Residency``), keeping data
 flowing one way (store -> catalog, store -> tiers).
@@ -23,20 +24,16 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
-
-import numpy as np
-import numpy.typing as npt
+from typing import TypeVar
 
 from kvstore.blend.aliases import AliasTable, AliasTarget
-from kvstore.blend.index import ChunkContents, FingerprintIndex, Match, RegistrationResult
+from kvstore.blend.catalog_rebuild import ContentRebuild, SequenceBatch, SequenceChunk, batch_of_chunks
+from kvstore.blend.index import FingerprintIndex, Match, RegistrationResult
 from kvstore.blend.registration import RegistrationJob, RegistrationStats, RegistrationWorker
-from kvstore.blend.relink import sequence_runs_of_words
 from kvstore.blend.strikes import StrikeBook, Verdict
-from kvstore.errors import InvalidInputError
-from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray
+from kvstore.keys import PrefixKey, TokenArray
 
-__all__ = ["CatalogStats", "ContentCatalog", "Residency", "SequenceBatch", "SequenceChunk"]
+__all__ = ["CatalogStats", "ContentCatalog", "ContentRebuild", "Residency", "SequenceBatch", "SequenceChunk"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +41,6 @@ _Pinned = TypeVar("_Pinned")
 # Chunks the rebuild holds at once while it hashes them. Few enough to die young: batches of 8192 reached the oldest
 # generation of the garbage collector and cost full collections over the whole heap (1M chunks: seconds).
 _REBUILD_BATCH_CHUNKS = 256
-_MAX_POSITION = 2**32 - 1  # the index keeps source starts as u32
-_NO_KEY = bytes(KEY_BYTES)  # a parent key of zeros means "none known", as on disk
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,60 +54,6 @@ class Residency:
 
     is_resident: Callable[[PrefixKey], bool]
     in_transit: Callable[[PrefixKey], bool]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SequenceChunk:
-    """One chunk of a stored sequence as the disk records it (for ``rebuild``)."""
-
-    key: PrefixKey
-    parent_key: PrefixKey | None
-    source_start: int
-    tokens: TokenArray
-
-
-class SequenceBatch(Protocol):
-    """Many chunks of stored sequences as the disk records them (for ``rebuild_batches``), without an object per
-    chunk: chunk ``i`` has key ``keys[i]``, also as two little-endian u64 words ``key_words[i]``, parent key
-    ``parent_words[i]`` in the same form (``[0, 0]``: none known), source start ``source_starts[i]`` and tokens
-    ``tokens[token_starts[i]:token_ends[i]]`` (spans may skip data between them, e.g. record headers).
-
-    The disk tier's ``ContentRecords`` is one (the catalog never imports a tier; the shape is the contract).
-    """
-
-    @property
-    def keys(self) -> Sequence[PrefixKey]: ...
-
-    @property
-    def key_words(self) -> npt.NDArray[np.uint64]: ...
-
-    @property
-    def parent_words(self) -> npt.NDArray[np.uint64]: ...
-
-    @property
-    def source_starts(self) -> npt.NDArray[np.uint64]: ...
-
-    @property
-    def tokens(self) -> TokenArray: ...
-
-    @property
-    def token_starts(self) -> npt.NDArray[np.int64]: ...
-
-    @property
-    def token_ends(self) -> npt.NDArray[np.int64]: ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _ChunkBatch:
-    """A ``SequenceBatch`` built from ``SequenceChunk`` objects (``rebuild``)."""
-
-    keys: Sequence[PrefixKey]
-    key_words: npt.NDArray[np.uint64]
-    parent_words: npt.NDArray[np.uint64]
-    source_starts: npt.NDArray[np.uint64]
-    tokens: TokenArray
-    token_starts: npt.NDArray[np.int64]
-    token_ends: npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,62 +201,26 @@ class ContentCatalog:
         """
         iterator = iter(chunks)
         return self.rebuild_batches(
-            _as_batch(batch) for batch in iter(lambda: list(itertools.islice(iterator, _REBUILD_BATCH_CHUNKS)), [])
+            batch_of_chunks(batch)
+            for batch in iter(lambda: list(itertools.islice(iterator, _REBUILD_BATCH_CHUNKS)), [])
         )
 
     def rebuild_batches(self, batches: Iterable[SequenceBatch]) -> int:
-        """Index chunks recorded on disk, a batch at a time, relinking each stored sequence through its parent keys.
-
-        One pass keeps each chunk's key, parent key and position and hashes its tokens (which are then dropped);
-        then every sequence is registered in one call (``FingerprintIndex.register_runs``), its chunks in order
-        (``relink.sequence_runs_of_words``): a chunk with no known parent (chunk 0, a parent evicted, a meta v1 record)
-        starts a run, so every chunk is indexed; only a next link may be lost. Chunks of no tokens, more than
-        ``chunk_size`` tokens or a source start past 2**32 are skipped and counted in a warning.
+        """Index chunks recorded on disk, a batch at a time, relinking each stored sequence through its parent keys
+        (``ContentRebuild`` has the rules).
 
         Returns:
             Chunks indexed.
         """
-        keys: list[PrefixKey] = []
-        key_words: list[npt.NDArray[np.uint64]] = []
-        parent_words: list[npt.NDArray[np.uint64]] = []
-        source_starts: list[npt.NDArray[np.uint64]] = []
-        contents: list[ChunkContents] = []
-        num_skipped = 0
+        rebuild = self.start_rebuild()
         for batch in batches:
-            lengths = batch.token_ends - batch.token_starts
-            starts = batch.source_starts.astype(np.uint64)
-            in_range = starts <= np.uint64(_MAX_POSITION)  # then the int64 view below cannot wrap
-            ends = np.where(in_range, starts, 0).astype(np.int64) + lengths
-            usable = in_range & (lengths >= 1) & (lengths <= self.chunk_size) & (ends <= _MAX_POSITION)
-            if bool(usable.all()):
-                keys += batch.keys
-            else:
-                num_skipped += int((~usable).sum())
-                keys += [key for key, use in zip(batch.keys, usable.tolist(), strict=True) if use]
-            if bool(usable.any()):
-                key_words.append(batch.key_words[usable])
-                parent_words.append(batch.parent_words[usable])
-                source_starts.append(starts[usable])
-                contents.append(
-                    self.index.chunk_contents(batch.tokens, batch.token_starts[usable], batch.token_ends[usable])
-                )
-        if num_skipped:
-            logger.warning("rebuild: skipped %d chunks of no tokens, over chunk_size=%d tokens or past position 2**32",
-                           num_skipped, self.chunk_size)  # fmt: skip
-        if not keys:
-            return 0
-        hashed = ChunkContents.concatenate(contents, self.index.fingerprint_bits)
-        runs = sequence_runs_of_words(
-            np.concatenate(key_words), np.concatenate(parent_words), hashed.lengths == self.chunk_size
-        )
-        self.index.register_runs(
-            hashed.take(runs.order),
-            list(map(keys.__getitem__, runs.order.tolist())),
-            np.concatenate(source_starts)[runs.order].astype(np.int64),
-            runs.run_offsets,
-            self.chunk_size,
-        )
-        return int(runs.order.shape[0])
+            rebuild.add(batch)
+        return rebuild.finish()
+
+    def start_rebuild(self) -> ContentRebuild:
+        """A rebuild to feed batches of chunk records into (``add``) and ``finish`` once: what lets the disk tier's
+        recovery at open feed the index from its own pass over the records (``DiskTier(content_records=...)``)."""
+        return ContentRebuild(self.index, self.chunk_size)
 
     def stats(self) -> CatalogStats:
         return CatalogStats(
@@ -330,28 +235,3 @@ class ContentCatalog:
     def close(self) -> None:
         """Finish queued registrations (their completions drop the store's shields), then stop the worker."""
         self._worker.close()
-
-
-def _as_batch(chunks: Sequence[SequenceChunk]) -> _ChunkBatch:
-    """Chunks as one batch (their tokens concatenated).
-
-    Raises:
-        InvalidInputError: a key or parent key that is not 16 bytes.
-    """
-    ends = np.cumsum([chunk.tokens.shape[0] for chunk in chunks], dtype=np.int64)
-    return _ChunkBatch(
-        keys=[chunk.key for chunk in chunks],
-        key_words=_words([chunk.key for chunk in chunks]),
-        parent_words=_words([chunk.parent_key or _NO_KEY for chunk in chunks]),
-        source_starts=np.array([chunk.source_start for chunk in chunks], dtype=np.uint64),
-        tokens=np.concatenate([chunk.tokens for chunk in chunks]),
-        token_starts=np.concatenate([[0], ends[:-1]]).astype(np.int64),
-        token_ends=ends,
-    )
-
-
-def _words(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-    """Keys as rows of two little-endian u64 words."""
-    if any(len(key) != KEY_BYTES for key in keys):
-        raise InvalidInputError(f"every key and parent key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
-    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)

@@ -90,6 +90,11 @@ class DiskTier(Tier):
             and ``evict`` are refused. ``kvstore inspect`` opens this way.
         clock: ns since the epoch, for last-access times (tests replace it).
         tuning: rarely changed knobs.
+        content_records: called during the open, before this returns, with the content records of every chunk
+            the data dir holds (a batch at a time, in key order; ``iter_content_records`` has the same batches):
+            a content index (``ContentCatalog.start_rebuild().add``) then rebuilds from the tier's own pass over
+            the meta records instead of a second one. Chunks evicted at once because ``capacity_bytes`` shrank
+            since the last open are included. An exception it raises aborts the open.
 
     Raises:
         ConfigError: a size is out of range.
@@ -112,6 +117,7 @@ class DiskTier(Tier):
         read_only: bool = False,
         clock: Callable[[], int] = time.time_ns,
         tuning: DiskTuning | None = None,
+        content_records: Callable[[ContentRecords], None] | None = None,
     ) -> None:
         tuning = tuning or DiskTuning()
         self.path = Path(path)
@@ -147,6 +153,7 @@ class DiskTier(Tier):
             num_codec_threads=num_codec_threads,
             read_only=read_only,
             tuning=tuning,
+            content_records=content_records,
         )
         self._parts = parts
         self._env, self._index, self._pool, self._writer = parts.env, parts.index, parts.pool, parts.writer

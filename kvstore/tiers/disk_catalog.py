@@ -95,8 +95,18 @@ class Recovery:
     broken_keys: list[PrefixKey]
 
 
-def recover_chunks(env: DiskEnvironment, layout: KVLayout, chunk_size: int) -> Recovery:
-    """Every chunk record's sizes and last access (tokens left out), in key order, and the broken records' keys."""
+def recover_chunks(
+    env: DiskEnvironment,
+    layout: KVLayout,
+    chunk_size: int,
+    content_records: Callable[[ContentRecords], None] | None = None,
+) -> Recovery:
+    """Every chunk record's sizes and last access, in key order, and the broken records' keys.
+
+    Args:
+        content_records: also called with the content records of the chunks recovered, a batch at a time, so a
+            content index can rebuild from this pass instead of reading every record again.
+    """
     parts: list[RecoveredChunks] = []
     broken: list[PrefixKey] = []
     bytes_per_token = layout.bytes_per_token
@@ -111,6 +121,8 @@ def recover_chunks(env: DiskEnvironment, layout: KVLayout, chunk_size: int) -> R
                 & (batch.num_frames == -(-batch.raw_bytes // np.maximum(batch.frame_bytes, 1)))
             )
             parts.append(_recovered(batch, consistent))
+            if content_records is not None and consistent.any():
+                content_records(batch.content(consistent))
             if not consistent.all():
                 broken += [key for key, keep in zip(batch.keys, consistent.tolist(), strict=True) if not keep]
     return Recovery(chunks=RecoveredChunks.concatenate(parts), broken_keys=broken)

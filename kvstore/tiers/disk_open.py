@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from kvstore.tiers.disk_commit import remove_unfinished_chunks
 from kvstore.tiers.disk_env import DiskEnvironment, tune_malloc_for_large_values
 from kvstore.tiers.disk_format import FrameGeometry
 from kvstore.tiers.disk_index import DiskIndex
+from kvstore.tiers.disk_meta_batch import ContentRecords
 from kvstore.tiers.disk_tuning import DiskTuning
 from kvstore.tiers.disk_writer import DeleteJob, DiskWriter, WriterOptions
 
@@ -54,8 +56,10 @@ def open_disk_parts(
     num_codec_threads: int,
     read_only: bool,
     tuning: DiskTuning,
+    content_records: Callable[[ContentRecords], None] | None = None,
 ) -> DiskParts:
-    """Open (or create) a data dir and start its threads.
+    """Open (or create) a data dir and start its threads; ``content_records`` is fed recovery's content records
+    (``recover_chunks``).
 
     Raises:
         LayoutMismatchError: the dir holds another layout or chunk size.
@@ -72,7 +76,7 @@ def open_disk_parts(
         index = DiskIndex(capacity_bytes)
         if not read_only:
             remove_unfinished_chunks(env)
-        broken = _recover(env, index, geometry, read_only)
+        broken = _recover(env, index, geometry, read_only, content_records)
         pool = CodecPool(num_codec_threads)
     except BaseException:
         env.close()
@@ -106,10 +110,16 @@ def close_disk_parts(parts: DiskParts) -> None:
         parts.env.close()
 
 
-def _recover(env: DiskEnvironment, index: DiskIndex, geometry: FrameGeometry, read_only: bool) -> list[PrefixKey]:
+def _recover(
+    env: DiskEnvironment,
+    index: DiskIndex,
+    geometry: FrameGeometry,
+    read_only: bool,
+    content_records: Callable[[ContentRecords], None] | None,
+) -> list[PrefixKey]:
     """Rebuild the index from the meta records; returns the keys of broken records."""
     started_s = time.perf_counter()
-    recovery = recover_chunks(env, geometry.layout, geometry.chunk_size)
+    recovery = recover_chunks(env, geometry.layout, geometry.chunk_size, content_records)
     index.load(recovery.chunks)
     broken = recovery.broken_keys
     if broken:

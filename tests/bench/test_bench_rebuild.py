@@ -12,7 +12,7 @@ from kvstore.cli.main import main
 from kvstore.errors import ConfigError
 
 FIELDS = (
-    "chunks", "rebuild_s", "read_records_s", "disk_open_s", "rebuild_lean_s", "rebuild_gc_s", "rebuild_cpu_s",
+    "chunks", "rebuild_s", "read_records_s", "disk_open_s", "rebuild_one_pass_s", "rebuild_gc_s", "rebuild_cpu_s",
     "chunks_per_s", "index_entries", "recall", "doc_coverage", "false_positives", "baseline",
     "rebuild_to_baseline_ratio", "target_chunks_per_s", "met", "build_s", "reused_data_dir", "data_dir_bytes",
     "lookup_ms_median",
@@ -41,8 +41,9 @@ def test_the_command_prints_a_verified_row_and_reuses_its_data_dir(
     assert row["chunks"] == row["index_entries"] == 2400 and row["documents"] == 200
     assert row["recall"] == 1.0 and row["doc_coverage"] == 1.0 and row["false_positives"] == 0
     assert row["reused_data_dir"] is False and row["build_s"] > 0 and row["data_dir"] == str(data_dir)
-    assert row["rebuild_s"] > 0 and row["read_records_s"] > 0 and row["rebuild_lean_s"] > 0
-    assert row["chunks_per_s"] == pytest.approx(2400 / row["rebuild_s"], rel=0.02)  # rebuild_s is rounded
+    assert row["rebuild_s"] > 0 and row["read_records_s"] > 0 and row["rebuild_one_pass_s"] > 0
+    rounding_s = 0.0005  # rebuild_s is rounded to the millisecond (an open of 2400 chunks takes a few)
+    assert 2400 / (row["rebuild_s"] + rounding_s) <= row["chunks_per_s"] <= 2400 / (row["rebuild_s"] - rounding_s)
     assert (data_dir / MANIFEST_NAME).exists()
 
     code, out, _ = run_cli(argv, capsys)  # the plain output: name=value pairs, the data dir reused

@@ -167,6 +167,29 @@ def test_chunks_written_by_meta_v1_are_indexed_without_next_links(tmp_path: Path
     assert coverage == [3 * CHUNK, 5 * CHUNK, 4 * CHUNK + 1]
 
 
+def test_the_disk_recovery_pass_rebuilds_the_same_index_as_a_second_pass(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    documents = documents_of(rng, [5 * CHUNK + 3, 4 * CHUNK + 1, 3 * CHUNK, 2])
+    keys = [prefix_keys(LAYOUT.namespace, document, CHUNK) for document in documents]
+    config = blend_config(tmp_path)
+    with TieredStore(LAYOUT, config) as live:
+        store_documents(live, LAYOUT, documents)
+    residency = Residency(is_resident=lambda key: True, in_transit=lambda key: False)
+    one_pass, two_pass = ContentCatalog(CHUNK, residency), ContentCatalog(CHUNK, residency)
+    rebuild = one_pass.start_rebuild()
+    disk = DiskTier(config.disk_path, LAYOUT, CHUNK, config.disk_capacity_bytes, content_records=rebuild.add)
+    try:
+        assert rebuild.finish() == two_pass.rebuild_batches(disk.iter_content_records()) == sum(map(len, keys))
+        query, _ = query_of(rng, documents, [3, 1, 0, 2], [1, 4, 0, 6])
+        assert one_pass.index.match(query, CHUNK) == two_pass.index.match(query, CHUNK) != []
+        with pytest.raises(AssertionError, match="after finish"):
+            rebuild.add(next(disk.iter_content_records()))
+    finally:
+        disk.close()
+        one_pass.close()
+        two_pass.close()
+
+
 # -- rebuild on its own: any order, lost parents, shared prefixes, duplicates, cycles -----------------------------
 
 

@@ -12,7 +12,7 @@ import torch
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk import ContentRecords, DiskTier
 from tests.factories import make_tokens
 
 CHUNK = 16
@@ -71,3 +71,49 @@ def test_an_empty_data_dir_yields_nothing(tmp_path: Path, small_layout: KVLayout
         assert list(tier.iter_records()) == [] and list(tier.iter_content_records()) == []
     finally:
         tier.close()
+
+
+def test_recovery_feeds_the_same_content_records_to_a_callback(filled_tier: DiskTier, small_layout: KVLayout) -> None:
+    expected = [
+        (key, parent, int(source_start), batch.tokens[start:end].tolist())
+        for batch in filled_tier.iter_content_records()
+        for key, parent, source_start, start, end in zip(
+            batch.keys, batch.parent_keys, batch.source_starts, batch.token_starts, batch.token_ends, strict=True
+        )
+    ]
+    path = filled_tier.path
+    filled_tier.close()
+    fed: list[tuple[bytes, bytes | None, int, list[int]]] = []
+
+    def on_records(batch: ContentRecords) -> None:
+        assert batch.key_words.tobytes() == b"".join(batch.keys)
+        fed.extend(
+            (key, parent, int(source_start), batch.tokens[start:end].tolist())
+            for key, parent, source_start, start, end in zip(
+                batch.keys, batch.parent_keys, batch.source_starts, batch.token_starts, batch.token_ends, strict=True
+            )
+        )
+
+    reopened = DiskTier(path, small_layout, CHUNK, 64 << 20, content_records=on_records)
+    try:
+        assert fed == expected and len(fed) == 25
+    finally:
+        reopened.close()
+
+
+def test_a_failing_content_callback_aborts_the_open_and_releases_the_dir(
+    filled_tier: DiskTier, small_layout: KVLayout
+) -> None:
+    path = filled_tier.path
+    filled_tier.close()
+
+    def refuse(batch: ContentRecords) -> None:
+        raise RuntimeError("index full")
+
+    with pytest.raises(RuntimeError, match="index full"):
+        DiskTier(path, small_layout, CHUNK, 64 << 20, content_records=refuse)
+    reopened = DiskTier(path, small_layout, CHUNK, 64 << 20)  # the failed open left no owner lock behind
+    try:
+        assert len(reopened.keys()) == 25
+    finally:
+        reopened.close()
