@@ -7,14 +7,17 @@ the frames of chunks a crash left unfinished (their intent records, disk_commit)
 index from the meta records (a restart keeps every chunk and its LRU order); records that are unreadable, and
 chunks over a capacity that shrank since the last open, are queued for deletion.
 
-Threads: runs on the thread that opens or closes the tier; starts the writer and the codec helpers.
+Threads: runs on the thread that opens or closes the tier; starts the writer and the codec helpers. The cyclic
+garbage collector is paused (process-wide) while recovery reads the meta records, and restored after.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +113,25 @@ def close_disk_parts(parts: DiskParts) -> None:
         parts.env.close()
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while the meta records are read (restored after, as it was).
+
+    Recovery holds a batch of lmdb views and tuples at a time (a thousand records); each batch's survive young
+    collections and push the collector into full collections of the whole heap, which a process that imported torch
+    makes large: 100K records took 0.9 s to recover with the collector on, 0.22 s paused (dev machine). Nothing it
+    allocates is cyclic garbage; reference counting frees every batch as usual. ``TieredStore`` pauses it for its
+    whole open too.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _recover(
     env: DiskEnvironment,
     index: DiskIndex,
@@ -119,8 +141,9 @@ def _recover(
 ) -> list[PrefixKey]:
     """Rebuild the index from the meta records; returns the keys of broken records."""
     started_s = time.perf_counter()
-    recovery = recover_chunks(env, geometry.layout, geometry.chunk_size, content_records)
-    index.load(recovery.chunks)
+    with _collector_paused():
+        recovery = recover_chunks(env, geometry.layout, geometry.chunk_size, content_records)
+        index.load(recovery.chunks)
     broken = recovery.broken_keys
     if broken:
         logger.warning("disk tier %s: %d chunks with unreadable metadata dropped", env.path, len(broken))
