@@ -77,3 +77,26 @@ def test_an_unknown_kernel_is_a_clear_config_error() -> None:
     assert BlendConfig(attention="sdpa").attention is AttentionKernel.SDPA  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="attention='fast' is not one of auto, sdpa, flex"):
         BlendConfig(attention="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("num_queries", [1, 40, 529])
+def test_the_flex_block_mask_lists_exactly_the_key_blocks_each_query_block_needs(num_queries: int) -> None:
+    """The compiled kernel skips every key block a query block does not list and unmasks every block listed as
+    full, so the lists must match the causal-by-position pattern block for block (the CPU reference evaluates the
+    mask everywhere and would not notice)."""
+    num_keys, block = 1500, 128
+    positions = scattered(num_queries, num_keys, seed=num_queries)
+    mask = QueryMask(positions, num_keys, torch.float32, AttentionKernel.FLEX)
+    padded = torch.cat([positions, positions[-1:].expand(-num_queries % block)])
+    allowed = torch.arange(num_keys)[None, :] <= padded[:, None]
+    num_key_blocks = -(-num_keys // block)
+    allowed = torch.nn.functional.pad(allowed, (0, num_key_blocks * block - num_keys))
+    per_block = allowed.view(-1, block, num_key_blocks, block)
+    any_allowed, all_allowed = per_block.any(dim=(1, 3)), per_block.all(dim=(1, 3))
+    block_mask = mask._block_mask
+    full = torch.zeros_like(any_allowed)
+    for query_block, count in enumerate(block_mask.full_kv_num_blocks[0, 0].tolist()):
+        full[query_block, block_mask.full_kv_indices[0, 0, query_block, :count].long()] = True
+    listed = block_mask.to_dense()[0, 0].bool()
+    assert torch.equal(listed, any_allowed), "a listed block must hold some allowed key, and every such block is listed"
+    assert bool((all_allowed[full]).all()), "a block marked full must be allowed for every query of its block"
