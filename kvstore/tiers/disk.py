@@ -7,8 +7,10 @@ its sizes, position, last access and tokens (``disk_format``). The parts:
 
 - ``open_disk_parts`` (disk_open): opens and wires the parts below, recovers the index, closes them in order.
 - ``DiskEnvironment`` (disk_env): the LMDB environment, the owner lock, the layout record, safe map growth.
-- ``DiskIndex`` (disk_index): in-memory LRU of resident chunks, pins, writes in flight, counters; rebuilt from
-  the meta records at open (disk_catalog), so a reopened data dir serves everything it held.
+- ``DiskIndex`` (disk_index, its values in disk_entries): in-memory LRU of resident chunks, pins, writes in
+  flight, counters; rebuilt from the meta records at open (disk_catalog, decoding a batch of records at a time
+  into arrays: disk_meta_batch, disk_checksum), so a reopened data dir serves everything it held. The chunks
+  recovered at open stay in arrays until used (disk_recovered): no object per chunk.
 - ``DiskWriter`` (disk_writer): one thread, group commit, capacity eviction, lazy last-access persistence.
 - ``CodecPool`` (codec_pool): helper threads that encode and decode frames in parallel.
 
@@ -53,9 +55,9 @@ from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk_catalog import DiskTierInfo, iter_content_records, iter_stored_chunks, read_stored_chunk
 from kvstore.tiers.disk_check import DiskCheckReport, check_data_dir
+from kvstore.tiers.disk_entries import Admission, PendingWrite
 from kvstore.tiers.disk_env import DiskEnvironment
 from kvstore.tiers.disk_format import FrameGeometry, StoredChunk, balanced_frame_bytes
-from kvstore.tiers.disk_index import Admission, PendingWrite
 from kvstore.tiers.disk_meta_batch import ContentRecords
 from kvstore.tiers.disk_open import close_disk_parts, open_disk_parts
 from kvstore.tiers.disk_reader import read_chunk

@@ -45,9 +45,10 @@ from kvstore.keys import PrefixKey
 from kvstore.tiers.codec import FrameCodec
 from kvstore.tiers.codec_pool import CodecPool, TaskBatch
 from kvstore.tiers.disk_commit import ChunkFrames, delete_chunks, discard_unfinished, plan_transactions
+from kvstore.tiers.disk_entries import PendingWrite
 from kvstore.tiers.disk_env import DiskEnvironment, storage_error
 from kvstore.tiers.disk_format import StoredChunk, encode_meta, meta_bytes, with_last_access
-from kvstore.tiers.disk_index import DiskIndex, PendingWrite
+from kvstore.tiers.disk_index import DiskIndex
 
 __all__ = ["DeleteJob", "DiskWriter", "FlushJob", "WriteJob", "WriterOptions"]
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kvstore.keys import PrefixKey
 from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.disk_index import Admission, DiskIndex, PendingWrite
+from kvstore.tiers.disk_entries import Admission, PendingWrite
+from kvstore.tiers.disk_index import DiskIndex
 from kvstore.tiers.disk_recovered import RecoveredChunks
 
 CAPACITY_BYTES = 2_000
