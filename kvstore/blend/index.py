@@ -37,6 +37,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -60,9 +61,11 @@ _KEY_LOAD = 4  # entries per key bucket before the heads double
 _PRESENCE_BITS_PER_BUCKET = 32
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Match:
+class Match(NamedTuple):
     """A verified occurrence of a stored chunk in a query.
+
+    A named tuple rather than a frozen dataclass: a match of a 15k-token prompt makes ~60 of them, and a tuple is
+    built ~6x faster (60 dataclasses cost ~0.08 ms, a quarter of the whole match on a 2.2K-chunk index).
 
     Attributes:
         query_start: token position of the chunk in the query.
@@ -438,11 +441,13 @@ class FingerprintIndex:
             verifications = self._verification[planned_entries].tolist()
             source_starts = self._source_start[planned_entries].tolist()
             key_bytes = self._keys_bytes(planned_entries)
-            for position, (start, length) in enumerate(zip(planned_starts.tolist(), lengths, strict=True)):
-                if digest(data[4 * start : 4 * (start + length)]) != verifications[position]:
+            planned = zip(planned_starts.tolist(), lengths, verifications, source_starts, strict=True)
+            for position, (start, length, verification, source_start) in enumerate(planned):
+                if digest(data[4 * start : 4 * (start + length)]) != verification:
                     logger.debug("fingerprint collision at query token %d; matching exactly", start)
                     return self._match_exactly(starts, entries, data, chunk_size)
-                matches.append(_match_at(key_bytes, position, start, length, source_starts[position]))
+                key = PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)])
+                matches.append(Match(start, length, key, source_start))  # positional: the hot loop
         return matches
 
     def _match_exactly(
