@@ -238,11 +238,14 @@ class DiskIndex:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                num_pins = self._recovered.pin(key)
+                pinned = self._recovered.pin(key)
+                if pinned is None:
+                    return False
+                num_pins, stored_bytes = pinned
                 if num_pins == 1:
                     self._num_pinned += 1
-                    self._pinned_stored_bytes += self._recovered.stored_bytes(key) or 0
-                return num_pins is not None
+                    self._pinned_stored_bytes += stored_bytes
+                return True
             entry.num_pins += 1
             if entry.num_pins == 1:
                 self._num_pinned += 1
@@ -255,9 +258,10 @@ class DiskIndex:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                if self._recovered.unpin(key) == 0:
+                unpinned = self._recovered.unpin(key)
+                if unpinned is not None and unpinned[0] == 0:
                     self._num_pinned -= 1
-                    self._pinned_stored_bytes -= self._recovered.stored_bytes(key) or 0
+                    self._pinned_stored_bytes -= unpinned[1]
                 return
             if entry.num_pins == 0:
                 return

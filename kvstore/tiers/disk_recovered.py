@@ -147,17 +147,19 @@ class RecoveredRows:
         row = self._row_of.get(key)
         return 0 if row is None else self._pins.get(row, 0)
 
-    def pin(self, key: PrefixKey) -> int | None:
-        """Add a pin; returns the chunk's pins now, ``None`` when it is not here."""
+    def pin(self, key: PrefixKey) -> tuple[int, int] | None:
+        """Add a pin; returns the chunk's pins now and its stored bytes (one call: lookups pin every chunk they
+        plan), ``None`` when it is not here."""
         row = self._row_of.get(key)
         if row is None:
             return None
         num_pins = self._pins.get(row, 0) + 1
         self._pins[row] = num_pins
-        return num_pins
+        return num_pins, int(self._stored_bytes[row])
 
-    def unpin(self, key: PrefixKey) -> int | None:
-        """Drop a pin; returns the chunk's pins now, ``None`` when it is not here or was not pinned."""
+    def unpin(self, key: PrefixKey) -> tuple[int, int] | None:
+        """Drop a pin; returns the chunk's pins now and its stored bytes, ``None`` when it is not here or was not
+        pinned."""
         row = self._row_of.get(key)
         if row is None or row not in self._pins:
             return None
@@ -166,7 +168,7 @@ class RecoveredRows:
             self._pins[row] = num_pins
         else:
             del self._pins[row]
-        return num_pins
+        return num_pins, int(self._stored_bytes[row])
 
     def take(self, key: PrefixKey) -> RecoveredRow | None:
         """Remove a chunk (used, evicted or dropped) and return its sizes and pins; ``None`` when it is not here."""
