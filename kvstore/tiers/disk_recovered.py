@@ -139,10 +139,6 @@ class RecoveredRows:
         row = self._row_of.get(key)
         return None if row is None else int(self._last_access_ns[row])
 
-    def stored_bytes(self, key: PrefixKey) -> int | None:
-        row = self._row_of.get(key)
-        return None if row is None else int(self._stored_bytes[row])
-
     def num_pins(self, key: PrefixKey) -> int:
         row = self._row_of.get(key)
         return 0 if row is None else self._pins.get(row, 0)
