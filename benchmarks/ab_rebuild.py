@@ -3,12 +3,14 @@
 Times ``TieredStore(layout, StoreConfig(tiers=("disk",), enable_blend=True))`` on the data dir that
 ``kvstore bench rebuild --chunks N`` built (run that first), once per side per repeat, sides alternating, each in a
 fresh interpreter that imports kvstore from that side's tree: ``--before`` is a git revision (extracted with
-``git archive`` into a temporary dir), the other side the working tree. Prints one JSON object per open and a
-summary line of medians (wall and CPU seconds, garbage-collector seconds).
+``git archive`` into a temporary dir), the other side the working tree, or ``--after DIR`` (a checkout holding a
+proposed change, e.g. a ``git worktree`` with a patch applied). Prints one JSON object per open and a summary line
+of medians (wall and CPU seconds, garbage-collector seconds).
 
 Example::
 
     .venv/bin/python benchmarks/ab_rebuild.py --chunks 1000000 --before 24097e8 --repeats 2
+    .venv/bin/python benchmarks/ab_rebuild.py --chunks 1000000 --before HEAD --after /tmp/one-pass-worktree
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=1_000_000)
     parser.add_argument("--before", required=True, help="git revision of side A (side B: the working tree)")
+    parser.add_argument("--after", type=Path, default=None, help="a checkout to time as side B instead")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -82,7 +85,8 @@ def main() -> None:
     if not (data_dir / MANIFEST_NAME).exists():
         sys.exit(f"no data dir at {data_dir}; run: kvstore bench rebuild --chunks {args.chunks} first")
     with tempfile.TemporaryDirectory(prefix="kvstore-ab-") as scratch:
-        sides = {args.before: extract(args.before, Path(scratch)), "working tree": REPO}
+        after = ("working tree", REPO) if args.after is None else (str(args.after), args.after.resolve())
+        sides = {args.before: extract(args.before, Path(scratch)), after[0]: after[1]}
         rows: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
         for repeat in range(args.repeats):
             for name, tree in sides.items():
