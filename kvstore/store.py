@@ -135,8 +135,8 @@ class TieredStore:
         self._scratch: torch.Tensor | None = None
         try:
             with _collector_paused():
+                self._open_content()  # first: the disk tier's recovery feeds the content index's rebuild
                 self._open_tiers()
-                self._open_content()
         except BaseException:
             self._shutdown()
             raise
@@ -152,6 +152,7 @@ class TieredStore:
     def _open_tiers(self) -> None:
         config = self.config
         if TierName.DISK in config.tiers:
+            rebuild = self._catalog.start_rebuild() if self._catalog is not None else None
             self._disk = DiskTier(
                 config.disk_path,
                 self.layout,
@@ -159,7 +160,12 @@ class TieredStore:
                 config.disk_capacity_bytes,
                 zstd_level=config.disk_zstd_level,
                 num_codec_threads=config.disk_codec_threads,
+                content_records=None if rebuild is None else rebuild.add,  # one pass over the meta records
             )
+            if rebuild is not None:
+                num_indexed = rebuild.finish()
+                if num_indexed:
+                    logger.info("content index rebuilt from %s: %d chunks", config.disk_path, num_indexed)
         if TierName.CPU in config.tiers:
             self._cpu = CpuTier(self.layout, config.chunk_size, config.cpu_capacity_bytes, spill=self._spill_to_disk)
         if TierName.GPU in config.tiers:
@@ -181,10 +187,6 @@ class TieredStore:
         self._catalog = ContentCatalog(
             self.config.chunk_size, residency, dedup_content=self.config.enable_dedup_content
         )
-        if self._disk is not None:
-            num_indexed = self._catalog.rebuild_batches(self._disk.iter_content_records())
-            if num_indexed:
-                logger.info("content index rebuilt from %s: %d chunks", self.config.disk_path, num_indexed)
 
     # -- demotion ---------------------------------------------------------------------------------------------
 
