@@ -14,10 +14,11 @@ so a document's tokens are the same wherever it lands and its cached chunks recu
              | preamble | sep | document 0 | sep | document 1 | ... |     (shuffle: the identity order, once)
 
 Why the preamble by default (LMCache's warm-up prompt has its system prompt too): an instruct model encodes a
-document differently inside a chat turn than as bare text at position 0, and that difference is cross-attention a
-blend has to repair. On SmolLM2 the planted-fact accuracy of a 0.15 blend was 0.31 with documents stored alone and
-0.56 with them stored after the preamble (full prefill 0.63; docs/benchmarks.md). The price: a document's first
-chunk holds the preamble, so where the document is not first its head (up to a chunk) is a gap to compute.
+document differently inside a chat turn than as bare text at position 0, and a query's first document is then an
+exact prefix. On SmolLM2 the two warm-ups gave a 0.15 blend the same planted-fact answers on the same queries and a
+KL within 6% (docs/benchmarks.md, "Blend quality on SmolLM2"; an earlier 0.31 vs 0.56 was 24-query noise). The
+price: a document's first chunk holds the preamble, so where the document is not first its head (up to a chunk)
+is a gap to compute.
 
 The preamble and the question follow the tokenizer's chat template when it has one (SmolLM2-Instruct does).
 
