@@ -121,6 +121,7 @@ class MultiDocOptions:
     check_layer: int = 1
     deviation: DeviationMetric = DeviationMetric.KEY
     attention: AttentionKernel = AttentionKernel.AUTO
+    num_head_tokens: int = 0
     modes: tuple[BenchMode, ...] = tuple(BenchMode)
     continuation_tokens: int = 32
     seed: int = 0
@@ -234,6 +235,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         check_layer=options.check_layer,
         deviation=options.deviation,
         attention=options.attention,
+        num_head_tokens=options.num_head_tokens,
     )
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     warm_ups = (
@@ -285,6 +287,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         bench=options.workload.value,
         check_layer=options.check_layer,
         deviation=options.deviation.value,
+        num_head_tokens=options.num_head_tokens,
         seed=options.seed,
         model=model.name,
         device=device,

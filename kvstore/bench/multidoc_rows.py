@@ -29,6 +29,7 @@ class RunContext:
     bench: str
     check_layer: int
     deviation: str
+    num_head_tokens: int
     seed: int
     model: str
     device: str
@@ -65,6 +66,7 @@ class MultiDocRow:
     recompute_ratio: float | None
     check_layer: int
     deviation: str
+    num_head_tokens: int
     seed: int
     model: str
     device: str
@@ -192,6 +194,7 @@ def summarize(
         recompute_ratio=recompute_ratio,
         check_layer=context.check_layer,
         deviation=context.deviation,
+        num_head_tokens=context.num_head_tokens,
         seed=context.seed,
         model=context.model,
         device=context.device,

@@ -51,7 +51,7 @@ from kvstore.blend.kv_loading import KVLoader, PendingLoad
 from kvstore.blend.llama_layers import LlamaStack, Projection
 from kvstore.blend.query_attention import AttentionKernel, QueryMask
 from kvstore.blend.rope import RopeRotator, Rotation, token_deltas
-from kvstore.blend.selection import DeviationMetric, select_tokens, token_deviation
+from kvstore.blend.selection import DeviationMetric, select_tokens, span_head_positions, token_deviation
 from kvstore.blend.stage_clock import Mark, StageClock
 from kvstore.errors import ConfigError
 from kvstore.keys import TokenArray
@@ -122,16 +122,21 @@ class BlendConfig:
         deviation: what the selection compares (K alone, or K and V).
         attention: the kernel that attends a subset of the tokens (``query_attention``; ``auto``: flex attention
             on CUDA, grouped sdpa elsewhere).
+        num_head_tokens: the first tokens of every reused span (a run of blend segments continuing one cached
+            sequence) recomputed after the check layer whatever their deviation, on top of the ratio's share
+            (``kvstore.blend.selection.span_head_positions``); only when ``0 < recompute_ratio < 1``, so ratio 0
+            stays plain reuse. 0 (the default) turns it off.
 
     Raises:
-        ConfigError: a ratio outside ``[0, 1]`` or a negative check layer (the upper bound is checked against the
-            model by ``LayerwiseBlender``).
+        ConfigError: a ratio outside ``[0, 1]``, a negative check layer (the upper bound is checked against the
+            model by ``LayerwiseBlender``) or a negative ``num_head_tokens``.
     """
 
     recompute_ratio: float = 0.15
     check_layer: int = 1
     deviation: DeviationMetric = DeviationMetric.KEY
     attention: AttentionKernel = AttentionKernel.AUTO
+    num_head_tokens: int = 0
 
     def __post_init__(self) -> None:
         ratio = self.recompute_ratio
@@ -156,24 +161,35 @@ class BlendConfig:
             raise ConfigError(
                 f"attention={self.attention!r} is not one of {', '.join(kernel.value for kernel in AttentionKernel)}"
             ) from None
+        heads = self.num_head_tokens
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
+            raise ConfigError(f"num_head_tokens={heads!r} must be a token count >= 0 (0 turns it off)")
 
 
 class _TokenClasses:
-    """Exact / blend / gap membership of every prompt position, from the segments that were (or will be) loaded."""
+    """Exact / blend / gap membership of every prompt position, from the segments that were (or will be) loaded.
 
-    def __init__(self, segments: Sequence[Segment], num_tokens: int) -> None:
+    ``forced`` (computed in every layer) is the gaps, the last token and, with ``settings.num_head_tokens`` and a
+    ratio strictly between 0 and 1, the head tokens of every reused span; ``blend_positions`` (what the ratio
+    chooses among) are the blend tokens that are not forced heads, so heads come on top of the ratio's share.
+    """
+
+    def __init__(self, segments: Sequence[Segment], num_tokens: int, settings: BlendConfig | None = None) -> None:
         self.exact = torch.zeros(num_tokens, dtype=torch.bool)
         self.blend = torch.zeros(num_tokens, dtype=torch.bool)
         for segment in segments:
             (self.exact if segment.exact else self.blend)[segment.start : segment.end] = True
         self.deltas = token_deltas(segments, num_tokens)
+        heads = torch.zeros(num_tokens, dtype=torch.bool)
+        if settings is not None and settings.num_head_tokens and 0.0 < settings.recompute_ratio < 1.0:
+            heads[span_head_positions(segments, settings.num_head_tokens)] = True
         active = ~self.exact
         active[-1] = True
-        forced = active & ~self.blend
+        forced = (active & ~self.blend) | heads
         forced[-1] = True
         self.active = active.nonzero().flatten()
         self.forced = forced.nonzero().flatten()
-        self.blend_positions = self.blend.nonzero().flatten()
+        self.blend_positions = (self.blend & ~heads).nonzero().flatten()
 
     @property
     def has_exact(self) -> bool:
@@ -244,7 +260,7 @@ class _Pass:
         for layer_idx in range(stack.num_layers):
             if layer_idx == cache_from:
                 if pending is not None:
-                    classes = _TokenClasses(self._timed(pending.segments), num_tokens)
+                    classes = _TokenClasses(self._timed(pending.segments), num_tokens, settings)
                     narrow = _narrow_layer(classes, settings)
                 for written_idx, written in pending_writes:  # after the retrieve has written that layer
                     if pending is not None:
@@ -370,7 +386,7 @@ def run_blend_pass(
     plan: LookupPlan = owner.lookup(tokens, blend=True)
     looked_up = clock.mark()
     work = _Pass(stack, rotator, layout, settings, token_ids, clock)
-    classes = _TokenClasses(plan.segments, work.num_tokens)
+    classes = _TokenClasses(plan.segments, work.num_tokens, settings)
     needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
     pending: PendingLoad | None = None
     if needs_load:

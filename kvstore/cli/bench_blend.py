@@ -142,6 +142,11 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
         attention: str = typer.Option(
             "auto", "--attention", help="Attention of the recomputed tokens: 'sdpa', 'flex' or 'auto' (flex on CUDA)."
         ),
+        num_head_tokens: int = typer.Option(
+            _DEFAULTS.num_head_tokens,
+            "--num-head-tokens",
+            help="Blend: also recompute the first N tokens of every reused span (on top of the ratio).",
+        ),
         modes: str = typer.Option("full,prefix,blend,reuse", "--modes", help="Modes to run (full always runs)."),
         continuation_tokens: int = typer.Option(32, "--continuation-tokens", help="Greedy tokens compared."),
         seed: int = typer.Option(_DEFAULTS.seed, "--seed", help="Seed of documents, facts, queries, weights."),
@@ -175,6 +180,7 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             check_layer=check_layer,
             deviation=deviation_metric,
             attention=_attention_kernel(attention),
+            num_head_tokens=num_head_tokens,
             modes=_parse_modes(modes),
             continuation_tokens=continuation_tokens,
             seed=seed,

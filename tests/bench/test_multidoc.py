@@ -27,7 +27,7 @@ ROW_FIELDS = ("mode", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "speedup_vs_
               "continuation_match", "fact_accuracy", "lookup_ms_mean", "load_ms_mean", "recompute_ms_mean",
               "other_ms_mean", "fact_agreement_with_full", "fact_full_only", "fact_mode_only",
               "fact_difference_vs_full", "fact_difference_ci95_low", "fact_difference_ci95_high",
-              "fact_accuracy_ci95_low", "fact_accuracy_ci95_high", "seed")  # fmt: skip
+              "fact_accuracy_ci95_low", "fact_accuracy_ci95_high", "num_head_tokens", "seed")  # fmt: skip
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -89,6 +89,7 @@ def test_an_unmet_expected_ttft_gain_exits_non_zero_with_one_line(capsys: pytest
         (["--tiers", "tape"], "--tiers 'tape'"),
         (["--deviation", "cosine"], "--deviation 'cosine': use key, value or key_value"),
         (["--warm-up", "cold"], "--warm-up 'cold': use preamble or alone"),
+        (["--num-head-tokens", "-1"], "num_head_tokens=-1 must be a token count >= 0"),
         (["--model", "/nonexistent"], "--model and --random-init exclude each other"),
     ],
 )
