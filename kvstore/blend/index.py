@@ -44,6 +44,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvstore.blend import fingerprint_table as table
+from kvstore.blend.match_scan import scan_and_plan
 from kvstore.blend.rolling_hash import block_fingerprints, window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, num_chunks
@@ -429,14 +430,11 @@ class FingerprintIndex:
         digest = xxhash.xxh3_64_intdigest
         matches: list[Match] = []
         with self._index_lock:
-            starts, entries = table.probe_windows(
+            planned_starts, planned_entries = scan_and_plan(
                 query, chunk_size, window_base_power(chunk_size), self._fingerprint_mask,
-                self._fingerprint, self._length, self._fingerprint_link,
+                self._fingerprint, self._length, self._fingerprint_link, self._next,
                 self._fingerprint_heads, self._fingerprint_shift, self._presence_bits, self._presence_shift,
             )  # fmt: skip
-            planned_starts, planned_entries = table.plan_matches(
-                query, chunk_size, starts, entries, self._fingerprint_mask, self._fingerprint, self._next, self._length
-            )
             lengths = self._length[planned_entries].tolist()
             verifications = self._verification[planned_entries].tolist()
             source_starts = self._source_start[planned_entries].tolist()
@@ -445,6 +443,11 @@ class FingerprintIndex:
             for position, (start, length, verification, source_start) in enumerate(planned):
                 if digest(data[4 * start : 4 * (start + length)]) != verification:
                     logger.debug("fingerprint collision at query token %d; matching exactly", start)
+                    starts, entries = table.probe_windows(
+                        query, chunk_size, window_base_power(chunk_size), self._fingerprint_mask,
+                        self._fingerprint, self._length, self._fingerprint_link,
+                        self._fingerprint_heads, self._fingerprint_shift, self._presence_bits, self._presence_shift,
+                    )  # fmt: skip
                     return self._match_exactly(starts, entries, data, chunk_size)
                 key = PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)])
                 matches.append(Match(start, length, key, source_start))  # positional: the hot loop
