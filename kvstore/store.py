@@ -477,9 +477,10 @@ class TieredStore:
             out: a buffer ``[num_layers, 2, >= plan.end, num_kv_heads, head_dim]`` of the layout's dtype on any
                 device; gaps are left untouched. When omitted a tensor is allocated on ``device``.
             device: where to allocate when ``out`` is omitted.
-            progress: when given, the chunks held in memory tiers are copied layer by layer (every chunk's layer
-                0, then layer 1, ...) and ``progress`` hears of each layer (``RetrieveProgress``): a layerwise
-                prefill starts computing before the last layer has landed. Without it each chunk is copied whole.
+            progress: when given, the chunks held in memory tiers are copied a few layers at a time (every
+                chunk's layers 0-3, then 4-7, ...) and ``progress`` hears of each layer (``RetrieveProgress``): a
+                layerwise prefill starts computing before the last layer has landed. Without it each chunk is
+                copied whole.
 
         Returns:
             The segments loaded and the KV (a view of ``out`` when given). A chunk that fails to load (corrupt on
@@ -544,7 +545,7 @@ class TieredStore:
         device: torch.device,
         progress: RetrieveProgress | None,
     ) -> None:
-        """Copy pinned chunks into the caller's buffer: whole chunks, or layer-major when someone watches progress.
+        """Copy pinned chunks into the caller's buffer: whole chunks, or layers-first steps when someone watches.
 
         Copies to a device are queued without waiting (pinned host memory, or device memory) and awaited once at
         the end, before the caller's ``finally`` drops the pins: a chunk must not be evicted and overwritten while
