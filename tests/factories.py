@@ -13,8 +13,10 @@ import numpy.typing as npt
 import torch
 
 from kvstore.config import StoreConfig
+from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import TierName
+from kvstore.tiers.disk_format import frame_key
 
 
 def make_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -47,6 +49,14 @@ def edit_payload(path: Path) -> Iterator[tuple[lmdb.Transaction, lmdb._Database]
             yield txn, env.open_db(b"payload", txn=txn)
     finally:
         env.close()
+
+
+def flip_frame_bit(path: Path, key: PrefixKey, frame_index: int = 0) -> None:
+    """Flip one bit in the middle of a stored chunk's frame, behind the tier's back (its checksum must catch it)."""
+    with edit_payload(path) as (txn, db):
+        frame = bytearray(txn.get(frame_key(key, frame_index), db=db))
+        frame[len(frame) // 2] ^= 0x40
+        txn.put(frame_key(key, frame_index), bytes(frame), db=db)
 
 
 def store_config(

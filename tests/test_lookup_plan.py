@@ -20,8 +20,7 @@ from kvstore.config import StoreConfig
 from kvstore.keys import PrefixKey, as_token_array, prefix_keys
 from kvstore.tiers.base import ChunkRecord, TierName
 from kvstore.tiers.cpu import CpuTier
-from kvstore.tiers.disk_format import frame_key
-from tests.factories import edit_payload, make_kv, make_tokens, run_in_threads, store_config
+from tests.factories import flip_frame_bit, make_kv, make_tokens, run_in_threads, store_config
 
 CHUNK = 8
 
@@ -384,10 +383,7 @@ def test_a_chunk_failing_its_checksum_at_retrieve_is_a_gap_or_cuts_the_prefix(
     with TieredStore(small_layout, cfg) as store:
         store.store(tokens, kv)
     keys = prefix_keys(small_layout.namespace, as_token_array(tokens), CHUNK)
-    with edit_payload(cfg.disk_path) as (txn, db):
-        frame = bytearray(txn.get(frame_key(keys[1], 0), db=db))
-        frame[len(frame) // 2] ^= 0x40
-        txn.put(frame_key(keys[1], 0), bytes(frame), db=db)
+    flip_frame_bit(cfg.disk_path, keys[1])
     with TieredStore(small_layout, cfg) as store:
         plan = store.lookup(tokens)
         assert len(plan.segments) == 4, "the meta is intact: the corruption shows only when the frame is read"

@@ -17,8 +17,7 @@ from kvstore.keys import as_token_array, prefix_keys
 from kvstore.plan import RetrieveProgress, Segment
 from kvstore.store import _LAYERS_PER_STEP as LAYERS_PER_STEP
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk_format import frame_key
-from tests.factories import edit_payload, make_kv, make_tokens, store_config
+from tests.factories import flip_frame_bit, make_kv, make_tokens, store_config
 
 CHUNK = 8
 SENTINEL = 7.0  # what the buffer holds where nothing was copied yet (random KV never equals it everywhere)
@@ -82,10 +81,7 @@ def test_a_corrupt_disk_chunk_is_already_a_gap_when_the_segments_are_reported(
     with TieredStore(small_layout, config) as store:
         store.store(tokens, kv)
     keys = prefix_keys(small_layout.namespace, as_token_array(tokens), CHUNK)
-    with edit_payload(config.disk_path) as (txn, db):
-        frame = bytearray(txn.get(frame_key(keys[2], 0), db=db))
-        frame[len(frame) // 2] ^= 0x40
-        txn.put(frame_key(keys[2], 0), bytes(frame), db=db)
+    flip_frame_bit(config.disk_path, keys[2])
     with TieredStore(small_layout, config) as store:
         plan = store.lookup(tokens)
         out = sentinel_buffer(small_layout, 4 * CHUNK)
