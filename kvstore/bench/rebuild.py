@@ -11,20 +11,18 @@ says what it holds), so repeated runs skip the build. A dir that holds anything 
 
 Measured, each ``num_repeats`` times, alternating (figures are medians):
 
-* rebuild_s: ``TieredStore(layout, StoreConfig(tiers=("disk",), enable_blend=True))``: opening the disk tier
-  (its own recovery of every meta record) plus ``ContentCatalog.rebuild_batches`` over
-  ``DiskTier.iter_content_records()`` (a second pass over the records; relink sequences through their parent keys,
-  register them in the ``FingerprintIndex``): everything the store does before it serves a lookup; rebuild_cpu_s
-  is the process's CPU time over it (steadier than wall time when other work shares the machine), rebuild_gc_s the
-  part the cyclic garbage collector ran (``gc.callbacks``);
+* rebuild_s: ``TieredStore(layout, StoreConfig(tiers=("disk",), enable_blend=True))``: the disk tier's recovery of
+  every meta record, which feeds the content index as it goes (one pass: relink sequences through their parent
+  keys, register them in the ``FingerprintIndex``): everything the store does before it serves a lookup;
+  rebuild_cpu_s is the process's CPU time over it (steadier than wall time when other work shares the machine),
+  rebuild_gc_s the part the cyclic garbage collector ran (``gc.callbacks``);
 * the baseline, in the same run: disk_open_s (the same ``DiskTier`` opened alone) plus read_records_s (one pass of
   ``DiskTier.iter_records()``, which decodes and checks every meta record, tokens included): the raw cost of getting
   the records out of LMDB without indexing them; ``rebuild_to_baseline_ratio`` compares the two;
-* rebuild_one_pass_s: the same open done in one pass over the meta records: a ``ContentCatalog``, then the disk
-  tier opened with ``content_records=catalog.start_rebuild().add`` (its recovery feeds the content index), then
-  ``finish()``, with the collector paused as the store pauses it; rebuild_one_pass_cpu_s its CPU time. This is
-  the store's open once ``TieredStore`` wires it so (a change to ``kvstore/store.py`` proposed in
-  docs/benchmarks.md);
+* rebuild_one_pass_s: the same one-pass open built by hand from its parts (a ``ContentCatalog``, the disk tier
+  opened with ``content_records=catalog.start_rebuild().add``, then ``finish()``, collector paused): a cross-check
+  that it indexes as many chunks as the store; rebuild_one_pass_cpu_s its CPU time. (Before commit 073ae0d the
+  store read the records twice and this was the faster path it has since become.)
 * chunks_per_s: chunks / rebuild_s (target 100,000: 1M chunks in 10 s on the 2-core dev machine);
 * index_entries: entries in the rebuilt index (every chunk: the documents' contents are distinct; the one-pass
   open must index as many);
