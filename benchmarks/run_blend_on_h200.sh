@@ -4,7 +4,7 @@
 # random-init model of Llama-3.1-8B's shape in bfloat16: 5 documents x 3000 tokens, all five in every query in a new
 # order (15,060-token prompts), modes full / prefix / blend (0.15) / reuse, with the documents' KV in the gpu, the cpu
 # and the disk tier (one tier per run, so every load comes from that tier; the disk runs read through the page
-# cache; the cpu tier once more with the grouped-sdpa attention instead of flex). Documents are stored alone (--warm-up alone), so every one of them is reused at a new position and no
+# cache; the cpu tier once more with the masked-sdpa attention instead of flex). Documents are stored alone (--warm-up alone), so every one of them is reused at a new position and no
 # query starts with a cached prefix: the blend's worst case for TTFT (with the default preamble warm-up a query's
 # first document would be an exact prefix hit). Chunks of 256 tokens, the store's default. The cpu-tier run also checks the target (--expected-ttft-gain 3.3; its exit code is saved). A shuffle run
 # (derangements) on the cpu tier closes, after a profile of two cpu-tier blends (benchmarks/profile_blend.py). Results land in $OUT: *.jsonl (one JSON row per mode), *.log, *.rc.

@@ -121,7 +121,7 @@ class BlendConfig:
             non-exact token. LMCache's default 1.
         deviation: what the selection compares (K alone, or K and V).
         attention: the kernel that attends a subset of the tokens (``query_attention``; ``auto``: flex attention
-            on CUDA, grouped sdpa elsewhere).
+            on CUDA, one masked sdpa elsewhere).
         num_head_tokens: the first tokens of every reused span (a run of blend segments continuing one cached
             sequence) recomputed after the check layer whatever their deviation, on top of the ratio's share
             (``kvstore.blend.selection.span_head_positions``); only when ``0 < recompute_ratio < 1``, so ratio 0
