@@ -45,6 +45,7 @@ from kvstore.bench.blend_quality import first_number, greedy_continuation, kl_di
 from kvstore.bench.multidoc_rows import MultiDocRow, QuerySample, RunContext, summarize
 from kvstore.bench.multidoc_workload import (
     Document,
+    FactStyle,
     PromptFormat,
     QuerySpec,
     pick_combinations,
@@ -110,6 +111,7 @@ class MultiDocOptions:
     data_dir: Path | None = None
     chunk_size: int = 64  # a document's head up to a chunk is a gap (its first chunk holds the preamble)
     warm_up: WarmUp = WarmUp.PREAMBLE
+    facts: FactStyle = FactStyle.DISTINCT
     cpu_capacity_bytes: int | None = None
     gpu_capacity_bytes: int | None = None
     disk_capacity_bytes: int = 64 * GIB
@@ -129,6 +131,7 @@ class MultiDocOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "workload", BenchWorkload(self.workload))
         object.__setattr__(self, "warm_up", WarmUp(self.warm_up))
+        object.__setattr__(self, "facts", FactStyle(self.facts))
         object.__setattr__(self, "modes", tuple(BenchMode(mode) for mode in self.modes))
         if BenchMode.FULL not in self.modes:
             object.__setattr__(self, "modes", (BenchMode.FULL, *self.modes))  # the baseline of every ratio
@@ -199,7 +202,9 @@ def _workload(options: MultiDocOptions, model: _Model) -> tuple[PromptFormat, li
     vocab_size = int(model.model.config.vocab_size)
     if model.tokenizer is not None:
         prompt_format = PromptFormat.for_tokenizer(model.tokenizer)
-        documents = prose_documents(model.tokenizer, options.num_documents, options.document_tokens, options.seed)
+        documents = prose_documents(
+            model.tokenizer, options.num_documents, options.document_tokens, options.seed, options.facts
+        )
     else:
         prompt_format = PromptFormat.random(vocab_size, np.random.default_rng(options.seed + 3))
         documents = random_documents(vocab_size, options.num_documents, options.document_tokens, options.seed)
@@ -295,6 +300,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         tiers=",".join(tier.value for tier in options.tiers),
         chunk_size=options.chunk_size,
         warm_up=options.warm_up.value if options.workload is BenchWorkload.MULTI_DOC_QA else "identity_order",
+        facts=options.facts.value if model.tokenizer is not None else "none",
         num_documents=options.num_documents,
         document_tokens=options.document_tokens,
         docs_per_query=options.num_documents if options.workload is BenchWorkload.SHUFFLE else options.docs_per_query,

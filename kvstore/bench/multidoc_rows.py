@@ -12,6 +12,7 @@ Pure values and functions; thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class RunContext:
     tiers: str
     chunk_size: int
     warm_up: str
+    facts: str
     num_documents: int
     document_tokens: int
     docs_per_query: int
@@ -74,6 +76,7 @@ class MultiDocRow:
     tiers: str
     chunk_size: int
     warm_up: str
+    facts: str
     num_documents: int
     document_tokens: int
     docs_per_query: int
@@ -189,22 +192,9 @@ def summarize(
         return _mean([getattr(sample.timings, name) for sample in samples])
 
     return MultiDocRow(
-        bench=context.bench,
+        **dataclasses.asdict(context),
         mode=mode,
         recompute_ratio=recompute_ratio,
-        check_layer=context.check_layer,
-        deviation=context.deviation,
-        num_head_tokens=context.num_head_tokens,
-        seed=context.seed,
-        model=context.model,
-        device=context.device,
-        dtype=context.dtype,
-        tiers=context.tiers,
-        chunk_size=context.chunk_size,
-        warm_up=context.warm_up,
-        num_documents=context.num_documents,
-        document_tokens=context.document_tokens,
-        docs_per_query=context.docs_per_query,
         num_queries=len(samples),
         prompt_tokens_mean=_mean([sample.prompt_tokens for sample in samples]),
         cached_tokens_mean=_mean([sample.exact_tokens + sample.blend_tokens for sample in samples]),

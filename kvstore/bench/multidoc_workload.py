@@ -2,8 +2,17 @@
 
 Documents are real prose, the docstrings of Python's standard library (``inspect.getdoc`` of every public attribute
 of a fixed list of modules, in sorted order, so the corpus is the same on every run of one Python version), each with
-one planted fact ("The access code for the Juniper archive is 4821.") and a question about it. With a random-init
-model the text would be noise to the model, so documents are random token ids and quality is not measured.
+one planted fact and a question about it; every answer is a 4-digit number. With a random-init model the text would
+be noise to the model, so documents are random token ids and quality is not measured.
+
+Two kinds of facts (``FactStyle``):
+
+- ``distinct`` (default): each fact name comes with its own relation ("The Juniper bridge is 4821 meters long.",
+  "Professor Maple keeps office number 6031."; 16 relations, so with 32 documents two share each), as in real
+  multi-document QA where the question's words point at one document;
+- ``same``: every fact is "The access code for the <name> archive is <code>.": the documents of a prompt hold
+  near-identical sentences that differ in one name and one number, a stress test of binding a name to its number
+  across documents (a 135M model gets about 63% of them right with a full prefill).
 
 Every piece is tokenised separately and the prompt is their concatenation, as LMCache's blend benchmark builds it,
 so a document's tokens are the same wherever it lands and its cached chunks recur exactly::
@@ -27,6 +36,7 @@ Pure functions over a tokenizer and a seed; thread-safe.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 import itertools
@@ -44,6 +54,7 @@ from kvstore.errors import ConfigError
 __all__ = [
     "Document",
     "Fact",
+    "FactStyle",
     "PromptFormat",
     "QuerySpec",
     "docstring_corpus",
@@ -81,20 +92,54 @@ _MIN_DOCSTRING_CHARS = 200
 _FACT_LAST_FRACTION = 0.75  # facts are planted in the first three quarters, never cut off by the truncation
 
 
+RELATIONS = (
+    ("The access code for the {name} archive is {code}.", "What is the access code for the {name} archive?"),
+    ("The {name} bridge is {code} meters long.", "How long is the {name} bridge, in meters?"),
+    ("The {name} library holds {code} rare manuscripts.", "How many rare manuscripts does the {name} library hold?"),
+    ("Professor {name} keeps office number {code}.", "What is Professor {name}'s office number?"),
+    ("Ferry {name} carried {code} passengers on its maiden voyage.",
+     "How many passengers did ferry {name} carry on its maiden voyage?"),
+    ("The summit of Mount {name} stands {code} feet above sea level.",
+     "How high is the summit of Mount {name}, in feet?"),
+    ("The {name} observatory has catalogued {code} comets.", "How many comets has the {name} observatory catalogued?"),
+    ("The {name} vineyard bottled {code} cases of wine last season.",
+     "How many cases of wine did the {name} vineyard bottle last season?"),
+    ("The PIN of the {name} safe is {code}.", "What is the PIN of the {name} safe?"),
+    ("The {name} reservoir holds {code} million litres of water.",
+     "How many million litres of water does the {name} reservoir hold?"),
+    ("Train {name} runs on track {code}.", "On which track does train {name} run?"),
+    ("The {name} tunnel has {code} ventilation fans.", "How many ventilation fans does the {name} tunnel have?"),
+    ("The {name} orchard grew {code} apple trees.", "How many apple trees did the {name} orchard grow?"),
+    ("Room {code} is where the {name} committee meets.", "In which room does the {name} committee meet?"),
+    ("The {name} marathon had {code} runners at the start.",
+     "How many runners were at the start of the {name} marathon?"),
+    ("Locker {code} belongs to the {name} team.", "Which locker belongs to the {name} team?"),
+)  # fmt: skip
+"""(fact sentence, question) formats of the ``distinct`` style; the ``same`` style uses the first for every fact."""
+
+
+class FactStyle(enum.StrEnum):
+    """Which relation each planted fact states (see the module docstring)."""
+
+    DISTINCT = "distinct"
+    SAME = "same"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fact:
-    """A planted fact: "The access code for the <name> archive is <code>."."""
+    """A planted fact: a name, its 4-digit code, and the relation sentence and question that state and ask it."""
 
     name: str
     code: str
+    relation: int = 0  # index into RELATIONS
 
     @property
     def sentence(self) -> str:
-        return f"The access code for the {self.name} archive is {self.code}."
+        return RELATIONS[self.relation][0].format(name=self.name, code=self.code)
 
     @property
     def question(self) -> str:
-        return f"Question: What is the access code for the {self.name} archive?"
+        return "Question: " + RELATIONS[self.relation][1].format(name=self.name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,8 +248,11 @@ def _fact_codes(num_documents: int, rng: np.random.Generator) -> list[str]:
     return [str(int(code)) for code in codes]
 
 
-def prose_documents(tokenizer: Any, num_documents: int, document_tokens: int, seed: int) -> list[Document]:
-    """``num_documents`` documents of exactly ``document_tokens`` tokens of docstrings, one planted fact each.
+def prose_documents(
+    tokenizer: Any, num_documents: int, document_tokens: int, seed: int, style: FactStyle = FactStyle.DISTINCT
+) -> list[Document]:
+    """``num_documents`` documents of exactly ``document_tokens`` tokens of docstrings, one planted fact each
+    (document ``i``'s relation is ``i % len(RELATIONS)`` in the ``distinct`` style).
 
     Raises:
         ConfigError: more documents than fact names, documents too short for a fact, or a corpus too small.
@@ -216,7 +264,8 @@ def prose_documents(tokenizer: Any, num_documents: int, document_tokens: int, se
     paragraphs = iter(docstring_corpus())
     documents = []
     for index in range(num_documents):
-        fact = Fact(name=FACT_NAMES[index], code=codes[index])
+        relation = index % len(RELATIONS) if style is FactStyle.DISTINCT else 0
+        fact = Fact(name=FACT_NAMES[index], code=codes[index], relation=relation)
         fact_tokens = len(tokenizer.encode(SEPARATOR_TEXT + fact.sentence, add_special_tokens=False))
         if document_tokens < 4 * fact_tokens:
             raise ConfigError(f"--document-tokens {document_tokens} is too short for a planted fact; use >= 100")

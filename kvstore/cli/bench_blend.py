@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, WarmUp, run_multidoc_benchmark
 from kvstore.bench.multidoc_rows import MultiDocRow
+from kvstore.bench.multidoc_workload import FactStyle
 from kvstore.blend import DeviationMetric
 from kvstore.blend.query_attention import AttentionKernel
 from kvstore.config import parse_size, parse_tiers
@@ -76,6 +77,13 @@ def _parse_warm_up(text: str) -> WarmUp:
         raise ConfigError(f"--warm-up {text!r}: use preamble or alone") from None
 
 
+def _parse_facts(text: str) -> FactStyle:
+    try:
+        return FactStyle(text)
+    except ValueError:
+        raise ConfigError(f"--facts {text!r}: use distinct or same") from None
+
+
 def _render(rows: list[MultiDocRow]) -> None:
     table = Table(title=f"kvstore bench {rows[0].bench.replace('_', '-')} ({rows[0].model}, {rows[0].device})")
     for column in ("mode", "ratio", "TTFT mean ms", "p50", "p99", "speedup", "lookup", "load", "recompute",
@@ -124,6 +132,11 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
         warm_up: str = typer.Option(
             _DEFAULTS.warm_up.value, "--warm-up", help="multi-doc-qa: store documents after the 'preamble' or 'alone'."
         ),
+        facts: str = typer.Option(
+            _DEFAULTS.facts.value,
+            "--facts",
+            help="Planted facts: 'distinct' relations per document, or the 'same' sentence in each (binding test).",
+        ),
         cpu_capacity: str | None = typer.Option(
             None, "--cpu-capacity", help="cpu tier size (default: twice the documents' KV, at least 64MiB)."
         ),
@@ -170,6 +183,7 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             data_dir=data_dir,
             chunk_size=chunk_size,
             warm_up=_parse_warm_up(warm_up),
+            facts=_parse_facts(facts),
             cpu_capacity_bytes=parse_size(cpu_capacity) if cpu_capacity else None,
             gpu_capacity_bytes=parse_size(gpu_capacity) if gpu_capacity else None,
             num_documents=num_documents,

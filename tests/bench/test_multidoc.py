@@ -11,6 +11,8 @@ import pytest
 from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, run_multidoc_benchmark
 from kvstore.bench.multidoc_workload import (
     FACT_NAMES,
+    RELATIONS,
+    FactStyle,
     PromptFormat,
     docstring_corpus,
     pick_combinations,
@@ -27,7 +29,7 @@ ROW_FIELDS = ("mode", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "speedup_vs_
               "continuation_match", "fact_accuracy", "lookup_ms_mean", "load_ms_mean", "recompute_ms_mean",
               "other_ms_mean", "fact_agreement_with_full", "fact_full_only", "fact_mode_only",
               "fact_difference_vs_full", "fact_difference_ci95_low", "fact_difference_ci95_high",
-              "fact_accuracy_ci95_low", "fact_accuracy_ci95_high", "num_head_tokens", "seed")  # fmt: skip
+              "fact_accuracy_ci95_low", "fact_accuracy_ci95_high", "num_head_tokens", "seed", "facts")  # fmt: skip
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -50,6 +52,7 @@ def test_multi_doc_qa_prints_one_json_row_per_mode(capsys: pytest.CaptureFixture
         assert row["num_queries"] == 2 and row["ttft_ms_p50"] <= row["ttft_ms_max"]
     full, prefix, blend, reuse = rows
     assert full["speedup_vs_full"] == 1.0 and full["cached_tokens_mean"] == 0 and full["warm_up"] == "preamble"
+    assert full["facts"] == "none"  # random documents plant no facts
     # Documents were stored after the 16-token preamble (two whole chunks): a query's first document is an exact
     # prefix (7 whole chunks for a prefix cache, its partial last chunk too for the content match) and the other
     # two, separator included, are found at their new offsets.
@@ -132,9 +135,28 @@ def test_prose_documents_have_the_exact_length_and_their_fact() -> None:
     prompt = prompt_format.query_prompt([documents[2], documents[0]], question)
     text = tokenizer.decode(prompt)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
-    assert "What is the access code for the Juniper archive?" in text
+    assert "How long is the Juniper bridge, in meters?" in text  # document 1's own relation
     start = len(prompt_format.preamble) + len(prompt_format.separator)
     assert np.array_equal(prompt[start : start + 300], documents[2].tokens)  # tokenised alone, placed as is
+
+
+def test_distinct_facts_state_one_relation_per_name_and_same_facts_one_sentence() -> None:
+    tokenizer = load_smollm2(cache_dir=default_model_cache_dir(os.environ)).tokenizer
+    distinct = prose_documents(tokenizer, len(RELATIONS) + 2, 120, seed=2)
+    same = prose_documents(tokenizer, 4, 120, seed=2, style=FactStyle.SAME)
+    facts = [document.fact for document in distinct]
+    assert all(fact is not None for fact in facts)
+    relations = [fact.relation for fact in facts if fact is not None]
+    assert relations[: len(RELATIONS)] == list(range(len(RELATIONS))) and relations[len(RELATIONS)] == 0
+    sentences = [fact.sentence.replace(fact.name, "").replace(fact.code, "") for fact in facts if fact is not None]
+    assert len(set(sentences[: len(RELATIONS)])) == len(RELATIONS)  # the words around name and code differ
+    for document in [*distinct, *same]:
+        fact = document.fact
+        assert fact is not None and fact.name in fact.question and fact.code not in fact.question
+        assert fact.sentence in tokenizer.decode(document.tokens)
+    assert {document.fact.question.replace(document.fact.name, "") for document in same if document.fact} == {
+        "Question: What is the access code for the  archive?"
+    }
 
 
 def test_a_small_quality_run_on_smollm2() -> None:
@@ -150,8 +172,10 @@ def test_a_small_quality_run_on_smollm2() -> None:
         chunk_size=32,
         modes=(BenchMode.FULL, BenchMode.BLEND),
         continuation_tokens=8,
+        facts=FactStyle.SAME,
     )
     full, blend = run_multidoc_benchmark(options)
+    assert full.facts == blend.facts == "same"
     assert full.top1_agreement == 1.0 and full.kl_mean == 0.0 and full.continuation_match == 1.0
     assert full.fact_accuracy in (0.0, 1.0) and blend.fact_accuracy in (0.0, 1.0)
     # Paired with full prefill on the same query: full agrees with itself; blend's counts follow its answer.
