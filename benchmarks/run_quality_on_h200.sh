@@ -38,4 +38,4 @@ for spec in "$@"; do
      --modes full,blend,reuse --json ${flags//,/ } >"$OUT/$name.jsonl" 2>"$OUT/$name.log"; echo $? >"$OUT/$name.rc") &
 done
 wait
-cd "$OUT" && tar -czf quality.tgz ./*.jsonl ./*.rc ./*.txt && tail -n +1 ./*.rc && cat ./*.jsonl | cut -c1-400
+cd "$OUT" && tar -czf quality.tgz ./*.jsonl ./*.rc ./*.txt ./*.log && tail -n +1 ./*.rc && cat ./*.jsonl | cut -c1-400
