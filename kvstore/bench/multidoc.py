@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import shutil
 import tempfile
@@ -127,6 +128,7 @@ class MultiDocOptions:
     modes: tuple[BenchMode, ...] = tuple(BenchMode)
     continuation_tokens: int = 32
     seed: int = 0
+    samples_path: Path | None = None  # one JSON line per query and mode, written as they come
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workload", BenchWorkload(self.workload))
@@ -135,6 +137,8 @@ class MultiDocOptions:
         object.__setattr__(self, "modes", tuple(BenchMode(mode) for mode in self.modes))
         if BenchMode.FULL not in self.modes:
             object.__setattr__(self, "modes", (BenchMode.FULL, *self.modes))  # the baseline of every ratio
+        if self.samples_path is not None and not self.samples_path.parent.is_dir():  # before minutes of work
+            raise ConfigError(f"--samples {self.samples_path}: its directory does not exist")
         if self.model_path is not None and self.random_init is not None:
             raise ConfigError("--model and --random-init exclude each other; pick one model")
         for name in ("num_documents", "document_tokens", "num_queries", "continuation_tokens", "chunk_size"):
@@ -279,15 +283,18 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
                 _prefill(blender, prompts[0], mode, configs)
                 done += 1
                 report("warm-up: one query per mode", done, total_steps)
-            for index, (prompt, query) in enumerate(zip(prompts, queries, strict=True)):
-                reference: _Reference | None = None
-                for mode in options.modes:
-                    output = _prefill(blender, prompt, mode, configs)
-                    sample, reference = _measure(model, output, reference, documents[query.asked], options)
-                    samples[mode].append(sample)
-                    del output
-                    done += 1
-                    report(f"query {index + 1}/{len(prompts)}: {mode.value}", done, total_steps)
+            with _sample_writer(options.samples_path) as write_sample:
+                for index, (prompt, query) in enumerate(zip(prompts, queries, strict=True)):
+                    reference: _Reference | None = None
+                    for mode in options.modes:
+                        output = _prefill(blender, prompt, mode, configs)
+                        sample, reference = _measure(model, output, reference, documents[query.asked], options)
+                        samples[mode].append(sample)
+                        write_sample({"query": index, "mode": mode.value, "order": list(query.order),
+                                      "asked": query.asked, **sample.to_json_dict()})  # fmt: skip
+                        del output
+                        done += 1
+                        report(f"query {index + 1}/{len(prompts)}: {mode.value}", done, total_steps)
     context = RunContext(
         bench=options.workload.value,
         check_layer=options.check_layer,
@@ -310,6 +317,25 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
                   samples[BenchMode.FULL])
         for mode in options.modes
     ]  # fmt: skip
+
+
+@contextmanager
+def _sample_writer(path: Path | None) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """Appends one JSON line per sample to ``path`` and flushes it, so a run cut short keeps what it measured."""
+    if path is None:
+        yield lambda sample: None
+        return
+    try:
+        file = path.open("w", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--samples {path}: cannot write it ({exc.strerror})") from None
+    with file:
+
+        def write(sample: dict[str, Any]) -> None:
+            file.write(json.dumps(sample) + "\n")
+            file.flush()
+
+        yield write
 
 
 def _prefill(

@@ -58,6 +58,14 @@ class QuerySample:
     continuation_match: float | None = None
     fact_correct: bool | None = None
 
+    def to_json_dict(self) -> dict[str, str | int | float | bool | None]:
+        """The sample as one flat JSON object (``--samples``): the quality fields and the stage timings."""
+        fields: dict[str, str | int | float | bool | None] = {
+            name: getattr(self, name) for name in self.__slots__ if name != "timings"
+        }
+        fields.update(dataclasses.asdict(self.timings))
+        return fields
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MultiDocRow:

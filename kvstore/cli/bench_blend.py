@@ -163,6 +163,9 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
         modes: str = typer.Option("full,prefix,blend,reuse", "--modes", help="Modes to run (full always runs)."),
         continuation_tokens: int = typer.Option(32, "--continuation-tokens", help="Greedy tokens compared."),
         seed: int = typer.Option(_DEFAULTS.seed, "--seed", help="Seed of documents, facts, queries, weights."),
+        samples_path: Path | None = typer.Option(
+            None, "--samples", help="Also write one JSON line per query and mode to this file, as they come."
+        ),
         expected_ttft_gain: float | None = typer.Option(
             None, "--expected-ttft-gain", help="Exit 1 when blend's speedup over full is below this."
         ),
@@ -198,6 +201,7 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             modes=_parse_modes(modes),
             continuation_tokens=continuation_tokens,
             seed=seed,
+            samples_path=samples_path,
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=Console(stderr=True), transient=True) as progress:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -194,3 +195,25 @@ def test_without_json_a_table_is_printed(capsys: pytest.CaptureFixture[str]) -> 
     assert code == 0, err
     assert "kvstore bench shuffle (random-init/tiny-llama-seed0, cpu)" in out
     assert "reuse" in out and "speedup" in out
+
+
+def test_samples_are_written_one_line_per_query_and_mode(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    samples = tmp_path / "samples.jsonl"
+    code, out, err = run(["bench", "multi-doc-qa", *TINY, "--modes", "blend", "--samples", str(samples), "--json"],
+                         capsys)  # fmt: skip
+    assert code == 0, err
+    lines = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert [(line["query"], line["mode"]) for line in lines] == [(0, "full"), (0, "blend"), (1, "full"), (1, "blend")]
+    full_row = json.loads(out.splitlines()[0])
+    assert full_row["ttft_ms_mean"] == pytest.approx(sum(line["total_ms"] for line in lines[::2]) / 2, abs=1e-3)
+    assert all(len(line["order"]) == 3 and line["asked"] in line["order"] for line in lines)
+    assert lines[1]["recomputed_tokens"] < lines[0]["recomputed_tokens"] and lines[1]["fact_correct"] is None
+
+
+def test_an_unwritable_samples_path_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    code, _, err = run(["bench", "multi-doc-qa", *TINY, "--samples", str(tmp_path / "missing" / "s.jsonl")], capsys)
+    assert code != 0 and "--samples" in err and "Traceback" not in err
