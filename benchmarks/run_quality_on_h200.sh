@@ -16,8 +16,9 @@
 #   pip download --no-deps --only-binary=:all: -d .g1 gguf==0.19.0 transformers==5.24.0  (and as run_blend_on_h200.sh
 #   says for lmdb, zstandard, pyzmq into .g2)
 # Each process stops after RUN_SECONDS (420); --samples keeps every query it finished (NAME.samples.jsonl).
-# Each argument is NAME:FLAGS, FLAGS being extra `bench multi-doc-qa` flags with commas for spaces
-# (e.g. check3:--check-layer,3); every run has --device cuda --dtype float32 --num-documents 32 and its own flags.
+# Each argument is NAME:FLAGS (a NAME starting with 'shuffle' runs `bench shuffle`), FLAGS being extra `bench multi-doc-qa` flags with commas for spaces
+# (e.g. check3:--check-layer,3); every run has --device cuda --dtype float32 --num-documents 32 --attention sdpa
+# and its own flags (a later --num-documents wins).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/src
@@ -35,9 +36,10 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, torc
 " 2>&1 | tail -1 | tee "$OUT/env.txt"
 RESULTS=/tmp/results && mkdir -p "$RESULTS"
 for spec in "$@"; do
-  name=${spec%%:*}; flags=${spec#*:}
+  name=${spec%%:*}; flags=${spec#*:}; bench=multi-doc-qa
+  [[ $name == shuffle* ]] && bench=shuffle
   # shellcheck disable=SC2086
-  (timeout "${RUN_SECONDS:-420}" python3 -m kvstore.cli.main bench multi-doc-qa --device cuda --dtype float32 \
+  (timeout "${RUN_SECONDS:-420}" python3 -m kvstore.cli.main bench $bench --device cuda --dtype float32 \
      --num-documents 32 --modes full,blend,reuse --attention sdpa --json --samples "$RESULTS/$name.samples.jsonl" \
      ${flags//,/ } >"$RESULTS/$name.jsonl" 2>"$RESULTS/$name.log"; echo $? >"$RESULTS/$name.rc") &
 done
