@@ -9,7 +9,7 @@ prompt is a 60 KB memcpy, not 15k msgpack ints to decode). Chunk keys are 16-byt
                  host_id                                           tiers, features, limits, host id
     goodbye      -                                                 - (plans, sessions, segments dropped)
     store        tokens, bulk (BulkRef), durable                   StoreResult
-    lookup       tokens, session_id | nil, blend | nil             plan: plan_id, segments, gaps
+    lookup       tokens, session_id | nil, blend | nil             plan: plan_id, num_query_tokens, segments (rows)
     retrieve     plan_id, bulk (where the KV goes)                 loaded segments, end (+ inline payload)
     release      plan_id                                           -
     end_session  session_id                                        -

@@ -7,15 +7,16 @@ for the answer to the next one). Each message is one or two frames::
     request: | header (msgpack map) | [payload: raw KV bytes, inline bulk only] |
     reply:   | header (msgpack map) | [payload: raw KV bytes, inline retrieve only] |
 
-    request header: {"v": 1, "id": <int>, "op": <str>, "client": <str | nil>, "args": <map>}
-    ok reply:       {"v": 1, "id": <int>, "ok": true,  "result": <map>}
-    error reply:    {"v": 1, "id": <int | nil>, "ok": false, "error": {"code": <str>, "message": <str>}}
+    request header: {"v": 2, "id": <int>, "op": <str>, "client": <str | nil>, "args": <map>}
+    ok reply:       {"v": 2, "id": <int>, "ok": true,  "result": <map>}
+    error reply:    {"v": 2, "id": <int | nil>, "ok": false, "error": {"code": <str>, "message": <str>}}
 
 Handshake: a client's first request is ``hello`` (its ``KVLayout`` as canonical JSON, or nil for an admin
 client, its pid and host id); the reply gives the ``client`` token to put in every later header and the server's
 chunk size, tiers, features and limits. A header whose ``v`` is not ``PROTOCOL_VERSION`` gets
 ``unsupported_version``; a token the server does not know (it restarted) gets ``not_registered``, and the client
 says hello again. Operations and their arguments are in ``messages``; values (plans, stats) in ``wire_values``.
+Version 2 (issue 5) sends plan segments as packed rows in one ``bin`` (version 1: an array per segment).
 
 Bulk KV (``messages.BulkRef``) travels by reference through a shared-memory segment the client attached (same
 host: no copy beyond the tier's own), inline as the second frame (remote clients), or as a CUDA IPC handle.
@@ -51,7 +52,7 @@ __all__ = [
     "unpack_map",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _MIB = 1024 * 1024
 _MAX_REQUEST_ID = 2**63 - 1
 _MAX_CLIENT_ID_CHARS = 64

@@ -114,7 +114,8 @@ class BadMessages:
         return [_header(name, {}, self.client_id)]
 
     def wrong_version(self) -> Frames:
-        return [_header("health", {}, v=self.rng.choice([0, 2, 99, -1, "1", 1.0, None]))]
+        wrong = [0, 1, PROTOCOL_VERSION + 1, 99, -1, str(PROTOCOL_VERSION), float(PROTOCOL_VERSION), None]
+        return [_header("health", {}, v=self.rng.choice(wrong))]
 
     def wrong_layout(self) -> Frames:
         layout = json.loads(SERVER_LAYOUT.to_json())

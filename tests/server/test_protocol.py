@@ -3,6 +3,7 @@ code and one line, never another exception."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgpack
@@ -42,6 +43,7 @@ from kvstore.server.wire_values import (
     TierCapacity,
     decode_store_result,
     encode_plan,
+    encode_segments,
     encode_store_result,
     plan_from_wire,
 )
@@ -88,7 +90,8 @@ def test_a_valid_request_round_trips() -> None:
         ([msgpack.packb([1, 2])], ErrorCode.MALFORMED),  # not a map
         ([msgpack.packb({1: 2})], ErrorCode.MALFORMED),  # int keys
         ([b"\x91" * 50_000], ErrorCode.MALFORMED),  # nesting bomb
-        ([header(v=2)], ErrorCode.UNSUPPORTED_VERSION),
+        ([header(v=1)], ErrorCode.UNSUPPORTED_VERSION),  # a client from before issue 5's segment rows
+        ([header(v=PROTOCOL_VERSION + 1)], ErrorCode.UNSUPPORTED_VERSION),
         ([header(v=True)], ErrorCode.UNSUPPORTED_VERSION),
         ([header(v=...)], ErrorCode.UNSUPPORTED_VERSION),
         ([header(op="fly")], ErrorCode.UNKNOWN_OP),
@@ -210,10 +213,61 @@ def test_plans_and_store_results_round_trip() -> None:
     assert decoded.segments == segments and decoded.session_id == "mine" and decoded.gaps == plan.gaps
     result = StoreResult(num_chunks=3, num_new_chunks=2, num_rejected_chunks=1, num_aliased_chunks=0)
     assert decode_store_result(Fields(encode_store_result(result), "r")) == result
-    overlapping = encode_plan(plan, None) | {"segments": [[0, 8, bytes(16), 0, True, "cpu"], [4, 4, bytes(16), 0,
-                                                                                             True, "cpu"]]}  # fmt: skip
-    with pytest.raises(RequestError):
-        plan_from_wire(Fields(overlapping, "plan"))
+    overlapping = (segments[0], dataclasses.replace(segments[1], start=2))
+    with pytest.raises(RequestError) as caught:
+        plan_from_wire(Fields(encode_plan(plan, None) | {"segments": encode_segments(overlapping)}, "plan"))
+    assert caught.value.code is ErrorCode.MALFORMED and "segments[1]" in caught.value.message
+
+
+_segment_lists = st.lists(
+    st.builds(
+        Segment,
+        start=st.integers(0, 2**36),
+        num_tokens=st.integers(1, 2**31),
+        key=st.binary(min_size=16, max_size=16).map(PrefixKey),
+        source_start=st.integers(0, 2**40),
+        exact=st.booleans(),
+        tier=st.sampled_from(TierName),
+    ),
+    max_size=8,
+).map(lambda drawn: tuple(sorted(drawn, key=lambda segment: segment.start)))
+
+
+def test_the_segment_decoder_skips_no_validation() -> None:
+    """``decode_segments`` builds ``Segment`` values by setting their slots (issue 5); that is only the same as
+    calling the class while it has no ``__post_init__``."""
+    assert not hasattr(Segment, "__post_init__"), "Segment validates now: make wire_values.decode_segments call it"
+
+
+@settings(max_examples=300, deadline=None)
+@given(_segment_lists, st.data())
+def test_segment_rows_round_trip_and_any_corrupt_byte_is_a_request_error(
+    segments: tuple[Segment, ...], data: st.DataObject
+) -> None:
+    """Issue 5: plan segments travel as packed rows; what decodes is exactly what was sent, and a flipped byte is
+    either still a valid plan or an error reply, never another exception."""
+    cursor, valid = 0, True
+    for segment in segments:
+        valid &= cursor <= segment.start
+        cursor = segment.end
+    num_query_tokens = max(cursor, 1)
+    plan = LookupPlan(plan_id=1, session_id=None, num_query_tokens=num_query_tokens, segments=segments)
+    wire = encode_plan(plan, None)
+    if valid:
+        assert plan_from_wire(Fields(dict(wire), "plan")).segments == segments
+    rows = bytearray(encode_segments(segments))
+    if rows:
+        index = data.draw(st.integers(0, len(rows) - 1))
+        rows[index] ^= data.draw(st.integers(1, 255))
+    cut = data.draw(st.integers(0, len(rows)))
+    for corrupt in (bytes(rows), bytes(rows[:cut])):
+        try:
+            decoded = plan_from_wire(Fields(wire | {"segments": corrupt}, "plan"))
+        except RequestError as exc:
+            assert exc.code in (ErrorCode.MALFORMED, ErrorCode.INVALID_ARGUMENT)
+            continue
+        assert all(0 <= s.start < s.end <= num_query_tokens for s in decoded.segments)
+        assert all(a.end <= b.start for a, b in zip(decoded.segments, decoded.segments[1:], strict=False))
 
 
 def test_hello_round_trips(small_layout: KVLayout) -> None:

@@ -176,7 +176,8 @@ def test_the_socket_answers_malformed_requests_and_a_second_server_is_refused(tm
             socket.send_multipart([b"\xc1garbage"])
             socket.send_multipart([msgpack.packb({"v": PROTOCOL_VERSION, "id": 4, "op": "fly", "args": {}})])
             socket.send_multipart([msgpack.packb({"v": 9, "id": 5, "op": "health", "args": {}})])
-            socket.send_multipart([msgpack.packb({"v": 1, "id": 6, "op": "stats", "client": None, "args": {}})])
+            stats = {"v": PROTOCOL_VERSION, "id": 6, "op": "stats", "client": None, "args": {}}
+            socket.send_multipart([msgpack.packb(stats)])
             replies = []
             for _ in range(4):
                 assert socket.poll(10_000), "the server stopped answering"
