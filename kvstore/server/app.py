@@ -83,7 +83,7 @@ def _serve(
         store = host.store
         return store.stats() if store is not None else None
 
-    metrics = ServerMetrics(store_stats, lambda: clients.num_clients, config.chunk_size)
+    metrics = ServerMetrics(store_stats, lambda: clients.num_clients)
     disk_path = config.disk_path if TierName.DISK in config.tiers else None
     identity = ServerIdentity(
         version=server_version(),

@@ -37,7 +37,7 @@ from kvstore.server.document_hits import DocumentHits
 from kvstore.server.document_hits_file import DocumentHitsSaver
 from kvstore.server.document_report import DocumentsArgs, DocumentsReport, count_by_tier, top_document
 from kvstore.server.errors import ErrorCode, RequestError, error_for
-from kvstore.server.hits import HitCounter, LookupTally
+from kvstore.server.hits import HitCounter, LookupTally, PlanCoverage
 from kvstore.server.messages import (
     AttachArgs,
     BulkRef,
@@ -133,7 +133,7 @@ class RequestHandler:
         self._metrics = metrics
         self._is_serving = is_serving
         self._hits = HitCounter()
-        self._tally = LookupTally(host.config.chunk_size)
+        self._tally = LookupTally()
         self._num_requests = 0  # approximate under concurrency; only reported
         self._documents = documents if documents is not None else DocumentHits()
         self._documents_saver = None
@@ -275,10 +275,11 @@ class RequestHandler:
         if not self._clients.add_plan(client_id, plan, args.session_id):
             store.release(plan)
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
-        self._hits.add(segment.key for segment in plan.segments)
-        self._tally.add(plan)
+        self._hits.add([segment.key for segment in plan.segments])
+        coverage = PlanCoverage.of(plan, store.config.chunk_size)
+        self._tally.add(coverage)
         self._documents.add_plan(plan, args.tokens)
-        self._metrics.observe_lookup(plan, time.perf_counter() - started_s)
+        self._metrics.observe_lookup(coverage, time.perf_counter() - started_s)
         return encode_plan(plan, args.session_id)
 
     def _retrieve(self, request: Request, client_id: str, args: RetrieveArgs) -> ReplyFrames:

@@ -103,7 +103,7 @@ def make_harness(config: StoreConfig, layout: KVLayout | None, **handler_options
     def stats():  # type: ignore[no-untyped-def]
         return host.store.stats() if host.store is not None else None
 
-    metrics = ServerMetrics(stats, lambda: clients.num_clients, config.chunk_size)
+    metrics = ServerMetrics(stats, lambda: clients.num_clients)
     disk_path = str(config.disk_path) if TierName.DISK in config.tiers else None
     identity = ServerIdentity(
         version="test", host_id="h", pid=1, started_s=time.monotonic(), limits=LIMITS, shm=True, disk_path=disk_path

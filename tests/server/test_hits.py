@@ -1,0 +1,45 @@
+"""Lookup hit counting: one plan's coverage counted in one pass, the per-tier tally, the bounded per-chunk counter."""
+
+from __future__ import annotations
+
+from kvstore.keys import PrefixKey
+from kvstore.plan import LookupPlan, Segment
+from kvstore.server.hits import HitCounter, LookupTally, PlanCoverage
+from kvstore.tiers.base import TierName
+
+
+def _segment(start: int, num_tokens: int, *, exact: bool, tier: TierName) -> Segment:
+    return Segment(
+        start=start, num_tokens=num_tokens, key=PrefixKey(bytes([start]) * 16), source_start=start, exact=exact,
+        tier=tier,
+    )  # fmt: skip
+
+
+def test_plan_coverage_counts_exact_blend_gap_tiers_and_misses() -> None:
+    """Issue 5: the lookup metrics and the tally read one ``PlanCoverage`` instead of each walking the segments."""
+    segments = (
+        _segment(0, 16, exact=True, tier=TierName.CPU),
+        _segment(16, 16, exact=True, tier=TierName.DISK),
+        _segment(48, 16, exact=False, tier=TierName.CPU),
+        _segment(64, 5, exact=False, tier=TierName.GPU),
+    )
+    plan = LookupPlan(plan_id=1, session_id=None, num_query_tokens=80, segments=segments)
+    coverage = PlanCoverage.of(plan, chunk_size=16)
+    assert (coverage.num_exact_tokens, coverage.num_blend_tokens, coverage.num_gap_tokens) == (32, 21, 27)
+    assert coverage.num_chunks_by_tier == {TierName.CPU: 2, TierName.DISK: 1, TierName.GPU: 1}
+    assert coverage.num_missed_chunks == 1  # 80 tokens are 5 chunks of 16; 4 were planned
+    empty = PlanCoverage.of(LookupPlan(plan_id=2, session_id=None, num_query_tokens=0, segments=()), chunk_size=16)
+    assert (empty.num_gap_tokens, empty.num_missed_chunks, empty.num_chunks_by_tier) == (0, 0, {})
+
+    tally = LookupTally()
+    tally.add(coverage)
+    tally.add(coverage)
+    assert tally.snapshot() == ({TierName.CPU: 4, TierName.DISK: 2, TierName.GPU: 2}, 2)
+
+
+def test_hit_counter_keeps_the_most_hit_half_when_full() -> None:
+    counter = HitCounter(max_keys=4)
+    keys = [PrefixKey(bytes([index]) * 16) for index in range(5)]
+    counter.add([keys[0], keys[0], keys[0], keys[1], keys[1], keys[2], keys[3]])
+    counter.add([keys[4]])
+    assert counter.top(5) == [(keys[0], 3), (keys[1], 2)] and counter.hits(keys[4]) == 0
