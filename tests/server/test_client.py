@@ -105,6 +105,22 @@ def test_sessions_release_their_pins(server: ServerProcess) -> None:
         client.retrieve(mine)
 
 
+def test_lookups_on_the_io_thread_and_on_the_control_pool_agree(server: ServerProcess) -> None:
+    """Issue 5: a lookup whose header fits in 128 KiB is answered on the server's I/O thread, a longer one on the
+    control pool; both plan the same cached chunks and hold their pins only until released."""
+    prefix, kv = make_tokens(64, seed=51), make_kv(SERVER_LAYOUT, 64, seed=51)
+    with Client(server.url, SERVER_LAYOUT) as client:
+        client.store(prefix, kv)
+        short = client.lookup(np.concatenate([prefix, make_tokens(100, seed=52)]))
+        long = client.lookup(np.concatenate([prefix, make_tokens(40_000, seed=52)]))  # 160 KB of token ids
+        assert short.segments == long.segments and short.num_prefix_tokens == long.num_prefix_tokens == 64
+        assert [(gap.start, gap.end) for gap in long.gaps] == [(64, 40_064)]
+        assert client.stats().num_open_plans == 2
+        client.release(short)
+        assert torch.equal(client.retrieve(long).kv, kv)
+        assert client.stats().num_open_plans == 0 and client.health().status == "serving"
+
+
 def test_admin_clients_inspect_and_evict(server: ServerProcess) -> None:
     tokens, kv = make_tokens(32, seed=51), make_kv(SERVER_LAYOUT, 32, seed=51)
     with Client(server.url, SERVER_LAYOUT) as client, Client(server.url) as admin:
