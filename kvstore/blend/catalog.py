@@ -7,10 +7,9 @@
   them are dropped when the worker is done);
 - **lookup**: ``sync`` (see every registration submitted before the lookup), ``match`` (the match leg, with the
   strike rules applied to what the tiers report) and ``resolve_alias`` (the prefix leg's dedup aliases);
-- **open**: ``rebuild`` (one object per chunk), ``rebuild_batches`` (batches of records, no object per chunk) or
-  ``start_rebuild`` (fed batches by the disk tier's own recovery pass) from the disk's chunk records, so a restart
-  keeps the content index: sequences are relinked through their parent keys (``relink``) and registered in one call
-  (``catalog_rebuild``).
+- **open**: ``start_rebuild`` (fed batches of the disk's chunk records by the disk tier's own recovery pass), so
+  a restart keeps the content index: sequences are relinked through their parent keys (``relink``) and registered
+  in one call (``catalog_rebuild``).
 
 The catalog never touches a tier: the store passes what it needs as callables (``Residency``), keeping data
 flowing one way (store -> catalog, store -> tiers).
@@ -20,27 +19,23 @@ Threads: safe to share; each part guards itself (index, worker, strike book, ali
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstore.blend.aliases import AliasTable, AliasTarget
-from kvstore.blend.catalog_rebuild import ContentRebuild, SequenceBatch, SequenceChunk, batch_of_chunks
+from kvstore.blend.catalog_rebuild import ContentRebuild, SequenceBatch
 from kvstore.blend.index import FingerprintIndex, Match, RegistrationResult
 from kvstore.blend.registration import RegistrationJob, RegistrationStats, RegistrationWorker
 from kvstore.blend.strikes import StrikeBook, Verdict
 from kvstore.keys import PrefixKey, TokenArray
 
-__all__ = ["CatalogStats", "ContentCatalog", "ContentRebuild", "Residency", "SequenceBatch", "SequenceChunk"]
+__all__ = ["CatalogStats", "ContentCatalog", "ContentRebuild", "Residency", "SequenceBatch"]
 
 logger = logging.getLogger(__name__)
 
 _Pinned = TypeVar("_Pinned")
-# Chunks the rebuild holds at once while it hashes them. Few enough to die young: batches of 8192 reached the oldest
-# generation of the garbage collector and cost full collections over the whole heap (1M chunks: seconds).
-_REBUILD_BATCH_CHUNKS = 256
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,32 +185,6 @@ class ContentCatalog:
         return self._strikes.strikes(key)
 
     # -- open / close -----------------------------------------------------------------------------------------
-
-    def rebuild(self, chunks: Iterable[SequenceChunk]) -> int:
-        """Index chunks recorded on disk, relinking each stored sequence through its parent keys.
-
-        The same as ``rebuild_batches``, from one object per chunk (a few hundred are held at a time).
-
-        Returns:
-            Chunks indexed.
-        """
-        iterator = iter(chunks)
-        return self.rebuild_batches(
-            batch_of_chunks(batch)
-            for batch in iter(lambda: list(itertools.islice(iterator, _REBUILD_BATCH_CHUNKS)), [])
-        )
-
-    def rebuild_batches(self, batches: Iterable[SequenceBatch]) -> int:
-        """Index chunks recorded on disk, a batch at a time, relinking each stored sequence through its parent keys
-        (``ContentRebuild`` has the rules).
-
-        Returns:
-            Chunks indexed.
-        """
-        rebuild = self.start_rebuild()
-        for batch in batches:
-            rebuild.add(batch)
-        return rebuild.finish()
 
     def start_rebuild(self) -> ContentRebuild:
         """A rebuild to feed batches of chunk records into (``add``) and ``finish`` once: what lets the disk tier's

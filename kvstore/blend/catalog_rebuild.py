@@ -4,7 +4,6 @@
 dropped); ``finish`` relinks the stored sequences through their parent keys (``relink``) and registers all of them
 in one call (``FingerprintIndex.register_runs``). Being fed, not pulling, it can ride on the disk tier's own pass
 over the meta records at open (``DiskTier(content_records=rebuild.add)``): one read of each record instead of two.
-``ContentCatalog.rebuild_batches`` and ``rebuild`` feed it from an iterable.
 
 Threads: one ``ContentRebuild`` belongs to the thread that opens the store; ``finish`` takes the index's lock.
 """
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -21,25 +19,13 @@ import numpy.typing as npt
 
 from kvstore.blend.index import ChunkContents, FingerprintIndex
 from kvstore.blend.relink import sequence_runs_of_words
-from kvstore.errors import InvalidInputError
-from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray
+from kvstore.keys import PrefixKey, TokenArray
 
-__all__ = ["ContentRebuild", "SequenceBatch", "SequenceChunk", "batch_of_chunks"]
+__all__ = ["ContentRebuild", "SequenceBatch"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_POSITION = 2**32 - 1  # the index keeps source starts as u32
-_NO_KEY = bytes(KEY_BYTES)  # a parent key of zeros means "none known", as on disk
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SequenceChunk:
-    """One chunk of a stored sequence as the disk records it (for ``ContentCatalog.rebuild``)."""
-
-    key: PrefixKey
-    parent_key: PrefixKey | None
-    source_start: int
-    tokens: TokenArray
 
 
 class SequenceBatch(Protocol):
@@ -71,37 +57,6 @@ class SequenceBatch(Protocol):
 
     @property
     def token_ends(self) -> npt.NDArray[np.int64]: ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _ChunkBatch:
-    """A ``SequenceBatch`` built from ``SequenceChunk`` objects (``batch_of_chunks``)."""
-
-    keys: Sequence[PrefixKey]
-    key_words: npt.NDArray[np.uint64]
-    parent_words: npt.NDArray[np.uint64]
-    source_starts: npt.NDArray[np.uint64]
-    tokens: TokenArray
-    token_starts: npt.NDArray[np.int64]
-    token_ends: npt.NDArray[np.int64]
-
-
-def batch_of_chunks(chunks: Sequence[SequenceChunk]) -> SequenceBatch:
-    """Chunks as one batch (their tokens concatenated).
-
-    Raises:
-        InvalidInputError: a key or parent key that is not 16 bytes.
-    """
-    ends = np.cumsum([chunk.tokens.shape[0] for chunk in chunks], dtype=np.int64)
-    return _ChunkBatch(
-        keys=[chunk.key for chunk in chunks],
-        key_words=_words([chunk.key for chunk in chunks]),
-        parent_words=_words([chunk.parent_key or _NO_KEY for chunk in chunks]),
-        source_starts=np.array([chunk.source_start for chunk in chunks], dtype=np.uint64),
-        tokens=np.concatenate([chunk.tokens for chunk in chunks]),
-        token_starts=np.concatenate([[0], ends[:-1]]).astype(np.int64),
-        token_ends=ends,
-    )
 
 
 class ContentRebuild:
@@ -176,9 +131,3 @@ class ContentRebuild:
         self._keys, self._key_words, self._parent_words, self._source_starts, self._contents = [], [], [], [], []
         return int(runs.order.shape[0])
 
-
-def _words(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-    """Keys as rows of two little-endian u64 words."""
-    if any(len(key) != KEY_BYTES for key in keys):
-        raise InvalidInputError(f"every key and parent key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
-    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)

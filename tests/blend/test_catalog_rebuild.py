@@ -1,7 +1,8 @@
-"""ContentCatalog.rebuild (issue 3, persistence): a reopened data dir's index finds every document, whole.
+"""The content index rebuild at open (issue 3, persistence): a reopened data dir's index finds every document, whole.
 
-The store-level tests reopen real data dirs (LMDB under tmp_path); the property tests feed ``rebuild`` records in
-any order, with parent keys dropped (meta v1), shared prefixes, duplicates and corrupt parent cycles.
+The store-level tests reopen real data dirs (LMDB under tmp_path); the property tests feed a rebuild records in any
+order (``sequence_records.rebuild_from``), with parent keys dropped (meta v1), shared prefixes, duplicates and
+corrupt parent cycles.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore import KVLayout, TieredStore
-from kvstore.blend.catalog import ContentCatalog, Residency, SequenceChunk
+from kvstore.blend.catalog import ContentCatalog, Residency
 from kvstore.config import StoreConfig
 from kvstore.keys import PrefixKey, TokenArray, as_token_array, prefix_keys
 from kvstore.plan import LookupPlan
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk import DiskTier
+from tests.blend.sequence_records import SequenceChunk, rebuild_from
 
 CHUNK = 8
 VOCAB = 50_000
@@ -179,7 +181,10 @@ def test_the_disk_recovery_pass_rebuilds_the_same_index_as_a_second_pass(tmp_pat
     rebuild = one_pass.start_rebuild()
     disk = DiskTier(config.disk_path, LAYOUT, CHUNK, config.disk_capacity_bytes, content_records=rebuild.add)
     try:
-        assert rebuild.finish() == two_pass.rebuild_batches(disk.iter_content_records()) == sum(map(len, keys))
+        second_pass = two_pass.start_rebuild()
+        for batch in disk.iter_content_records():
+            second_pass.add(batch)
+        assert rebuild.finish() == second_pass.finish() == sum(map(len, keys))
         query, _ = query_of(rng, documents, [3, 1, 0, 2], [1, 4, 0, 6])
         assert one_pass.index.match(query, CHUNK) == two_pass.index.match(query, CHUNK) != []
         with pytest.raises(AssertionError, match="after finish"):
@@ -247,7 +252,7 @@ def test_rebuild_indexes_every_chunk_in_any_order_and_links_what_it_can(
     shuffled = data.draw(st.permutations(records))
     catalog = ContentCatalog(CHUNK, Residency(is_resident=lambda key: True, in_transit=lambda key: False))
     try:
-        assert catalog.rebuild(shuffled) == len(records)
+        assert rebuild_from(catalog, shuffled) == len(records)
         assert len(catalog.index) == len(records)
         for index, (document, document_keys) in enumerate(zip(documents, keys, strict=True)):
             offset = data.draw(st.integers(0, 2 * CHUNK))
@@ -274,7 +279,7 @@ def test_sequences_sharing_a_prefix_both_keep_their_partial_ends(
     assert keys_first[:2] == keys_second[:2]
     records = sequence_chunks(first, keys_first) + sequence_chunks(second, keys_second)[2:]
 
-    assert catalog.rebuild(records) == len(keys_first) + len(keys_second) - 2
+    assert rebuild_from(catalog, records) == len(keys_first) + len(keys_second) - 2
     for document, keys in ((first, keys_first), (second, keys_second)):
         assert match_coverage(catalog, document, keys, 1) == len(document)
 
@@ -295,7 +300,7 @@ def test_duplicates_cycles_and_bad_lengths_are_survived(
     empty = SequenceChunk(key=PrefixKey(b"E" * 16), parent_key=None, source_start=0, tokens=document[:0])
 
     with caplog.at_level(logging.WARNING, logger="kvstore.blend.catalog"):
-        assert catalog.rebuild([*looped, too_long, chunks[1], empty]) == 3
+        assert rebuild_from(catalog, [*looped, too_long, chunks[1], empty]) == 3
 
     assert len(catalog.index) == 3
     assert "skipped 2 chunks of no tokens" in caplog.text
@@ -304,5 +309,5 @@ def test_duplicates_cycles_and_bad_lengths_are_survived(
 
 
 def test_nothing_to_rebuild(catalog: ContentCatalog) -> None:
-    assert catalog.rebuild([]) == 0
+    assert rebuild_from(catalog, []) == 0
     assert len(catalog.index) == 0
