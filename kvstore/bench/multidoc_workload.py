@@ -12,7 +12,7 @@ Two kinds of facts (``FactStyle``):
   multi-document QA where the question's words point at one document;
 - ``same``: every fact is "The access code for the <name> archive is <code>.": the documents of a prompt hold
   near-identical sentences that differ in one name and one number, a stress test of binding a name to its number
-  across documents (a 135M model gets about 63% of them right with a full prefill).
+  across documents (SmolLM2-135M answers about 60% of them right with a full prefill, as it does the distinct ones).
 
 Every piece is tokenised separately and the prompt is their concatenation, as LMCache's blend benchmark builds it,
 so a document's tokens are the same wherever it lands and its cached chunks recur exactly::
