@@ -107,7 +107,7 @@ def test_sessions_release_their_pins(server: ServerProcess) -> None:
 
 def test_lookups_on_the_io_thread_and_on_the_control_pool_agree(server: ServerProcess) -> None:
     """Issue 5: a lookup whose header fits in 128 KiB is answered on the server's I/O thread, a longer one on the
-    control pool; both plan the same cached chunks and hold their pins only until released."""
+    control pool; both plan the same cached chunks and hold their pins only until released or retrieved."""
     prefix, kv = make_tokens(64, seed=51), make_kv(SERVER_LAYOUT, 64, seed=51)
     with Client(server.url, SERVER_LAYOUT) as client:
         client.store(prefix, kv)
