@@ -68,26 +68,12 @@ class QuerySample:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MultiDocRow:
-    """One mode's figures over every timed query (see the module docstring and docs/benchmarks.md)."""
+class MultiDocRow(RunContext):
+    """One mode's figures over every timed query (see the module docstring and docs/benchmarks.md), after the
+    run's context."""
 
-    bench: str
     mode: str
     recompute_ratio: float | None
-    check_layer: int
-    deviation: str
-    num_head_tokens: int
-    seed: int
-    model: str
-    device: str
-    dtype: str
-    tiers: str
-    chunk_size: int
-    warm_up: str
-    facts: str
-    num_documents: int
-    document_tokens: int
-    docs_per_query: int
     num_queries: int
     prompt_tokens_mean: float
     cached_tokens_mean: float
@@ -120,7 +106,7 @@ class MultiDocRow:
     baseline: str = "full prefill of the same prompts with the same model, same run"
 
     def to_json_dict(self) -> dict[str, str | int | float | None]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
 def _percentile(values: Sequence[float], ratio: float) -> float:
