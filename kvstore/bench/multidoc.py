@@ -125,6 +125,7 @@ class MultiDocOptions:
     deviation: DeviationMetric = DeviationMetric.KEY
     attention: AttentionKernel = AttentionKernel.AUTO
     num_head_tokens: int = 0
+    recurring_context_tokens: int = 0
     modes: tuple[BenchMode, ...] = tuple(BenchMode)
     continuation_tokens: int = 32
     seed: int = 0
@@ -245,6 +246,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         deviation=options.deviation,
         attention=options.attention,
         num_head_tokens=options.num_head_tokens,
+        recurring_context_tokens=options.recurring_context_tokens,
     )
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     warm_ups = (
@@ -300,6 +302,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         check_layer=options.check_layer,
         deviation=options.deviation.value,
         num_head_tokens=options.num_head_tokens,
+        recurring_context_tokens=options.recurring_context_tokens,
         seed=options.seed,
         model=model.name,
         device=device,

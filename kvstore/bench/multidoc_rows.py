@@ -31,6 +31,7 @@ class RunContext:
     check_layer: int
     deviation: str
     num_head_tokens: int
+    recurring_context_tokens: int
     seed: int
     model: str
     device: str

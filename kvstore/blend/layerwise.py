@@ -50,6 +50,7 @@ import torch
 from kvstore.blend.kv_loading import KVLoader, PendingLoad
 from kvstore.blend.llama_layers import LlamaStack, Projection
 from kvstore.blend.query_attention import AttentionKernel, QueryMask
+from kvstore.blend.recurring_context import recurring_context_positions
 from kvstore.blend.rope import RopeRotator, Rotation, token_deltas
 from kvstore.blend.selection import DeviationMetric, select_tokens, span_head_positions, token_deviation
 from kvstore.blend.stage_clock import Mark, StageClock
@@ -126,10 +127,14 @@ class BlendConfig:
             sequence) recomputed after the check layer whatever their deviation, on top of the ratio's share
             (``kvstore.blend.selection.span_head_positions``); only when ``0 < recompute_ratio < 1``, so ratio 0
             stays plain reuse. 0 (the default) turns it off.
+        recurring_context_tokens: also recompute, on top of the ratio's share, every reused token whose last this
+            many tokens occur as a run earlier in the prompt, before its span (``recurring_context``: what a full
+            prefill's prefix-matching attention would read across documents); only when ``0 < recompute_ratio <
+            1``. 0 (the default) turns it off.
 
     Raises:
         ConfigError: a ratio outside ``[0, 1]``, a negative check layer (the upper bound is checked against the
-            model by ``LayerwiseBlender``) or a negative ``num_head_tokens``.
+            model by ``LayerwiseBlender``), or a negative ``num_head_tokens`` or ``recurring_context_tokens``.
     """
 
     recompute_ratio: float = 0.15
@@ -137,6 +142,7 @@ class BlendConfig:
     deviation: DeviationMetric = DeviationMetric.KEY
     attention: AttentionKernel = AttentionKernel.AUTO
     num_head_tokens: int = 0
+    recurring_context_tokens: int = 0
 
     def __post_init__(self) -> None:
         ratio = self.recompute_ratio
@@ -161,35 +167,41 @@ class BlendConfig:
             raise ConfigError(
                 f"attention={self.attention!r} is not one of {', '.join(kernel.value for kernel in AttentionKernel)}"
             ) from None
-        heads = self.num_head_tokens
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 0:
-            raise ConfigError(f"num_head_tokens={heads!r} must be a token count >= 0 (0 turns it off)")
+        for name in ("num_head_tokens", "recurring_context_tokens"):
+            count = getattr(self, name)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ConfigError(f"{name}={count!r} must be a token count >= 0 (0 turns it off)")
 
 
 class _TokenClasses:
     """Exact / blend / gap membership of every prompt position, from the segments that were (or will be) loaded.
 
-    ``forced`` (computed in every layer) is the gaps, the last token and, with ``settings.num_head_tokens`` and a
-    ratio strictly between 0 and 1, the head tokens of every reused span; ``blend_positions`` (what the ratio
-    chooses among) are the blend tokens that are not forced heads, so heads come on top of the ratio's share.
+    ``forced`` (computed in every layer) is the gaps, the last token and, with a ratio strictly between 0 and 1,
+    the extras the settings ask for: the head tokens of every reused span (``num_head_tokens``) and the tokens
+    whose context recurs earlier in the prompt (``recurring_context_tokens``); ``blend_positions`` (what the ratio
+    chooses among) are the blend tokens that are not forced extras, so extras come on top of the ratio's share.
     """
 
-    def __init__(self, segments: Sequence[Segment], num_tokens: int, settings: BlendConfig | None = None) -> None:
+    def __init__(self, segments: Sequence[Segment], tokens: TokenArray, settings: BlendConfig | None = None) -> None:
+        num_tokens = int(tokens.shape[0])
         self.exact = torch.zeros(num_tokens, dtype=torch.bool)
         self.blend = torch.zeros(num_tokens, dtype=torch.bool)
         for segment in segments:
             (self.exact if segment.exact else self.blend)[segment.start : segment.end] = True
         self.deltas = token_deltas(segments, num_tokens)
-        heads = torch.zeros(num_tokens, dtype=torch.bool)
-        if settings is not None and settings.num_head_tokens and 0.0 < settings.recompute_ratio < 1.0:
-            heads[span_head_positions(segments, settings.num_head_tokens)] = True
+        extras = torch.zeros(num_tokens, dtype=torch.bool)
+        if settings is not None and 0.0 < settings.recompute_ratio < 1.0:
+            if settings.num_head_tokens:
+                extras[span_head_positions(segments, settings.num_head_tokens, num_tokens)] = True
+            if settings.recurring_context_tokens:
+                extras[recurring_context_positions(tokens, segments, settings.recurring_context_tokens)] = True
         active = ~self.exact
         active[-1] = True
-        forced = (active & ~self.blend) | heads
+        forced = (active & ~self.blend) | extras
         forced[-1] = True
         self.active = active.nonzero().flatten()
         self.forced = forced.nonzero().flatten()
-        self.blend_positions = (self.blend & ~heads).nonzero().flatten()
+        self.blend_positions = (self.blend & ~extras).nonzero().flatten()
 
     @property
     def has_exact(self) -> bool:
@@ -226,16 +238,17 @@ class _Pass:
         rotator: RopeRotator,
         layout: KVLayout,
         settings: BlendConfig,
-        token_ids: torch.Tensor,
+        tokens: TokenArray,
         clock: StageClock,
     ) -> None:
         self.stack = stack
         self.rotator = rotator
         self.layout = layout
         self.settings = settings
-        self.token_ids = token_ids
+        self.tokens = tokens
+        self.token_ids = torch.as_tensor(tokens.astype("int64"), device=stack.device)
         self.clock = clock
-        self.num_tokens = int(token_ids.numel())
+        self.num_tokens = int(tokens.shape[0])
         self.device = stack.device
         self.kv = torch.zeros(layout.chunk_shape(self.num_tokens), dtype=layout.dtype.torch_dtype, device=self.device)
         self.same_dtype = layout.dtype.torch_dtype == stack.dtype
@@ -260,7 +273,7 @@ class _Pass:
         for layer_idx in range(stack.num_layers):
             if layer_idx == cache_from:
                 if pending is not None:
-                    classes = _TokenClasses(self._timed(pending.segments), num_tokens, settings)
+                    classes = _TokenClasses(self._timed(pending.segments), self.tokens, settings)
                     narrow = _narrow_layer(classes, settings)
                 for written_idx, written in pending_writes:  # after the retrieve has written that layer
                     if pending is not None:
@@ -381,12 +394,11 @@ def run_blend_pass(
     Raises:
         ConfigError: the store was opened without ``enable_blend`` (from its lookup).
     """
-    token_ids = torch.as_tensor(tokens.astype("int64"), device=stack.device)
     started = clock.mark()
     plan: LookupPlan = owner.lookup(tokens, blend=True)
     looked_up = clock.mark()
-    work = _Pass(stack, rotator, layout, settings, token_ids, clock)
-    classes = _TokenClasses(plan.segments, work.num_tokens, settings)
+    work = _Pass(stack, rotator, layout, settings, tokens, clock)
+    classes = _TokenClasses(plan.segments, tokens, settings)
     needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
     pending: PendingLoad | None = None
     if needs_load:

@@ -25,12 +25,21 @@ import enum
 import math
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvstore.errors import InvalidInputError
 from kvstore.plan import Segment
 
-__all__ = ["DeviationMetric", "num_tokens_to_recompute", "select_tokens", "span_head_positions", "token_deviation"]
+__all__ = [
+    "DeviationMetric",
+    "num_tokens_to_recompute",
+    "reused_span_starts",
+    "select_tokens",
+    "span_head_positions",
+    "token_deviation",
+]
 
 
 class DeviationMetric(enum.StrEnum):
@@ -109,21 +118,15 @@ def select_tokens(
     return selected  # unique() sorts
 
 
-def span_head_positions(segments: Sequence[Segment], num_head_tokens: int) -> torch.Tensor:
-    """The first ``num_head_tokens`` positions of every reused span of the blend (non-exact) segments.
+def reused_span_starts(segments: Sequence[Segment], num_tokens: int) -> npt.NDArray[np.int64]:
+    """For each of ``num_tokens`` prompt positions, the start of the reused span holding it (-1 outside blend
+    segments).
 
     A span is a maximal run of blend segments in which each segment continues the previous one both in the prompt
     (``start == previous.end``) and in the source (``source_start == previous source end``), i.e. one cached
-    sequence placed as a whole. A span shorter than ``num_head_tokens`` contributes all its tokens.
-
-    Args:
-        segments: the plan's segments, in prompt order; exact segments are skipped (and end a span).
-        num_head_tokens: tokens per span, ``>= 0``.
-
-    Returns:
-        int64 positions on the CPU, sorted ascending.
+    sequence placed as a whole; exact segments are skipped (and end a span).
     """
-    heads: list[int] = []
+    starts = np.full(num_tokens, -1, dtype=np.int64)
     previous: Segment | None = None
     span_start = 0
     for segment in segments:
@@ -137,6 +140,18 @@ def span_head_positions(segments: Sequence[Segment], num_head_tokens: int) -> to
         )
         if not continues:
             span_start = segment.start
-        heads += range(segment.start, min(segment.end, span_start + num_head_tokens))
+        starts[segment.start : segment.end] = span_start
         previous = segment
-    return torch.tensor(heads, dtype=torch.int64)
+    return starts
+
+
+def span_head_positions(segments: Sequence[Segment], num_head_tokens: int, num_tokens: int) -> torch.Tensor:
+    """The first ``num_head_tokens`` positions of every reused span (``reused_span_starts``) of a ``num_tokens``
+    prompt; a span shorter than that contributes all its tokens.
+
+    Returns:
+        int64 positions on the CPU, sorted ascending.
+    """
+    starts = reused_span_starts(segments, num_tokens)
+    positions = np.arange(num_tokens, dtype=np.int64)
+    return torch.from_numpy(positions[(starts >= 0) & (positions < starts + num_head_tokens)])

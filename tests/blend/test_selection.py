@@ -74,15 +74,15 @@ def test_span_heads_are_the_first_tokens_of_each_run_continuing_one_cached_seque
         _segment(26, 8, 0),  # document B right behind A: contiguous in the prompt, a new source run
         _segment(40, 8, 16),  # after a gap: a new span even though its source is not at 0
     ]
-    assert span_head_positions(segments, 3).tolist() == [10, 11, 12, 26, 27, 28, 40, 41, 42]
-    assert span_head_positions(segments, 0).tolist() == []
+    assert span_head_positions(segments, 3, 48).tolist() == [10, 11, 12, 26, 27, 28, 40, 41, 42]
+    assert span_head_positions(segments, 0, 48).tolist() == []
 
 
 def test_span_heads_longer_than_a_segment_reach_into_the_next_one_and_stop_at_the_span() -> None:
     segments = [_segment(4, 2, 0), _segment(6, 2, 2), _segment(8, 4, 4), _segment(12, 4, 0)]
-    assert span_head_positions(segments, 5).tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15]
+    assert span_head_positions(segments, 5, 16).tolist() == [4, 5, 6, 7, 8, 12, 13, 14, 15]
 
 
 def test_an_exact_segment_ends_a_span() -> None:
     segments = [_segment(0, 4, 0), _segment(4, 4, 4, exact=True), _segment(8, 4, 8)]
-    assert span_head_positions(segments, 2).tolist() == [0, 1, 8, 9]
+    assert span_head_positions(segments, 2, 12).tolist() == [0, 1, 8, 9]
