@@ -1,5 +1,5 @@
 """Chunk records of stored sequences as test input for ``ContentRebuild``: one object per chunk, easy to shuffle,
-drop parents from or corrupt, packed into the ``SequenceBatch`` shape the disk tier's recovery pass produces."""
+drop parents from or corrupt, packed into the disk tier's ``ContentRecords`` batches as its recovery produces them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from kvstore.blend.catalog import ContentCatalog
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray
+from kvstore.tiers.disk_meta_batch import ContentRecords
 
 _NO_KEY = bytes(KEY_BYTES)  # a parent key of zeros means "none known", as on disk
 _BATCH_CHUNKS = 256
@@ -27,27 +28,14 @@ class SequenceChunk:
     tokens: TokenArray
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkBatch:
-    """A ``SequenceBatch`` built from ``SequenceChunk`` objects."""
-
-    keys: Sequence[PrefixKey]
-    key_words: npt.NDArray[np.uint64]
-    parent_words: npt.NDArray[np.uint64]
-    source_starts: npt.NDArray[np.uint64]
-    tokens: TokenArray
-    token_starts: npt.NDArray[np.int64]
-    token_ends: npt.NDArray[np.int64]
-
-
-def batch_of_chunks(chunks: Sequence[SequenceChunk]) -> ChunkBatch:
-    """Chunks as one batch (their tokens concatenated)."""
+def batch_of_chunks(chunks: Sequence[SequenceChunk]) -> ContentRecords:
+    """Chunks as one batch (their tokens concatenated), in the disk tier's own batch type."""
     ends = np.cumsum([chunk.tokens.shape[0] for chunk in chunks], dtype=np.int64)
 
     def words(keys: list[bytes]) -> npt.NDArray[np.uint64]:
         return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)
 
-    return ChunkBatch(
+    return ContentRecords(
         keys=[chunk.key for chunk in chunks],
         key_words=words([chunk.key for chunk in chunks]),
         parent_words=words([chunk.parent_key or _NO_KEY for chunk in chunks]),

@@ -3,38 +3,25 @@ ratios 0 and 1.0 keep their meaning (plain reuse; a full prefill)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from kvstore import StoreConfig, TieredStore
 from kvstore.blend import BlendConfig, LayerwiseBlender
 from kvstore.blend.selection import num_tokens_to_recompute
 from kvstore.errors import ConfigError
-from kvstore.models import RandomInitModel, random_init_model
-from kvstore.tiers.base import TierName
 
 CHUNK = 8
 DOCUMENT_TOKENS = 27
 
 
-@pytest.fixture(scope="module")
-def tiny() -> RandomInitModel:
-    return random_init_model("tiny-llama", dtype=torch.float32, seed=0)
-
-
 @pytest.fixture
-def blender(tiny: RandomInitModel, tmp_path: Path) -> Iterator[LayerwiseBlender]:
-    config = StoreConfig(tiers=(TierName.CPU,), chunk_size=CHUNK, cpu_capacity_bytes=64 << 20,
-                         disk_path=tmp_path / "data", enable_blend=True)  # fmt: skip
-    with TieredStore(tiny.layout, config) as store, LayerwiseBlender(tiny.model, store) as blender:
-        rng = np.random.default_rng(0)
-        for _ in range(3):
-            blender.prefill(rng.integers(3, 500, DOCUMENT_TOKENS).tolist(), mode="full")
-        yield blender
+def blender(tiny_blender: LayerwiseBlender) -> LayerwiseBlender:
+    """Three random documents of ``DOCUMENT_TOKENS`` stored alone."""
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        tiny_blender.prefill(rng.integers(3, 500, DOCUMENT_TOKENS).tolist(), mode="full")
+    return tiny_blender
 
 
 def prompt(blender: LayerwiseBlender) -> list[int]:

@@ -3,22 +3,17 @@ appeared earlier in the prompt are recomputed on top of the ratio; ratios 0 and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import StoreConfig, TieredStore
 from kvstore.blend import BlendConfig, LayerwiseBlender
 from kvstore.blend.recurring_context import recurring_context_positions
 from kvstore.blend.selection import num_tokens_to_recompute, reused_span_starts
 from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey
-from kvstore.models import RandomInitModel, random_init_model
 from kvstore.plan import Segment
 from kvstore.tiers.base import TierName
 
@@ -74,22 +69,10 @@ def test_positions_equal_the_token_by_token_definition(data: st.DataObject, matc
     assert found == _reference(tokens, segments, match_tokens)
 
 
-@pytest.fixture(scope="module")
-def tiny() -> RandomInitModel:
-    return random_init_model("tiny-llama", dtype=torch.float32, seed=0)
-
-
-@pytest.fixture
-def blender(tiny: RandomInitModel, tmp_path: Path) -> Iterator[LayerwiseBlender]:
-    config = StoreConfig(tiers=(TierName.CPU,), chunk_size=CHUNK, cpu_capacity_bytes=64 << 20,
-                         disk_path=tmp_path / "data", enable_blend=True)  # fmt: skip
-    with TieredStore(tiny.layout, config) as store, LayerwiseBlender(tiny.model, store) as blender:
-        yield blender
-
-
 def test_recurring_tokens_are_recomputed_on_top_of_the_ratio_and_ratios_0_and_1_keep_their_meaning(
-    blender: LayerwiseBlender,
+    tiny_blender: LayerwiseBlender,
 ) -> None:
+    blender = tiny_blender
     rng = np.random.default_rng(1)
     pattern = rng.integers(3, 500, 6).tolist()
     first = rng.integers(3, 500, 10).tolist() + pattern + rng.integers(3, 500, 8).tolist()  # 24 tokens
