@@ -14,6 +14,9 @@ So the blend can recompute, on top of its ratio, every token of a reused span wh
     prompt:  | ... The access code for the | ... | doc 3: ... The access code for the ... |
                                                          ^^^ ^^^^^^ ^^^^ ^^^ ^^^  each ends a 4-token run seen before
 
+Measured on SmolLM2 (docs/benchmarks.md): KL to full prefill 18% lower, planted-fact answers unchanged over 55
+queries, hence off by default (``BlendConfig.recurring_context_tokens = 0``).
+
 Only token ids are read, before layer 0, in O(T log T) (1-2.5 ms for 15,360 tokens on the dev machine).
 
 Pure functions; thread-safe.
