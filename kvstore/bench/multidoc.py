@@ -3,7 +3,9 @@
 The seed benchmark's design (LMCache's multi_doc_qa / shuffle_doc_qa) on the embedded store with a local model:
 
 1. **warm-up**: ``multi_doc_qa`` stores each document after the system preamble (as a query's first document sits;
-   ``warm_up=alone``: each document from position 0, so no query starts with a cached prefix);
+   ``warm_up=alone``: each document from position 0, so no query starts with a cached prefix; ``warm_up=grouped``:
+   ``docs_per_query`` documents at a time in one prompt like a query's context, so most documents are cached
+   behind others, as a server holds the documents of earlier requests);
    ``shuffle`` stores the identity order once (preamble + every document);
 2. **queries**: ``multi_doc_qa`` sends random ordered selections of ``docs_per_query`` documents; ``shuffle``
    sends derangements (no document in its warm-up slot); each ends with a question about one planted fact.
@@ -49,6 +51,7 @@ from kvstore.bench.multidoc_workload import (
     FactStyle,
     PromptFormat,
     QuerySpec,
+    TokenIds,
     pick_combinations,
     pick_derangements,
     prose_documents,
@@ -71,6 +74,7 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
     "run_multidoc_benchmark",
+    "warm_up_prompts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,6 +92,7 @@ class WarmUp(enum.StrEnum):
 
     PREAMBLE = "preamble"
     ALONE = "alone"
+    GROUPED = "grouped"
 
 
 class BenchMode(enum.StrEnum):
@@ -249,14 +254,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         recurring_context_tokens=options.recurring_context_tokens,
     )
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
-    warm_ups = (
-        [
-            prompt_format.warm_up_prompt(document, after_preamble=options.warm_up is WarmUp.PREAMBLE)
-            for document in documents
-        ]
-        if options.workload is BenchWorkload.MULTI_DOC_QA
-        else [prompt_format.context_prompt(documents)]
-    )
+    warm_ups = warm_up_prompts(options, prompt_format, documents)
     total_steps = len(warm_ups) + (len(prompts) + 1) * len(options.modes)
     # Memory tiers sized to the workload when not given: twice the warm-up's KV (and at least 64 MiB), so the
     # documents stay resident and a tiny layout does not get millions of slots.
@@ -320,6 +318,20 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
                   samples[BenchMode.FULL])
         for mode in options.modes
     ]  # fmt: skip
+
+
+def warm_up_prompts(
+    options: MultiDocOptions, prompt_format: PromptFormat, documents: list[Document]
+) -> list[TokenIds]:
+    """The prompts whose KV the warm-up stores (the module docstring's step 1)."""
+    if options.workload is BenchWorkload.SHUFFLE:
+        return [prompt_format.context_prompt(documents)]
+    if options.warm_up is WarmUp.GROUPED:
+        size = options.docs_per_query
+        groups = [documents[start : start + size] for start in range(0, len(documents), size)]
+        return [prompt_format.context_prompt(group) for group in groups]
+    after_preamble = options.warm_up is WarmUp.PREAMBLE
+    return [prompt_format.warm_up_prompt(document, after_preamble=after_preamble) for document in documents]
 
 
 @contextmanager

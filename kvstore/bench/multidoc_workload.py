@@ -57,6 +57,7 @@ __all__ = [
     "FactStyle",
     "PromptFormat",
     "QuerySpec",
+    "TokenIds",
     "docstring_corpus",
     "pick_combinations",
     "pick_derangements",

@@ -29,7 +29,8 @@ _DEFAULTS = MultiDocOptions()
 _HELP = {
     BenchWorkload.MULTI_DOC_QA: """TTFT and quality of full, prefix, blend and reuse prefill on multi-document QA.
 
-    Warm-up stores each document after the system preamble (--warm-up alone: from position 0); queries combine
+    Warm-up stores each document after the system preamble (--warm-up alone: from position 0; --warm-up grouped:
+    --docs-per-query documents per prompt, as earlier requests would have stored them); queries combine
     random documents in random order, each asking about one planted fact. Fact accuracy comes with its 95% interval
     and the paired difference with full prefill on the same queries.
 
@@ -74,7 +75,7 @@ def _parse_warm_up(text: str) -> WarmUp:
     try:
         return WarmUp(text)
     except ValueError:
-        raise ConfigError(f"--warm-up {text!r}: use preamble or alone") from None
+        raise ConfigError(f"--warm-up {text!r}: use preamble, alone or grouped") from None
 
 
 def _parse_facts(text: str) -> FactStyle:
@@ -130,7 +131,10 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
         data_dir: Path | None = typer.Option(None, "--data-dir", help="Disk tier data dir (default: a temp dir)."),
         chunk_size: int = typer.Option(_DEFAULTS.chunk_size, "--chunk-size", help="Tokens per stored chunk."),
         warm_up: str = typer.Option(
-            _DEFAULTS.warm_up.value, "--warm-up", help="multi-doc-qa: store documents after the 'preamble' or 'alone'."
+            _DEFAULTS.warm_up.value,
+            "--warm-up",
+            help="multi-doc-qa: store documents after the 'preamble', 'alone', or --docs-per-query at a time "
+            "('grouped').",
         ),
         facts: str = typer.Option(
             _DEFAULTS.facts.value,

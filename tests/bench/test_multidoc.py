@@ -9,10 +9,18 @@ import pathlib
 import numpy as np
 import pytest
 
-from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, run_multidoc_benchmark
+from kvstore.bench.multidoc import (
+    BenchMode,
+    BenchWorkload,
+    MultiDocOptions,
+    WarmUp,
+    run_multidoc_benchmark,
+    warm_up_prompts,
+)
 from kvstore.bench.multidoc_workload import (
     FACT_NAMES,
     RELATIONS,
+    Document,
     FactStyle,
     PromptFormat,
     docstring_corpus,
@@ -92,7 +100,7 @@ def test_an_unmet_expected_ttft_gain_exits_non_zero_with_one_line(capsys: pytest
         (["--check-layer", "7"], "check_layer=7 is beyond the model's 4 layers"),
         (["--tiers", "tape"], "--tiers 'tape'"),
         (["--deviation", "cosine"], "--deviation 'cosine': use key, value or key_value"),
-        (["--warm-up", "cold"], "--warm-up 'cold': use preamble or alone"),
+        (["--warm-up", "cold"], "--warm-up 'cold': use preamble, alone or grouped"),
         (["--num-head-tokens", "-1"], "num_head_tokens=-1 must be a token count >= 0"),
         (["--model", "/nonexistent"], "--model and --random-init exclude each other"),
     ],
@@ -217,3 +225,27 @@ def test_an_unwritable_samples_path_is_a_one_line_error(
 ) -> None:
     code, _, err = run(["bench", "multi-doc-qa", *TINY, "--samples", str(tmp_path / "missing" / "s.jsonl")], capsys)
     assert code != 0 and "--samples" in err and "Traceback" not in err
+
+
+def test_grouped_warm_up_stores_documents_a_query_at_a_time_and_blend_finds_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(["bench", "multi-doc-qa", *TINY, "--warm-up", "grouped", "--modes", "blend", "--json"],
+                         capsys)  # fmt: skip
+    assert code == 0, err
+    _, blend = (json.loads(line) for line in out.splitlines())
+    assert blend["warm_up"] == "grouped"
+    # Every document of a query was cached (documents 0-2 in one prompt, 3 in another): all but the chunk-aligned
+    # heads and the question are served from the store.
+    assert blend["exact_tokens_mean"] + blend["blend_tokens_mean"] >= 3 * 32
+
+
+def test_groupedwarm_up_prompts_are_query_contexts_of_consecutive_documents() -> None:
+    prompt_format = PromptFormat(np.arange(3), np.array([7]), np.array([9]))
+    documents = [Document(tokens=np.full(4, 100 + index), fact=None) for index in range(5)]
+    options = MultiDocOptions(warm_up=WarmUp.GROUPED, docs_per_query=2)
+    prompts = warm_up_prompts(options, prompt_format, documents)
+    expected = [documents[0:2], documents[2:4], documents[4:5]]
+    assert [prompt.tolist() for prompt in prompts] == [
+        prompt_format.context_prompt(group).tolist() for group in expected
+    ]
