@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -116,7 +117,9 @@ class TierBenchRow:
     copy: the time to queue it); ``None`` where a call is not one unit of work (queued disk puts).
     ``verified``: the bytes read back equal those written (get rows), every chunk is resident after the
     flush (disk put); ``None`` for memory-tier puts. ``met``: ratio at or above ``target_ratio`` and no
-    failed verification.
+    failed verification. ``cpu_cores`` / ``baseline_cpu_cores`` (disk put): the process's CPU time, every thread,
+    user and system, over the wall time of the put and of the raw write -- how close each came to using every core,
+    i.e. whether the machine's cores rather than its disk set the pace.
     """
 
     tier: TierName
@@ -133,6 +136,8 @@ class TierBenchRow:
     num_repeats: int
     device: str
     compression_ratio: float | None = None
+    cpu_cores: float | None = None
+    baseline_cpu_cores: float | None = None
     verified: bool | None = None
     p50_ms: float | None = None
     p90_ms: float | None = None
@@ -153,6 +158,7 @@ class _Samples:
 
     gbps: list[float] = field(default_factory=list)
     op_ms: list[float] = field(default_factory=list)
+    cpu_cores: list[float] = field(default_factory=list)
     num_failed_ops: int = 0
 
 
@@ -286,11 +292,14 @@ def _row(
     if samples.op_ms:
         latency_ms = [*np.percentile(samples.op_ms, [50, 90, 99]).tolist(), max(samples.op_ms)]
     ratio = gbps / baseline_gbps
+    cpu_cores, baseline_cpu_cores = (statistics.median(cores) if cores else None
+                                     for cores in (samples.cpu_cores, baseline[1].cpu_cores))  # fmt: skip
     return TierBenchRow(
         tier=tier, layout=case.name, op=op, GBps=gbps, baseline=baseline[0], baseline_GBps=baseline_gbps,
         ratio=ratio, target_ratio=target_ratio, met=ratio >= target_ratio and verified is not False,
         num_chunks=len(case.records), chunk_bytes=case.chunk_bytes, num_repeats=len(samples.gbps),
-        device=str(device), compression_ratio=compression_ratio, verified=verified, p50_ms=latency_ms[0],
+        device=str(device), compression_ratio=compression_ratio, cpu_cores=cpu_cores,
+        baseline_cpu_cores=baseline_cpu_cores, verified=verified, p50_ms=latency_ms[0],
         p90_ms=latency_ms[1], p99_ms=latency_ms[2], max_ms=latency_ms[3], note=note,
     )
 
@@ -393,6 +402,12 @@ def _bench_gpu(options: TierBenchOptions, case: _Case, device: torch.device) -> 
 
 
 
+def _process_cpu_s() -> float:
+    """CPU seconds this process has used so far, every thread, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _raw_write(path: Path, case: _Case) -> float:
     """Seconds to write every chunk's source bytes sequentially, then fsync: the disk put baseline."""
     views = [source.view(torch.uint8).reshape(-1).numpy().data for source in case.sources]
@@ -448,14 +463,19 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
             data_dir = root / f"tier-{repeat}"  # holds the baseline file too: same directory, same disk area
             data_dir.mkdir()
             raw_path = data_dir / "baseline.bin"
-            put_base.gbps.append(case.total_bytes / _raw_write(raw_path, case) / 1e9)
+            cpu_start_s = _process_cpu_s()
+            seconds = _raw_write(raw_path, case)
+            put_base.gbps.append(case.total_bytes / seconds / 1e9)
+            put_base.cpu_cores.append((_process_cpu_s() - cpu_start_s) / seconds)
             raw_path.unlink()
             writer = open_tier(data_dir, read_only=False)
             try:
-                start_s = time.perf_counter()
+                cpu_start_s, start_s = _process_cpu_s(), time.perf_counter()
                 put.num_failed_ops += sum(not writer.put(r, case.source(i)) for i, r in enumerate(records))
                 writer.flush()
-                put.gbps.append(case.total_bytes / (time.perf_counter() - start_s) / 1e9)
+                seconds = time.perf_counter() - start_s
+                put.gbps.append(case.total_bytes / seconds / 1e9)
+                put.cpu_cores.append((_process_cpu_s() - cpu_start_s) / seconds)
                 stats = writer.stats()  # a put only queues: a write that failed later shows here
                 committed = committed and stats.num_chunks == len(records) and stats.puts >= len(records)
                 compression_ratios.append(stats.compression_ratio)

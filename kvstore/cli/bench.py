@@ -113,7 +113,10 @@ def _render(console: Console, rows: list[TierBenchRow]) -> None:
         )
     console.print(table)
     for row in rows:
-        console.print(f"{row.tier.value} {row.layout} {row.op}: baseline = {row.baseline}; {row.note}")
+        cores = ""
+        if row.cpu_cores is not None and row.baseline_cpu_cores is not None:
+            cores = f"; CPU cores busy {row.cpu_cores:.2f} (baseline {row.baseline_cpu_cores:.2f})"
+        console.print(f"{row.tier.value} {row.layout} {row.op}: baseline = {row.baseline}; {row.note}{cores}")
 
 
 @bench_app.command("index")
