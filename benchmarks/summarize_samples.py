@@ -1,5 +1,6 @@
 """Summarise ``kvstore bench multi-doc-qa --samples`` files: fact accuracy per mode, paired with full prefill, overall
-and by the slot of the asked document in the prompt.
+and by the slot of the asked document in the prompt; blend is also paired with plain reuse when the file has both
+(the issue's "clearly better than plain reuse").
 
 Why the slot: on SmolLM2 a blended (or reused) prompt loses planted-fact answers mostly when the asked document comes
 first and later documents were cached without it in front of them (docs/benchmarks.md, "Blend quality on SmolLM2").
@@ -33,7 +34,8 @@ def _complete_queries(path: Path) -> list[dict[str, dict[str, Any]]]:
 
 
 def summarize(path: Path) -> list[dict[str, Any]]:
-    """One row per mode other than full: accuracy, paired difference with full, KL, and accuracy by asked slot."""
+    """One row per mode other than full: accuracy, paired difference with full (and blend's with reuse), KL, and
+    accuracy by asked slot."""
     queries = _complete_queries(path)
     full = [bool(query["full"]["fact_correct"]) for query in queries]
     rows = []
@@ -47,6 +49,9 @@ def summarize(path: Path) -> list[dict[str, Any]]:
             counts[0] += 1
             counts[1] += full_right
             counts[2] += mode_right
+        versus_reuse = None
+        if mode == "blend" and "reuse" in queries[0]:
+            versus_reuse = paired_facts([bool(query["reuse"]["fact_correct"]) for query in queries], answers)
         rows.append({
             "file": path.name, "mode": mode, "num_queries": len(queries),
             "full_accuracy": round(sum(full) / len(full), 3),
@@ -58,6 +63,10 @@ def summarize(path: Path) -> list[dict[str, Any]]:
             "top1_agreement": round(statistics.fmean(bool(query[mode]["top1"]) for query in queries), 3),
             "kl_mean": round(statistics.fmean(query[mode]["kl"] for query in queries), 4),
             "continuation_match": round(statistics.fmean(query[mode]["continuation_match"] for query in queries), 3),
+            "difference_vs_reuse": None if versus_reuse is None else round(versus_reuse.difference, 3),
+            "difference_vs_reuse_ci95": None if versus_reuse is None else [
+                round(versus_reuse.difference_ci95.low, 3), round(versus_reuse.difference_ci95.high, 3)
+            ],
             "by_asked_slot": {
                 slot: {"queries": n, "full": f, "mode": m} for slot, (n, f, m) in sorted(by_slot.items())
             },
@@ -85,6 +94,9 @@ def main() -> None:
                 f"({row['full_only']}/{row['mode_only']}) top1={row['top1_agreement']:.3f} kl={row['kl_mean']:.4f} "
                 f"cm={row['continuation_match']:.3f}  slot full/mode/n: {slots}\n"
             )
+            if row["difference_vs_reuse"] is not None:
+                versus = f"{row['difference_vs_reuse']:+.3f} {row['difference_vs_reuse_ci95']}"
+                sys.stdout.write(f"{'':41s} blend - reuse: {versus}\n")
 
 
 if __name__ == "__main__":
