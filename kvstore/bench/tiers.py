@@ -29,6 +29,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -117,9 +118,9 @@ class TierBenchRow:
     copy: the time to queue it); ``None`` where a call is not one unit of work (queued disk puts).
     ``verified``: the bytes read back equal those written (get rows), every chunk is resident after the
     flush (disk put); ``None`` for memory-tier puts. ``met``: ratio at or above ``target_ratio`` and no
-    failed verification. ``cpu_cores`` / ``baseline_cpu_cores`` (disk put): the process's CPU time, every thread,
-    user and system, over the wall time of the put and of the raw write -- how close each came to using every core,
-    i.e. whether the machine's cores rather than its disk set the pace.
+    failed verification. ``cpu_cores`` / ``baseline_cpu_cores`` (disk rows): the process's CPU time, every thread,
+    user and system, over the wall time of the tier's operation and of its baseline -- how close each came to using
+    every core, i.e. whether the machine's cores rather than its disk set the pace.
     """
 
     tier: TierName
@@ -408,6 +409,14 @@ def _process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@contextmanager
+def _cpu_meter(samples: _Samples) -> Iterator[None]:
+    """Append to ``samples`` how many cores the block kept busy: process CPU time over the block's wall time."""
+    cpu_start_s, wall_start_s = _process_cpu_s(), time.perf_counter()
+    yield
+    samples.cpu_cores.append((_process_cpu_s() - cpu_start_s) / (time.perf_counter() - wall_start_s))
+
+
 def _raw_write(path: Path, case: _Case) -> float:
     """Seconds to write every chunk's source bytes sequentially, then fsync: the disk put baseline."""
     views = [source.view(torch.uint8).reshape(-1).numpy().data for source in case.sources]
@@ -463,19 +472,16 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
             data_dir = root / f"tier-{repeat}"  # holds the baseline file too: same directory, same disk area
             data_dir.mkdir()
             raw_path = data_dir / "baseline.bin"
-            cpu_start_s = _process_cpu_s()
-            seconds = _raw_write(raw_path, case)
-            put_base.gbps.append(case.total_bytes / seconds / 1e9)
-            put_base.cpu_cores.append((_process_cpu_s() - cpu_start_s) / seconds)
+            with _cpu_meter(put_base):
+                put_base.gbps.append(case.total_bytes / _raw_write(raw_path, case) / 1e9)
             raw_path.unlink()
             writer = open_tier(data_dir, read_only=False)
             try:
-                cpu_start_s, start_s = _process_cpu_s(), time.perf_counter()
-                put.num_failed_ops += sum(not writer.put(r, case.source(i)) for i, r in enumerate(records))
-                writer.flush()
-                seconds = time.perf_counter() - start_s
-                put.gbps.append(case.total_bytes / seconds / 1e9)
-                put.cpu_cores.append((_process_cpu_s() - cpu_start_s) / seconds)
+                with _cpu_meter(put):
+                    start_s = time.perf_counter()
+                    put.num_failed_ops += sum(not writer.put(r, case.source(i)) for i, r in enumerate(records))
+                    writer.flush()
+                    put.gbps.append(case.total_bytes / (time.perf_counter() - start_s) / 1e9)
                 stats = writer.stats()  # a put only queues: a write that failed later shows here
                 committed = committed and stats.num_chunks == len(records) and stats.puts >= len(records)
                 compression_ratios.append(stats.compression_ratio)
@@ -488,13 +494,15 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
                 for out in outs:
                     out.zero_()
                 get_into = reader.get_into
-                _time_ops(lambda i: bool(get_into(records[i].key, outs[i % len(outs)])),  # noqa: B023
-                          len(records), case.total_bytes, _CPU, get)
+                with _cpu_meter(get):
+                    _time_ops(lambda i: bool(get_into(records[i].key, outs[i % len(outs)])),  # noqa: B023
+                              len(records), case.total_bytes, _CPU, get)
             finally:
                 reader.close()
             verified = verified and all(map(_bits_equal, outs, case.sources))
             _raw_write(raw_path, case)  # untimed: the read baseline's file, just written like the tier's data
-            get_base.gbps.append(case.total_bytes / _raw_read(raw_path, read_buffer) / 1e9)
+            with _cpu_meter(get_base):
+                get_base.gbps.append(case.total_bytes / _raw_read(raw_path, read_buffer) / 1e9)
             shutil.rmtree(data_dir)
     finally:
         shutil.rmtree(root, ignore_errors=True)
