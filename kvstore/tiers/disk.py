@@ -63,6 +63,7 @@ from kvstore.tiers.disk_open import close_disk_parts, open_disk_parts
 from kvstore.tiers.disk_reader import read_chunk
 from kvstore.tiers.disk_tuning import DiskTuning
 from kvstore.tiers.disk_writer import DeleteJob, WriteJob
+from kvstore.tiers.host_copy import copy_tensor
 from kvstore.tiers.lifecycle import OwnedLifecycle
 from kvstore.tiers.staging import StagingPool
 
@@ -282,7 +283,7 @@ class DiskTier(Tier):
         buffer = self._staging.acquire()
         staged = buffer[: self.layout.chunk_bytes(record.num_tokens)]
         try:
-            _stage(kv, staged.view(self.layout.dtype.torch_dtype).view(kv.shape))
+            copy_tensor(staged.view(self.layout.dtype.torch_dtype).view(kv.shape), kv)
         except BaseException:
             self._staging.release(buffer)
             raise
@@ -467,16 +468,3 @@ class DiskTier(Tier):
             self._warned.add(cause)
         logger.warning(message, *args)
 
-
-def _stage(kv: torch.Tensor, staged: torch.Tensor) -> None:
-    """Copy ``kv`` (any device, any strides) into the host staging view ``staged`` of the same shape and dtype.
-
-    A host source is copied by numpy on the calling thread: ``Tensor.copy_`` would split a few-MiB copy over
-    torch's OpenMP threads, which then spin-wait after it and took ~0.4 core-seconds per GB from the codec threads
-    on a 2-core machine (the put is CPU-bound there). Device sources keep ``copy_`` (a DMA).
-    """
-    if kv.device.type != "cpu":
-        staged.copy_(kv)
-        return
-    as_int = torch.int16 if kv.element_size() == 2 else torch.int32
-    np.copyto(staged.view(as_int).numpy(), kv.detach().view(as_int).numpy())
