@@ -10,17 +10,20 @@ tier and baseline alternate repeat by repeat, so drift of the shared machine hit
 - disk put (every chunk ``put``, then ``flush``: codec, LMDB commit, sync): a sequential write of the same
   bytes from preallocated buffers to a file in the same directory, then ``fsync``.
 - disk get, cold: the tier's files are dropped from the page cache (``POSIX_FADV_DONTNEED``) and the tier
-  is reopened; baseline: ``readinto`` (4 MiB each) of a dropped file of the same uncompressed size.
+  is reopened; baseline: ``readinto`` (4 MiB each) of a dropped file of the same uncompressed size. Measured
+  twice: ``get_cold``, one caller reading chunk after chunk, and ``get_cold_prefetch``, the chunks read by as
+  many concurrent callers as the store's ``Prefetcher`` runs (how a lookup's disk-only chunks are read).
 
 Reads land in zeroed buffers and are compared bit for bit with what was written, so a broken tier or codec
 cannot post a good number. KV is random bf16 with log-normal per-channel scales; a few distinct chunks rotate.
 
-Threads: all in the caller's thread (the disk tier runs its own workers). The cpu tier is measured with
-torch's intra-op threads set to 1; the previous count is restored. Logs; never prints.
+Threads: all in the caller's thread (the disk tier runs its own workers), but for ``get_cold_prefetch``. The cpu
+tier is measured with torch's intra-op threads set to 1; the previous count is restored. Logs; never prints.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import resource
@@ -113,9 +116,10 @@ class TierBenchOptions:
 class TierBenchRow:
     """One measured (tier, layout, op): median GB/s, the same-run baseline, their ratio and its target.
 
-    ``op`` is ``put``, ``get``, ``promote_from_cpu`` (gpu) or ``get_cold`` (disk). Latencies are the
-    caller's wall time per chunk, in ms, over every timed op of every repeat (for an asynchronous device
-    copy: the time to queue it); ``None`` where a call is not one unit of work (queued disk puts).
+    ``op`` is ``put``, ``get``, ``promote_from_cpu`` (gpu), ``get_cold`` or ``get_cold_prefetch`` (disk).
+    Latencies are the caller's wall time per chunk, in ms, over every timed op of every repeat (for an
+    asynchronous device copy: the time to queue it); ``None`` where a call is not one unit of work (queued disk
+    puts).
     ``verified``: the bytes read back equal those written (get rows), every chunk is resident after the
     flush (disk put); ``None`` for memory-tier puts. ``met``: ratio at or above ``target_ratio`` and no
     failed verification. ``cpu_cores`` / ``baseline_cpu_cores`` (disk rows): the process's CPU time, every thread,
@@ -267,6 +271,27 @@ def _time_ops(op: Op, num_ops: int, num_bytes: int, device: torch.device, sample
         samples.gbps.append(num_bytes / elapsed_ns)
         samples.num_failed_ops += failed
         samples.op_ms.extend((stamps_ns[i + 1] - stamps_ns[i]) / 1e6 for i in range(num_ops))
+
+
+def _time_concurrent_ops(op: Op, num_ops: int, num_bytes: int, num_threads: int, samples: _Samples) -> None:
+    """Run ``op(0) .. op(num_ops - 1)`` on ``num_threads`` threads, taken in order, into ``samples``.
+
+    GB/s are over the wall time of the whole set; per-op latency is each call's own wall time.
+    """
+    clock_ns = time.perf_counter_ns
+
+    def timed(index: int) -> tuple[bool, int]:
+        start_ns = clock_ns()
+        done = op(index)
+        return done, clock_ns() - start_ns
+
+    with concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="kvstore-bench-read") as pool:
+        start_ns = clock_ns()
+        outcomes = list(pool.map(timed, range(num_ops)))
+        elapsed_ns = clock_ns() - start_ns
+    samples.gbps.append(num_bytes / elapsed_ns)
+    samples.num_failed_ops += sum(not done for done, _ in outcomes)
+    samples.op_ms.extend(op_ns / 1e6 for _, op_ns in outcomes)
 
 
 def _alternate(num_repeats: int, timed: list[_Timed], case: _Case, device: torch.device) -> None:
@@ -445,7 +470,9 @@ def _raw_read(path: Path, buffer: memoryview) -> float:
 
 
 def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], None]) -> Iterator[TierBenchRow]:
-    from kvstore.tiers.disk import DiskTier  # here: the memory tiers run where lmdb/zstandard are absent
+    # here: the memory tiers run where lmdb/zstandard are absent
+    from kvstore.prefetch import DEFAULT_PREFETCH_THREADS
+    from kvstore.tiers.disk import DiskTier
 
     records, outs = case.records, [torch.empty_like(source) for source in case.sources]
     read_buffer = outs[0].view(torch.uint8).reshape(-1).numpy().data
@@ -453,14 +480,36 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
     if options.directory is not None:
         options.directory.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=options.directory))
-    put, put_base, get, get_base = _Samples(), _Samples(), _Samples(), _Samples()
+    put, put_base, get, get_prefetch, get_base = _Samples(), _Samples(), _Samples(), _Samples(), _Samples()
     compression_ratios: list[float] = []
-    verified = committed = True
+    verified = verified_prefetch = committed = True
 
     def open_tier(data_dir: Path, *, read_only: bool) -> DiskTier:
         return DiskTier(data_dir, case.layout, options.chunk_size, capacity_bytes,
                         zstd_level=options.zstd_level, num_codec_threads=options.num_codec_threads,
                         read_only=read_only)
+
+    def serial_reads(op: Op, samples: _Samples) -> None:
+        _time_ops(op, len(records), case.total_bytes, _CPU, samples)
+
+    def prefetch_reads(op: Op, samples: _Samples) -> None:
+        _time_concurrent_ops(op, len(records), case.total_bytes, DEFAULT_PREFETCH_THREADS, samples)
+
+    def cold_get(data_dir: Path, samples: _Samples, read_all: Callable[[Op, _Samples], None]) -> bool:
+        """Read every chunk back from a dropped page cache through a reopened tier; whether the bytes match."""
+        drop_page_cache(data_dir)
+        reader = open_tier(data_dir, read_only=True)
+        try:
+            drop_page_cache(data_dir)  # again: opening may have read some pages
+            for out in outs:
+                out.zero_()
+            get_into = reader.get_into
+            # Chunks i and i + len(outs) share a buffer and a source: concurrent readers write the same bytes.
+            with _cpu_meter(samples):
+                read_all(lambda i: bool(get_into(records[i].key, outs[i % len(outs)])), samples)
+        finally:
+            reader.close()
+        return all(map(_bits_equal, outs, case.sources))
 
     # Both timed writes start right after a just-written file of the same size was deleted: on the shared
     # virtual disk a write right behind another one ran up to 4x slower than one behind a delete.
@@ -487,21 +536,12 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
                 compression_ratios.append(stats.compression_ratio)
             finally:
                 writer.close()
-            drop_page_cache(data_dir)
-            reader = open_tier(data_dir, read_only=True)
-            try:
-                drop_page_cache(data_dir)  # again: opening may have read some pages
-                for out in outs:
-                    out.zero_()
-                get_into = reader.get_into
-                with _cpu_meter(get):
-                    _time_ops(lambda i: bool(get_into(records[i].key, outs[i % len(outs)])),  # noqa: B023
-                              len(records), case.total_bytes, _CPU, get)
-            finally:
-                reader.close()
-            verified = verified and all(map(_bits_equal, outs, case.sources))
+            verified = cold_get(data_dir, get, serial_reads) and verified
             _raw_write(raw_path, case)  # untimed: the read baseline's file, just written like the tier's data
             with _cpu_meter(get_base):
+                get_base.gbps.append(case.total_bytes / _raw_read(raw_path, read_buffer) / 1e9)
+            verified_prefetch = cold_get(data_dir, get_prefetch, prefetch_reads) and verified_prefetch
+            with _cpu_meter(get_base):  # a second baseline sample, right after the second read
                 get_base.gbps.append(case.total_bytes / _raw_read(raw_path, read_buffer) / 1e9)
             shutil.rmtree(data_dir)
     finally:
@@ -514,3 +554,7 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
     yield _row(case, TierName.DISK, "get_cold", get, ("4 MiB readinto, dropped page cache", get_base),
                _TARGET_DISK_GET_RATIO, note=f"files dropped (POSIX_FADV_DONTNEED), tier reopened; {codec}",
                verified=verified, compression_ratio=ratio)
+    yield _row(case, TierName.DISK, "get_cold_prefetch", get_prefetch,
+               ("4 MiB readinto, dropped page cache", get_base), _TARGET_DISK_GET_RATIO,
+               note=f"as get_cold, {DEFAULT_PREFETCH_THREADS} concurrent readers (the store's prefetcher); {codec}",
+               verified=verified_prefetch, compression_ratio=ratio)

@@ -57,7 +57,7 @@ def test_every_tier_yields_verified_rows(tmp_path: Path) -> None:
     assert [(row.tier.value, row.op) for row in rows] == [
         ("gpu", "put"), ("gpu", "get"), ("gpu", "promote_from_cpu"),
         ("cpu", "put"), ("cpu", "get"),
-        ("disk", "put"), ("disk", "get_cold"),
+        ("disk", "put"), ("disk", "get_cold"), ("disk", "get_cold_prefetch"),
     ]  # fmt: skip
     for row in rows:
         check_row(row)
@@ -70,11 +70,14 @@ def test_every_tier_yields_verified_rows(tmp_path: Path) -> None:
         assert row.p50_ms is not None and row.p90_ms is not None and row.p99_ms is not None
         assert row.max_ms is not None
         assert 0 < row.p50_ms <= row.p90_ms <= row.p99_ms <= row.max_ms
-    disk_put, disk_get = rows[-2:]
+    disk_put, disk_get, disk_prefetch_get = rows[-3:]
     assert disk_put.p50_ms is None, "a disk put only queues: no per-chunk latency"
-    for row in (disk_put, disk_get):
+    assert disk_prefetch_get.baseline_GBps == disk_get.baseline_GBps, "both reads share the baseline samples"
+    for row in (disk_get, disk_prefetch_get):
+        assert row.p50_ms is not None and row.max_ms is not None and 0 < row.p50_ms <= row.max_ms
+    for row in (disk_put, disk_get, disk_prefetch_get):
         assert row.compression_ratio is not None and row.compression_ratio >= 1.0
-    for row in (disk_put, disk_get):
+    for row in (disk_put, disk_get, disk_prefetch_get):
         assert row.cpu_cores is not None and row.cpu_cores > 0
         assert row.baseline_cpu_cores is not None and row.baseline_cpu_cores > 0
     assert all(row.cpu_cores is None for row in memory_rows), "measured for the disk rows only"

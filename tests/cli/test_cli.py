@@ -177,6 +177,7 @@ def test_bench_tiers_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
         ("cpu", "get"),
         ("disk", "put"),
         ("disk", "get_cold"),
+        ("disk", "get_cold_prefetch"),
     ]
     for row in rows:
         assert row["GBps"] > 0 and row["baseline_GBps"] > 0 and row["ratio"] > 0
