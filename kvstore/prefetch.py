@@ -27,9 +27,9 @@ __all__ = ["DEFAULT_PREFETCH_THREADS", "Prefetcher"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFETCH_THREADS = 2
-"""Chunks a store reads from disk at once. Two readers keep the disk busy while the other decodes: one reader
-alternates between waiting for I/O and decoding, and the disk idles during the decode (``kvstore bench tiers``
-measures both as ``get_cold`` and ``get_cold_prefetch``)."""
+"""Chunks a store reads from disk at once: while one reader decodes, the other can wait for the disk (one reader
+alone leaves the disk idle during its decode). ``kvstore bench tiers`` measures one reader (``get_cold``) and this
+many (``get_cold_prefetch``): 1-11% faster on the 16-core H200 host, no faster on 2 cores (docs/benchmarks.md)."""
 
 
 class Prefetcher:
