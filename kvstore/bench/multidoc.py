@@ -131,6 +131,7 @@ class MultiDocOptions:
     attention: AttentionKernel = AttentionKernel.AUTO
     num_head_tokens: int = 0
     recurring_context_tokens: int = 0
+    stale_key_scale: float = 1.0
     modes: tuple[BenchMode, ...] = tuple(BenchMode)
     continuation_tokens: int = 32
     seed: int = 0
@@ -234,6 +235,16 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
     report = progress or (lambda step, done, total: None)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    blend_config = BlendConfig(  # before the model loads: a bad setting fails at once
+        recompute_ratio=options.recompute_ratio,
+        check_layer=options.check_layer,
+        deviation=options.deviation,
+        attention=options.attention,
+        num_head_tokens=options.num_head_tokens,
+        recurring_context_tokens=options.recurring_context_tokens,
+        stale_key_scale=options.stale_key_scale,
+    )
+    configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     model = _load_model(options, device, dtype)
     prompt_format, documents, queries = _workload(options, model)
     rng = np.random.default_rng(options.seed + 4)
@@ -245,15 +256,6 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         )
         for query in queries
     ]
-    blend_config = BlendConfig(
-        recompute_ratio=options.recompute_ratio,
-        check_layer=options.check_layer,
-        deviation=options.deviation,
-        attention=options.attention,
-        num_head_tokens=options.num_head_tokens,
-        recurring_context_tokens=options.recurring_context_tokens,
-    )
-    configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     warm_ups = warm_up_prompts(options, prompt_format, documents)
     total_steps = len(warm_ups) + (len(prompts) + 1) * len(options.modes)
     # Memory tiers sized to the workload when not given: twice the warm-up's KV (and at least 64 MiB), so the
@@ -301,6 +303,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         deviation=options.deviation.value,
         num_head_tokens=options.num_head_tokens,
         recurring_context_tokens=options.recurring_context_tokens,
+        stale_key_scale=options.stale_key_scale,
         seed=options.seed,
         model=model.name,
         device=device,

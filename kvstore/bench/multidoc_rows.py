@@ -32,6 +32,7 @@ class RunContext:
     deviation: str
     num_head_tokens: int
     recurring_context_tokens: int
+    stale_key_scale: float
     seed: int
     model: str
     device: str

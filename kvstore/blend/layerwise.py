@@ -15,6 +15,8 @@ Given a prompt of T tokens and its plan (exact segments, blend segments, gaps), 
     fresh K/V: active         | active    | selected
     queries:   active         | selected  | selected
     KV:        fresh where computed, cached (rotated) for everything else, attention causal by absolute position
+               (with ``stale_key_scale`` < 1 the cached keys kept after the check layer are scaled by it in the
+               attention and the decode cache, not in the stored ``kv``)
 
 At the check layer every active token's K/V is projected (the selection compares it with the cached K/V, and it
 replaces the cached K/V of that layer), but only the selected tokens go on through attention and the MLP: the other
@@ -131,10 +133,16 @@ class BlendConfig:
             many tokens occur as a run earlier in the prompt, before its span (``recurring_context``: what a full
             prefill's prefix-matching attention would read across documents); only when ``0 < recompute_ratio <
             1``. 0 (the default) turns it off.
+        stale_key_scale: multiplies, in the attention of this prefill and in the returned decode cache, the keys
+            of the cached tokens that keep their cached KV after the check layer (a temperature on their attention
+            scores; the question of a blended prompt over-attends to documents cached without the others). The
+            stored ``kv`` keeps the cached keys as they are. In ``(0, 1]``; only when ``0 < recompute_ratio < 1``.
+            1.0 (the default) turns it off.
 
     Raises:
         ConfigError: a ratio outside ``[0, 1]``, a negative check layer (the upper bound is checked against the
-            model by ``LayerwiseBlender``), or a negative ``num_head_tokens`` or ``recurring_context_tokens``.
+            model by ``LayerwiseBlender``), a negative ``num_head_tokens`` or ``recurring_context_tokens``, or a
+            ``stale_key_scale`` outside ``(0, 1]``.
     """
 
     recompute_ratio: float = 0.15
@@ -143,6 +151,7 @@ class BlendConfig:
     attention: AttentionKernel = AttentionKernel.AUTO
     num_head_tokens: int = 0
     recurring_context_tokens: int = 0
+    stale_key_scale: float = 1.0
 
     def __post_init__(self) -> None:
         ratio = self.recompute_ratio
@@ -171,6 +180,10 @@ class BlendConfig:
             count = getattr(self, name)
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ConfigError(f"{name}={count!r} must be a token count >= 0 (0 turns it off)")
+        scale = self.stale_key_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0.0 < scale <= 1.0:
+            raise ConfigError(f"stale_key_scale={scale!r} must be in (0, 1] (1.0 turns it off)")
+        object.__setattr__(self, "stale_key_scale", float(scale))
 
 
 class _TokenClasses:
@@ -270,6 +283,7 @@ class _Pass:
         blend_in_active = torch.empty(0, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         hidden: torch.Tensor | None = None
+        stale: torch.Tensor | None = None  # cached tokens whose keys are damped after the check layer
         for layer_idx in range(stack.num_layers):
             if layer_idx == cache_from:
                 if pending is not None:
@@ -311,7 +325,10 @@ class _Pass:
             selected: torch.Tensor | None = None
             if layer_idx == narrow:
                 selected = self._select(classes, projection, keys, values, blend_in_active)
+                stale = self._stale_rows(classes, selected)
             self._write(layer_idx, keys, values, positions, projection)
+            if stale is not None and narrow is not None and layer_idx > narrow:
+                keys = self._damped(keys, stale)
             if selected is not None:  # the check layer's K/V are fresh for every active token; from here on
                 rows = torch.searchsorted(positions, selected)  # only the selected ones are computed
                 hidden, query, positions = hidden[:, rows], query[:, :, rows], selected
@@ -350,6 +367,20 @@ class _Pass:
             cache_dtype = self.layout.dtype.torch_dtype
             self.kv[layer_idx, 0].index_copy_(0, positions, fresh.token_major_key().to(cache_dtype))
             self.kv[layer_idx, 1].index_copy_(0, positions, fresh.token_major_value().to(cache_dtype))
+
+    def _stale_rows(self, classes: _TokenClasses, selected: torch.Tensor) -> torch.Tensor | None:
+        """The blend tokens left out of ``selected`` (they keep their cached KV), when their keys are damped."""
+        if self.settings.stale_key_scale == 1.0 or not 0.0 < self.settings.recompute_ratio < 1.0:
+            return None
+        stale = classes.blend.to(self.device, copy=True)
+        stale[selected] = False
+        return stale.nonzero().flatten()
+
+    def _damped(self, keys: torch.Tensor, stale: torch.Tensor) -> torch.Tensor:
+        """``keys`` with the stale rows scaled: a copy when ``keys`` is a view of the stored ``kv``."""
+        damped = keys.clone() if self.same_dtype else keys
+        damped[stale] *= self.settings.stale_key_scale
+        return damped
 
     def _select(
         self,
