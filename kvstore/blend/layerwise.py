@@ -369,8 +369,10 @@ class _Pass:
             self.kv[layer_idx, 1].index_copy_(0, positions, fresh.token_major_value().to(cache_dtype))
 
     def _stale_rows(self, classes: _TokenClasses, selected: torch.Tensor) -> torch.Tensor | None:
-        """The blend tokens left out of ``selected`` (they keep their cached KV), when their keys are damped."""
-        if self.settings.stale_key_scale == 1.0 or not 0.0 < self.settings.recompute_ratio < 1.0:
+        """The blend tokens left out of ``selected`` (they keep their cached KV), when their keys are damped.
+
+        Called at the check layer only, which ratios 0 and 1.0 never narrow at: the option leaves them alone."""
+        if self.settings.stale_key_scale == 1.0:
             return None
         stale = classes.blend.to(self.device, copy=True)
         stale[selected] = False
