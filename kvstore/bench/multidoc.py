@@ -209,7 +209,14 @@ def _data_dir(options: MultiDocOptions) -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _workload(options: MultiDocOptions, model: _Model) -> tuple[PromptFormat, list[Document], list[QuerySpec]]:
+def _queries(options: MultiDocOptions) -> list[QuerySpec]:
+    """Which documents each query holds, in which order; needs no model, so bad counts fail before it loads."""
+    if options.workload is BenchWorkload.SHUFFLE:
+        return pick_derangements(options.num_documents, options.num_queries, options.seed)
+    return pick_combinations(options.num_documents, options.docs_per_query, options.num_queries, options.seed)
+
+
+def _documents(options: MultiDocOptions, model: _Model) -> tuple[PromptFormat, list[Document]]:
     vocab_size = int(model.model.config.vocab_size)
     if model.tokenizer is not None:
         prompt_format = PromptFormat.for_tokenizer(model.tokenizer)
@@ -219,11 +226,7 @@ def _workload(options: MultiDocOptions, model: _Model) -> tuple[PromptFormat, li
     else:
         prompt_format = PromptFormat.random(vocab_size, np.random.default_rng(options.seed + 3))
         documents = random_documents(vocab_size, options.num_documents, options.document_tokens, options.seed)
-    if options.workload is BenchWorkload.SHUFFLE:
-        queries = pick_derangements(options.num_documents, options.num_queries, options.seed)
-    else:
-        queries = pick_combinations(options.num_documents, options.docs_per_query, options.num_queries, options.seed)
-    return prompt_format, documents, queries
+    return prompt_format, documents
 
 
 def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None = None) -> list[MultiDocRow]:
@@ -245,8 +248,9 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         stale_key_scale=options.stale_key_scale,
     )
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
+    queries = _queries(options)
     model = _load_model(options, device, dtype)
-    prompt_format, documents, queries = _workload(options, model)
+    prompt_format, documents = _documents(options, model)
     rng = np.random.default_rng(options.seed + 4)
     vocab_size = int(model.model.config.vocab_size)
     prompts = [

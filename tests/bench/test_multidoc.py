@@ -112,6 +112,22 @@ def test_bad_options_are_one_line_errors(flags: list[str], fragment: str, capsys
     assert fragment in lines[0]
 
 
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["shuffle", "--num-documents", "1"], "a derangement needs at least 2 documents"),
+        (["multi-doc-qa", "--num-documents", "2", "--docs-per-query", "3"], "--docs-per-query 3 must be between"),
+    ],
+)
+def test_bad_document_counts_fail_before_the_model_loads(
+    argv: list[str], fragment: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A model directory without config.json fails as soon as it is loaded, so the count error proves it came first.
+    code, _, err = run(["bench", *argv, "--model", str(tmp_path), "--device", "cpu"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and fragment in lines[0], err
+
+
 def test_derangements_move_every_document() -> None:
     for num_documents in (2, 5, 9):
         queries = pick_derangements(num_documents, 12, seed=3)
