@@ -275,6 +275,7 @@ class Client:
         *,
         device: str | torch.device = "cpu",
         progress: RetrieveProgress | None = None,
+        memory_only: bool = False,
     ) -> RetrieveResult:
         """``TieredStore.retrieve`` on the server. ``out`` made by ``buffer()`` (or a CUDA tensor, with CUDA IPC)
         is written by the server directly; otherwise the KV lands in the scratch segment and is copied out.
@@ -295,7 +296,7 @@ class Client:
         def build() -> tuple[dict[str, object], memoryview | None]:
             staged.clear()
             bulk = self._bulk_for_retrieve(out, needed, staged)
-            return RetrieveArgs(plan_id=plan.plan_id, bulk=bulk).to_wire(), None
+            return RetrieveArgs(plan_id=plan.plan_id, bulk=bulk, memory_only=memory_only).to_wire(), None
 
         reply = self._call(Op.RETRIEVE, build)
         loaded = RetrievedSegments.from_wire(self._result(reply))

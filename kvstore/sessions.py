@@ -127,6 +127,7 @@ class SessionOwner(Protocol):
         *,
         device: str | torch.device = ...,
         progress: RetrieveProgress | None = ...,
+        memory_only: bool = ...,
     ) -> RetrieveResult: ...
 
     def release(self, plan: LookupPlan) -> None: ...
@@ -166,9 +167,10 @@ class Session:
         *,
         device: str | torch.device = "cpu",
         progress: RetrieveProgress | None = None,
+        memory_only: bool = False,
     ) -> RetrieveResult:
         """``TieredStore.retrieve``."""
-        return self._owner.retrieve(plan, out, device=device, progress=progress)
+        return self._owner.retrieve(plan, out, device=device, progress=progress, memory_only=memory_only)
 
     def release(self, plan: LookupPlan) -> None:
         """``TieredStore.release``."""

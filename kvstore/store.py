@@ -469,6 +469,7 @@ class TieredStore:
         *,
         device: str | torch.device = "cpu",
         progress: RetrieveProgress | None = None,
+        memory_only: bool = False,
     ) -> RetrieveResult:
         """Load the KV of a plan's segments to their places in the prompt, then release the plan's pins.
 
@@ -481,6 +482,10 @@ class TieredStore:
                 chunk's layers 0-3, then 4-7, ...) and ``progress`` hears of each layer (``RetrieveProgress``): a
                 layerwise prefill starts computing before the last layer has landed. Without it each chunk is
                 copied whole.
+            memory_only: serve only the segments a memory tier holds now (a finished prefetch counts); the
+                others become gaps at once, without waiting for the disk. Their prefetches go on and leave the
+                chunks in the cpu tier for the next lookup. For a caller that recomputes faster than the disk
+                reads (``kvstore.blend.load_cost``).
 
         Returns:
             The segments loaded and the KV (a view of ``out`` when given). A chunk that fails to load (corrupt on
@@ -491,7 +496,8 @@ class TieredStore:
             InvalidInputError: ``out`` has the wrong shape or dtype.
         """
         self._check_open()
-        plan.wait()
+        if not memory_only:
+            plan.wait()
         pins = self._ledger.take_plan(plan.plan_id)
         if pins is None:
             raise ConfigError(
@@ -500,7 +506,7 @@ class TieredStore:
         loaded: list[Segment] = []
         try:
             out = self._prepare_out(plan, out, device)
-            copies = self._load_segments(plan, pins, out, loaded)
+            copies = self._load_segments(plan, pins, out, loaded, memory_only=memory_only)
             if progress is not None:
                 progress.segments_loaded(tuple(loaded))
             self._copy_from_memory(copies, out.device, progress)
@@ -512,9 +518,10 @@ class TieredStore:
         return RetrieveResult(segments=tuple(loaded), num_query_tokens=plan.num_query_tokens, kv=out[:, :, :end])
 
     def _load_segments(
-        self, plan: LookupPlan, pins: Sequence[Pin], out: torch.Tensor, loaded: list[Segment]
+        self, plan: LookupPlan, pins: Sequence[Pin], out: torch.Tensor, loaded: list[Segment], *, memory_only: bool
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Decode the plan's disk chunks into ``out`` and append every segment that will be served to ``loaded``.
+        """Decode the plan's disk chunks into ``out`` (unless ``memory_only``) and append every segment that will
+        be served to ``loaded``.
 
         Returns the ``(pinned chunk view, place in out)`` pairs of the chunks in memory tiers, still to be copied:
         those copies cannot fail, so the segments are final before any of them runs.
@@ -530,6 +537,9 @@ class TieredStore:
             if isinstance(tier, ArenaTier):
                 copies.append((tier.view(segment.key), place))
                 loaded.append(segment)
+                continue
+            if memory_only:  # left to the caller to compute, as a failed load is
+                prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 continue
             if self._load_from_disk(segment.key, segment.num_tokens, place):
                 loaded.append(segment)

@@ -204,6 +204,55 @@ def test_a_full_cpu_tier_makes_the_retrieve_read_the_disk(tmp_path: Path, small_
         store.release(holder)
 
 
+@pytest.mark.parametrize("segmented", [False, True])
+def test_a_memory_only_retrieve_serves_memory_chunks_and_makes_disk_ones_gaps(
+    tmp_path: Path, small_layout: KVLayout, segmented: bool
+) -> None:
+    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU, TierName.DISK), enable_blend=False,
+                 enable_segmented_prefix=segmented, cpu_capacity_bytes=3 * small_layout.chunk_bytes(CHUNK))  # fmt: skip
+    tokens, kv = make_tokens(24), make_kv(small_layout, 24)
+    with TieredStore(small_layout, cfg) as store:
+        store.store(tokens, kv)
+        store.flush()
+        other = make_tokens(8, seed=5)
+        store.store(other, make_kv(small_layout, 8, seed=5))  # takes the first chunk's cpu slot (least recent)
+        store.flush()  # the write-through's pin goes
+        holder = store.lookup(other)  # pinned: with the plan's own pins, no room is left for a prefetch
+        plan = store.lookup(tokens)
+        assert [s.tier for s in plan.segments] == [TierName.DISK, TierName.CPU, TierName.CPU]
+        result = store.retrieve(plan, memory_only=True)
+        if segmented:
+            assert spans(result) == [(8, 16, 8, True), (16, 24, 16, True)]
+            assert [(g.start, g.end) for g in result.gaps] == [(0, 8)]
+            assert torch.equal(result.kv[:, :, 8:], kv[:, :, 8:])
+        else:  # a gap at the front cuts the exact prefix there, as a chunk that fails to load does
+            assert result.segments == () and result.num_prefix_tokens == 0
+        plan.wait(timeout=30)
+        store.release(holder)
+        assert memory_pins(store) == 0 and store.stats().num_open_plans == 0
+        assert torch.equal(store.retrieve(store.lookup(tokens)).kv, kv), "the disk chunk was skipped, not dropped"
+
+
+def test_a_memory_only_retrieve_does_not_wait_and_its_prefetches_still_land(
+    tmp_path: Path, small_layout: KVLayout
+) -> None:
+    cfg = config(tmp_path, small_layout, tiers=(TierName.CPU, TierName.DISK), enable_segmented_prefix=True)
+    tokens, kv = make_tokens(40), make_kv(small_layout, 40)
+    with TieredStore(small_layout, cfg) as first:
+        first.store(tokens, kv)
+    with TieredStore(small_layout, cfg) as store:
+        plan = store.lookup(tokens)
+        assert [s.tier for s in plan.segments] == [TierName.DISK] * 5
+        result = store.retrieve(plan, memory_only=True)  # serves whatever landed already (none to all five)
+        for segment in result.segments:
+            assert torch.equal(result.kv[:, :, segment.start : segment.end], kv[:, :, segment.start : segment.end])
+        assert plan.wait(timeout=30) and all(future.result() for future in plan.prefetches)
+        assert memory_pins(store) == 0, "chunks landing after the retrieve are not left pinned"
+        again = store.lookup(tokens)
+        assert [s.tier for s in again.segments] == [TierName.CPU] * 5, "the skipped chunks landed for next time"
+        assert torch.equal(store.retrieve(again, memory_only=True).kv, kv)
+
+
 # -- registration ---------------------------------------------------------------------------------------------------
 
 

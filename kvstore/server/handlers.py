@@ -292,7 +292,7 @@ class RequestHandler:
             store.release(plan)  # the plan left the registry: its pins must not leak
             raise
         try:
-            result = store.retrieve(plan, out)
+            result = store.retrieve(plan, out, memory_only=args.memory_only)
         except InvalidInputError:
             raise
         except ConfigError as exc:  # its session ended between our registry and the store's ledger

@@ -264,19 +264,28 @@ class LookupArgs:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetrieveArgs:
-    """Load a plan's KV into ``bulk`` (for shm: exactly ``layout.chunk_bytes(plan end)`` bytes)."""
+    """Load a plan's KV into ``bulk`` (for shm: exactly ``layout.chunk_bytes(plan end)`` bytes); with
+    ``memory_only`` skip what only the disk holds (``TieredStore.retrieve``)."""
 
     plan_id: int
     bulk: BulkRef
+    memory_only: bool = False
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> RetrieveArgs:
-        parsed = cls(plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID), bulk=parse_bulk(fields.map_("bulk")))
+        parsed = cls(
+            plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID),
+            bulk=parse_bulk(fields.map_("bulk")),
+            memory_only=bool(fields.bool_("memory_only", optional=True)),
+        )
         fields.finish()
         return parsed
 
     def to_wire(self) -> dict[str, object]:
-        return {"plan_id": self.plan_id, "bulk": self.bulk.to_wire()}
+        wire: dict[str, object] = {"plan_id": self.plan_id, "bulk": self.bulk.to_wire()}
+        if self.memory_only:  # only when asked: a server from before the field refuses unknown fields
+            wire["memory_only"] = True
+        return wire
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

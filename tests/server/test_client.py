@@ -49,6 +49,8 @@ def test_store_lookup_retrieve_round_trip(server: ServerProcess, transport: str)
         out = torch.zeros(SERVER_LAYOUT.chunk_shape(120), dtype=torch.bfloat16)
         into = client.retrieve(client.lookup(tokens), out)
         assert torch.equal(out[:, :, :100], kv) and into.kv.data_ptr() == out.data_ptr()
+        in_memory = client.retrieve(client.lookup(tokens), memory_only=True)  # the cpu tier holds every chunk
+        assert torch.equal(in_memory.kv, kv) and in_memory.num_prefix_tokens == 100
         assert client.stats().num_open_plans == 0
 
 

@@ -44,6 +44,7 @@ from kvstore.server.messages import (
 from kvstore.server.metrics import ServerMetrics
 from kvstore.server.protocol import Limits, Op, decode_reply, decode_request, encode_request
 from kvstore.server.store_host import StoreHost
+from kvstore.server.wire_values import RetrievedSegments
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT
@@ -147,6 +148,32 @@ def test_store_lookup_retrieve_inline(harness: Harness) -> None:
     assert harness.code(Op.RELEASE, {"plan_id": plan_id}, client) == ErrorCode.UNKNOWN_PLAN
     exposition = harness.metrics.exposition().decode()
     assert "kvstore_blend_index_entries" in exposition and 'kvstore_lookup_chunks_total{tier="cpu"} 3.0' in exposition
+
+
+def test_a_memory_only_retrieve_skips_what_only_the_disk_holds(tmp_path: Path) -> None:
+    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, disk_path=tmp_path / "data",
+                         disk_capacity_bytes=1 << 26)  # fmt: skip
+    harness = make_harness(config, SERVER_LAYOUT)
+    try:
+        client = harness.hello()
+        tokens = as_token_array(make_tokens(32, seed=6))
+        _, payload = kv_bytes(32, 6)
+        harness.host.require().store(tokens, make_kv(SERVER_LAYOUT, 32, seed=6))
+        lookup = LookupArgs(tokens=tokens, session_id=None, blend=None).to_wire()
+        retrieved = []
+        for memory_only in (True, False):
+            plan, _ = harness.ok(Op.LOOKUP, lookup, client)
+            retrieve = RetrieveArgs(plan_id=plan.required_int("plan_id", 0, 2**62), bulk=InlineBulk(),
+                                    memory_only=memory_only)  # fmt: skip
+            result, raw = harness.ok(Op.RETRIEVE, retrieve.to_wire(), client)
+            retrieved.append((RetrievedSegments.from_wire(result), raw.payload))
+        (skipped, _), (loaded, loaded_payload) = retrieved
+        assert skipped.segments == () and skipped.end == 0, "only the disk holds the chunks"
+        assert len(loaded.segments) == 32 // CHUNK_SIZE
+        assert loaded_payload is not None and bytes(loaded_payload) == payload
+        assert "memory_only" not in RetrieveArgs(plan_id=1, bulk=InlineBulk()).to_wire(), "old servers refuse it"
+    finally:
+        harness.host.close()
 
 
 def test_inline_retrieves_over_the_limit_are_refused_and_release_the_plan(harness: Harness) -> None:
