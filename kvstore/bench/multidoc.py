@@ -58,6 +58,7 @@ from kvstore.bench.multidoc_workload import (
     random_documents,
 )
 from kvstore.blend import BlendConfig, BlendOutput, DeviationMetric, LayerwiseBlender
+from kvstore.blend.load_cost import DiskPolicy
 from kvstore.blend.query_attention import AttentionKernel
 from kvstore.config import GIB, StoreConfig
 from kvstore.errors import ConfigError
@@ -132,6 +133,7 @@ class MultiDocOptions:
     num_head_tokens: int = 0
     recurring_context_tokens: int = 0
     stale_key_scale: float = 1.0
+    disk_policy: DiskPolicy = DiskPolicy.AUTO
     modes: tuple[BenchMode, ...] = tuple(BenchMode)
     continuation_tokens: int = 32
     seed: int = 0
@@ -246,6 +248,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         num_head_tokens=options.num_head_tokens,
         recurring_context_tokens=options.recurring_context_tokens,
         stale_key_scale=options.stale_key_scale,
+        disk_policy=options.disk_policy,
     )
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     queries = _queries(options)
@@ -308,6 +311,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         num_head_tokens=options.num_head_tokens,
         recurring_context_tokens=options.recurring_context_tokens,
         stale_key_scale=options.stale_key_scale,
+        disk_policy=blend_config.disk_policy.value,
         seed=options.seed,
         model=model.name,
         device=device,
@@ -383,6 +387,7 @@ def _measure(
         exact_tokens=plan.num_exact_tokens,
         blend_tokens=plan.num_blend_tokens,
         recomputed_tokens=output.num_recomputed_tokens,
+        skipped_disk_tokens=output.num_skipped_disk_tokens,
     )
     if model.tokenizer is None or asked.fact is None:
         return sample, reference or _Reference(logits=output.logits)

@@ -33,6 +33,7 @@ class RunContext:
     num_head_tokens: int
     recurring_context_tokens: int
     stale_key_scale: float
+    disk_policy: str
     seed: int
     model: str
     device: str
@@ -55,6 +56,7 @@ class QuerySample:
     exact_tokens: int
     blend_tokens: int
     recomputed_tokens: int
+    skipped_disk_tokens: int
     top1: bool | None = None
     kl: float | None = None
     continuation_match: float | None = None
@@ -82,6 +84,7 @@ class MultiDocRow(RunContext):
     exact_tokens_mean: float
     blend_tokens_mean: float
     recomputed_tokens_mean: float
+    skipped_disk_tokens_mean: float
     ttft_ms_mean: float
     ttft_ms_p50: float
     ttft_ms_p90: float
@@ -197,6 +200,7 @@ def summarize(
         exact_tokens_mean=_mean([sample.exact_tokens for sample in samples]),
         blend_tokens_mean=_mean([sample.blend_tokens for sample in samples]),
         recomputed_tokens_mean=_mean([sample.recomputed_tokens for sample in samples]),
+        skipped_disk_tokens_mean=_mean([sample.skipped_disk_tokens for sample in samples]),
         ttft_ms_mean=_mean(totals),
         ttft_ms_p50=round(statistics.median(totals), 3),
         ttft_ms_p90=round(_percentile(totals, 0.9), 3),

@@ -44,6 +44,7 @@ import torch
 from kvstore.blend.kv_loading import KVLoader
 from kvstore.blend.layerwise import BlendConfig, BlendPlanSummary, run_blend_pass
 from kvstore.blend.llama_layers import LlamaStack
+from kvstore.blend.load_cost import LoadCostModel
 from kvstore.blend.rope import RopeRotator
 from kvstore.blend.rope_gate import RopeGateReport, require_rope_gate
 from kvstore.blend.stage_clock import StageClock
@@ -98,6 +99,8 @@ class BlendOutput:
             ``prefix``, the selection for ``blend``).
         plan: how the prompt's tokens were served.
         timings: stage timings.
+        num_skipped_disk_tokens: cached tokens a blend computed instead of waiting for the disk
+            (``BlendConfig.disk_policy``); they count as gaps in ``plan``.
     """
 
     mode: PrefillMode
@@ -107,6 +110,7 @@ class BlendOutput:
     num_recomputed_tokens: int
     plan: BlendPlanSummary
     timings: PrefillTimings
+    num_skipped_disk_tokens: int = 0
 
 
 class LayerwiseBlender:
@@ -155,6 +159,7 @@ class LayerwiseBlender:
         self._rotator = RopeRotator(layout.rope, layout.head_dim)
         self._loader = KVLoader(self._stack.device)
         self._clock = StageClock(self._stack.device)
+        self.load_costs = LoadCostModel(layout)  # learnt from this blender's passes (``disk_policy="auto"``)
 
     def _check_config(self, config: BlendConfig) -> None:
         if config.check_layer >= self._stack.num_layers:
@@ -311,8 +316,11 @@ class LayerwiseBlender:
             tokens=tokens,
             settings=settings,
             clock=self._clock,
+            costs=self.load_costs,
         )
         total_ms = (time.perf_counter() - started_s) * 1e3
+        self.load_costs.observe_disk_wait(result.disk_wait_bytes, result.load_ms)
+        self.load_costs.observe_compute(result.num_token_layers, result.recompute_ms)
         cache = DynamicCache(
             [(layer.keys, layer.values) for layer in result.layers], config=getattr(self.model, "config", None)
         )
@@ -323,6 +331,7 @@ class LayerwiseBlender:
             kv=result.kv,
             num_recomputed_tokens=result.num_recomputed_tokens,
             plan=result.summary,
+            num_skipped_disk_tokens=result.num_skipped_disk_tokens,
             timings=_timings(
                 total_ms=total_ms,
                 lookup_ms=result.lookup_ms,

@@ -51,6 +51,7 @@ import torch
 
 from kvstore.blend.kv_loading import KVLoader, PendingLoad
 from kvstore.blend.llama_layers import LlamaStack, Projection
+from kvstore.blend.load_cost import DiskPolicy, LoadCostModel, disk_bound_segments, skipped_token_layers
 from kvstore.blend.query_attention import AttentionKernel, QueryMask
 from kvstore.blend.recurring_context import recurring_context_positions
 from kvstore.blend.rope import RopeRotator, Rotation, token_deltas
@@ -111,6 +112,9 @@ class BlendPassResult:
     load_ms: float
     load_total_ms: float
     recompute_ms: float
+    num_token_layers: int
+    disk_wait_bytes: int
+    num_skipped_disk_tokens: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,6 +142,10 @@ class BlendConfig:
             scores; the question of a blended prompt over-attends to documents cached without the others). The
             stored ``kv`` keeps the cached keys as they are. In ``(0, 1]``; only when ``0 < recompute_ratio < 1``.
             1.0 (the default) turns it off.
+        disk_policy: what to do with the plan's chunks that only the disk holds when loading starts
+            (``load_cost``): ``auto`` (the default) recomputes their tokens when that is expected to be faster
+            than reading them, ``wait`` always reads them, ``recompute`` never waits for the disk. Skipped chunks
+            still land in the cpu tier for the next prompt.
 
     Raises:
         ConfigError: a ratio outside ``[0, 1]``, a negative check layer (the upper bound is checked against the
@@ -152,6 +160,7 @@ class BlendConfig:
     num_head_tokens: int = 0
     recurring_context_tokens: int = 0
     stale_key_scale: float = 1.0
+    disk_policy: DiskPolicy = DiskPolicy.AUTO
 
     def __post_init__(self) -> None:
         ratio = self.recompute_ratio
@@ -184,6 +193,12 @@ class BlendConfig:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0.0 < scale <= 1.0:
             raise ConfigError(f"stale_key_scale={scale!r} must be in (0, 1] (1.0 turns it off)")
         object.__setattr__(self, "stale_key_scale", float(scale))
+        try:
+            object.__setattr__(self, "disk_policy", DiskPolicy(self.disk_policy))
+        except ValueError:
+            raise ConfigError(
+                f"disk_policy={self.disk_policy!r} is not one of {', '.join(policy.value for policy in DiskPolicy)}"
+            ) from None
 
 
 class _TokenClasses:
@@ -267,6 +282,7 @@ class _Pass:
         self.same_dtype = layout.dtype.torch_dtype == stack.dtype
         self.layers: list[LayerKV] = []
         self.load_marks: list[tuple[Mark, Mark]] = []
+        self.num_token_layers = 0  # a token through one layer's attention and MLP: the cost model's unit
 
     def run(self, classes: _TokenClasses, pending: PendingLoad | None) -> tuple[torch.Tensor, int, BlendPlanSummary]:
         stack, settings, num_tokens = self.stack, self.settings, self.num_tokens
@@ -306,6 +322,7 @@ class _Pass:
                 rotary = stack.rotary(hidden, positions)
             projection = stack.project(layer_idx, hidden, rotary)
             if layer_idx < cache_from:  # every token, fresh K/V only: plain causal attention
+                self.num_token_layers += int(positions.numel())
                 hidden = stack.attend_and_finish(
                     layer_idx, hidden, projection.query,
                     projection.token_major_key(), projection.token_major_value(), mask,
@@ -334,6 +351,7 @@ class _Pass:
                 hidden, query, positions = hidden[:, rows], query[:, :, rows], selected
                 mask = QueryMask(positions, num_tokens, stack.dtype, settings.attention)
                 rotary = stack.rotary(hidden, positions)
+            self.num_token_layers += int(positions.numel())
             hidden = stack.attend_and_finish(layer_idx, hidden, query, keys, values, mask)
             self.layers.append(LayerKV(keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]))
         assert hidden is not None, "a model has at least one layer (LlamaStack checks)"
@@ -419,10 +437,12 @@ def run_blend_pass(
     tokens: TokenArray,
     settings: BlendConfig,
     clock: StageClock,
+    costs: LoadCostModel,
 ) -> BlendPassResult:
     """Look the prompt up, load its cached KV on the loader, run every layer; see the module docstring.
 
-    The plan is retrieved or released on every path (an exception included).
+    The plan is retrieved or released on every path (an exception included). Chunks only the disk holds are read
+    or left to compute as ``settings.disk_policy`` and ``costs`` say (the caller feeds ``costs`` the result).
 
     Raises:
         ConfigError: the store was opened without ``enable_blend`` (from its lookup).
@@ -434,8 +454,14 @@ def run_blend_pass(
     classes = _TokenClasses(plan.segments, tokens, settings)
     needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
     pending: PendingLoad | None = None
+    disk_bound: tuple[Segment, ...] = ()
+    memory_only = False
     if needs_load:
-        pending = loader.start(lambda out, progress: owner.retrieve(plan, out, progress=progress), work.kv)
+        disk_bound = disk_bound_segments(plan)
+        memory_only = _skips_disk(settings, costs, disk_bound, stack.num_layers)
+        pending = loader.start(
+            lambda out, progress: owner.retrieve(plan, out, progress=progress, memory_only=memory_only), work.kv
+        )
     else:
         owner.release(plan)
     try:
@@ -458,4 +484,19 @@ def run_blend_pass(
         load_ms=load_ms,
         load_total_ms=pending.duration_ms() if pending is not None else 0.0,
         recompute_ms=clock.between(layers_start, layers_end) - load_ms,
+        num_token_layers=work.num_token_layers,
+        disk_wait_bytes=0 if memory_only else sum(layout.chunk_bytes(segment.num_tokens) for segment in disk_bound),
+        num_skipped_disk_tokens=sum(segment.num_tokens for segment in disk_bound) if memory_only else 0,
     )
+
+
+def _skips_disk(settings: BlendConfig, costs: LoadCostModel, disk_bound: Sequence[Segment], num_layers: int) -> bool:
+    """Whether this pass leaves the chunks only the disk holds to compute (``load_cost``)."""
+    if not disk_bound or settings.disk_policy is DiskPolicy.WAIT:
+        return False
+    if settings.disk_policy is DiskPolicy.RECOMPUTE:
+        return True
+    extra = skipped_token_layers(
+        disk_bound, num_layers=num_layers, check_layer=settings.check_layer, recompute_ratio=settings.recompute_ratio
+    )
+    return costs.recompute_is_faster(disk_bound, extra)

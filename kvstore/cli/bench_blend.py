@@ -174,6 +174,11 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             "--stale-key-scale",
             help="Blend: scale the keys of cached tokens kept after the check layer, in (0, 1] (1.0: off).",
         ),
+        disk_policy: str = typer.Option(
+            _DEFAULTS.disk_policy.value,
+            "--disk-policy",
+            help="Blend: chunks only the disk holds: 'auto' (recompute when faster), 'wait' or 'recompute'.",
+        ),
         modes: str = typer.Option("full,prefix,blend,reuse", "--modes", help="Modes to run (full always runs)."),
         continuation_tokens: int = typer.Option(32, "--continuation-tokens", help="Greedy tokens compared."),
         seed: int = typer.Option(_DEFAULTS.seed, "--seed", help="Seed of documents, facts, queries, weights."),
@@ -214,6 +219,7 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             num_head_tokens=num_head_tokens,
             recurring_context_tokens=recurring_context_tokens,
             stale_key_scale=stale_key_scale,
+            disk_policy=disk_policy,  # type: ignore[arg-type]  # BlendConfig checks it, before the model loads
             modes=_parse_modes(modes),
             continuation_tokens=continuation_tokens,
             seed=seed,

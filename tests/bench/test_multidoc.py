@@ -36,7 +36,8 @@ TINY = ["--random-init", "tiny-llama", "--device", "cpu", "--num-documents", "4"
         "--num-queries", "2", "--docs-per-query", "3", "--chunk-size", "8"]  # fmt: skip
 ROW_FIELDS = ("mode", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "speedup_vs_full", "top1_agreement", "kl_mean",
               "continuation_match", "fact_accuracy", "lookup_ms_mean", "load_ms_mean", "recompute_ms_mean",
-              "other_ms_mean", "fact_agreement_with_full", "fact_full_only", "fact_mode_only",
+              "other_ms_mean", "skipped_disk_tokens_mean", "disk_policy", "fact_agreement_with_full", "fact_full_only",
+              "fact_mode_only",
               "fact_difference_vs_full", "fact_difference_ci95_low", "fact_difference_ci95_high",
               "fact_accuracy_ci95_low", "fact_accuracy_ci95_high", "num_head_tokens", "seed", "facts")  # fmt: skip
 
@@ -80,6 +81,22 @@ def test_documents_stored_alone_are_no_prefix_hit_and_blend_in_whole(capsys: pyt
     assert blend["exact_tokens_mean"] == 0 and blend["blend_tokens_mean"] == 3 * 42
 
 
+def test_documents_only_on_disk_are_read_or_recomputed_as_the_disk_policy_says(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rows = {}
+    for policy in ("wait", "recompute"):
+        argv = ["bench", "multi-doc-qa", *TINY, "--warm-up", "alone", "--tiers", "disk", "--modes", "blend",
+                "--disk-policy", policy, "--json"]  # fmt: skip
+        code, out, err = run(argv, capsys)
+        assert code == 0, err
+        rows[policy] = json.loads(out.splitlines()[1])
+    assert rows["wait"]["disk_policy"] == "wait" and rows["wait"]["skipped_disk_tokens_mean"] == 0
+    assert rows["wait"]["blend_tokens_mean"] == 3 * 42
+    assert rows["recompute"]["skipped_disk_tokens_mean"] == 3 * 42 and rows["recompute"]["blend_tokens_mean"] == 0
+    assert rows["recompute"]["recomputed_tokens_mean"] == rows["recompute"]["prompt_tokens_mean"]
+
+
 def test_an_unmet_expected_ttft_gain_exits_non_zero_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["bench", "shuffle", *TINY, "--modes", "blend", "--json", "--expected-ttft-gain", "1000"],
                          capsys)  # fmt: skip
@@ -103,6 +120,7 @@ def test_an_unmet_expected_ttft_gain_exits_non_zero_with_one_line(capsys: pytest
         (["--warm-up", "cold"], "--warm-up 'cold': use preamble, alone or grouped"),
         (["--num-head-tokens", "-1"], "num_head_tokens=-1 must be a token count >= 0"),
         (["--model", "/nonexistent"], "--model and --random-init exclude each other"),
+        (["--disk-policy", "never"], "disk_policy='never' is not one of auto, wait, recompute"),
     ],
 )
 def test_bad_options_are_one_line_errors(flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@ reuse at 0, the selection, decoding from its cache, storing, errors, pins, and t
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -316,14 +317,15 @@ def test_the_blend_pass_on_each_tier_and_device(device: str, tiers: tuple[TierNa
     built = random_init_model("tiny-llama", dtype=torch.float32, device=device, seed=1)
     config = StoreConfig(tiers=tiers, chunk_size=CHUNK, cpu_capacity_bytes=16 << 20, gpu_capacity_bytes=16 << 20,
                          gpu_device=device, disk_path=tmp_path / "data", enable_blend=True)  # fmt: skip
-    with TieredStore(built.layout, config) as store, LayerwiseBlender(built.model, store) as blender:
+    waits = BlendConfig(disk_policy="wait")  # reads from every tier, disk too (load_cost may skip a slow disk)
+    with TieredStore(built.layout, config) as store, LayerwiseBlender(built.model, store, waits) as blender:
         docs = documents(11)
         warm(blender, docs)
         prompt = multi_doc_prompt(docs)
         full = blender.prefill(prompt, mode="full", store_result=False)
         exact = blender.prefill(prompt, store_result=False, config=BlendConfig(recompute_ratio=1.0))
         torch.testing.assert_close(exact.logits, full.logits, rtol=0, atol=1e-4)
-        narrowed = blender.prefill(prompt, store_result=False, config=BlendConfig(recompute_ratio=0.999))
+        narrowed = blender.prefill(prompt, store_result=False, config=dataclasses.replace(waits, recompute_ratio=0.999))
         torch.testing.assert_close(narrowed.logits, full.logits, rtol=0, atol=1e-4)  # layered loads, narrowed attention
         blended = blender.prefill(prompt, store_result=False)
         assert blended.kv.device.type == device and blended.plan.num_blend_tokens == 81
