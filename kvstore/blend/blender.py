@@ -159,7 +159,7 @@ class LayerwiseBlender:
         self._rotator = RopeRotator(layout.rope, layout.head_dim)
         self._loader = KVLoader(self._stack.device)
         self._clock = StageClock(self._stack.device)
-        self.load_costs = LoadCostModel(layout)  # learnt from this blender's passes (``disk_policy="auto"``)
+        self.load_costs = LoadCostModel(layout)  # learnt from every prefill it runs (``disk_policy="auto"``)
 
     def _check_config(self, config: BlendConfig) -> None:
         if config.check_layer >= self._stack.num_layers:
@@ -231,6 +231,7 @@ class LayerwiseBlender:
         clock.synchronize()
         total_ms = (time.perf_counter() - started.host_s) * 1e3
         recompute_ms = clock.between(started, finished)
+        self.load_costs.observe_compute(len(tokens) * self._stack.num_layers, recompute_ms)
         cache = _cache_of(outputs)
         summary = BlendPlanSummary(
             num_tokens=len(tokens), num_exact_tokens=0, num_blend_tokens=0, num_gap_tokens=len(tokens)
@@ -287,6 +288,8 @@ class LayerwiseBlender:
             num_gap_tokens=len(tokens) - num_prefix,
         )
         load_ms = clock.between(looked_up, loaded)
+        recompute_ms = clock.between(loaded, finished)
+        self.load_costs.observe_compute((len(tokens) - num_prefix) * self._stack.num_layers, recompute_ms)
         return BlendOutput(
             mode=PrefillMode.PREFIX,
             logits=logits,
@@ -299,7 +302,7 @@ class LayerwiseBlender:
                 lookup_ms=(looked_up.host_s - started.host_s) * 1e3,
                 load_ms=load_ms,
                 load_total_ms=load_ms,
-                recompute_ms=clock.between(loaded, finished),
+                recompute_ms=recompute_ms,
             ),
         )
 
