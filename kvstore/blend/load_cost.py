@@ -18,6 +18,7 @@ blender waits (a prefill that waits teaches the disk rate). ``DiskPolicy`` lets 
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from kvstore.plan import LookupPlan, Segment
 from kvstore.tiers.base import TierName
 
 __all__ = ["DiskPolicy", "LoadCostModel", "disk_bound_segments", "skipped_token_layers"]
+
+logger = logging.getLogger(__name__)
 
 
 class DiskPolicy(enum.StrEnum):
@@ -71,9 +74,13 @@ def skipped_token_layers(
 class LoadCostModel:
     """Running estimates of a blender's disk stall per byte and compute per token-layer.
 
+    Each mean weighs its first observations equally (the n-th by ``1/n``) until ``1/n`` falls below
+    ``smoothing``: one odd first prompt (a cold cache, a compile) does not steer the decisions for long.
+
     Args:
         layout: the store's layout (bytes per token of KV).
-        smoothing: weight of the newest observation in each mean, in ``(0, 1]``.
+        smoothing: weight of the newest observation in each mean once it has seen ``1/smoothing`` of them, in
+            ``(0, 1]``.
 
     Threads: owned by one blender, which prefills one prompt at a time.
     """
@@ -82,6 +89,8 @@ class LoadCostModel:
     smoothing: float = 0.3
     ms_per_byte: float | None = None
     ms_per_token_layer: float | None = None
+    num_disk_waits: int = 0
+    num_computes: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.smoothing <= 1.0:
@@ -90,12 +99,15 @@ class LoadCostModel:
     def observe_disk_wait(self, num_bytes: int, stall_ms: float) -> None:
         """A pass read ``num_bytes`` from disk and its compute stalled ``stall_ms`` for loaded KV."""
         if num_bytes > 0:
-            self.ms_per_byte = self._mix(self.ms_per_byte, max(stall_ms, 0.0) / num_bytes)
+            self.num_disk_waits += 1
+            self.ms_per_byte = self._mix(self.ms_per_byte, max(stall_ms, 0.0) / num_bytes, self.num_disk_waits)
 
     def observe_compute(self, num_token_layers: int, compute_ms: float) -> None:
         """A pass computed ``num_token_layers`` (a token through one layer) in ``compute_ms``."""
         if num_token_layers > 0 and compute_ms > 0.0:
-            self.ms_per_token_layer = self._mix(self.ms_per_token_layer, compute_ms / num_token_layers)
+            self.num_computes += 1
+            self.ms_per_token_layer = self._mix(self.ms_per_token_layer, compute_ms / num_token_layers,
+                                                self.num_computes)  # fmt: skip
 
     def recompute_is_faster(self, segments: Sequence[Segment], extra_token_layers: int) -> bool:
         """Whether computing ``extra_token_layers`` is expected to take less than reading ``segments`` from disk;
@@ -103,7 +115,11 @@ class LoadCostModel:
         if not segments or self.ms_per_byte is None or self.ms_per_token_layer is None:
             return False
         num_bytes = sum(self.layout.chunk_bytes(segment.num_tokens) for segment in segments)
-        return extra_token_layers * self.ms_per_token_layer < num_bytes * self.ms_per_byte
+        wait_ms, recompute_ms = num_bytes * self.ms_per_byte, extra_token_layers * self.ms_per_token_layer
+        logger.debug("disk: %d bytes to read, about %.1f ms of stall against %.1f ms to compute %d token-layers",
+                     num_bytes, wait_ms, recompute_ms, extra_token_layers)  # fmt: skip
+        return recompute_ms < wait_ms
 
-    def _mix(self, mean: float | None, sample: float) -> float:
-        return sample if mean is None else (1.0 - self.smoothing) * mean + self.smoothing * sample
+    def _mix(self, mean: float | None, sample: float, count: int) -> float:
+        weight = max(self.smoothing, 1.0 / count)
+        return sample if mean is None else (1.0 - weight) * mean + weight * sample

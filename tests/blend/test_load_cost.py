@@ -65,8 +65,13 @@ def test_the_model_waits_until_it_knows_both_rates_then_compares_the_estimates()
     model.observe_disk_wait(2 * LAYOUT.chunk_bytes(CHUNK), 5.0)  # reading these two chunks stalled 5 ms
     assert model.recompute_is_faster(two_chunks, 499) and not model.recompute_is_faster(two_chunks, 501)
     assert not model.recompute_is_faster([], 0)
-    model.observe_disk_wait(2 * LAYOUT.chunk_bytes(CHUNK), 15.0)
-    assert model.ms_per_byte == pytest.approx((0.7 * 5.0 + 0.3 * 15.0) / (2 * LAYOUT.chunk_bytes(CHUNK)))
+    chunk_pair = 2 * LAYOUT.chunk_bytes(CHUNK)
+    model.observe_disk_wait(chunk_pair, 15.0)  # the first ones count equally: (5 + 15) / 2
+    assert model.ms_per_byte == pytest.approx(10.0 / chunk_pair)
+    model.observe_disk_wait(chunk_pair, 4.0)  # the third by 1/3
+    assert model.ms_per_byte == pytest.approx(8.0 / chunk_pair)
+    model.observe_disk_wait(chunk_pair, 18.0)  # from the fourth on by smoothing (0.3 > 1/4)
+    assert model.ms_per_byte == pytest.approx((0.7 * 8.0 + 0.3 * 18.0) / chunk_pair)
     model.observe_disk_wait(0, 99.0)  # nothing was read from disk: nothing learnt
     model.observe_compute(0, 5.0)
     assert model.ms_per_token_layer == pytest.approx(0.01)
