@@ -3,9 +3,8 @@
 On a fast GPU, computing a token's KV is cheaper than reading it from disk (design.md section 7: an 8B model's KV
 read at 1.8 GB/s costs 71 us per token, computing it on an H200 35 us); on a CPU it is the other way round. Which
 holds depends on the machine, the model and the disk, so a blender learns both rates from its own prefills
-(exponentially weighted means; full and prefix prefills teach the compute rate too, and their dense passes cost
-less per token-layer than a blend's sparse one, as the skipped tokens would) and decides per prompt, before its
-retrieve::
+(running medians; full and prefix prefills teach the compute rate too, and their dense passes cost less per
+token-layer than a blend's sparse one, as the skipped tokens would) and decides per prompt, before its retrieve::
 
     wait_ms      = bytes still on disk                  x  ms the passes stalled per byte waited for
     recompute_ms = token-layers added by skipping them  x  ms per token-layer the passes computed
@@ -19,8 +18,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import statistics
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
@@ -70,56 +70,53 @@ def skipped_token_layers(
     return round(total)
 
 
-@dataclass(slots=True)
 class LoadCostModel:
-    """Running estimates of a blender's disk stall per byte and compute per token-layer.
-
-    Each mean weighs its first observations equally (the n-th by ``1/n``) until ``1/n`` falls below
-    ``smoothing``: one odd first prompt (a cold cache, a compile) does not steer the decisions for long.
+    """Running estimates of a blender's disk stall per byte and compute per token-layer: the median of each rate's
+    last ``window`` observations, so the odd prompt (the first one's kernel compiles and cold caches, a neighbour's
+    burst) moves neither estimate, while a lasting change does within half a window.
 
     Args:
         layout: the store's layout (bytes per token of KV).
-        smoothing: weight of the newest observation in each mean once it has seen ``1/smoothing`` of them, in
-            ``(0, 1]``.
+        window: observations each median covers (at least 1).
 
     Threads: owned by one blender, which prefills one prompt at a time.
     """
 
-    layout: KVLayout
-    smoothing: float = 0.3
-    ms_per_byte: float | None = None
-    ms_per_token_layer: float | None = None
-    num_disk_waits: int = 0
-    num_computes: int = 0
+    def __init__(self, layout: KVLayout, window: int = 8) -> None:
+        if window < 1:
+            raise ConfigError(f"window={window!r} must be at least 1 observation")
+        self.layout = layout
+        self._disk_ms_per_byte: deque[float] = deque(maxlen=window)
+        self._compute_ms_per_token_layer: deque[float] = deque(maxlen=window)
 
-    def __post_init__(self) -> None:
-        if not 0.0 < self.smoothing <= 1.0:
-            raise ConfigError(f"smoothing={self.smoothing!r} must be in (0, 1]")
+    @property
+    def ms_per_byte(self) -> float | None:
+        """Compute stall per byte read from disk (``None`` until a pass has waited for the disk)."""
+        return statistics.median(self._disk_ms_per_byte) if self._disk_ms_per_byte else None
+
+    @property
+    def ms_per_token_layer(self) -> float | None:
+        """Compute time per token through one layer (``None`` until a prefill has run)."""
+        return statistics.median(self._compute_ms_per_token_layer) if self._compute_ms_per_token_layer else None
 
     def observe_disk_wait(self, num_bytes: int, stall_ms: float) -> None:
         """A pass read ``num_bytes`` from disk and its compute stalled ``stall_ms`` for loaded KV."""
         if num_bytes > 0:
-            self.num_disk_waits += 1
-            self.ms_per_byte = self._mix(self.ms_per_byte, max(stall_ms, 0.0) / num_bytes, self.num_disk_waits)
+            self._disk_ms_per_byte.append(max(stall_ms, 0.0) / num_bytes)
 
     def observe_compute(self, num_token_layers: int, compute_ms: float) -> None:
         """A pass computed ``num_token_layers`` (a token through one layer) in ``compute_ms``."""
         if num_token_layers > 0 and compute_ms > 0.0:
-            self.num_computes += 1
-            self.ms_per_token_layer = self._mix(self.ms_per_token_layer, compute_ms / num_token_layers,
-                                                self.num_computes)  # fmt: skip
+            self._compute_ms_per_token_layer.append(compute_ms / num_token_layers)
 
     def recompute_is_faster(self, segments: Sequence[Segment], extra_token_layers: int) -> bool:
         """Whether computing ``extra_token_layers`` is expected to take less than reading ``segments`` from disk;
         ``False`` while either rate is unknown."""
-        if not segments or self.ms_per_byte is None or self.ms_per_token_layer is None:
+        ms_per_byte, ms_per_token_layer = self.ms_per_byte, self.ms_per_token_layer
+        if not segments or ms_per_byte is None or ms_per_token_layer is None:
             return False
         num_bytes = sum(self.layout.chunk_bytes(segment.num_tokens) for segment in segments)
-        wait_ms, recompute_ms = num_bytes * self.ms_per_byte, extra_token_layers * self.ms_per_token_layer
+        wait_ms, recompute_ms = num_bytes * ms_per_byte, extra_token_layers * ms_per_token_layer
         logger.debug("disk: %d bytes to read, about %.1f ms of stall against %.1f ms to compute %d token-layers",
                      num_bytes, wait_ms, recompute_ms, extra_token_layers)  # fmt: skip
         return recompute_ms < wait_ms
-
-    def _mix(self, mean: float | None, sample: float, count: int) -> float:
-        weight = max(self.smoothing, 1.0 / count)
-        return sample if mean is None else (1.0 - weight) * mean + weight * sample

@@ -57,39 +57,43 @@ def test_skipping_adds_every_later_layer_for_blend_tokens_and_every_layer_for_ex
 
 
 def test_the_model_waits_until_it_knows_both_rates_then_compares_the_estimates() -> None:
-    model = LoadCostModel(LAYOUT)
+    model = LoadCostModel(LAYOUT, window=3)
     two_chunks = [segment(0, TierName.DISK), segment(8, TierName.DISK)]
+    chunk_pair = 2 * LAYOUT.chunk_bytes(CHUNK)
     assert not model.recompute_is_faster(two_chunks, 1)
     model.observe_compute(1000, 10.0)  # 0.01 ms per token-layer
     assert not model.recompute_is_faster(two_chunks, 1), "no disk stall seen yet: wait"
-    model.observe_disk_wait(2 * LAYOUT.chunk_bytes(CHUNK), 5.0)  # reading these two chunks stalled 5 ms
+    model.observe_disk_wait(chunk_pair, 5.0)  # reading these two chunks stalled 5 ms
     assert model.recompute_is_faster(two_chunks, 499) and not model.recompute_is_faster(two_chunks, 501)
     assert not model.recompute_is_faster([], 0)
-    chunk_pair = 2 * LAYOUT.chunk_bytes(CHUNK)
-    model.observe_disk_wait(chunk_pair, 15.0)  # the first ones count equally: (5 + 15) / 2
-    assert model.ms_per_byte == pytest.approx(10.0 / chunk_pair)
-    model.observe_disk_wait(chunk_pair, 4.0)  # the third by 1/3
-    assert model.ms_per_byte == pytest.approx(8.0 / chunk_pair)
-    model.observe_disk_wait(chunk_pair, 18.0)  # from the fourth on by smoothing (0.3 > 1/4)
-    assert model.ms_per_byte == pytest.approx((0.7 * 8.0 + 0.3 * 18.0) / chunk_pair)
     model.observe_disk_wait(0, 99.0)  # nothing was read from disk: nothing learnt
     model.observe_compute(0, 5.0)
+    assert model.ms_per_byte == pytest.approx(5.0 / chunk_pair) and model.ms_per_token_layer == pytest.approx(0.01)
+
+
+def test_one_odd_observation_moves_neither_estimate_and_a_lasting_change_does() -> None:
+    model = LoadCostModel(LAYOUT, window=5)
+    model.observe_compute(1000, 500.0)  # the first prompt: kernels compile, caches are cold
+    for _ in range(2):
+        model.observe_compute(1000, 10.0)
     assert model.ms_per_token_layer == pytest.approx(0.01)
+    for _ in range(3):
+        model.observe_compute(1000, 20.0)
+    assert model.ms_per_token_layer == pytest.approx(0.02), "the oldest left the window"
 
 
 @given(st.lists(st.tuples(st.integers(1, 10**9), st.floats(0.0, 1e4)), min_size=1, max_size=20))
-def test_the_disk_estimate_stays_within_the_rates_it_saw(samples: list[tuple[int, float]]) -> None:
-    model = LoadCostModel(LAYOUT, smoothing=0.5)
+def test_the_disk_estimate_stays_within_the_recent_rates(samples: list[tuple[int, float]]) -> None:
+    model = LoadCostModel(LAYOUT, window=4)
     for num_bytes, stall_ms in samples:
         model.observe_disk_wait(num_bytes, stall_ms)
-    rates = [stall_ms / num_bytes for num_bytes, stall_ms in samples]
-    assert model.ms_per_byte is not None
-    assert min(rates) * (1 - 1e-9) <= model.ms_per_byte <= max(rates) * (1 + 1e-9)
+    recent = [stall_ms / num_bytes for num_bytes, stall_ms in samples[-4:]]
+    assert model.ms_per_byte is not None and min(recent) <= model.ms_per_byte <= max(recent)
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ConfigError, match="smoothing"):
-        LoadCostModel(LAYOUT, smoothing=0.0)
+    with pytest.raises(ConfigError, match="window=0 must be at least 1"):
+        LoadCostModel(LAYOUT, window=0)
     with pytest.raises(ConfigError, match="disk_policy='sometimes' is not one of auto, wait, recompute"):
         BlendConfig(disk_policy="sometimes")  # type: ignore[arg-type]
 
@@ -147,7 +151,10 @@ def test_auto_reads_until_it_has_measured_then_follows_the_estimates(tiny_llama:
         first = blender.prefill(prompt, store_result=False)
         assert first.num_skipped_disk_tokens == 0 and first.plan.num_blend_tokens == 81, "nothing known: it reads"
         assert costs.ms_per_byte is not None, "a blend that read the disk teaches the disk's rate"
-        costs.ms_per_byte, costs.ms_per_token_layer = 1.0, 1e-9  # a disk far slower than compute
+        blender.load_costs = slow_disk = LoadCostModel(tiny_llama.layout, window=1)
+        slow_disk.observe_disk_wait(1, 1.0)  # a disk far slower than compute
+        slow_disk.observe_compute(10**9, 1.0)
         assert blender.prefill(prompt, store_result=False).num_skipped_disk_tokens == 81
-        costs.ms_per_byte, costs.ms_per_token_layer = 1e-12, 1.0  # compute far slower than the disk
+        slow_disk.observe_disk_wait(10**12, 1.0)  # now compute far slower than the disk
+        slow_disk.observe_compute(1, 1.0)
         assert blender.prefill(prompt, store_result=False).num_skipped_disk_tokens == 0
