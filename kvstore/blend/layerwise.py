@@ -41,6 +41,7 @@ Runs on the caller's thread under ``torch.inference_mode``; not thread-safe (one
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -173,18 +174,15 @@ class BlendConfig:
         layer = self.check_layer
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise ConfigError(f"check_layer={layer!r} must be a layer index >= 0 (default 1)")
-        try:
-            object.__setattr__(self, "deviation", DeviationMetric(self.deviation))
-        except ValueError:
-            raise ConfigError(
-                f"deviation={self.deviation!r} is not one of {', '.join(metric.value for metric in DeviationMetric)}"
-            ) from None
-        try:
-            object.__setattr__(self, "attention", AttentionKernel(self.attention))
-        except ValueError:
-            raise ConfigError(
-                f"attention={self.attention!r} is not one of {', '.join(kernel.value for kernel in AttentionKernel)}"
-            ) from None
+        choices: tuple[tuple[str, type[enum.StrEnum]], ...] = (
+            ("deviation", DeviationMetric), ("attention", AttentionKernel), ("disk_policy", DiskPolicy)
+        )
+        for name, kind in choices:
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                raise ConfigError(f"{name}={value!r} is not one of {', '.join(item.value for item in kind)}") from None
         for name in ("num_head_tokens", "recurring_context_tokens"):
             count = getattr(self, name)
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -193,12 +191,6 @@ class BlendConfig:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0.0 < scale <= 1.0:
             raise ConfigError(f"stale_key_scale={scale!r} must be in (0, 1] (1.0 turns it off)")
         object.__setattr__(self, "stale_key_scale", float(scale))
-        try:
-            object.__setattr__(self, "disk_policy", DiskPolicy(self.disk_policy))
-        except ValueError:
-            raise ConfigError(
-                f"disk_policy={self.disk_policy!r} is not one of {', '.join(policy.value for policy in DiskPolicy)}"
-            ) from None
 
 
 class _TokenClasses:
