@@ -38,7 +38,7 @@ class DiskPolicy(enum.StrEnum):
     AUTO = "auto"
     """Whichever ``LoadCostModel`` expects to be faster (waits until it has seen both rates)."""
     WAIT = "wait"
-    """Always read them (the only choice when recomputing is known to be slower)."""
+    """Always read them: for a disk known to be faster than the model, or a deployment that wants steady TTFT."""
     RECOMPUTE = "recompute"
     """Never wait for the disk: compute those tokens; the chunks still land in the cpu tier for the next prompt."""
 
