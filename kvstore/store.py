@@ -52,6 +52,7 @@ from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_tuning import DiskTuning
 from kvstore.tiers.gpu import GpuTier
 
 __all__ = ["StoreStats", "TieredStore"]
@@ -160,6 +161,8 @@ class TieredStore:
                 config.disk_capacity_bytes,
                 zstd_level=config.disk_zstd_level,
                 num_codec_threads=config.disk_codec_threads,
+                # with a cpu tier, writes borrow its slots (put_borrowed): staging serves only rare spills
+                tuning=DiskTuning(preallocate_staging=TierName.CPU not in config.tiers),
                 content_records=None if rebuild is None else rebuild.add,  # one pass over the meta records
             )
             if rebuild is not None:

@@ -247,3 +247,14 @@ def test_real_gpu_tier_demotes_promotes_and_round_trips(tmp_path: Path, small_la
         assert result.kv.is_cuda and torch.equal(result.kv, kv)
     with TieredStore(small_layout, config(tmp_path, small_layout, gpu_device="cuda")) as reopened:
         assert torch.equal(reopened.retrieve(reopened.lookup(tokens), device="cuda").kv, kv)
+
+
+def test_disk_staging_is_preallocated_only_when_no_cpu_tier_lends_its_slots(
+    tmp_path: Path, small_layout: KVLayout
+) -> None:
+    with TieredStore(small_layout, config(tmp_path / "a", small_layout)) as with_cpu:
+        assert with_cpu._disk is not None and with_cpu._disk._staging.num_allocated == 0
+    disk_only = config(tmp_path / "b", small_layout, tiers=(TierName.DISK,))
+    with TieredStore(small_layout, disk_only) as store:
+        assert store._disk is not None
+        assert store._disk._staging.num_allocated == store._disk._staging.max_buffers

@@ -161,7 +161,11 @@ class DiskTier(Tier):
         self._parts = parts
         self._env, self._index, self._pool, self._writer = parts.env, parts.index, parts.pool, parts.writer
         chunk_bytes = layout.chunk_bytes(chunk_size)
-        self._staging = StagingPool(chunk_bytes, max(2, min(64, tuning.staging_bytes // chunk_bytes)))
+        self._staging = StagingPool(
+            chunk_bytes,
+            max(2, min(64, tuning.staging_bytes // chunk_bytes)),
+            preallocate=tuning.preallocate_staging and not read_only,
+        )
 
     @classmethod
     def open_existing(cls, path: Path, *, read_only: bool = True, num_codec_threads: int = 2) -> DiskTier:

@@ -21,6 +21,10 @@ class DiskTuning:
     Args:
         staging_bytes: host memory for copies of queued ``put`` chunks (at least two chunks); puts block while
             all of it is in flight.
+        preallocate_staging: allocate and touch all of ``staging_bytes`` when a writable tier opens, so puts
+            never meet a fresh page (on the 2-core dev VM first touches cost the put's caller ~0.1 core-s per
+            GB, a tenth of the put's CPU). ``TieredStore`` turns it off when it has a cpu tier: its
+            write-through lends cpu slots (``put_borrowed``) and staging then serves only rare spills.
         max_group_bytes: KV bytes one group commit takes at most; the next group encodes while this one
             commits, so smaller groups overlap better (32 MiB: put 0.73x of a raw write on 2 cores, 64 MiB: 0.66x).
         max_transaction_bytes: encoded frame bytes one LMDB write transaction holds at most (one frame at
@@ -41,6 +45,7 @@ class DiskTuning:
     """
 
     staging_bytes: int = 256 * _MIB
+    preallocate_staging: bool = True
     max_group_bytes: int = 32 * _MIB
     max_transaction_bytes: int = 4 * _MIB
     queue_depth: int = 64

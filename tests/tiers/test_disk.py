@@ -644,3 +644,12 @@ def test_threads_put_and_read_at_once_under_eviction(sized: SizedTier, small_lay
     stats = tier.stats()
     assert stats.puts == 48 and stats.num_chunks <= 6 and stats.stored_bytes <= tier.capacity_bytes
     assert stats.evictions == stats.puts - stats.num_chunks
+
+
+def test_a_writable_tier_preallocates_its_staging_unless_told_not_to(open_tier: OpenTier, tmp_path: Path) -> None:
+    writable = open_tier()
+    assert writable._staging.num_allocated == writable._staging.max_buffers  # puts never meet a fresh page
+    writable.close()
+    assert open_tier(read_only=True)._staging.num_allocated == 0  # no puts, no staging memory
+    lazy = open_tier(path=tmp_path / "lazy", tuning=DiskTuning(preallocate_staging=False))
+    assert lazy._staging.num_allocated == 0
