@@ -124,7 +124,9 @@ class TierBenchRow:
     flush (disk put); ``None`` for memory-tier puts. ``met``: ratio at or above ``target_ratio`` and no
     failed verification. ``cpu_cores`` / ``baseline_cpu_cores`` (disk rows): the process's CPU time, every thread,
     user and system, over the wall time of the tier's operation and of its baseline -- how close each came to using
-    every core, i.e. whether the machine's cores rather than its disk set the pace.
+    every core, i.e. whether the machine's cores rather than its disk set the pace. ``user_core_s_per_GB`` /
+    ``sys_core_s_per_GB`` (and their ``baseline_`` twins, disk rows): that CPU time split into user and system
+    time, per GB: on a VM a cold read's user time can double between runs of identical work (docs/benchmarks.md).
     """
 
     tier: TierName
@@ -143,6 +145,10 @@ class TierBenchRow:
     compression_ratio: float | None = None
     cpu_cores: float | None = None
     baseline_cpu_cores: float | None = None
+    user_core_s_per_GB: float | None = None
+    sys_core_s_per_GB: float | None = None
+    baseline_user_core_s_per_GB: float | None = None
+    baseline_sys_core_s_per_GB: float | None = None
     verified: bool | None = None
     p50_ms: float | None = None
     p90_ms: float | None = None
@@ -164,6 +170,8 @@ class _Samples:
     gbps: list[float] = field(default_factory=list)
     op_ms: list[float] = field(default_factory=list)
     cpu_cores: list[float] = field(default_factory=list)
+    user_s_per_gb: list[float] = field(default_factory=list)
+    sys_s_per_gb: list[float] = field(default_factory=list)
     num_failed_ops: int = 0
 
 
@@ -318,16 +326,27 @@ def _row(
     if samples.op_ms:
         latency_ms = [*np.percentile(samples.op_ms, [50, 90, 99]).tolist(), max(samples.op_ms)]
     ratio = gbps / baseline_gbps
-    cpu_cores, baseline_cpu_cores = (statistics.median(cores) if cores else None
-                                     for cores in (samples.cpu_cores, baseline[1].cpu_cores))  # fmt: skip
+    cpu_cores, user_s, sys_s = _cpu_medians(samples)
+    baseline_cpu_cores, baseline_user_s, baseline_sys_s = _cpu_medians(baseline[1])
     return TierBenchRow(
         tier=tier, layout=case.name, op=op, GBps=gbps, baseline=baseline[0], baseline_GBps=baseline_gbps,
         ratio=ratio, target_ratio=target_ratio, met=ratio >= target_ratio and verified is not False,
         num_chunks=len(case.records), chunk_bytes=case.chunk_bytes, num_repeats=len(samples.gbps),
         device=str(device), compression_ratio=compression_ratio, cpu_cores=cpu_cores,
-        baseline_cpu_cores=baseline_cpu_cores, verified=verified, p50_ms=latency_ms[0],
+        baseline_cpu_cores=baseline_cpu_cores, user_core_s_per_GB=user_s, sys_core_s_per_GB=sys_s,
+        baseline_user_core_s_per_GB=baseline_user_s, baseline_sys_core_s_per_GB=baseline_sys_s,
+        verified=verified, p50_ms=latency_ms[0],
         p90_ms=latency_ms[1], p99_ms=latency_ms[2], max_ms=latency_ms[3], note=note,
     )
+
+
+def _cpu_medians(samples: _Samples) -> tuple[float | None, float | None, float | None]:
+    """Median cores busy, user and system core-seconds per GB; ``None`` where the op was not metered."""
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    return median(samples.cpu_cores), median(samples.user_s_per_gb), median(samples.sys_s_per_gb)
 
 
 def _bits_equal(left: torch.Tensor, right: torch.Tensor) -> bool:
@@ -428,18 +447,23 @@ def _bench_gpu(options: TierBenchOptions, case: _Case, device: torch.device) -> 
 
 
 
-def _process_cpu_s() -> float:
-    """CPU seconds this process has used so far, every thread, user and system."""
+def _process_cpu_s() -> tuple[float, float]:
+    """User and system CPU seconds this process has used so far, every thread."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime, usage.ru_stime
 
 
 @contextmanager
-def _cpu_meter(samples: _Samples) -> Iterator[None]:
-    """Append to ``samples`` how many cores the block kept busy: process CPU time over the block's wall time."""
-    cpu_start_s, wall_start_s = _process_cpu_s(), time.perf_counter()
+def _cpu_meter(samples: _Samples, num_bytes: int) -> Iterator[None]:
+    """Append to ``samples`` the cores the block kept busy (process CPU time over its wall time) and its user and
+    system CPU seconds per GB of ``num_bytes``."""
+    (user_start_s, sys_start_s), wall_start_s = _process_cpu_s(), time.perf_counter()
     yield
-    samples.cpu_cores.append((_process_cpu_s() - cpu_start_s) / (time.perf_counter() - wall_start_s))
+    wall_s, (user_end_s, sys_end_s) = time.perf_counter() - wall_start_s, _process_cpu_s()
+    user_s, sys_s = user_end_s - user_start_s, sys_end_s - sys_start_s
+    samples.cpu_cores.append((user_s + sys_s) / wall_s)
+    samples.user_s_per_gb.append(user_s / (num_bytes / 1e9))
+    samples.sys_s_per_gb.append(sys_s / (num_bytes / 1e9))
 
 
 def _raw_write(path: Path, case: _Case) -> float:
@@ -505,7 +529,7 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
                 out.zero_()
             get_into = reader.get_into
             # Chunks i and i + len(outs) share a buffer and a source: concurrent readers write the same bytes.
-            with _cpu_meter(samples):
+            with _cpu_meter(samples, case.total_bytes):
                 read_all(lambda i: bool(get_into(records[i].key, outs[i % len(outs)])), samples)
         finally:
             reader.close()
@@ -521,12 +545,12 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
             data_dir = root / f"tier-{repeat}"  # holds the baseline file too: same directory, same disk area
             data_dir.mkdir()
             raw_path = data_dir / "baseline.bin"
-            with _cpu_meter(put_base):
+            with _cpu_meter(put_base, case.total_bytes):
                 put_base.gbps.append(case.total_bytes / _raw_write(raw_path, case) / 1e9)
             raw_path.unlink()
             writer = open_tier(data_dir, read_only=False)
             try:
-                with _cpu_meter(put):
+                with _cpu_meter(put, case.total_bytes):
                     start_s = time.perf_counter()
                     put.num_failed_ops += sum(not writer.put(r, case.source(i)) for i, r in enumerate(records))
                     writer.flush()
@@ -538,10 +562,10 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
                 writer.close()
             verified = cold_get(data_dir, get, serial_reads) and verified
             _raw_write(raw_path, case)  # untimed: the read baseline's file, just written like the tier's data
-            with _cpu_meter(get_base):
+            with _cpu_meter(get_base, case.total_bytes):
                 get_base.gbps.append(case.total_bytes / _raw_read(raw_path, read_buffer) / 1e9)
             verified_prefetch = cold_get(data_dir, get_prefetch, prefetch_reads) and verified_prefetch
-            with _cpu_meter(get_base):  # a second baseline sample, right after the second read
+            with _cpu_meter(get_base, case.total_bytes):  # a second baseline sample, right after the second read
                 get_base.gbps.append(case.total_bytes / _raw_read(raw_path, read_buffer) / 1e9)
             shutil.rmtree(data_dir)
     finally:

@@ -116,6 +116,8 @@ def _render(console: Console, rows: list[TierBenchRow]) -> None:
         cores = ""
         if row.cpu_cores is not None and row.baseline_cpu_cores is not None:
             cores = f"; CPU cores busy {row.cpu_cores:.2f} (baseline {row.baseline_cpu_cores:.2f})"
+        if row.user_core_s_per_GB is not None and row.sys_core_s_per_GB is not None:
+            cores += f", user / system core-s per GB {row.user_core_s_per_GB:.2f} / {row.sys_core_s_per_GB:.2f}"
         console.print(f"{row.tier.value} {row.layout} {row.op}: baseline = {row.baseline}; {row.note}{cores}")
 
 

@@ -80,7 +80,11 @@ def test_every_tier_yields_verified_rows(tmp_path: Path) -> None:
     for row in (disk_put, disk_get, disk_prefetch_get):
         assert row.cpu_cores is not None and row.cpu_cores > 0
         assert row.baseline_cpu_cores is not None and row.baseline_cpu_cores > 0
-    assert all(row.cpu_cores is None for row in memory_rows), "measured for the disk rows only"
+        split = (row.user_core_s_per_GB, row.sys_core_s_per_GB)
+        baseline_split = (row.baseline_user_core_s_per_GB, row.baseline_sys_core_s_per_GB)
+        assert all(value is not None and value >= 0 for value in (*split, *baseline_split))
+        assert sum(split) > 0 and sum(baseline_split) > 0  # type: ignore[arg-type]  # None ruled out above
+    assert all(row.cpu_cores is None and row.user_core_s_per_GB is None for row in memory_rows), "disk rows only"
     assert any("disk" in message for message in messages)
     assert list(tmp_path.iterdir()) == [], "the benchmark must remove its data dirs"
 
