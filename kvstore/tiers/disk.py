@@ -148,6 +148,12 @@ class DiskTier(Tier):
         self._lifecycle = OwnedLifecycle(f"disk tier {self.path}")
         self._warned_lock = threading.Lock()
         self._warned: set[str] = set()
+        chunk_bytes = layout.chunk_bytes(chunk_size)
+        self._staging = StagingPool(  # before the data dir opens: a failed allocation leaves nothing open
+            chunk_bytes,
+            max(2, min(64, tuning.staging_bytes // chunk_bytes)),
+            preallocate=tuning.preallocate_staging and not read_only,
+        )
         parts = open_disk_parts(
             self.path,
             geometry=self._geometry,
@@ -160,12 +166,6 @@ class DiskTier(Tier):
         )
         self._parts = parts
         self._env, self._index, self._pool, self._writer = parts.env, parts.index, parts.pool, parts.writer
-        chunk_bytes = layout.chunk_bytes(chunk_size)
-        self._staging = StagingPool(
-            chunk_bytes,
-            max(2, min(64, tuning.staging_bytes // chunk_bytes)),
-            preallocate=tuning.preallocate_staging and not read_only,
-        )
 
     @classmethod
     def open_existing(cls, path: Path, *, read_only: bool = True, num_codec_threads: int = 2) -> DiskTier:
