@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -9,11 +10,17 @@ from types import FrameType
 
 import typer
 
+from kvstore.errors import ConfigError
 from kvstore.server.app import ServerAddress, run_server
 from kvstore.server.host_facts import probe_host
 from kvstore.server.settings import ServeFlags, resolve_settings
+from kvstore.server.shm import pid_alive
 
 __all__ = ["serve_command"]
+
+logger = logging.getLogger(__name__)
+
+_OWNER_POLL_S = 0.5
 
 
 def serve_command(
@@ -54,6 +61,11 @@ def serve_command(
         None, "--plan-ttl-s", help="Release plans not retrieved within this many seconds (default: 600)."
     ),
     config: Path | None = typer.Option(None, "--config", help="TOML file; keys mirror the flags (cpu_size_gb = 8)."),
+    exit_with_pid: int | None = typer.Option(
+        None,
+        "--exit-with-pid",
+        help="Stop (flushing, as on SIGTERM) once process PID is gone: how an engine's embedded server ends with it.",
+    ),
 ) -> None:
     """Serve a tiered KV store to engines on this host (shared memory) or the network (inline bytes).
 
@@ -96,6 +108,8 @@ def serve_command(
         stop.set()
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if exit_with_pid is not None:
+        _stop_when_gone(exit_with_pid, stop)
 
     def announce(address: ServerAddress) -> None:
         layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"
@@ -108,3 +122,17 @@ def serve_command(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     typer.echo("kvstore serve: stopped (pending disk writes flushed)")
+
+
+def _stop_when_gone(pid: int, stop: threading.Event) -> None:
+    """Set ``stop`` once process ``pid`` no longer exists (checked every half second on a daemon thread)."""
+    if not pid_alive(pid):
+        raise ConfigError(f"--exit-with-pid {pid}: no such process")
+
+    def watch() -> None:
+        while not stop.wait(_OWNER_POLL_S):
+            if not pid_alive(pid):
+                logger.info("process %d is gone: stopping", pid)
+                stop.set()
+
+    threading.Thread(target=watch, name="kvstore-owner-watch", daemon=True).start()

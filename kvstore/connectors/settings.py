@@ -1,0 +1,146 @@
+"""A connector's settings: the ``kvstore.*`` keys of an engine's connector config, checked before anything starts.
+
+vLLM users write them into ``kv_connector_extra_config``::
+
+    {"kvstore.url": "tcp://127.0.0.1:5555"}                       # a running, shared ``kvstore serve``
+    {"kvstore.disk_path": "/nvme/kv", "kvstore.cpu_size_gb": 8}   # the embedded default: a private server
+
+Every key starts with ``kvstore.``; an unknown key, a wrong type or a value out of range fails at start with one
+line naming the key (a typo must not silently fall back to a default). Keys that configure the embedded server are
+refused next to ``kvstore.url``: a shared server is configured where it runs.
+
+Pure values; no engine imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from kvstore.config import DEFAULT_DATA_DIR
+from kvstore.errors import ConfigError
+
+__all__ = ["ConnectorSettings", "EmbeddedServerSettings", "parse_connector_settings"]
+
+_PREFIX = "kvstore."
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmbeddedServerSettings:
+    """The private ``kvstore serve`` a connector starts when no ``kvstore.url`` is given.
+
+    Args:
+        disk_path: its data dir (the cache survives engine restarts there).
+        tiers: ``kvstore serve --tiers`` (``None``: the server's default for the host).
+        cpu_size_gb: cpu tier GiB (``None``: the server's default).
+        gpu_size_gb: gpu tier GiB (``None``: the server's default).
+        disk_size_gb: disk tier cap in GiB (``None``: the server's default).
+        chunk_size: tokens per chunk (``None``: the data dir's, else 256).
+        config: a ``kvstore serve --config`` TOML file for everything else.
+    """
+
+    disk_path: Path = DEFAULT_DATA_DIR
+    tiers: str | None = None
+    cpu_size_gb: float | None = None
+    gpu_size_gb: float | None = None
+    disk_size_gb: float | None = None
+    chunk_size: int | None = None
+    config: Path | None = None
+
+    def serve_flags(self) -> list[str]:
+        """``kvstore serve`` flags for these settings (the data dir included)."""
+        flags = ["--disk-path", str(self.disk_path)]
+        for name, flag in (
+            ("tiers", "--tiers"),
+            ("cpu_size_gb", "--cpu-size-gb"),
+            ("gpu_size_gb", "--gpu-size-gb"),
+            ("disk_size_gb", "--disk-size-gb"),
+            ("chunk_size", "--chunk-size"),
+            ("config", "--config"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectorSettings:
+    """Where the store is and how the connector talks to it.
+
+    Args:
+        url: a running ``kvstore serve`` (``None``: start a private one with ``embedded``).
+        embedded: the private server's settings (unused with ``url``).
+        model_id: the layout's model id (``None``: the engine's served model name); engines share cached KV only
+            under the same id, so point two engines that load one model from different paths at one id.
+        lookup_timeout_s: the longest a scheduler lookup may wait before the step goes on without the cache.
+        transfer_timeout_s: the longest a load or a save may wait for the server.
+        retry_s: after a failure, how long the connector serves without the store before trying again.
+        async_disk_loads: load hits that must come from the disk tier off the engine's step (vLLM schedules the
+            request once they land); ``False`` loads them inside the step.
+    """
+
+    url: str | None = None
+    embedded: EmbeddedServerSettings = EmbeddedServerSettings()
+    model_id: str | None = None
+    lookup_timeout_s: float = 2.0
+    transfer_timeout_s: float = 30.0
+    retry_s: float = 5.0
+    async_disk_loads: bool = True
+
+
+_EMBEDDED_KEYS = {field.name: field.type for field in fields(EmbeddedServerSettings)}
+_TOP_KEYS = {field.name: field.type for field in fields(ConnectorSettings) if field.name != "embedded"}
+_TIMEOUTS = ("lookup_timeout_s", "transfer_timeout_s", "retry_s")
+_SIZES = ("cpu_size_gb", "gpu_size_gb", "disk_size_gb")
+
+
+def parse_connector_settings(extra_config: Mapping[str, object] | None) -> ConnectorSettings:
+    """Parse the ``kvstore.*`` keys of a connector config.
+
+    Raises:
+        ConfigError: an unknown key, a wrong type, a value out of range, or an embedded-server key next to
+            ``kvstore.url``.
+    """
+    top: dict[str, object] = {}
+    embedded: dict[str, object] = {}
+    for raw_key, value in (extra_config or {}).items():
+        key = str(raw_key)
+        name = key.removeprefix(_PREFIX)
+        if not key.startswith(_PREFIX) or (name not in _TOP_KEYS and name not in _EMBEDDED_KEYS):
+            known = ", ".join(_PREFIX + known_name for known_name in sorted({*_TOP_KEYS, *_EMBEDDED_KEYS}))
+            raise ConfigError(f"unknown kvstore connector setting {key!r}; known settings: {known}")
+        (top if name in _TOP_KEYS else embedded)[name] = _checked(key, name, value)
+    if top.get("url") is not None and embedded:
+        names = ", ".join(_PREFIX + name for name in sorted(embedded))
+        raise ConfigError(
+            f"{names} configure the embedded server and cannot go with kvstore.url; set them where that server runs"
+        )
+    return ConnectorSettings(embedded=EmbeddedServerSettings(**embedded), **top)  # type: ignore[arg-type]
+
+
+def _checked(key: str, name: str, value: object) -> object:
+    """The value converted to the setting's type, or one line saying what is wrong."""
+    if name in ("url", "model_id", "tiers"):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{key} must be a non-empty string, not {value!r}")
+        if name == "url" and not value.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"{key}={value!r} must look like tcp://127.0.0.1:5555")
+        return value
+    if name in ("disk_path", "config"):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{key} must be a path string, not {value!r}")
+        return Path(value)
+    if name == "async_disk_loads":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, not {value!r}")
+        return value
+    if name == "chunk_size":
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{key} must be a positive integer, not {value!r}")
+        return value
+    assert name in _TIMEOUTS or name in _SIZES, f"setting {name} has no check"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{key} must be a positive number, not {value!r}")
+    return float(value)

@@ -1,0 +1,158 @@
+"""An engine's link to its store: a ``Client`` that turns an outage into "no cache" instead of a failed request.
+
+An engine must never fail or stall a request because the store is down, slow or restarting. ``StoreLink.call``
+runs one operation and returns ``None`` when the store cannot answer; after a failure the link stays down for
+``retry_s`` (calls return ``None`` at once, no timeout paid per request), then tries again: it reconnects, and for
+the embedded default it first makes sure a server runs (starting a new one if the old one died). An outage is
+logged once when it starts and once when it ends, whatever the number of failed calls in between.
+
+Errors that are the caller's (a bad argument) still raise; ``LayoutMismatchError`` at connection time raises too,
+because no retry can fix a store that serves another model.
+
+Threads: one link may be used by several threads; calls are serialised by the ``Client``, state changes by a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvstore.client import Client
+from kvstore.connectors.embedded_server import EmbeddedServer, ensure_embedded_server
+from kvstore.connectors.settings import ConnectorSettings
+from kvstore.errors import (
+    KVStoreError,
+    LayoutMismatchError,
+    ProtocolError,
+    ServerBusyError,
+    ServerUnavailableError,
+    StorageError,
+)
+from kvstore.layout import KVLayout
+
+__all__ = ["StoreLink"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_OUTAGE_ERRORS = (ServerUnavailableError, ServerBusyError, ProtocolError, StorageError)
+
+
+class StoreLink:
+    """A ``Client`` to the connector's store that reports outages as ``None``.
+
+    Args:
+        settings: where the store is (a URL, or the embedded server's data dir).
+        layout: the engine model's KV layout (the server refuses another).
+        name: the client name the server shows (``kvstore inspect --url``) and labels metrics with.
+        timeout_s: how long one call may wait for a reply.
+    """
+
+    def __init__(self, settings: ConnectorSettings, layout: KVLayout, *, name: str, timeout_s: float) -> None:
+        self._settings = settings
+        self._layout = layout
+        self._name = name
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self._server: EmbeddedServer | None = None
+        self._down_until = 0.0
+        self._outage_started: float | None = None
+        self._closed = False
+
+    @property
+    def url(self) -> str | None:
+        return self._client.url if self._client is not None else self._settings.url
+
+    @property
+    def is_up(self) -> bool:
+        """Whether the last call reached the store."""
+        return self._outage_started is None
+
+    def connect(self) -> bool:
+        """Connect now (at engine start): whether the store answered.
+
+        Raises:
+            LayoutMismatchError: the store serves another model's layout.
+            ConfigError: the embedded server refused its settings.
+        """
+        return self.call("connect", lambda client: True, raise_config_errors=True) is not None
+
+    def call(self, what: str, operation: Callable[[Client], T], *, raise_config_errors: bool = False) -> T | None:
+        """``operation(client)``, or ``None`` when the store is down (or was down less than ``retry_s`` ago)."""
+        client = self._client_or_none(what, raise_config_errors)
+        if client is None:
+            return None
+        try:
+            result = operation(client)
+        except _OUTAGE_ERRORS as exc:
+            self._mark_down(what, exc, client)
+            return None
+        self._mark_up()
+        return result
+
+    def _client_or_none(self, what: str, raise_config_errors: bool) -> Client | None:
+        with self._lock:
+            if self._closed or time.monotonic() < self._down_until:
+                return None
+            if self._client is not None:
+                return self._client
+            try:
+                url = self._settings.url
+                if url is None:
+                    self._server = ensure_embedded_server(self._settings.embedded)
+                    url = self._server.url
+                self._client = Client(
+                    url, self._layout, timeout_s=self._timeout_s, connect_timeout_s=self._timeout_s, name=self._name
+                )
+            except LayoutMismatchError:
+                raise
+            except KVStoreError as exc:
+                if raise_config_errors and not isinstance(exc, _OUTAGE_ERRORS):
+                    raise
+                self._down_locked(what, exc)
+                return None
+            return self._client
+
+    def _mark_down(self, what: str, exc: Exception, client: Client) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None
+                client.close()
+            self._down_locked(what, exc)
+
+    def _down_locked(self, what: str, exc: Exception) -> None:
+        self._down_until = time.monotonic() + self._settings.retry_s
+        if self._outage_started is None:
+            self._outage_started = time.monotonic()
+            logger.warning(
+                "kvstore store unavailable (%s: %s); serving without the cache, retrying every %.0f s",
+                what,
+                exc,
+                self._settings.retry_s,
+            )
+
+    def _mark_up(self) -> None:
+        if self._outage_started is None:
+            return
+        with self._lock:
+            if self._outage_started is not None:
+                logger.warning(
+                    "kvstore store at %s is back after %.1f s", self.url, time.monotonic() - self._outage_started
+                )
+                self._outage_started = None
+
+    def close(self) -> None:
+        """Say goodbye, and stop the embedded server if this process started it. Idempotent."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+            server, self._server = self._server, None
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.stop()
