@@ -5,7 +5,8 @@ Data flows one way: engine -> ``TieredStore`` -> tiers (and -> the content catal
 - **store**: chunks go to the fastest tier that has room; with a disk tier each new chunk is also written through
   asynchronously (the disk writer reads the pinned cpu slot directly, or a staging copy), so the cache survives a
   restart without the caller waiting for zstd or LMDB. With blending on, the committed chunks are then registered
-  by content on a worker thread; they stay pinned (shielded from eviction) until that is done.
+  by content on a worker thread; they stay pinned (shielded from eviction) until that is done. A caller that
+  knows the first chunks are held passes ``start=`` and only the KV of the rest.
 - **eviction demotes**: a tier that needs room spills its least recently used chunk into the next slower tier
   (gpu -> cpu -> disk); a chunk the disk already holds is simply dropped from memory.
 - **lookup** builds a plan (``kvstore.plan``): the prefix leg walks the prompt's prefix keys (exact segments; a
@@ -207,47 +208,76 @@ class TieredStore:
 
     # -- store ------------------------------------------------------------------------------------------------
 
-    def store(self, tokens: Sequence[int] | npt.NDArray[np.integer], kv: torch.Tensor) -> StoreResult:
+    def store(
+        self, tokens: Sequence[int] | npt.NDArray[np.integer], kv: torch.Tensor, *, start: int = 0
+    ) -> StoreResult:
         """Cache the KV of a token sequence, chunk by chunk.
+
+        With ``start`` a caller that knows the store holds the first chunks (an engine whose lookup found them)
+        hands over only the KV of the rest::
+
+            tokens: | chunk 0 | chunk 1 | chunk 2 | chunk 3 | c4 |
+                                        ^ start = 2 * chunk_size
+            kv:                         | chunk 2 | chunk 3 | c4 |   [L, 2, len(tokens) - start, H, D]
+
+        The chunks before ``start`` are never written, resident or not; their prefix keys are still computed (the
+        tail's keys chain over them), and those that are resident are registered by content together with the
+        tail, as one sequence, exactly as a store of the whole sequence would register them.
 
         Args:
             tokens: the sequence's token ids, from position 0.
-            kv: ``[num_layers, 2, len(tokens), num_kv_heads, head_dim]`` in the layout's dtype, on the cpu or a GPU.
+            kv: ``[num_layers, 2, len(tokens) - start, num_kv_heads, head_dim]``, the KV of ``tokens[start:]``, in
+                the layout's dtype, on the cpu or a GPU.
+            start: position of ``kv``'s first token: a multiple of ``config.chunk_size`` in ``[0, len(tokens)]``.
 
         Returns:
-            How many chunks were new, rejected (every tier pinned full) or recorded as dedup aliases.
+            Counted over the chunks from ``start`` (the ones handed over): how many there are, how many were new,
+            rejected (every tier pinned full) or recorded as dedup aliases.
 
         Raises:
-            InvalidInputError: the KV does not match the tokens or the layout.
+            InvalidInputError: the KV does not match the tokens or the layout, or ``start`` is not a chunk
+                boundary within the tokens.
         """
         self._check_open()
         token_array = as_token_array(tokens)
-        self.layout.check_kv(kv, len(token_array))
-        if kv.device.type not in ("cpu", "cuda"):
-            raise InvalidInputError(f"kv is on device {kv.device}; hand over a cpu or cuda tensor")
         chunk_size = self.config.chunk_size
+        if not 0 <= start <= len(token_array) or start % chunk_size:
+            raise InvalidInputError(
+                f"store start={start} must be a multiple of chunk_size={chunk_size} in [0, len(tokens)="
+                f"{len(token_array)}]; pass the position of the first chunk whose KV you send"
+            )
+        self._check_tail_kv(kv, len(token_array), start)
         keys = prefix_keys(self._namespace, token_array, chunk_size)
+        first_index = start // chunk_size
         catalog = self._catalog
-        dedup = catalog.dedup_targets(token_array) if catalog is not None else []
+        # Indexed from the first chunk handed over: start is a chunk boundary, so the tail chunks the same way.
+        dedup = catalog.dedup_targets(token_array[start:]) if catalog is not None else []
         committed = [False] * len(keys)  # resident after this call, so its content may be registered
+        if catalog is not None:
+            for index in range(first_index):  # not written, but registered with the tail as a full store would
+                committed[index] = self._is_resident(keys[index])
         shields: list[Pin] = []
         num_new = num_rejected = num_aliased = 0
-        for index, key in enumerate(keys):
+        for index in range(first_index, len(keys)):
+            key = keys[index]
             if self._is_resident(key):
                 committed[index] = True
                 continue
             if catalog is not None and catalog.is_alias(key):
                 continue
-            if index < len(dedup) and (target := dedup[index]) is not None and target.key != key:
+            position = index - first_index
+            if position < len(dedup) and (target := dedup[position]) is not None and target.key != key:
                 assert catalog is not None
                 catalog.add_alias(key, target)
                 num_aliased += 1
                 continue
-            start = index * chunk_size
-            end = min(start + chunk_size, len(token_array))
+            chunk_start = index * chunk_size
+            chunk_end = min(chunk_start + chunk_size, len(token_array))
             parent = keys[index - 1] if index else None
-            record = ChunkRecord(key=key, source_start=start, tokens=token_array[start:end], parent_key=parent)
-            tier = self._put_new_chunk(record, kv[:, :, start:end])
+            record = ChunkRecord(
+                key=key, source_start=chunk_start, tokens=token_array[chunk_start:chunk_end], parent_key=parent
+            )
+            tier = self._put_new_chunk(record, kv[:, :, chunk_start - start : chunk_end - start])
             if tier is None:
                 num_rejected += 1
                 continue
@@ -255,16 +285,30 @@ class TieredStore:
             committed[index] = True
             if catalog is not None and tier.pin(key):
                 shields.append((tier, key))  # shielded from eviction until its registration has run
+        num_chunks = len(keys) - first_index
         if num_rejected:
-            logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, len(keys))
+            logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, num_chunks)
         if catalog is not None:
             self._register_runs(catalog, token_array, keys, committed, shields)
         return StoreResult(
-            num_chunks=len(keys),
+            num_chunks=num_chunks,
             num_new_chunks=num_new,
             num_rejected_chunks=num_rejected,
             num_aliased_chunks=num_aliased,
         )
+
+    def _check_tail_kv(self, kv: torch.Tensor, num_tokens: int, start: int) -> None:
+        """``kv`` must be the layout's KV of ``tokens[start:]``, on a device the tiers copy from."""
+        try:
+            self.layout.check_kv(kv, num_tokens - start)
+        except InvalidInputError as exc:
+            if not start:
+                raise
+            raise InvalidInputError(
+                f"{exc}; with start={start}, kv holds only tokens[{start}:], {num_tokens - start} of {num_tokens}"
+            ) from None
+        if kv.device.type not in ("cpu", "cuda"):
+            raise InvalidInputError(f"kv is on device {kv.device}; hand over a cpu or cuda tensor")
 
     def _put_new_chunk(self, record: ChunkRecord, kv: torch.Tensor) -> Tier | None:
         """Put into the fastest tier with room, then write through to disk off the caller's path."""
