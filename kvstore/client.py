@@ -241,19 +241,40 @@ class Client:
     # -- the TieredStore surface -------------------------------------------------------------------------------
 
     def store(
-        self, tokens: Sequence[int] | npt.NDArray[np.integer], kv: torch.Tensor, *, durable: bool = False
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        kv: torch.Tensor,
+        *,
+        durable: bool = False,
+        start: int = 0,
     ) -> StoreResult:
         """``TieredStore.store`` on the server; ``durable=True`` returns once the chunks are committed and synced
-        to disk (the acknowledgement survives a crash of the server)."""
+        to disk (the acknowledgement survives a crash of the server).
+
+        With ``start`` (a multiple of ``server.chunk_size`` in ``[0, len(tokens)]``), ``kv`` is the KV of
+        ``tokens[start:]`` only, ``[num_layers, 2, len(tokens) - start, num_kv_heads, head_dim]``, and only those
+        bytes travel; the server checks the chunk boundary (``InvalidInputError``).
+        """
         layout = self._require_layout()
         token_array = as_token_array(tokens)
-        layout.check_kv(kv, len(token_array))
+        if not 0 <= start <= len(token_array):
+            raise InvalidInputError(
+                f"store start={start} must lie in [0, len(tokens)={len(token_array)}], a multiple of the chunk size"
+            )
+        num_tokens = len(token_array) - start
+        layout.check_kv(kv, num_tokens)
 
         def build() -> tuple[dict[str, object], memoryview | None]:
-            bulk, payload = self._bulk_for_store(kv, len(token_array))
-            return StoreArgs(tokens=token_array, bulk=bulk, durable=durable).to_wire(), payload
+            bulk, payload = self._bulk_for_store(kv, num_tokens)
+            return StoreArgs(tokens=token_array, bulk=bulk, durable=durable, start=start).to_wire(), payload
 
-        return decode_store_result(self._result(self._call(Op.STORE, build)))
+        reply = self._call(Op.STORE, build)
+        if start and not reply.ok and "unknown field(s) 'start'" in reply.error_message:
+            raise ProtocolError(
+                f"the server at {self.url} (version {self.server.server_version}) predates store(start=); upgrade "
+                "it, or send the KV of every token with start=0"
+            )
+        return decode_store_result(self._result(reply))
 
     def lookup(
         self,

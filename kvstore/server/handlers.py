@@ -253,15 +253,23 @@ class RequestHandler:
     def _store(self, client_id: str, args: StoreArgs, payload: memoryview | None) -> dict[str, object]:
         store = self._host.require()
         started_s = time.perf_counter()
-        num_tokens = len(args.tokens)
+        chunk_size = store.config.chunk_size
+        if args.start % chunk_size:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"store start={args.start} is not a multiple of the server's chunk_size={chunk_size}; send the KV "
+                "from a chunk boundary",
+            )
+        num_tokens = args.num_bulk_tokens  # the bulk holds tokens[start:]
         kv = self._bulk_tensor(client_id, args.bulk, store.layout, num_tokens, payload)[:, :, :num_tokens]
         if args.durable and TierName.DISK not in store.config.tiers:
             raise ConfigError("durable=True needs a disk tier; this server keeps KV in memory only")
-        result = store.store(args.tokens, kv)
+        result = store.store(args.tokens, kv, start=args.start)
         if args.durable:
             store.flush()
-        keys = prefix_keys(store.layout.namespace, args.tokens, store.config.chunk_size)
-        self._documents.add_stored(keys, args.tokens, store.config.chunk_size)
+        keys = prefix_keys(store.layout.namespace, args.tokens, chunk_size)
+        # A document is what this call added: the chunks from start (the caller knows the head is held).
+        self._documents.add_stored(keys[args.start // chunk_size :], args.tokens[args.start :], chunk_size)
         transport = _transport(args.bulk)
         self._metrics.store_seconds.labels(transport).observe(time.perf_counter() - started_s)
         self._metrics.bulk_bytes.labels("stored", transport).inc(store.layout.chunk_bytes(num_tokens))

@@ -8,7 +8,7 @@ prompt is a 60 KB memcpy, not 15k msgpack ints to decode). Chunk keys are 16-byt
     hello        layout (canonical JSON | nil), client_name, pid,  client id, server version, layout, chunk size,
                  host_id                                           tiers, features, limits, host id
     goodbye      -                                                 - (plans, sessions, segments dropped)
-    store        tokens, bulk (BulkRef), durable                   StoreResult
+    store        tokens, bulk (BulkRef), durable, start | absent   StoreResult (of the chunks from start)
     lookup       tokens, session_id | nil, blend | nil             plan: plan_id, num_query_tokens, segments (rows)
     retrieve     plan_id, bulk (where the KV goes)                 loaded segments, end (+ inline payload)
     release      plan_id                                           -
@@ -25,7 +25,9 @@ prompt is a 60 KB memcpy, not 15k msgpack ints to decode). Chunk keys are 16-byt
 
 A ``BulkRef`` says where a request's KV is (store) or should go (retrieve): ``{"kind": "inline"}`` (the payload
 frame), ``{"kind": "shm", "segment_id", "offset", "nbytes"}`` (a region of a segment this client attached), or
-``{"kind": "cuda_ipc", ...}`` (a CUDA tensor shared by handle, ``cuda_ipc``).
+``{"kind": "cuda_ipc", ...}`` (a CUDA tensor shared by handle, ``cuda_ipc``). A store's bulk holds the KV of
+``tokens[start:]`` only; ``start`` (a chunk boundary, 0 when absent) is sent only when it is not 0, so a server
+from before the field still takes every other store.
 
 Pure values; thread-safe.
 """
@@ -220,24 +222,42 @@ class HelloArgs:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreArgs:
-    """Store the KV of ``tokens``; ``durable`` waits until it is committed and synced to disk."""
+    """Store the KV of ``tokens``; ``durable`` waits until it is committed and synced to disk.
+
+    ``bulk`` holds the KV of ``tokens[start:]`` (``TieredStore.store(start=)``): ``start`` lies in
+    ``[0, len(tokens)]`` (checked here); that it is a multiple of the chunk size is checked by the handler, which
+    knows the chunk size.
+    """
 
     tokens: TokenArray
     bulk: BulkRef
     durable: bool
+    start: int = 0
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> StoreArgs:
+        tokens = tokens_from_wire(fields, "tokens", limits)
+        start = fields.int_("start", 0, len(tokens), optional=True) or 0
         parsed = cls(
-            tokens=tokens_from_wire(fields, "tokens", limits),
+            tokens=tokens,
             bulk=parse_bulk(fields.map_("bulk")),
             durable=fields.required_bool("durable"),
+            start=start,
         )
         fields.finish()
         return parsed
 
     def to_wire(self) -> dict[str, object]:
-        return {"tokens": tokens_to_wire(self.tokens), "bulk": self.bulk.to_wire(), "durable": self.durable}
+        wire: dict[str, object] = {"tokens": tokens_to_wire(self.tokens), "bulk": self.bulk.to_wire()}
+        wire["durable"] = self.durable
+        if self.start:  # only when needed: a server from before the field refuses unknown fields
+            wire["start"] = self.start
+        return wire
+
+    @property
+    def num_bulk_tokens(self) -> int:
+        """Tokens whose KV the bulk holds: ``len(tokens) - start``."""
+        return len(self.tokens) - self.start
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,7 +16,9 @@ client, its pid and host id); the reply gives the ``client`` token to put in eve
 chunk size, tiers, features and limits. A header whose ``v`` is not ``PROTOCOL_VERSION`` gets
 ``unsupported_version``; a token the server does not know (it restarted) gets ``not_registered``, and the client
 says hello again. Operations and their arguments are in ``messages``; values (plans, stats) in ``wire_values``.
-Version 2 (issue 5) sends plan segments as packed rows in one ``bin`` (version 1: an array per segment).
+Version 2 (issue 5) sends plan segments as packed rows in one ``bin`` (version 1: an array per segment). Fields
+added within a version are optional and sent only when set (retrieve's ``memory_only``, store's ``start``): an
+older server still takes every request that does not use them, and refuses one that does as an unknown field.
 
 Bulk KV (``messages.BulkRef``) travels by reference through a shared-memory segment the client attached (same
 host: no copy beyond the tier's own), inline as the second frame (remote clients), or as a CUDA IPC handle.
