@@ -9,6 +9,9 @@ Bulk KV (``bulk`` argument) is resolved to a tensor here: a view of a client's s
 the inline payload frame, or an opened CUDA IPC handle; the store then makes its one copy (into a tier on store,
 into that tensor on retrieve).
 
+Metrics (``metrics``) are fed here too, globally and per engine: a client with a layout counts under its hello
+name (``ServerMetrics.add_client`` at hello, ``forget_client`` at its departure, whichever way it departs).
+
 Document hits (``document_hits``) are fed here: each store names a document, each lookup plan counts a hit for the
 documents it used. With a data dir they are loaded at start, saved by the janitor every ``documents_save_interval_s``
 while they change, and saved at shutdown (``save_document_hits``; ``document_hits_file.DocumentHitsSaver``).
@@ -22,15 +25,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.errors import ConfigError, InvalidInputError, KVStoreError
-from kvstore.keys import prefix_keys
+from kvstore.keys import PrefixKey, prefix_keys
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan
+from kvstore.plan import LookupPlan, StoreResult
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
 from kvstore.server.cuda_ipc import import_cuda_tensor
 from kvstore.server.document_hits import DocumentHits
@@ -55,7 +58,7 @@ from kvstore.server.messages import (
     StoreArgs,
     layout_from_json,
 )
-from kvstore.server.metrics import ServerMetrics
+from kvstore.server.metrics import BulkTransfer, ServerMetrics
 from kvstore.server.protocol import Limits, Op, Request, encode_error, encode_ok
 from kvstore.server.shm import open_segment
 from kvstore.server.store_host import StoreHost
@@ -235,6 +238,8 @@ class RequestHandler:
             layout = self._host.register(layout_from_json(args.layout_json)).layout
         local = bool(args.host_id) and args.host_id == self._identity.host_id
         client_id = self._clients.register(args.client_name, args.pid, local, has_layout=layout is not None)
+        if layout is not None:  # admin clients never store or look up: they take no engine label
+            self._metrics.add_client(client_id, args.client_name)
         logger.info(
             "client %s registered: %s pid %d (%s)%s", client_id, args.client_name, args.pid,
             "local" if local else "remote", "" if layout is not None else ", admin",
@@ -264,15 +269,24 @@ class RequestHandler:
         kv = self._bulk_tensor(client_id, args.bulk, store.layout, num_tokens, payload)[:, :, :num_tokens]
         if args.durable and TierName.DISK not in store.config.tiers:
             raise ConfigError("durable=True needs a disk tier; this server keeps KV in memory only")
+        keys = prefix_keys(store.layout.namespace, args.tokens, chunk_size)
+        held_before = _partial_chunk_held(store, keys, num_tokens, chunk_size)
         result = store.store(args.tokens, kv, start=args.start)
         if args.durable:
             store.flush()
-        keys = prefix_keys(store.layout.namespace, args.tokens, chunk_size)
         # A document is what this call added: the chunks from start (the caller knows the head is held).
         self._documents.add_stored(keys[args.start // chunk_size :], args.tokens[args.start :], chunk_size)
-        transport = _transport(args.bulk)
-        self._metrics.store_seconds.labels(transport).observe(time.perf_counter() - started_s)
-        self._metrics.bulk_bytes.labels("stored", transport).inc(store.layout.chunk_bytes(num_tokens))
+        num_new_tokens = _new_chunk_tokens(
+            result, num_tokens, chunk_size, lambda: held_before is False and bool(store.contains(keys[-1]))
+        )
+        transfer = BulkTransfer(
+            transport=_transport(args.bulk),
+            seconds=time.perf_counter() - started_s,
+            num_bulk_bytes=store.layout.chunk_bytes(num_tokens),
+            num_tokens=num_new_tokens,
+            num_bytes=store.layout.chunk_bytes(num_new_tokens),
+        )
+        self._metrics.observe_store(transfer, self._metrics.engine_of(client_id))
         return encode_store_result(result)
 
     def _lookup(self, client_id: str, args: LookupArgs) -> dict[str, object]:
@@ -287,7 +301,7 @@ class RequestHandler:
         coverage = PlanCoverage.of(plan, store.config.chunk_size)
         self._tally.add(coverage)
         self._documents.add_plan(plan, args.tokens)
-        self._metrics.observe_lookup(coverage, time.perf_counter() - started_s)
+        self._metrics.observe_lookup(coverage, time.perf_counter() - started_s, self._metrics.engine_of(client_id))
         return encode_plan(plan, args.session_id)
 
     def _retrieve(self, request: Request, client_id: str, args: RetrieveArgs) -> ReplyFrames:
@@ -308,10 +322,15 @@ class RequestHandler:
         if out is not None and out.device.type == "cuda":
             torch.cuda.synchronize(out.device)  # the client may use its tensor as soon as the reply arrives
         reply = encode_retrieve_result(result)
-        transport = _transport(args.bulk)
-        num_bytes = store.layout.chunk_bytes(int(result.kv.shape[2]))
-        self._metrics.retrieve_seconds.labels(transport).observe(time.perf_counter() - started_s)
-        self._metrics.bulk_bytes.labels("retrieved", transport).inc(num_bytes)
+        num_loaded_tokens = result.num_cached_tokens
+        transfer = BulkTransfer(
+            transport=_transport(args.bulk),
+            seconds=time.perf_counter() - started_s,
+            num_bulk_bytes=store.layout.chunk_bytes(int(result.kv.shape[2])),
+            num_tokens=num_loaded_tokens,
+            num_bytes=store.layout.chunk_bytes(num_loaded_tokens),
+        )
+        self._metrics.observe_retrieve(transfer, self._metrics.engine_of(client_id))
         payload = None
         if isinstance(args.bulk, InlineBulk):
             kv = result.kv.contiguous()
@@ -449,6 +468,7 @@ class RequestHandler:
 
     def give_back(self, departure: Departure) -> None:
         """Release a departed client's plans and end its sessions in the store."""
+        self._metrics.forget_client(departure.client_id)
         store = self._host.store
         if store is None:
             return
@@ -467,6 +487,7 @@ class RequestHandler:
             )  # fmt: skip
             self.give_back(departure)
         for departure in self._clients.remove_idle(plan_ttl_s):
+            self._metrics.forget_client(departure.client_id)
             logger.info("client %s idle for %.0f s holding nothing: forgotten", departure.client_id, plan_ttl_s)
         expired = self._clients.take_expired_plans(plan_ttl_s)
         store = self._host.store
@@ -487,6 +508,30 @@ class RequestHandler:
         """
         if self._documents_saver is not None:
             self._documents_saver.save()
+
+
+def _partial_chunk_held(store: TieredStore, keys: Sequence[PrefixKey], num_tokens: int, chunk_size: int) -> bool | None:
+    """Before a store of ``num_tokens`` (the tail): whether its partial last chunk is held already; ``None`` when
+    ``_new_chunk_tokens`` will not ask (no partial chunk, or a one-chunk tail)."""
+    if not num_tokens % chunk_size or num_tokens <= chunk_size:
+        return None
+    return bool(store.contains(keys[-1]))
+
+
+def _new_chunk_tokens(result: StoreResult, num_tokens: int, chunk_size: int, last_is_new: Callable[[], bool]) -> int:
+    """Tokens of the chunks a store wrote (the engine's stored tokens).
+
+    Every new chunk is full but the tail's partial last one, which the counts place only when all or none of the
+    chunks were new; otherwise ``last_is_new`` answers (held after the store, not before it). A concurrent store of
+    the same tokens can move a partial chunk between the two counts: the metric is off by under one chunk then.
+    """
+    num_new = result.num_new_chunks
+    num_partial = num_tokens % chunk_size
+    if num_new == result.num_chunks:
+        return num_tokens
+    if not num_partial or not num_new or not last_is_new():
+        return num_new * chunk_size
+    return (num_new - 1) * chunk_size + num_partial
 
 
 def _transport(bulk: BulkRef) -> str:

@@ -1,17 +1,24 @@
 """Prometheus metrics of a server, and the HTTP endpoint that serves them (``/metrics``) with ``/healthz``.
 
-Two kinds of figures:
+Three kinds of figures:
 
 - counted by the server per request (its own ``CollectorRegistry``, no process-global state): requests by op and
   outcome, lookup / retrieve / store latency histograms, bulk bytes by direction and transport, lookup tokens by
   how the plan covers them (exact, blend, gap) and the per-prompt coverage ratios;
+- the same requests counted per engine (``kvstore_engine_*``, label ``engine``: the ``client_name`` the client
+  sent in its hello, e.g. ``vllm-engine-0 worker``): lookups, lookup tokens, hit tokens (the plan's exact prefix),
+  tokens and KV bytes by direction (stored: the new chunks'; retrieved: the loaded segments'), and lookup / store /
+  retrieve latency histograms. The label is bounded: the first ``MAX_ENGINES`` distinct names keep theirs for the
+  server's life, every later name counts under ``engine="other"`` (logged at WARNING once), so a fleet of
+  restarting engines with fresh names cannot grow the exposition without bound;
 - read from ``TieredStore.stats()`` at scrape time (``_StoreCollector``), so they never drift from the store:
   per tier hits, misses, puts, rejected puts, evictions, corrupt reads (counters), capacity, used and stored
   bytes, chunks and pinned chunks (gauges); the content index's entries, aliases and strikes; open plans,
   sessions and connected clients.
 
 Threads: the HTTP server runs ``ThreadingHTTPServer`` threads (named ``kvstore-metrics``); prometheus-client's
-metrics are thread-safe; the collector calls ``stats()``, which is.
+metrics are thread-safe; the collector calls ``stats()``, which is. Request workers resolve engines concurrently:
+``_engines_lock`` guards the engine tables (by name and by client id).
 """
 
 from __future__ import annotations
@@ -34,9 +41,14 @@ from kvstore.server.wire_values import ServerHealth
 from kvstore.store import StoreStats
 from kvstore.tiers.base import TierName
 
-__all__ = ["MetricsServer", "ServerMetrics"]
+__all__ = ["MAX_ENGINES", "OTHER_ENGINE", "BulkTransfer", "EngineMetrics", "MetricsServer", "ServerMetrics"]
 
 logger = logging.getLogger(__name__)
+
+MAX_ENGINES = 64
+"""Distinct client names with an ``engine`` label of their own; later names count under ``OTHER_ENGINE``."""
+
+OTHER_ENGINE = "other"
 
 _LOOKUP_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _BULK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -109,6 +121,63 @@ class _StoreCollector(Collector):
             yield aliases
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BulkTransfer:
+    """One store or retrieve, as the metrics count it.
+
+    Args:
+        transport: how the KV travelled: ``shm``, ``inline`` or ``cuda_ipc``.
+        seconds: server time of the request.
+        num_bulk_bytes: KV bytes that crossed the transport (a store's tail, a retrieve's buffer up to the plan's
+            end, gaps included).
+        num_tokens: a store's new chunks' tokens (chunks already held, aliased or rejected are not stored); a
+            retrieve's loaded segments' tokens.
+        num_bytes: the KV bytes of those tokens.
+    """
+
+    transport: str
+    seconds: float
+    num_bulk_bytes: int
+    num_tokens: int
+    num_bytes: int
+
+
+class EngineMetrics:
+    """The per-engine series of one ``engine`` label value, resolved once (``labels()`` costs ~1.3 us a call).
+
+    Made by ``ServerMetrics.add_client``; the request workers update it through ``ServerMetrics.observe_*``.
+    """
+
+    def __init__(self, metrics: ServerMetrics, engine: str) -> None:
+        self.engine = engine
+        self._lookups = metrics.engine_lookups.labels(engine)
+        self._lookup_tokens = metrics.engine_lookup_tokens.labels(engine)
+        self._hit_tokens = metrics.engine_hit_tokens.labels(engine)
+        self._stored_tokens = metrics.engine_tokens.labels(engine, "stored")
+        self._stored_bytes = metrics.engine_bytes.labels(engine, "stored")
+        self._retrieved_tokens = metrics.engine_tokens.labels(engine, "retrieved")
+        self._retrieved_bytes = metrics.engine_bytes.labels(engine, "retrieved")
+        self._lookup_seconds = metrics.engine_lookup_seconds.labels(engine)
+        self._store_seconds = metrics.engine_store_seconds.labels(engine)
+        self._retrieve_seconds = metrics.engine_retrieve_seconds.labels(engine)
+
+    def observe_lookup(self, coverage: PlanCoverage, seconds: float) -> None:
+        self._lookups.inc()
+        self._lookup_tokens.inc(coverage.num_query_tokens)
+        self._hit_tokens.inc(coverage.num_prefix_tokens)
+        self._lookup_seconds.observe(seconds)
+
+    def observe_store(self, transfer: BulkTransfer) -> None:
+        self._stored_tokens.inc(transfer.num_tokens)
+        self._stored_bytes.inc(transfer.num_bytes)
+        self._store_seconds.observe(transfer.seconds)
+
+    def observe_retrieve(self, transfer: BulkTransfer) -> None:
+        self._retrieved_tokens.inc(transfer.num_tokens)
+        self._retrieved_bytes.inc(transfer.num_bytes)
+        self._retrieve_seconds.observe(transfer.seconds)
+
+
 class ServerMetrics:
     """The server's metrics, in a registry of their own.
 
@@ -155,6 +224,7 @@ class ServerMetrics:
             "kvstore_blend_coverage_ratio", "Per lookup: tokens covered by blend segments / prompt tokens.",
             buckets=_RATIO_BUCKETS, registry=registry,
         )  # fmt: skip
+        self._add_engine_families()
         registry.register(_StoreCollector(_StatsSources(store_stats=store_stats, num_clients=num_clients)))
         # Labelled children resolved once: ``labels()`` costs ~1.3 us a call, up to seven of them a lookup (issue 5).
         self._exact_tokens = self.lookup_tokens.labels("exact")
@@ -162,8 +232,104 @@ class ServerMetrics:
         self._gap_tokens = self.lookup_tokens.labels("gap")
         self._chunks_by_tier = {tier: self.lookup_chunks.labels(tier.value) for tier in TierName}
         self._missed_chunks = self.lookup_chunks.labels("none")
+        self._engines_lock = threading.Lock()
+        self._engine_of_name: dict[str, EngineMetrics] = {}  # at most MAX_ENGINES names, never shrinks
+        self._engine_of_client: dict[str, EngineMetrics] = {}  # registered clients with a layout
+        self._other_engine: EngineMetrics | None = None  # made when first needed
+        self._folding_logged = False
 
-    def observe_lookup(self, coverage: PlanCoverage, seconds: float) -> None:
+    def _add_engine_families(self) -> None:
+        registry = self.registry
+        self.engine_lookups = Counter(
+            "kvstore_engine_lookups", "Lookups answered, by engine (the client's hello name).", ["engine"],
+            registry=registry,
+        )  # fmt: skip
+        self.engine_lookup_tokens = Counter(
+            "kvstore_engine_lookup_tokens", "Prompt tokens looked up, by engine.", ["engine"], registry=registry
+        )
+        self.engine_hit_tokens = Counter(
+            "kvstore_engine_hit_tokens",
+            "Looked-up tokens covered by the plan's exact prefix (LookupPlan.num_prefix_tokens), by engine.",
+            ["engine"], registry=registry,
+        )  # fmt: skip
+        self.engine_tokens = Counter(
+            "kvstore_engine_tokens",
+            "KV tokens by engine and direction: stored (new chunks' tokens), retrieved (loaded segments' tokens).",
+            ["engine", "direction"], registry=registry,
+        )  # fmt: skip
+        self.engine_bytes = Counter(
+            "kvstore_engine_bytes", "KV bytes of kvstore_engine_tokens, by engine and direction.",
+            ["engine", "direction"], registry=registry,
+        )  # fmt: skip
+        self.engine_lookup_seconds = Histogram(
+            "kvstore_engine_lookup_seconds", "Server time of a lookup, by engine.", ["engine"],
+            buckets=_LOOKUP_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+        self.engine_store_seconds = Histogram(
+            "kvstore_engine_store_seconds", "Server time of a store, by engine.", ["engine"],
+            buckets=_BULK_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+        self.engine_retrieve_seconds = Histogram(
+            "kvstore_engine_retrieve_seconds", "Server time of a retrieve, by engine.", ["engine"],
+            buckets=_BULK_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+
+    # -- engines -------------------------------------------------------------------------------------------------
+
+    def add_client(self, client_id: str, client_name: str) -> EngineMetrics:
+        """Count a newly registered client's requests under its name's ``engine`` label (``OTHER_ENGINE`` once
+        ``MAX_ENGINES`` other names have theirs). ``forget_client`` when it departs."""
+        with self._engines_lock:
+            engine = self._engine_of_name.get(client_name)
+            if engine is None:
+                engine = self._new_engine_locked(client_name)
+            self._engine_of_client[client_id] = engine
+            return engine
+
+    def _new_engine_locked(self, client_name: str) -> EngineMetrics:
+        if client_name == OTHER_ENGINE:
+            return self._other_engine_locked()
+        if len(self._engine_of_name) < MAX_ENGINES:
+            engine = self._engine_of_name[client_name] = EngineMetrics(self, client_name)
+            return engine
+        if not self._folding_logged:
+            self._folding_logged = True
+            logger.warning(
+                "%d client names have an engine label already; %r and every later new name count under engine=%r",
+                MAX_ENGINES, client_name, OTHER_ENGINE,
+            )  # fmt: skip
+        return self._other_engine_locked()
+
+    def _other_engine_locked(self) -> EngineMetrics:
+        if self._other_engine is None:
+            self._other_engine = EngineMetrics(self, OTHER_ENGINE)
+        return self._other_engine
+
+    def forget_client(self, client_id: str) -> None:
+        """A client departed (goodbye, died, idle): its name's series stay, its id goes."""
+        with self._engines_lock:
+            self._engine_of_client.pop(client_id, None)
+
+    def engine_of(self, client_id: str) -> EngineMetrics:
+        """The engine a registered client counts under (``OTHER_ENGINE`` for one unknown here)."""
+        with self._engines_lock:
+            engine = self._engine_of_client.get(client_id)
+            return engine if engine is not None else self._other_engine_locked()
+
+    # -- per request ---------------------------------------------------------------------------------------------
+
+    def observe_store(self, transfer: BulkTransfer, engine: EngineMetrics) -> None:
+        self.store_seconds.labels(transfer.transport).observe(transfer.seconds)
+        self.bulk_bytes.labels("stored", transfer.transport).inc(transfer.num_bulk_bytes)
+        engine.observe_store(transfer)
+
+    def observe_retrieve(self, transfer: BulkTransfer, engine: EngineMetrics) -> None:
+        self.retrieve_seconds.labels(transfer.transport).observe(transfer.seconds)
+        self.bulk_bytes.labels("retrieved", transfer.transport).inc(transfer.num_bulk_bytes)
+        engine.observe_retrieve(transfer)
+
+    def observe_lookup(self, coverage: PlanCoverage, seconds: float, engine: EngineMetrics) -> None:
+        engine.observe_lookup(coverage, seconds)
         self.lookup_seconds.observe(seconds)
         self._exact_tokens.inc(coverage.num_exact_tokens)
         self._blend_tokens.inc(coverage.num_blend_tokens)

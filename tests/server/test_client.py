@@ -240,7 +240,7 @@ def test_metrics_count_requests_latency_and_bytes(server: ServerProcess) -> None
         client.retrieve(client.lookup(tokens))
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         text = response.read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
     assert values["kvstore_lookup_seconds_count"] >= 1
     assert values['kvstore_retrieve_seconds_count{transport="shm"}'] >= 1
     assert values['kvstore_bulk_bytes_total{direction="stored",transport="shm"}'] >= SERVER_LAYOUT.chunk_bytes(48)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def scrape(server: ServerProcess) -> dict[str, float]:
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
         text = response.read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
 
 
 def stored_bytes(server: ServerProcess, transport: str) -> float:
