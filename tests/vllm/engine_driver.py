@@ -1,0 +1,149 @@
+"""Run one vLLM engine on token-id prompts and print, per request, its greedy output as one JSON line.
+
+Tests run this script in a subprocess (``run_engine`` in ``conftest.py``): a vLLM engine spawns its engine-core and
+worker processes, which re-import the main module, so it needs the ``__main__`` guard a pytest process lacks, and a
+crashed or hung engine then costs one subprocess, not the test session. By hand::
+
+    .venv-vllm/bin/python tests/vllm/engine_driver.py spec.json     # or the spec's JSON on stdin
+
+The spec is an ``EngineSpec`` as JSON. Prompts run one after another, one ``LLM.generate`` call each, so a later
+request finds what an earlier one left in vLLM's prefix cache or in a KV connector's store. Sampling is greedy,
+ignoring end-of-sequence unless told otherwise, so every request yields exactly ``max_tokens`` tokens.
+
+stdout carries only the results, one ``RequestResult`` JSON line per request in prompt order: before vLLM is imported
+the script moves its own stdout to stderr, so vLLM's logs and its child processes' output go to stderr.
+
+This file is also imported by the tests for ``EngineSpec`` and ``RequestResult``: it imports nothing beyond the
+standard library until ``main`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SHUTDOWN_TIMEOUT_S = 30.0
+"""How long the engine's processes get to exit. vLLM's default (5 s) kills the engine core while it still waits for
+its worker (about 5 s on two cores), and a killed process never writes its coverage data."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """What the driver runs: one engine, its prompts in order.
+
+    Args:
+        model_dir: a Hugging Face directory vLLM loads (``export_smollm2_for_vllm``).
+        prompts: the requests' prompts as token ids, run in this order.
+        max_tokens: new tokens per request.
+        dtype: the model's dtype in vLLM.
+        enforce_eager: no CUDA graphs or torch.compile (the CPU backend's tested path).
+        enable_prefix_caching: vLLM's own prefix cache.
+        kv_transfer_config: vLLM's ``KVTransferConfig`` fields (``kv_connector``, ``kv_connector_module_path``,
+            ``kv_role``, ...); ``None`` runs without a connector.
+        env: variables set before vLLM is imported; the engine's processes inherit them.
+        max_model_len_tokens: the engine's context limit; ``None`` keeps the model's (8192 for SmolLM2).
+        ignore_eos: generate ``max_tokens`` even past an end-of-sequence token.
+    """
+
+    model_dir: Path
+    prompts: Sequence[Sequence[int]]
+    max_tokens: int
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = False
+    kv_transfer_config: Mapping[str, Any] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    max_model_len_tokens: int | None = None
+    ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.prompts or any(not prompt for prompt in self.prompts):
+            raise ValueError(f"an engine spec needs at least one prompt and no empty prompt; got {self.prompts!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens}; ask for at least one new token")
+
+    def to_json(self) -> str:
+        settings = {spec_field.name: getattr(self, spec_field.name) for spec_field in fields(self)}
+        settings["model_dir"] = str(self.model_dir)
+        settings["prompts"] = [list(prompt) for prompt in self.prompts]
+        settings["kv_transfer_config"] = None if self.kv_transfer_config is None else dict(self.kv_transfer_config)
+        settings["env"] = dict(self.env)
+        return json.dumps(settings)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineSpec:
+        settings = json.loads(text)
+        settings["model_dir"] = Path(settings["model_dir"])
+        settings["prompts"] = tuple(tuple(prompt) for prompt in settings["prompts"])
+        return cls(**settings)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestResult:
+    """One request's outcome.
+
+    Args:
+        token_ids: the generated tokens (not the prompt).
+        num_cached_tokens: prompt tokens the engine did not compute: vLLM's prefix-cache hit plus what a KV
+            connector loaded (``RequestOutput.num_cached_tokens``); ``None`` when vLLM leaves the field unset.
+        ttft_s: time to first token as vLLM's request metrics measure it (arrival to first token); ``None`` when
+            the engine reports no metrics.
+    """
+
+    token_ids: tuple[int, ...]
+    num_cached_tokens: int | None
+    ttft_s: float | None
+
+    def to_json(self) -> str:
+        return json.dumps({"token_ids": list(self.token_ids), "num_cached_tokens": self.num_cached_tokens,
+                           "ttft_s": self.ttft_s})
+
+    @classmethod
+    def from_json(cls, text: str) -> RequestResult:
+        settings = json.loads(text)
+        return cls(token_ids=tuple(settings["token_ids"]), num_cached_tokens=settings["num_cached_tokens"],
+                   ttft_s=settings["ttft_s"])
+
+
+def main(argv: Sequence[str]) -> int:
+    spec = EngineSpec.from_json(Path(argv[1]).read_text() if len(argv) > 1 else sys.stdin.read())
+    results = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # not inherited by the engine's processes
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    os.environ.update(spec.env)
+
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    engine = vllm.LLM(
+        model=str(spec.model_dir),
+        dtype=spec.dtype,
+        enforce_eager=spec.enforce_eager,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        kv_transfer_config=None if spec.kv_transfer_config is None else dict(spec.kv_transfer_config),
+        max_model_len=spec.max_model_len_tokens,
+        disable_log_stats=False,  # the request metrics (time to first token) exist only with stats on
+    )
+    sampling = vllm.SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
+    for prompt in spec.prompts:
+        (output,) = engine.generate([TokensPrompt(prompt_token_ids=list(prompt))], sampling, use_tqdm=False)
+        metrics = output.metrics
+        result = RequestResult(
+            token_ids=tuple(output.outputs[0].token_ids),
+            num_cached_tokens=output.num_cached_tokens,
+            ttft_s=getattr(metrics, "first_token_latency", None) or None,
+        )
+        results.write(result.to_json() + "\n")
+        results.flush()
+    results.close()
+    engine.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
