@@ -1,0 +1,258 @@
+"""``parse_connector_settings``: every ``kvstore.*`` key parsed into its type, and every bad key or value refused
+with one line naming it, before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from kvstore.config import DEFAULT_DATA_DIR
+from kvstore.connectors.settings import ConnectorSettings, EmbeddedServerSettings, parse_connector_settings
+from kvstore.errors import ConfigError
+
+KNOWN_NAMES = (
+    "url",
+    "model_id",
+    "lookup_timeout_s",
+    "transfer_timeout_s",
+    "retry_s",
+    "async_disk_loads",
+    "disk_path",
+    "tiers",
+    "cpu_size_gb",
+    "gpu_size_gb",
+    "disk_size_gb",
+    "chunk_size",
+    "config",
+)
+EMBEDDED_VALUES: dict[str, object] = {
+    "disk_path": "/nvme/kv",
+    "tiers": "cpu,disk",
+    "cpu_size_gb": 8,
+    "gpu_size_gb": 1.5,
+    "disk_size_gb": 500,
+    "chunk_size": 16,
+    "config": "kvstore.toml",
+}
+
+
+def one_line_error(extra_config: dict[str, object], *fragments: str) -> str:
+    """The ConfigError message for ``extra_config``, checked to be one line holding every fragment."""
+    with pytest.raises(ConfigError) as raised:
+        parse_connector_settings(extra_config)
+    message = str(raised.value)
+    assert "\n" not in message, message
+    assert all(fragment in message for fragment in fragments), message
+    return message
+
+
+def test_no_config_gives_the_embedded_defaults() -> None:
+    expected = ConnectorSettings()
+    assert parse_connector_settings(None) == expected and parse_connector_settings({}) == expected
+    assert expected.url is None and expected.embedded.disk_path == DEFAULT_DATA_DIR
+    assert (expected.lookup_timeout_s, expected.transfer_timeout_s, expected.retry_s) == (2.0, 30.0, 5.0)
+    assert expected.async_disk_loads and expected.model_id is None
+
+
+def test_every_embedded_key_is_parsed_into_its_type() -> None:
+    settings = parse_connector_settings(
+        {f"kvstore.{name}": value for name, value in EMBEDDED_VALUES.items()}
+        | {"kvstore.model_id": "org/model", "kvstore.lookup_timeout_s": 1, "kvstore.transfer_timeout_s": 2.5}
+        | {"kvstore.retry_s": 7, "kvstore.async_disk_loads": False}
+    )
+    assert settings == ConnectorSettings(
+        url=None,
+        embedded=EmbeddedServerSettings(
+            disk_path=Path("/nvme/kv"),
+            tiers="cpu,disk",
+            cpu_size_gb=8.0,
+            gpu_size_gb=1.5,
+            disk_size_gb=500.0,
+            chunk_size=16,
+            config=Path("kvstore.toml"),
+        ),
+        model_id="org/model",
+        lookup_timeout_s=1.0,
+        transfer_timeout_s=2.5,
+        retry_s=7.0,
+        async_disk_loads=False,
+    )
+    embedded = settings.embedded
+    assert isinstance(embedded.disk_path, Path) and isinstance(embedded.config, Path)
+    assert type(embedded.cpu_size_gb) is float and type(embedded.disk_size_gb) is float
+    assert type(settings.retry_s) is float and type(settings.lookup_timeout_s) is float
+    assert type(embedded.chunk_size) is int
+
+
+def test_a_url_configures_a_shared_server() -> None:
+    settings = parse_connector_settings({"kvstore.url": "tcp://10.0.0.2:5555", "kvstore.retry_s": 0.5})
+    assert settings.url == "tcp://10.0.0.2:5555" and settings.retry_s == 0.5
+    assert settings.embedded == EmbeddedServerSettings()
+    assert parse_connector_settings({"kvstore.url": "ipc:///tmp/kv.sock"}).url == "ipc:///tmp/kv.sock"
+
+
+def test_serve_flags_name_every_given_setting() -> None:
+    assert EmbeddedServerSettings(disk_path=Path("/d")).serve_flags() == ["--disk-path", "/d"]
+    settings = parse_connector_settings({f"kvstore.{name}": value for name, value in EMBEDDED_VALUES.items()})
+    assert settings.embedded.serve_flags() == [
+        "--disk-path", "/nvme/kv",
+        "--tiers", "cpu,disk",
+        "--cpu-size-gb", "8.0",
+        "--gpu-size-gb", "1.5",
+        "--disk-size-gb", "500.0",
+        "--chunk-size", "16",
+        "--config", "kvstore.toml",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra_config", "fragments"),
+    [
+        ({"kvstore.cpu_size": 8}, ("'kvstore.cpu_size'", "kvstore.cpu_size_gb")),
+        ({"kvstore.": 1}, ("'kvstore.'",)),
+        ({"kvstore.embedded": {}}, ("'kvstore.embedded'",)),
+        ({"cpu_size_gb": 8}, ("'cpu_size_gb'", "kvstore.cpu_size_gb")),
+        ({"url": "tcp://127.0.0.1:5555"}, ("'url'",)),
+        ({"KVSTORE.url": "tcp://127.0.0.1:5555"}, ("'KVSTORE.url'",)),
+        ({"kvstore.cpu_size_gb": True}, ("kvstore.cpu_size_gb", "positive number", "True")),
+        ({"kvstore.retry_s": "5"}, ("kvstore.retry_s", "positive number", "'5'")),
+        ({"kvstore.lookup_timeout_s": -1}, ("kvstore.lookup_timeout_s", "positive number", "-1")),
+        ({"kvstore.transfer_timeout_s": 0}, ("kvstore.transfer_timeout_s", "positive number")),
+        ({"kvstore.disk_size_gb": float("nan")}, ("kvstore.disk_size_gb", "nan")),
+        ({"kvstore.gpu_size_gb": None}, ("kvstore.gpu_size_gb", "None")),
+        ({"kvstore.chunk_size": True}, ("kvstore.chunk_size", "positive integer")),
+        ({"kvstore.chunk_size": 16.0}, ("kvstore.chunk_size", "positive integer", "16.0")),
+        ({"kvstore.chunk_size": -16}, ("kvstore.chunk_size", "positive integer", "-16")),
+        ({"kvstore.chunk_size": "16"}, ("kvstore.chunk_size", "positive integer")),
+        ({"kvstore.async_disk_loads": "false"}, ("kvstore.async_disk_loads", "true or false", "'false'")),
+        ({"kvstore.async_disk_loads": 0}, ("kvstore.async_disk_loads", "true or false")),
+        ({"kvstore.url": ""}, ("kvstore.url", "non-empty string")),
+        ({"kvstore.url": 5555}, ("kvstore.url", "non-empty string", "5555")),
+        ({"kvstore.url": "127.0.0.1:5555"}, ("kvstore.url", "tcp://127.0.0.1:5555")),
+        ({"kvstore.model_id": ""}, ("kvstore.model_id", "non-empty string")),
+        ({"kvstore.tiers": ["cpu", "disk"]}, ("kvstore.tiers", "non-empty string")),
+        ({"kvstore.disk_path": ""}, ("kvstore.disk_path", "path string")),
+        ({"kvstore.config": 3}, ("kvstore.config", "path string")),
+    ],
+)
+def test_bad_keys_and_values_are_one_line_errors_naming_the_key(
+    extra_config: dict[str, object], fragments: tuple[str, ...]
+) -> None:
+    one_line_error(extra_config, *fragments)
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDED_VALUES))
+def test_an_embedded_key_next_to_a_url_is_refused(name: str) -> None:
+    one_line_error(
+        {"kvstore.url": "tcp://127.0.0.1:5555", f"kvstore.{name}": EMBEDDED_VALUES[name]},
+        f"kvstore.{name}",
+        "kvstore.url",
+    )
+
+
+def test_every_embedded_key_next_to_a_url_is_named_at_once() -> None:
+    message = one_line_error(
+        {"kvstore.url": "tcp://127.0.0.1:5555"} | {f"kvstore.{name}": value for name, value in EMBEDDED_VALUES.items()}
+    )
+    assert all(f"kvstore.{name}" in message for name in EMBEDDED_VALUES), message
+
+
+# -- properties ----------------------------------------------------------------------------------------------------
+
+positive_numbers = st.one_of(
+    st.integers(min_value=1, max_value=10**6),
+    st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False),
+)
+names = st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=16)
+paths = names.map(lambda text: f"/data/{text}")
+top_values = st.fixed_dictionaries(
+    {},
+    optional={
+        "model_id": names,
+        "lookup_timeout_s": positive_numbers,
+        "transfer_timeout_s": positive_numbers,
+        "retry_s": positive_numbers,
+        "async_disk_loads": st.booleans(),
+    },
+)
+embedded_values = st.fixed_dictionaries(
+    {},
+    optional={
+        "disk_path": paths,
+        "tiers": names,
+        "cpu_size_gb": positive_numbers,
+        "gpu_size_gb": positive_numbers,
+        "disk_size_gb": positive_numbers,
+        "chunk_size": st.integers(min_value=1, max_value=4096),
+        "config": paths,
+    },
+)
+
+
+def converted(name: str, value: object) -> object:
+    if name in ("disk_path", "config"):
+        return Path(str(value))
+    if name.endswith(("_gb", "_s")):
+        return float(value)  # type: ignore[arg-type]
+    return value
+
+
+@hypothesis_settings(deadline=None)  # pure and fast, but the machine may be busy
+@given(top=top_values, embedded=embedded_values, url=st.none() | st.integers(1, 65535).map("tcp://h:{}".format))
+def test_any_valid_combination_round_trips_into_the_dataclasses(
+    top: dict[str, object], embedded: dict[str, object], url: str | None
+) -> None:
+    extra_config = {f"kvstore.{name}": value for name, value in top.items()}
+    if url is not None:
+        extra_config["kvstore.url"] = url
+    else:
+        extra_config |= {f"kvstore.{name}": value for name, value in embedded.items()}
+    settings = parse_connector_settings(extra_config)
+    assert settings.url == url
+    for name, value in top.items():
+        assert getattr(settings, name) == converted(name, value), name
+    expected_embedded = {} if url is not None else {name: converted(name, value) for name, value in embedded.items()}
+    assert settings.embedded == EmbeddedServerSettings(**expected_embedded)  # type: ignore[arg-type]
+    flags = settings.embedded.serve_flags()
+    assert flags[:2] == ["--disk-path", str(settings.embedded.disk_path)]
+    assert len(flags) == 2 * (1 + len([name for name in expected_embedded if name != "disk_path"]))
+
+
+def is_unknown(key: str) -> bool:
+    return not key.startswith("kvstore.") or key.removeprefix("kvstore.") not in KNOWN_NAMES
+
+
+@hypothesis_settings(deadline=None)  # pure and fast, but the machine may be busy
+@given(
+    valid=embedded_values,
+    junk_key=st.one_of(st.text(max_size=24), st.text(max_size=24).map("kvstore.{}".format)).filter(is_unknown),
+    junk_value=st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(), st.lists(st.integers())),
+)
+def test_any_unknown_key_is_refused_whatever_comes_with_it(
+    valid: dict[str, object], junk_key: str, junk_value: object
+) -> None:
+    extra_config = {f"kvstore.{name}": value for name, value in valid.items()} | {junk_key: junk_value}
+    with pytest.raises(ConfigError, match="unknown kvstore connector setting") as raised:
+        parse_connector_settings(extra_config)
+    assert repr(junk_key) in str(raised.value)
+
+
+@hypothesis_settings(deadline=None)  # pure and fast, but the machine may be busy
+@given(
+    name=st.sampled_from([name for name in KNOWN_NAMES if name.endswith(("_gb", "_s"))]),
+    value=st.one_of(
+        st.booleans(),
+        st.text(),
+        st.none(),
+        st.integers(max_value=0),
+        st.floats(max_value=0.0),
+        st.just(float("nan")),
+    ),
+)
+def test_a_number_setting_refuses_anything_but_a_positive_number(name: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"kvstore.{name} must be a positive number"):
+        parse_connector_settings({f"kvstore.{name}": value})
