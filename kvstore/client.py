@@ -456,14 +456,18 @@ class Client:
         """The server's settings, layout, clients and most-hit chunks."""
         return ServerInfo.from_wire(self._simple(Op.INFO))
 
-    def close(self) -> None:
-        """Say goodbye (the server releases this client's plans and segments) and close. Idempotent."""
+    def close(self, *, goodbye: bool = True) -> None:
+        """Say goodbye (the server releases this client's plans and segments) and close. Idempotent.
+
+        ``goodbye=False`` closes at once, for a server known to be gone (the server then releases what this client
+        held when it notices the client's process or idle time, as for a client that died)."""
         if self._closed:
             return
         try:
-            with self._locked():
-                self._send_deferred()
-                self._call_locked(Op.GOODBYE, lambda: ({}, None), min(self.timeout_s, 2.0))
+            if goodbye:
+                with self._locked():
+                    self._send_deferred()
+                    self._call_locked(Op.GOODBYE, lambda: ({}, None), min(self.timeout_s, 2.0))
         except KVStoreError as exc:
             logger.debug("goodbye to %s failed: %s", self.url, exc)
         finally:

@@ -107,9 +107,9 @@ def serve_command(
             typer.echo("kvstore serve: already stopping (finishing requests, flushing the disk tier)", err=True)
         stop.set()
 
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     if exit_with_pid is not None:
         _stop_when_gone(exit_with_pid, stop)
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def announce(address: ServerAddress) -> None:
         layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"

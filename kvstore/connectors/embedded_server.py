@@ -30,6 +30,7 @@ from pathlib import Path
 from kvstore.connectors.settings import EmbeddedServerSettings
 from kvstore.errors import ConfigError, ServerUnavailableError
 from kvstore.server.ownership import live_server_record
+from kvstore.server.shm import pid_alive
 
 __all__ = ["EmbeddedServer", "ensure_embedded_server"]
 
@@ -54,6 +55,12 @@ class EmbeddedServer:
     url: str
     pid: int
     process: subprocess.Popen[bytes] | None
+
+    def is_running(self) -> bool:
+        """Whether the server still runs (our child: not exited, and reaped if it has; another's: its pid lives)."""
+        if self.process is not None:
+            return self.process.poll() is None
+        return pid_alive(self.pid)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """End a server this process started (SIGTERM: it flushes and exits). Idempotent; no-op when not ours."""
@@ -83,7 +90,7 @@ def ensure_embedded_server(settings: EmbeddedServerSettings, *, start_timeout_s:
     except OSError as exc:
         raise ConfigError(f"cannot create the kvstore data dir {data_dir}: {exc.strerror}") from None
     deadline = time.monotonic() + start_timeout_s
-    with _locked(data_dir / _LOCK_FILE):
+    with _locked(data_dir / _LOCK_FILE, deadline):
         record = live_server_record(data_dir)
         if record is not None:
             logger.info("using the kvstore server already serving %s (pid %d, %s)", data_dir, record.pid, record.url)
@@ -116,9 +123,19 @@ def _wait_until_released(data_dir: Path, deadline: float) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path, deadline: float) -> Iterator[None]:
+    """Hold ``path`` exclusively (another process checking or starting a server holds it meanwhile)."""
     with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise ServerUnavailableError(
+                        f"another process has been starting the kvstore server on {path.parent} for too long"
+                    ) from None
+                time.sleep(_POLL_S)
         try:
             yield
         finally:

@@ -14,6 +14,7 @@ Pure values; no engine imports.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -141,6 +142,6 @@ def _checked(key: str, name: str, value: object) -> object:
             raise ConfigError(f"{key} must be a positive integer, not {value!r}")
         return value
     assert name in _TIMEOUTS or name in _SIZES, f"setting {name} has no check"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(f"{key} must be a positive number, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"{key} must be a positive, finite number, not {value!r}")
     return float(value)

@@ -6,8 +6,9 @@ runs one operation and returns ``None`` when the store cannot answer; after a fa
 the embedded default it first makes sure a server runs (starting a new one if the old one died). An outage is
 logged once when it starts and once when it ends, whatever the number of failed calls in between.
 
-Errors that are the caller's (a bad argument) still raise; ``LayoutMismatchError`` at connection time raises too,
-because no retry can fix a store that serves another model.
+Every store error counts as an outage (a server bug answering "internal error" must not fail requests either);
+only ``LayoutMismatchError`` and a refused embedded server at ``connect`` raise, because no retry can fix a store
+that serves another model.
 
 Threads: one link may be used by several threads; calls are serialised by the ``Client``, state changes by a lock.
 """
@@ -59,7 +60,8 @@ class StoreLink:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._client: Client | None = None
-        self._server: EmbeddedServer | None = None
+        self._server: EmbeddedServer | None = None  # the embedded server in use (``process`` set when ours)
+        self._starting: threading.Thread | None = None
         self._down_until = 0.0
         self._outage_started: float | None = None
         self._closed = False
@@ -74,56 +76,111 @@ class StoreLink:
         return self._outage_started is None
 
     def connect(self) -> bool:
-        """Connect now (at engine start): whether the store answered.
+        """Connect now, at engine start (starting the embedded server here, not on a background thread): whether
+        the store answered.
 
         Raises:
             LayoutMismatchError: the store serves another model's layout.
             ConfigError: the embedded server refused its settings.
         """
-        return self.call("connect", lambda client: True, raise_config_errors=True) is not None
+        try:
+            if self._settings.url is None:
+                self._ensure_server()
+        except LayoutMismatchError:
+            raise
+        except KVStoreError as exc:
+            if not isinstance(exc, _OUTAGE_ERRORS):
+                with self._lock:
+                    self._down_locked("connect", exc)
+                raise
+        return self.call("connect", lambda client: True, raise_layout_errors=True) is not None
 
-    def call(self, what: str, operation: Callable[[Client], T], *, raise_config_errors: bool = False) -> T | None:
+    def call(self, what: str, operation: Callable[[Client], T], *, raise_layout_errors: bool = False) -> T | None:
         """``operation(client)``, or ``None`` when the store is down (or was down less than ``retry_s`` ago)."""
-        client = self._client_or_none(what, raise_config_errors)
+        client = self._client_or_none(what, raise_layout_errors)
         if client is None:
             return None
         try:
             result = operation(client)
-        except _OUTAGE_ERRORS as exc:
+        except KVStoreError as exc:
             self._mark_down(what, exc, client)
             return None
         self._mark_up()
         return result
 
-    def _client_or_none(self, what: str, raise_config_errors: bool) -> Client | None:
+    def _client_or_none(self, what: str, raise_layout_errors: bool) -> Client | None:
         with self._lock:
             if self._closed or time.monotonic() < self._down_until:
                 return None
             if self._client is not None:
                 return self._client
-            try:
-                url = self._settings.url
-                if url is None:
-                    self._server = ensure_embedded_server(self._settings.embedded)
-                    url = self._server.url
-                self._client = Client(
-                    url, self._layout, timeout_s=self._timeout_s, connect_timeout_s=self._timeout_s, name=self._name
-                )
-            except LayoutMismatchError:
+            url = self._settings.url
+            if url is None:
+                server = self._server
+                if server is None or not server.is_running():
+                    self._start_in_background_locked()
+                    return None
+                url = server.url
+        try:  # outside the lock: a hello to a dead server must not block the link's other threads
+            client = Client(
+                url, self._layout, timeout_s=self._timeout_s, connect_timeout_s=self._timeout_s, name=self._name
+            )
+        except LayoutMismatchError as exc:
+            if raise_layout_errors:
                 raise
-            except KVStoreError as exc:
-                if raise_config_errors and not isinstance(exc, _OUTAGE_ERRORS):
-                    raise
+            with self._lock:
                 self._down_locked(what, exc)
-                return None
-            return self._client
+            return None
+        except KVStoreError as exc:
+            with self._lock:
+                self._down_locked(what, exc)
+            return None
+        with self._lock:
+            if self._client is None and not self._closed:
+                self._client = client
+                return client
+            spare = self._client
+        client.close()
+        return spare
+
+    def _start_in_background_locked(self) -> None:
+        """Find or start the embedded server on a thread of its own: no request waits for a server's start-up."""
+        if self._starting is not None and self._starting.is_alive():
+            return
+
+        def start() -> None:
+            try:
+                self._ensure_server()
+            except KVStoreError as exc:
+                with self._lock:
+                    self._down_locked("start the embedded server", exc)
+
+        self._starting = threading.Thread(target=start, name="kvstore-embedded-start", daemon=True)
+        self._starting.start()
+
+    def _ensure_server(self) -> None:
+        """Find the data dir's server, or start one; keep our own child while it runs (only we may stop it)."""
+        with self._lock:
+            ours = self._server if self._server is not None and self._server.process is not None else None
+        if ours is not None and ours.is_running():
+            return
+        if ours is not None:
+            ours.stop()  # reaps the dead child, so its pid no longer looks alive
+        server = ensure_embedded_server(self._settings.embedded)
+        with self._lock:
+            if self._closed:
+                server.stop()
+                return
+            self._server = server
 
     def _mark_down(self, what: str, exc: Exception, client: Client) -> None:
         with self._lock:
-            if self._client is client:
+            failed = self._client is client
+            if failed:
                 self._client = None
-                client.close()
             self._down_locked(what, exc)
+        if failed:  # outside the lock, and no goodbye to a server that does not answer
+            client.close(goodbye=not isinstance(exc, ServerUnavailableError))
 
     def _down_locked(self, what: str, exc: Exception) -> None:
         self._down_until = time.monotonic() + self._settings.retry_s
@@ -152,6 +209,9 @@ class StoreLink:
             self._closed = True
             client, self._client = self._client, None
             server, self._server = self._server, None
+            starting = self._starting
+        if starting is not None:
+            starting.join()
         if client is not None:
             client.close()
         if server is not None:

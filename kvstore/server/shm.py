@@ -70,7 +70,8 @@ def host_id() -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (it may belong to another user)."""
+    """Whether a process with this pid exists and has not exited (it may belong to another user; a zombie, dead
+    but not yet reaped by its parent, counts as gone)."""
     if pid <= 0:
         return False
     try:
@@ -79,7 +80,11 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs (or it just exited): trust the signal check
+    return stat[stat.rfind(")") + 2 :][:1] != "Z"
 
 
 def segment_owner_pid(name: str) -> int | None:

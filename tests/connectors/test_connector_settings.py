@@ -118,10 +118,11 @@ def test_serve_flags_name_every_given_setting() -> None:
         ({"cpu_size_gb": 8}, ("'cpu_size_gb'", "kvstore.cpu_size_gb")),
         ({"url": "tcp://127.0.0.1:5555"}, ("'url'",)),
         ({"KVSTORE.url": "tcp://127.0.0.1:5555"}, ("'KVSTORE.url'",)),
-        ({"kvstore.cpu_size_gb": True}, ("kvstore.cpu_size_gb", "positive number", "True")),
-        ({"kvstore.retry_s": "5"}, ("kvstore.retry_s", "positive number", "'5'")),
-        ({"kvstore.lookup_timeout_s": -1}, ("kvstore.lookup_timeout_s", "positive number", "-1")),
-        ({"kvstore.transfer_timeout_s": 0}, ("kvstore.transfer_timeout_s", "positive number")),
+        ({"kvstore.cpu_size_gb": True}, ("kvstore.cpu_size_gb", "positive, finite number", "True")),
+        ({"kvstore.retry_s": "5"}, ("kvstore.retry_s", "positive, finite number", "'5'")),
+        ({"kvstore.lookup_timeout_s": -1}, ("kvstore.lookup_timeout_s", "positive, finite number", "-1")),
+        ({"kvstore.transfer_timeout_s": 0}, ("kvstore.transfer_timeout_s", "positive, finite number")),
+        ({"kvstore.retry_s": float("inf")}, ("kvstore.retry_s", "positive, finite number", "inf")),
         ({"kvstore.disk_size_gb": float("nan")}, ("kvstore.disk_size_gb", "nan")),
         ({"kvstore.gpu_size_gb": None}, ("kvstore.gpu_size_gb", "None")),
         ({"kvstore.chunk_size": True}, ("kvstore.chunk_size", "positive integer")),
@@ -254,5 +255,5 @@ def test_any_unknown_key_is_refused_whatever_comes_with_it(
     ),
 )
 def test_a_number_setting_refuses_anything_but_a_positive_number(name: str, value: object) -> None:
-    with pytest.raises(ConfigError, match=f"kvstore.{name} must be a positive number"):
+    with pytest.raises(ConfigError, match=f"kvstore.{name} must be a positive, finite number"):
         parse_connector_settings({f"kvstore.{name}": value})

@@ -189,11 +189,6 @@ def test_exit_with_a_dead_pid_fails_with_one_line(tmp_path: Path) -> None:
     one_line_error(run_serve(tmp_path, "--exit-with-pid", str(pid)), f"--exit-with-pid {pid}: no such process")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: kvstore/cli/serve.py installs its SIGINT/SIGTERM handlers before _stop_when_gone refuses the pid, "
-    "outside the try/finally that restores them",
-)
 def test_a_refused_exit_with_pid_leaves_the_signal_handlers_as_they_were(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
