@@ -9,9 +9,16 @@ import pytest
 
 import kvstore
 
+ENGINE_PACKAGES = ("kvstore.connectors.vllm",)
+"""Packages that import a serving engine: checked where the engine is installed (tests/vllm)."""
+
 PACKAGES = sorted(
     [kvstore.__name__]
-    + [info.name for info in pkgutil.walk_packages(kvstore.__path__, "kvstore.") if info.ispkg]
+    + [
+        info.name
+        for info in pkgutil.walk_packages(kvstore.__path__, "kvstore.")
+        if info.ispkg and info.name not in ENGINE_PACKAGES
+    ]
 )
 
 

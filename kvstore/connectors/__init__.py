@@ -7,3 +7,5 @@
 
 Nothing here is imported by ``import kvstore``.
 """
+
+__all__: list[str] = []

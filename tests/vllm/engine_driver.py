@@ -48,6 +48,9 @@ class EngineSpec:
         env: variables set before vLLM is imported; the engine's processes inherit them.
         max_model_len_tokens: the engine's context limit; ``None`` keeps the model's (8192 for SmolLM2).
         ignore_eos: generate ``max_tokens`` even past an end-of-sequence token.
+        wait_until_stored_s: with kvstore's connector, after each request wait (at most this long) until the store
+            holds the whole prompt: the connector saves asynchronously, and a test's next request would otherwise race
+            the save. The store is found from ``kvstore.url`` or the data dir's ``serve.json``.
     """
 
     model_dir: Path
@@ -60,6 +63,7 @@ class EngineSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     max_model_len_tokens: int | None = None
     ignore_eos: bool = True
+    wait_until_stored_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompts or any(not prompt for prompt in self.prompts):
@@ -140,9 +144,38 @@ def main(argv: Sequence[str]) -> int:
         )
         results.write(result.to_json() + "\n")
         results.flush()
+        if spec.wait_until_stored_s:
+            wait_until_stored(spec, prompt, spec.wait_until_stored_s)
     results.close()
     engine.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
     return 0
+
+
+def wait_until_stored(spec: EngineSpec, prompt: Sequence[int], timeout_s: float) -> bool:
+    """Poll kvstore until a lookup of ``prompt`` covers it whole; whether it did within ``timeout_s``."""
+    import time
+
+    from kvstore import Client
+    from kvstore.server.ownership import live_server_record
+
+    extra = dict((spec.kv_transfer_config or {}).get("kv_connector_extra_config") or {})
+    url = extra.get("kvstore.url")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if url is None:
+            record = live_server_record(Path(extra.get("kvstore.disk_path", "kvstore-data")))
+            url = record.url if record is not None else None
+        if url is not None:
+            with Client(url) as admin:
+                layout = admin.info().layout
+            if layout is not None:
+                with Client(url, layout) as client:
+                    plan = client.lookup(list(prompt), blend=False)
+                    client.release(plan)
+                if plan.num_prefix_tokens >= len(prompt):
+                    return True
+        time.sleep(0.05)
+    return False
 
 
 if __name__ == "__main__":

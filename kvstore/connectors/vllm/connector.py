@@ -1,0 +1,188 @@
+"""``KVStoreConnector``: kvstore as vLLM's KV connector (v1 API; vLLM 0.32 and 0.33).
+
+Loaded the way vLLM loads any out-of-tree connector::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.connectors.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kvstore.url": "tcp://127.0.0.1:5555"}}'
+
+vLLM builds one instance per role: ``SCHEDULER`` in the EngineCore process (``SchedulerSide``) and ``WORKER`` in
+each worker process (``WorkerSide``); this class only checks the engine, links each half to the store and forwards
+vLLM's calls. Without ``kvstore.url`` the first instance starts a private ``kvstore serve`` on
+``kvstore.disk_path`` (``embedded_server``) and the other finds it there.
+
+``kv_role``: ``kv_both`` loads and stores, ``kv_consumer`` only loads, ``kv_producer`` only stores.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvstore.connectors.settings import ConnectorSettings, parse_connector_settings
+from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout
+from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreConnectorStats
+from kvstore.connectors.vllm.scheduler_side import SchedulerSide
+from kvstore.connectors.vllm.worker_side import WorkerSide
+from kvstore.errors import KVStoreError
+from kvstore.layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVStoreConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """kvstore behind vLLM's KV connector API.
+
+    Raises (at construction, as one line):
+        ConfigError: a bad ``kvstore.*`` setting, an unsupported vLLM, parallelism or KV cache, or an embedded
+            server that refused its settings.
+        LayoutMismatchError: the store holds another model's layout.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        try:
+            settings = parse_connector_settings(transfer.kv_connector_extra_config)
+            check_engine_supported(vllm_config, kv_cache_config)
+            layout = engine_layout(vllm_config, settings)
+        except KVStoreError as exc:
+            raise ValueError(f"KVStoreConnector: {exc}") from None
+        block_size = vllm_config.cache_config.block_size
+        name = f"vllm {transfer.engine_id} {role.name.lower()}"
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            link = _connected_link(settings, layout, name, settings.lookup_timeout_s)
+            self._scheduler = SchedulerSide(
+                link,
+                block_size=block_size,
+                load=transfer.is_kv_consumer,
+                save=transfer.is_kv_producer,
+                async_disk_loads=settings.async_disk_loads,
+            )
+        else:
+            links = (
+                _connected_link(settings, layout, f"{name} load", settings.transfer_timeout_s),
+                StoreLink(settings, layout, name=f"{name} async-load", timeout_s=settings.transfer_timeout_s),
+                StoreLink(settings, layout, name=f"{name} save", timeout_s=settings.transfer_timeout_s),
+            )
+            self._worker = WorkerSide(vllm_config, layout, links, block_size=block_size)
+        logger.info(
+            "KVStoreConnector (%s): layout %s, store %s",
+            role.name.lower(),
+            layout.describe(),
+            settings.url or settings.embedded.disk_path,
+        )
+
+    # -- worker side ------------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            self._worker_side().register_kv_caches(kv_caches)
+        except KVStoreError as exc:
+            raise ValueError(f"KVStoreConnector: {exc}") from None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVStoreConnectorMetadata), type(connector_metadata).__name__
+        self._worker_side().bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker_side().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        self._worker_side().save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker_side().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker_side().get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_failed_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_side().take_worker_metadata()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data)) if data is not None else KVStoreConnectorStats()
+
+    # -- scheduler side ---------------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_side().request_finished(request)
+        return False, None
+
+    # -- both ---------------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
+
+    def _worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call reached the scheduler's connector"
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call reached a worker's connector"
+        return self._scheduler
+
+
+def _connected_link(settings: ConnectorSettings, layout: KVLayout, name: str, timeout_s: float) -> StoreLink:
+    """A link that has tried the store once: a wrong layout or a refused embedded server fails the engine's start,
+    a store that is merely down does not (the engine serves without it until it returns)."""
+    link = StoreLink(settings, layout, name=name, timeout_s=timeout_s)
+    try:
+        if not link.connect():
+            logger.warning("KVStoreConnector: the store is not reachable yet; starting without it")
+    except KVStoreError as exc:
+        link.close()
+        raise ValueError(f"KVStoreConnector: {exc}") from None
+    return link

@@ -1,0 +1,92 @@
+"""What the connector needs to know about the vLLM engine it runs in, read from ``VllmConfig`` and checked at start.
+
+- The vLLM version: the connector speaks the KV connector v1 API of vLLM 0.32 and 0.33 (read from their sources:
+  the per-layer ``[blocks, heads, slots, 2*head_dim]`` cache, worker metadata, ``has_sync_kv_loads``). Another
+  version fails at start with one line rather than misbehaving in the middle of a request.
+- The model's KV layout (layers, kv heads, head dim, dtype, RoPE) as kvstore's ``KVLayout``: the store checks it
+  against what it holds, so two models never share KV.
+- What the connector does not handle yet: tensor or pipeline parallelism (each rank holds a shard of the heads),
+  hybrid models (more than one KV cache group), quantised (fp8) KV caches. Each is refused at start with one line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import vllm
+
+from kvstore.connectors.settings import ConnectorSettings
+from kvstore.errors import ConfigError
+from kvstore.layout import KVLayout
+from kvstore.models.hf_config import layout_from_hf_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["SUPPORTED_VLLM", "check_engine_supported", "engine_layout", "vllm_version"]
+
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+"""(major, minor) releases whose connector API this connector was written and tested against."""
+
+
+def vllm_version() -> str:
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def check_engine_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, with one line, an engine the connector cannot serve correctly.
+
+    Raises:
+        ConfigError: an unsupported vLLM version, parallelism, hybrid KV cache or quantised KV cache.
+    """
+    version = vllm_version()
+    parts = version.split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        major_minor = (-1, -1)
+    if major_minor not in SUPPORTED_VLLM:
+        supported = ", ".join(f"{major}.{minor}" for major, minor in SUPPORTED_VLLM)
+        raise ConfigError(f"kvstore's vLLM connector supports vLLM {supported}; this engine runs vLLM {version}")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ConfigError(
+            "kvstore's vLLM connector does not support tensor or pipeline parallelism yet "
+            f"(tensor_parallel_size={parallel.tensor_parallel_size}, "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}); run one engine per GPU"
+        )
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConfigError(
+            f"kvstore's vLLM connector supports models with one KV cache group (full attention); this model has "
+            f"{len(kv_cache_config.kv_cache_groups)} (a hybrid or sliding-window model)"
+        )
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto" and not cache_dtype.startswith(("bfloat16", "float16", "half", "float32")):
+        raise ConfigError(
+            f"kvstore stores float16, bfloat16 or float32 KV; this engine's kv_cache_dtype is {cache_dtype}"
+        )
+
+
+def engine_layout(vllm_config: VllmConfig, settings: ConnectorSettings) -> KVLayout:
+    """The engine model's ``KVLayout``, named ``settings.model_id`` or the served model name.
+
+    Raises:
+        ConfigError: the model's config lacks a shape field or uses a RoPE scheme kvstore refuses.
+    """
+    model_config = vllm_config.model_config
+    served = model_config.served_model_name
+    name = settings.model_id or (served[0] if isinstance(served, list) else served) or model_config.model
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    dtype = model_config.dtype if cache_dtype == "auto" else cache_dtype
+    layout = layout_from_hf_config(model_config.hf_config, model_id=str(name), dtype=dtype)
+    parallel = vllm_config.parallel_config
+    num_layers = model_config.get_num_layers(parallel)
+    num_kv_heads = model_config.get_num_kv_heads(parallel)
+    head_dim = model_config.get_head_size()
+    if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (num_layers, num_kv_heads, head_dim):
+        raise ConfigError(
+            f"model {name}: its config says {layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
+            f"{layout.head_dim}, vLLM runs {num_layers} x {num_kv_heads} x {head_dim}"
+        )
+    return layout

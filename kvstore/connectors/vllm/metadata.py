@@ -1,0 +1,119 @@
+"""What the scheduler-side connector tells the workers each step, what they tell it back, and the stats they keep.
+
+Everything here crosses a process boundary (vLLM pickles it from EngineCore to the workers and back), so it is
+plain data: token ids as tuples, block ids as tuples, no tensors and no handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+__all__ = ["KVStoreConnectorMetadata", "KVStoreConnectorStats", "KVStoreWorkerMetadata", "LoadSpec", "SaveSpec"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadSpec:
+    """Load tokens ``[start, end)`` of a request's prompt from the store into its blocks.
+
+    Args:
+        request_id: vLLM's request id.
+        token_ids: the whole prompt (looked up whole: its last chunk may be stored partial, and a lookup of a
+            shorter prefix would not match it).
+        block_ids: the blocks that receive tokens ``[start, end)``, in order (``(end - start) / block_size``).
+        start: the first token to load (vLLM's own block-aligned hit).
+        end: one past the last token to load (block-aligned).
+        is_async: load off the step; the worker reports completion through ``get_finished``.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    is_async: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveSpec:
+    """Store the KV of prompt tokens ``[start, end)`` once this step has computed the last of them.
+
+    Args:
+        request_id: vLLM's request id.
+        token_ids: the whole prompt (``end`` tokens).
+        block_ids: the blocks holding tokens ``[start, end)``, in order (the last may be partly used).
+        start: the first token the store lacks (a multiple of the store's chunk size).
+        end: the prompt's length.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the workers."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """What a worker finished this step: loads whose data is in the blocks (or failed), so the scheduler side can
+    drop the pins it took when it planned them."""
+
+    finished_loads: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVStoreWorkerMetadata), f"cannot aggregate {type(other).__name__}"
+        return KVStoreWorkerMetadata(finished_loads=self.finished_loads | other.finished_loads)
+
+
+_COUNTERS = (
+    "loads",
+    "loaded_tokens",
+    "loaded_bytes",
+    "load_failed_blocks",
+    "saves",
+    "saved_tokens",
+    "saved_bytes",
+)
+_SECONDS = ("load_seconds", "save_seconds")
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """The worker's transfer counters since the last report (vLLM logs ``reduce()`` every logging interval)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {name: 0 for name in _COUNTERS} | {name: 0.0 for name in _SECONDS}
+
+    def record(self, **amounts: float) -> None:
+        for name, amount in amounts.items():
+            self.data[name] += amount
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, amount in other.data.items():
+            self.data[name] = self.data.get(name, 0) + amount
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        data: dict[str, Any] = self.data
+        reduced: dict[str, int | float] = {name: data.get(name, 0) for name in _COUNTERS}
+        reduced["load_ms_mean"] = round(1000 * data.get("load_seconds", 0.0) / max(data.get("loads", 0), 1), 2)
+        reduced["save_ms_mean"] = round(1000 * data.get("save_seconds", 0.0) / max(data.get("saves", 0), 1), 2)
+        return reduced
+
+    def is_empty(self) -> bool:
+        return not self.data.get("loads") and not self.data.get("saves")

@@ -1,0 +1,259 @@
+"""The connector's scheduler half (vLLM's EngineCore process): how much of a prompt the store can give, the pins that
+keep it there until the workers have loaded it, and when a prompt's KV is complete enough to store.
+
+Per request::
+
+    get_num_new_matched_tokens   lookup (exact prefix leg), pins dropped at once: side-effect free, may repeat
+    update_state_after_alloc     the hit is taken: look up again *pinned*, queue a LoadSpec for the workers
+    build_connector_meta         hand queued loads to the workers; once a step completes the prefill, a SaveSpec
+                                 for the chunks the store lacks
+    update_connector_output      the workers report finished loads: drop their pins
+    request_finished / preempt   drop whatever is still pinned or queued
+
+Saves are asynchronous: a prompt is in the store some milliseconds after its prefill step (longer on a busy host),
+so an identical prompt arriving in between misses (vLLM's own prefix cache serves that case within one engine).
+The scheduler does not wait for saves: vLLM has no way to park a request without spinning its step loop.
+
+vLLM accepts only a contiguous external prefix, so the hit is the store's exact prefix (with segmented prefix on
+the server, only its gap-free start counts), cut down to a block boundary and never the whole prompt (vLLM must
+compute at least the last token). A hit that must come from the disk tier is loaded asynchronously (the request
+waits in ``WAITING_FOR_REMOTE_KVS`` while other requests run), unless ``kvstore.async_disk_loads`` is off.
+
+Single-threaded, as vLLM's scheduler is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstore.client import Client
+from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
+from kvstore.plan import LookupPlan
+from kvstore.tiers.base import TierName
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Probe:
+    """What the store held for a prompt at the last unpinned lookup."""
+
+    prefix_tokens: int
+    first_disk_token: int | None
+    load_async: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
+class _Tracked:
+    """A request the connector loads for or will store."""
+
+    prompt: tuple[int, ...]
+    block_ids: list[int] = field(default_factory=list)
+    store_prefix_tokens: int = 0
+    saved: bool = False
+    pinned: LookupPlan | None = None
+
+
+class SchedulerSide:
+    """The scheduler half of ``KVStoreConnector``.
+
+    Args:
+        link: the scheduler process's link to the store.
+        block_size: vLLM's block size (tokens per block).
+        load: whether this engine loads from the store (role ``kv_consumer`` or ``kv_both``).
+        save: whether this engine stores prompts (role ``kv_producer`` or ``kv_both``).
+        async_disk_loads: load disk hits asynchronously.
+    """
+
+    def __init__(self, link: StoreLink, *, block_size: int, load: bool, save: bool, async_disk_loads: bool) -> None:
+        self._link = link
+        self._block_size = block_size
+        self._load = load
+        self._save = save
+        self._async_disk_loads = async_disk_loads
+        self._probes: dict[str, _Probe] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._queued_loads: dict[str, LoadSpec] = {}
+        self._chunk_size: int | None = None
+
+    # -- vLLM's scheduler hooks ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = tuple(request.prompt_token_ids or ())
+        if not self._load or len(prompt) <= self._block_size:
+            return 0, False
+        probe = self._link.call("lookup", lambda client: _probe(client, prompt))
+        if probe is None:
+            self._probes.pop(request.request_id, None)
+            return 0, False
+        end = self._loadable_end(probe.prefix_tokens, len(prompt))
+        from_disk = probe.first_disk_token is not None and probe.first_disk_token < end
+        load_async = self._async_disk_loads and from_disk and end > num_computed_tokens
+        self._probes[request.request_id] = dataclasses.replace(probe, load_async=load_async)
+        if end <= num_computed_tokens:
+            return 0, False
+        return end - num_computed_tokens, load_async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        request_id = request.request_id
+        probe = self._probes.pop(request_id, None)
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            tracked = self._tracked[request_id] = _Tracked(prompt=tuple(request.prompt_token_ids or ()))
+        if probe is not None:
+            tracked.store_prefix_tokens = probe.prefix_tokens
+        if num_external_tokens <= 0 or probe is None:
+            return
+        end = self._loadable_end(probe.prefix_tokens, len(tracked.prompt))
+        start = end - num_external_tokens
+        assert start >= 0 and start % self._block_size == 0, f"vLLM asked to load from token {start}"
+        block_ids = blocks.get_block_ids()[0]
+        first, last = start // self._block_size, end // self._block_size
+        self._release_pin(tracked)
+        tracked.pinned = self._link.call("pin", lambda client: client.lookup(tracked.prompt, blend=False))
+        self._queued_loads[request_id] = LoadSpec(
+            request_id=request_id,
+            token_ids=tracked.prompt,
+            block_ids=tuple(block_ids[first:last]),
+            start=start,
+            end=end,
+            is_async=probe.load_async,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        metadata = KVStoreConnectorMetadata(loads=list(self._queued_loads.values()))
+        self._queued_loads.clear()
+        for preempted in scheduler_output.preempted_req_ids or ():
+            self._forget_blocks(preempted)
+        for new_request in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new_request.req_id)
+            if tracked is None:
+                tracked = self._tracked[new_request.req_id] = _Tracked(prompt=tuple(new_request.prompt_token_ids or ()))
+            tracked.block_ids = list(new_request.block_ids[0])
+            done = new_request.num_computed_tokens + scheduler_output.num_scheduled_tokens[new_request.req_id]
+            self._maybe_save(new_request.req_id, tracked, done, metadata)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[index]
+            if request_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                tracked.block_ids.extend(new_blocks[0])
+            done = cached.num_computed_tokens[index] + scheduler_output.num_scheduled_tokens[request_id]
+            self._maybe_save(request_id, tracked, done, metadata)
+        return metadata
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        finished = set(connector_output.finished_recving or ())
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, KVStoreWorkerMetadata):
+            finished |= worker_meta.finished_loads
+        for request_id in finished:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                self._release_pin(tracked)
+
+    def request_finished(self, request: Request) -> None:
+        """Drop everything of a finished or aborted request (its blocks are vLLM's to free: saves copy out in the
+        step that computes them, so nothing here ever holds a block)."""
+        self._probes.pop(request.request_id, None)
+        self._queued_loads.pop(request.request_id, None)
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None:
+            self._release_pin(tracked)
+
+    def close(self) -> None:
+        for tracked in self._tracked.values():
+            self._release_pin(tracked)
+        self._tracked.clear()
+
+    @property
+    def num_pinned_plans(self) -> int:
+        """Plans this side still holds pinned (0 once every load finished or its request ended)."""
+        return sum(tracked.pinned is not None for tracked in self._tracked.values())
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+
+    def _loadable_end(self, prefix_tokens: int, prompt_tokens: int) -> int:
+        """The store's hit cut to a block boundary, leaving at least one prompt token for vLLM to compute."""
+        end = min(prefix_tokens, prompt_tokens - 1)
+        return end - end % self._block_size
+
+    def _forget_blocks(self, request_id: str) -> None:
+        """A preempted request lost its blocks: its queued load is void and its pins go (it is looked up again
+        when it is rescheduled)."""
+        self._queued_loads.pop(request_id, None)
+        tracked = self._tracked.get(request_id)
+        if tracked is not None:
+            tracked.block_ids = []
+            self._release_pin(tracked)
+
+    def _maybe_save(
+        self, request_id: str, tracked: _Tracked, num_done: int, metadata: KVStoreConnectorMetadata
+    ) -> None:
+        """Queue the store of a prompt whose prefill completes in this step, from the first chunk the store lacks."""
+        prompt_tokens = len(tracked.prompt)
+        if not self._save or tracked.saved or num_done < prompt_tokens or not prompt_tokens:
+            return
+        tracked.saved = True
+        chunk_size = self._store_chunk_size()
+        if chunk_size is None:
+            return
+        start = tracked.store_prefix_tokens - tracked.store_prefix_tokens % chunk_size
+        if start >= prompt_tokens:
+            return
+        first = start // self._block_size
+        last = -(-prompt_tokens // self._block_size)
+        if last > len(tracked.block_ids):
+            logger.warning(
+                "request %s: %d blocks for a %d-token prompt; not stored",
+                request_id,
+                len(tracked.block_ids),
+                prompt_tokens,
+            )
+            return
+        metadata.saves.append(
+            SaveSpec(
+                request_id=request_id,
+                token_ids=tracked.prompt,
+                block_ids=tuple(tracked.block_ids[first:last]),
+                start=start,
+                end=prompt_tokens,
+            )
+        )
+
+    def _store_chunk_size(self) -> int | None:
+        if self._chunk_size is None:
+            self._chunk_size = self._link.call("hello", lambda client: client.server.chunk_size)
+        return self._chunk_size
+
+    def _release_pin(self, tracked: _Tracked) -> None:
+        plan, tracked.pinned = tracked.pinned, None
+        if plan is not None:
+            self._link.call("release", lambda client: client.release(plan))
+
+
+def _probe(client: Client, prompt: tuple[int, ...]) -> _Probe:
+    """An unpinned look at the prompt's exact prefix in the store."""
+    plan = client.lookup(prompt, blend=False)
+    client.release(plan)
+    prefix_tokens = plan.num_prefix_tokens
+    first_disk = next(
+        (segment.start for segment in plan.segments if segment.exact and segment.tier is TierName.DISK), None
+    )
+    return _Probe(prefix_tokens=prefix_tokens, first_disk_token=first_disk)

@@ -1,0 +1,407 @@
+"""The connector's worker half (vLLM's worker process): KV between the store and vLLM's paged blocks.
+
+Loads. A synchronous load (the hit is in a memory tier) is fetched on a background thread as soon as the step starts
+(``start_load_kv``): a pinned lookup of the prompt's prefix, then one retrieve into a shared-memory buffer the server
+writes directly. Entering each attention layer (``wait_for_layer_load``) waits for that fetch and scatters that one
+layer into the request's blocks, so layer 0's attention does not wait for the other layers' copies. An asynchronous
+load (the hit is on disk) runs whole on its own thread while the engine keeps stepping other requests, and is
+reported done through ``get_finished``.
+
+Saves. Leaving each attention layer (``save_kv_layer``) in the step that completes a prompt's prefill, that layer's
+KV of the chunks the store lacks is gathered out of the blocks into a staging tensor; after the step
+(``wait_for_save``) the staging tensor goes to the store on a background thread. The blocks are free the moment the
+step ends, so ``request_finished`` never delays freeing them.
+
+Faults. A load that finds less than the scheduler planned (a chunk evicted or corrupt in between, the store gone)
+loads what it has and reports the other blocks through ``get_block_ids_with_load_errors``: with vLLM's
+``kv_load_failure_policy="recompute"`` those blocks are recomputed and the request completes with the right
+output. A save that fails is logged and dropped (a later prompt misses, nothing else). A store that is down costs
+nothing per request (``StoreLink``).
+
+Copies between blocks and chunks use the block format read from the backend at ``register_kv_caches``
+(``kvstore.connectors.paged``): one ``index_select`` / ``index_copy_`` per K/V plane and layer.
+
+Threads: vLLM calls every method on its model-runner thread; fetches and stores run on three single-thread pools
+(sync loads, async loads, saves), each with its own ``StoreLink`` so one never queues behind another.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.client import Client
+from kvstore.connectors.paged import BlockFormat, gather_blocks, probe_block_format, scatter_blocks
+from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm.metadata import (
+    KVStoreConnectorMetadata,
+    KVStoreConnectorStats,
+    KVStoreWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+from kvstore.errors import ConfigError, KVStoreError, ServerUnavailableError
+from kvstore.layout import KVLayout
+from kvstore.plan import exact_prefix_tokens
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["WorkerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Fetched:
+    """A load's KV as retrieved: ``kv`` covers tokens ``[0, loaded_end)`` at least (``None`` when nothing)."""
+
+    kv: torch.Tensor | None
+    loaded_end: int
+    seconds: float
+
+
+@dataclass(slots=True, kw_only=True)
+class _PendingSave:
+    spec: SaveSpec
+    staging: torch.Tensor
+    num_layers_gathered: int = 0
+
+
+class WorkerSide:
+    """The worker half of ``KVStoreConnector``.
+
+    Args:
+        vllm_config: the engine's config (to find its attention layers).
+        layout: the model's KV layout.
+        links: ``(sync loads, async loads, saves)`` links to the store.
+        block_size: vLLM's block size.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        layout: KVLayout,
+        links: tuple[StoreLink, StoreLink, StoreLink],
+        *,
+        block_size: int,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._layout = layout
+        self._sync_link, self._async_link, self._save_link = links
+        self._block_size = block_size
+        self._pools = tuple(
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-{name}")
+            for name in ("load", "async-load", "save")
+        )
+        self._caches: list[torch.Tensor] = []
+        self._layer_of: dict[str, int] = {}
+        self._format: BlockFormat | None = None
+        self._metadata: KVStoreConnectorMetadata | None = None
+        self._sync_loads: list[tuple[LoadSpec, concurrent.futures.Future[_Fetched]]] = []
+        self._layers_loaded = 0
+        self._async_loads: dict[str, concurrent.futures.Future[set[int]]] = {}
+        self._saves: list[_PendingSave] = []
+        self._save_futures: list[concurrent.futures.Future[None]] = []
+        self._failed_blocks: set[int] = set()
+        self._finished_loads: set[str] = set()
+        self._stats_lock = threading.Lock()
+        self._stats = KVStoreConnectorStats()
+
+    # -- set-up ---------------------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Order the layers as the model does and read the block format from the attention backend.
+
+        Raises:
+            ConfigError: the layer count, shape or dtype disagrees with the layout, or the backend's block format is
+                not one kvstore can copy.
+        """
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        layout = self._layout
+        if len(names) != layout.num_layers:
+            raise ConfigError(f"vLLM registered {len(names)} KV cache layers; the layout has {layout.num_layers}")
+        self._caches = [kv_caches[name] for name in names]
+        self._layer_of = {name: index for index, name in enumerate(names)}
+        first = self._caches[0]
+        expected = (layout.num_kv_heads, self._block_size, 2 * layout.head_dim)
+        for name, cache in zip(names, self._caches, strict=True):
+            if cache.dim() != 4 or tuple(cache.shape[1:]) != expected:
+                raise ConfigError(
+                    f"vLLM KV cache {name} has shape {list(cache.shape)}; kvstore reads [blocks, {expected[0]} kv "
+                    f"heads, {expected[1]} slots, {expected[2]}] (vLLM 0.32/0.33)"
+                )
+            if cache.dtype != layout.dtype.torch_dtype or cache.stride() != first.stride():
+                raise ConfigError(f"vLLM KV cache {name} is {cache.dtype}; the layout says {layout.dtype.value}")
+        self._format = self._read_block_format(names[0], first)
+        logger.info("kvstore: %d layers of paged KV, %s", len(names), self._format.describe())
+
+    def _read_block_format(self, name: str, cache: torch.Tensor) -> BlockFormat:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layer = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase).get(name)  # type: ignore[type-abstract]
+        impl = getattr(layer, "impl", None)
+        write_cache = getattr(impl, "do_kv_cache_update", None)
+        layout = self._layout
+        if write_cache is None:  # backends that write inside attention (FlashInfer): the documented packed format
+            return _packed_format(cache, self._block_size, layout.num_kv_heads, layout.head_dim)
+
+        def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+            write_cache(layer, key, value, cache, slots)
+
+        return probe_block_format(
+            cache, block_size=self._block_size, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, write=write
+        )
+
+    # -- a step ---------------------------------------------------------------------------------------------------
+
+    def bind(self, metadata: KVStoreConnectorMetadata) -> None:
+        """A new step: forget the last one's per-step state (loads and saves of a step finish within it)."""
+        self._metadata = metadata
+        self._sync_loads = []
+        self._layers_loaded = 0
+        self._saves = []
+
+    def start_load_kv(self) -> None:
+        metadata = self._metadata
+        if metadata is None:
+            return
+        for spec in metadata.loads:
+            if spec.is_async:
+                self._async_loads[spec.request_id] = self._pools[1].submit(self._load_whole, spec)
+            else:
+                self._sync_loads.append((spec, self._pools[0].submit(self._fetch, self._sync_link, spec)))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_of.get(layer_name)
+        if layer is None or not self._sync_loads:
+            return
+        while self._layers_loaded <= layer:
+            self._scatter_layer(self._layers_loaded)
+            self._layers_loaded += 1
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        metadata = self._metadata
+        layer = self._layer_of.get(layer_name)
+        if metadata is None or layer is None or not metadata.saves:
+            return
+        if layer == 0:
+            self._saves = [self._new_save(spec) for spec in metadata.saves]
+        block_format = self._block_format()
+        for save in self._saves:
+            if save.num_layers_gathered != layer:
+                continue  # a layer was skipped: this save is incomplete and will be dropped
+            ids = torch.tensor(save.spec.block_ids, dtype=torch.int64, device=self._caches[layer].device)
+            gather_blocks(self._caches[layer], block_format, ids, save.staging[layer])
+            save.num_layers_gathered += 1
+
+    def wait_for_save(self) -> None:
+        """Finish the step: every planned layer of every sync load is in place, saves leave on their thread."""
+        if self._sync_loads and self._layers_loaded < len(self._caches):
+            for layer in range(self._layers_loaded, len(self._caches)):
+                self._scatter_layer(layer)
+            self._layers_loaded = len(self._caches)
+        for spec, _ in self._sync_loads:
+            self._finished_loads.add(spec.request_id)
+        self._sync_loads = []
+        for save in self._saves:
+            if save.num_layers_gathered == len(self._caches):
+                self._save_futures.append(self._pools[2].submit(self._store, save))
+            else:
+                logger.warning(
+                    "request %s: only %d layers were saved; not stored", save.spec.request_id, save.num_layers_gathered
+                )
+        self._saves = []
+        self._save_futures = [future for future in self._save_futures if not future.done()]
+
+    def get_finished(self) -> set[str] | None:
+        """Async loads that finished since the last call (their failed blocks are already reported)."""
+        done = {request_id for request_id, future in self._async_loads.items() if future.done()}
+        for request_id in done:
+            self._failed_blocks |= self._async_loads.pop(request_id).result()
+            self._finished_loads.add(request_id)
+        return done or None
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def take_worker_metadata(self) -> KVStoreWorkerMetadata | None:
+        if not self._finished_loads:
+            return None
+        finished, self._finished_loads = self._finished_loads, set()
+        return KVStoreWorkerMetadata(finished_loads=finished)
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KVStoreConnectorStats()
+        return stats
+
+    def close(self) -> None:
+        """Finish pending saves and loads, then close the links."""
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        for link in (self._sync_link, self._async_link, self._save_link):
+            link.close()
+
+    # -- loads ----------------------------------------------------------------------------------------------------
+
+    def _fetch(self, link: StoreLink, spec: LoadSpec) -> _Fetched:
+        """Retrieve the prompt's cached prefix; ``loaded_end`` says how far it is usable (block-aligned)."""
+        started = time.perf_counter()
+        try:
+            fetched = link.call("load", lambda client: self._retrieve(client, spec))
+        except Exception:  # the load thread's boundary: vLLM recomputes what did not load
+            logger.exception("request %s: loading from the store failed; vLLM recomputes its blocks", spec.request_id)
+            fetched = None
+        seconds = time.perf_counter() - started
+        return fetched if fetched is not None else _Fetched(kv=None, loaded_end=spec.start, seconds=seconds)
+
+    def _retrieve(self, client: Client, spec: LoadSpec) -> _Fetched:
+        started = time.perf_counter()
+        plan = client.lookup(spec.token_ids, blend=False)
+        usable = min(spec.end, plan.num_prefix_tokens)
+        usable -= usable % self._block_size
+        if usable <= spec.start:
+            client.release(plan)
+            return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started)
+        out = _shared_buffer(client, plan.end) if self._caches[0].device.type == "cpu" else None
+        try:
+            result = client.retrieve(plan, out)
+        except KVStoreError:
+            client.release(plan)
+            raise
+        usable = min(usable, exact_prefix_tokens(result.segments))  # a chunk that failed its checksum is a gap
+        usable -= usable % self._block_size
+        return _Fetched(kv=result.kv, loaded_end=max(usable, spec.start), seconds=time.perf_counter() - started)
+
+    def _scatter_layer(self, layer: int) -> None:
+        block_format = self._block_format()
+        cache = self._caches[layer]
+        for spec, future in self._sync_loads:
+            fetched = future.result()
+            if layer == 0:
+                self._account_load(spec, fetched)
+            self._scatter(cache, block_format, layer, spec, fetched)
+
+    def _load_whole(self, spec: LoadSpec) -> set[int]:
+        """An async load: fetch, then scatter every layer; returns the blocks that could not be loaded."""
+        fetched = self._fetch(self._async_link, spec)
+        try:
+            block_format = self._block_format()
+            for layer, cache in enumerate(self._caches):
+                self._scatter(cache, block_format, layer, spec, fetched)
+            if self._caches[0].device.type == "cuda":
+                torch.cuda.current_stream(self._caches[0].device).synchronize()
+        except Exception:  # the load thread's boundary: vLLM recomputes what did not load
+            logger.exception("request %s: async load failed; vLLM recomputes its blocks", spec.request_id)
+            fetched = _Fetched(kv=None, loaded_end=spec.start, seconds=0.0)
+        return self._account_load(spec, fetched)
+
+    def _scatter(
+        self, cache: torch.Tensor, block_format: BlockFormat, layer: int, spec: LoadSpec, fetched: _Fetched
+    ) -> None:
+        if fetched.kv is None or fetched.loaded_end <= spec.start:
+            return
+        num_blocks = (fetched.loaded_end - spec.start) // self._block_size
+        ids = torch.tensor(spec.block_ids[:num_blocks], dtype=torch.int64, device=cache.device)
+        source = fetched.kv[layer, :, spec.start : fetched.loaded_end]
+        scatter_blocks(cache, block_format, ids, source.to(cache.device, non_blocking=True))
+
+    def _account_load(self, spec: LoadSpec, fetched: _Fetched) -> set[int]:
+        """Count a load and report the blocks it could not fill (once, on its first layer)."""
+        loaded_blocks = (fetched.loaded_end - spec.start) // self._block_size
+        failed = set(spec.block_ids[loaded_blocks:])
+        if failed:
+            logger.warning(
+                "request %s: the store had tokens [%d, %d) of the planned [%d, %d); vLLM recomputes %d blocks",
+                spec.request_id,
+                spec.start,
+                fetched.loaded_end,
+                spec.start,
+                spec.end,
+                len(failed),
+            )
+        self._failed_blocks |= failed if not spec.is_async else set()
+        num_tokens = fetched.loaded_end - spec.start
+        with self._stats_lock:
+            self._stats.record(
+                loads=1,
+                loaded_tokens=num_tokens,
+                loaded_bytes=self._layout.chunk_bytes(num_tokens),
+                load_failed_blocks=len(failed),
+                load_seconds=fetched.seconds,
+            )
+        return failed
+
+    # -- saves ----------------------------------------------------------------------------------------------------
+
+    def _new_save(self, spec: SaveSpec) -> _PendingSave:
+        """Staging for a save: shared memory the server reads directly when the engine runs on the cpu."""
+        num_tokens = spec.end - spec.start
+        device = self._caches[0].device
+        staging = None
+        if device.type == "cpu":
+            staging = self._save_link.call("buffer", lambda client: _shared_buffer(client, num_tokens))
+        if staging is None:
+            staging = torch.empty(
+                self._layout.chunk_shape(num_tokens), dtype=self._layout.dtype.torch_dtype, device=device
+            )
+        return _PendingSave(spec=spec, staging=staging)
+
+    def _store(self, save: _PendingSave) -> None:
+        """Send a gathered prompt to the store (on the save thread); a failure is logged, never raised."""
+        spec = save.spec
+        started = time.perf_counter()
+        try:
+            stored = self._save_link.call(
+                "save", lambda client: client.store(spec.token_ids, save.staging, start=spec.start)
+            )
+        except Exception:  # the save thread's boundary: a lost save is a later miss, never a failed step
+            logger.exception("request %s: storing its prompt failed", spec.request_id)
+            stored = None
+        if stored is None:
+            return
+        num_tokens = spec.end - spec.start
+        with self._stats_lock:
+            self._stats.record(
+                saves=1,
+                saved_tokens=num_tokens,
+                saved_bytes=self._layout.chunk_bytes(num_tokens),
+                save_seconds=time.perf_counter() - started,
+            )
+
+    def _block_format(self) -> BlockFormat:
+        assert self._format is not None, "register_kv_caches was not called before the first step"
+        return self._format
+
+
+def _shared_buffer(client: Client, num_tokens: int) -> torch.Tensor | None:
+    """A shared-memory KV buffer the server writes into directly, or ``None`` for a remote server."""
+    try:
+        return client.buffer(num_tokens)
+    except ServerUnavailableError:
+        return None
+
+
+def _packed_format(cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int) -> BlockFormat:
+    """vLLM 0.32/0.33's documented CUDA format: ``[blocks, heads, slots, K|V]`` with the tensor's own strides."""
+    from kvstore.connectors.paged import PlaneMap
+
+    _, head_stride, token_stride, dim_stride = cache.stride()
+    key = PlaneMap(offset=0, token_stride=token_stride, head_stride=head_stride, dim_stride=dim_stride)
+    value = PlaneMap(
+        offset=head_dim * dim_stride, token_stride=token_stride, head_stride=head_stride, dim_stride=dim_stride
+    )
+    return BlockFormat(block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, key=key, value=value)
