@@ -35,6 +35,8 @@ FORBIDDEN = {
     "kvstore.bench": ("kvstore.cli",),
     "kvstore.server": ("kvstore.cli", "kvstore.bench", "kvstore.client"),
     "kvstore.client": ("kvstore.cli", "kvstore.bench"),
+    # An engine's connector reaches the store through a server only (its scheduler and workers are processes).
+    "kvstore.connectors": ("kvstore.cli", "kvstore.bench", "kvstore.store", "kvstore.blend"),
 }
 
 

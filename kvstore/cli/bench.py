@@ -15,6 +15,7 @@ from kvstore.bench.rebuild import RebuildBenchOptions, default_data_dir, run_reb
 from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
 from kvstore.cli.bench_blend import multi_doc_qa_command, shuffle_command
 from kvstore.cli.bench_server import bench_server_command
+from kvstore.cli.bench_vllm import bench_vllm_command
 from kvstore.config import parse_size, parse_tiers
 from kvstore.errors import ConfigError
 from kvstore.presets import PRESET_NAMES
@@ -203,3 +204,4 @@ def bench_rebuild_command(
 bench_app.command("multi-doc-qa")(multi_doc_qa_command)
 bench_app.command("shuffle")(shuffle_command)
 bench_app.command("server")(bench_server_command)
+bench_app.command("vllm")(bench_vllm_command)

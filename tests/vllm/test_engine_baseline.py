@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from kvstore.bench.vllm_engine import EngineSpec
 from kvstore.models import default_model_cache_dir, load_smollm2
 from tests.vllm.conftest import EngineRunner
-from tests.vllm.engine_driver import EngineSpec
 
 PROMPT_TOKENS = 300
 NEW_TOKENS = 24
@@ -32,8 +32,13 @@ def test_float32_greedy_tokens_match_transformers_and_a_repeat_hits_the_prefix_c
     assert len(prompt) == PROMPT_TOKENS, f"os.walk's docstring gave only {len(prompt)} tokens"
 
     cold, repeat = run_engine(
-        EngineSpec(model_dir=vllm_model_dir, prompts=(prompt, prompt), max_tokens=NEW_TOKENS,
-                   enable_prefix_caching=True, env=vllm_env)
+        EngineSpec(
+            model_dir=vllm_model_dir,
+            prompts=(prompt, prompt),
+            max_tokens=NEW_TOKENS,
+            enable_prefix_caching=True,
+            env=vllm_env,
+        )
     )
 
     expected = _transformers_greedy(loaded.model, prompt, NEW_TOKENS)
@@ -54,5 +59,6 @@ def _transformers_greedy(model: torch.nn.Module, prompt: Sequence[int], num_new_
             generated.append(int(output.logits[0, -1].argmax()))
             if len(generated) == num_new_tokens:
                 return tuple(generated)
-            output = model(input_ids=torch.tensor([generated[-1:]]), past_key_values=output.past_key_values,
-                           use_cache=True)
+            output = model(
+                input_ids=torch.tensor([generated[-1:]]), past_key_values=output.past_key_values, use_cache=True
+            )

@@ -1,10 +1,10 @@
 """Run one vLLM engine on token-id prompts and print, per request, its greedy output as one JSON line.
 
-Tests run this script in a subprocess (``run_engine`` in ``conftest.py``): a vLLM engine spawns its engine-core and
-worker processes, which re-import the main module, so it needs the ``__main__`` guard a pytest process lacks, and a
-crashed or hung engine then costs one subprocess, not the test session. By hand::
+``kvstore bench vllm`` and the tests (``run_engine`` in ``tests/vllm/conftest.py``) run this module in a subprocess:
+a vLLM engine spawns its engine-core and worker processes, which re-import the main module, so it needs a
+``__main__`` of its own, and a crashed or hung engine then costs one subprocess, not the caller. By hand::
 
-    .venv-vllm/bin/python tests/vllm/engine_driver.py spec.json     # or the spec's JSON on stdin
+    .venv-vllm/bin/python -m kvstore.bench.vllm_engine spec.json     # or the spec's JSON on stdin
 
 The spec is an ``EngineSpec`` as JSON. Prompts run one after another, one ``LLM.generate`` call each, so a later
 request finds what an earlier one left in vLLM's prefix cache or in a KV connector's store. Sampling is greedy,
@@ -13,14 +13,15 @@ ignoring end-of-sequence unless told otherwise, so every request yields exactly 
 stdout carries only the results, one ``RequestResult`` JSON line per request in prompt order: before vLLM is imported
 the script moves its own stdout to stderr, so vLLM's logs and its child processes' output go to stderr.
 
-This file is also imported by the tests for ``EngineSpec`` and ``RequestResult``: it imports nothing beyond the
-standard library until ``main`` runs.
+Importing this module for ``EngineSpec`` and ``RequestResult`` loads nothing beyond the standard library; ``main``
+imports vLLM (and, for ``wait_until_stored_s``, kvstore's client).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -51,6 +52,8 @@ class EngineSpec:
         wait_until_stored_s: with kvstore's connector, after each request wait (at most this long) until the store
             holds the whole prompt: the connector saves asynchronously, and a test's next request would otherwise race
             the save. The store is found from ``kvstore.url`` or the data dir's ``serve.json``.
+        commands_before: shell-free commands (argv lists) to run before the request of each index, e.g. to kill a
+            server mid-session; keyed by the request's index as a string (JSON keys are strings).
     """
 
     model_dir: Path
@@ -64,6 +67,7 @@ class EngineSpec:
     max_model_len_tokens: int | None = None
     ignore_eos: bool = True
     wait_until_stored_s: float | None = None
+    commands_before: Mapping[str, Sequence[Sequence[str]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompts or any(not prompt for prompt in self.prompts):
@@ -77,6 +81,9 @@ class EngineSpec:
         settings["prompts"] = [list(prompt) for prompt in self.prompts]
         settings["kv_transfer_config"] = None if self.kv_transfer_config is None else dict(self.kv_transfer_config)
         settings["env"] = dict(self.env)
+        settings["commands_before"] = {
+            str(index): [list(command) for command in commands] for index, commands in self.commands_before.items()
+        }
         return json.dumps(settings)
 
     @classmethod
@@ -104,14 +111,18 @@ class RequestResult:
     ttft_s: float | None
 
     def to_json(self) -> str:
-        return json.dumps({"token_ids": list(self.token_ids), "num_cached_tokens": self.num_cached_tokens,
-                           "ttft_s": self.ttft_s})
+        return json.dumps(
+            {"token_ids": list(self.token_ids), "num_cached_tokens": self.num_cached_tokens, "ttft_s": self.ttft_s}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> RequestResult:
         settings = json.loads(text)
-        return cls(token_ids=tuple(settings["token_ids"]), num_cached_tokens=settings["num_cached_tokens"],
-                   ttft_s=settings["ttft_s"])
+        return cls(
+            token_ids=tuple(settings["token_ids"]),
+            num_cached_tokens=settings["num_cached_tokens"],
+            ttft_s=settings["ttft_s"],
+        )
 
 
 def main(argv: Sequence[str]) -> int:
@@ -134,7 +145,9 @@ def main(argv: Sequence[str]) -> int:
         disable_log_stats=False,  # the request metrics (time to first token) exist only with stats on
     )
     sampling = vllm.SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
-    for prompt in spec.prompts:
+    for index, prompt in enumerate(spec.prompts):
+        for command in spec.commands_before.get(str(index), ()):
+            subprocess.run(list(command), check=True)
         (output,) = engine.generate([TokensPrompt(prompt_token_ids=list(prompt))], sampling, use_tqdm=False)
         metrics = output.metrics
         result = RequestResult(

