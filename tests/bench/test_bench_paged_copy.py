@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # three subprocesses, each importing torch and kvstore
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_paged_copy.py"
 TINY = ["--device", "cpu", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4"]
 TINY += ["--tokens", "32", "--pool-blocks", "16", "--warmup", "1", "--repeats", "3"]
