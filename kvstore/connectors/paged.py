@@ -37,6 +37,8 @@ _EXACT_INTEGER_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 """Integers below 2**bits are exact in each dtype: the probe writes codes as digits of that many bits."""
 
 _UNWRITTEN = -1.0
+_WIDE_DTYPE = torch.complex128
+"""A 16-byte element for the fused path: index_select / index_copy_ only load and store it (bitwise copies)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,10 +192,14 @@ def gather_blocks(
     num_tokens = _check_chunk_layer(layer_cache, block_format, block_ids, out)
     num_full = num_tokens // block_format.block_size
     tail = num_tokens - num_full * block_format.block_size
+    fused = _fused_views(layer_cache, block_format, out, num_full) if num_full else None
+    if fused is not None:
+        blocks, chunk_blocks = fused
+        torch.index_select(blocks, 0, block_ids[:num_full], out=chunk_blocks)
     for plane in (0, 1):
         view = block_format.plane_view(layer_cache, plane)
         target = out[plane]
-        if num_full:
+        if num_full and fused is None:
             full_target = target[: num_full * block_format.block_size].view(
                 num_full, block_format.block_size, block_format.num_kv_heads, block_format.head_dim
             )
@@ -216,6 +222,11 @@ def scatter_blocks(
         raise InvalidInputError(
             f"a scatter fills whole blocks: {num_tokens} tokens for {num_blocks} blocks of {block_format.block_size}"
         )
+    fused = _fused_views(layer_cache, block_format, source, num_blocks)
+    if fused is not None:
+        blocks, chunk_blocks = fused
+        blocks.index_copy_(0, block_ids, chunk_blocks)
+        return
     for plane in (0, 1):
         view = block_format.plane_view(layer_cache, plane)
         view.index_copy_(
@@ -223,6 +234,62 @@ def scatter_blocks(
             block_ids,
             source[plane].view(num_blocks, block_format.block_size, block_format.num_kv_heads, block_format.head_dim),
         )
+
+
+def _fused_views(
+    layer_cache: torch.Tensor, block_format: BlockFormat, chunk_layer: torch.Tensor, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Both planes of every cache block and of the chunk's first ``num_blocks`` blocks, in 16-byte elements:
+    ``[cache blocks, 2, slots, heads, head_dim / r]`` and ``[num_blocks, 2, slots, heads, head_dim / r]``; ``None``
+    when the format or an alignment does not allow it."""
+    key, value = block_format.key, block_format.value
+    ratio = _WIDE_DTYPE.itemsize // layer_cache.element_size()
+    if (
+        key.dim_stride != 1
+        or value.dim_stride != 1
+        or (key.token_stride, key.head_stride) != (value.token_stride, value.head_stride)
+        or block_format.head_dim % ratio
+        or any(step % ratio for step in (key.offset, value.offset, key.token_stride, key.head_stride))
+        or layer_cache.storage_offset() % ratio
+        or layer_cache.stride(0) % ratio
+        or chunk_layer.storage_offset() % ratio
+        or chunk_layer.stride(1) % ratio
+        or chunk_layer.stride(0) % ratio
+        or layer_cache.data_ptr() % _WIDE_DTYPE.itemsize
+        or chunk_layer.data_ptr() % _WIDE_DTYPE.itemsize
+    ):
+        return None
+    try:
+        wide_storage, chunk_storage = _wide(layer_cache), _wide(chunk_layer)
+    except RuntimeError:  # a storage whose byte size is not a multiple of 16
+        return None
+    slots, heads, wide_dim = block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio
+    blocks = torch.as_strided(
+        wide_storage,
+        size=(layer_cache.shape[0], 2, slots, heads, wide_dim),
+        stride=(
+            layer_cache.stride(0) // ratio,
+            (value.offset - key.offset) // ratio,
+            key.token_stride // ratio,
+            key.head_stride // ratio,
+            1,
+        ),
+        storage_offset=(layer_cache.storage_offset() + key.offset) // ratio,
+    )
+    plane_stride, token_stride = chunk_layer.stride(0) // ratio, chunk_layer.stride(1) // ratio
+    chunk_blocks = torch.as_strided(
+        chunk_storage,
+        size=(num_blocks, 2, slots, heads, wide_dim),
+        stride=(slots * token_stride, plane_stride, token_stride, wide_dim, 1),
+        storage_offset=chunk_layer.storage_offset() // ratio,
+    )
+    return blocks, chunk_blocks
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``tensor`` as one flat tensor of 16-byte elements."""
+    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return flat.set_(tensor.untyped_storage()).view(_WIDE_DTYPE)
 
 
 def _check_chunk_layer(

@@ -192,3 +192,41 @@ def test_round_trip_through_blocks_for_any_shape_and_block_order(
     gathered = torch.empty(2, num_tokens, heads, dim, dtype=dtype)
     gather_blocks(cache, block_format, ids, gathered)
     assert torch.equal(gathered, chunk_layer[:, :num_tokens])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fused_path_moves_what_the_per_plane_path_moves(dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed formats take one 16-byte-element call per layer; its bytes equal the plane-by-plane copies'."""
+    import kvstore.connectors.paged as paged
+
+    cache = packed_cache(7, 2, 8, 16, dtype, tokens_outer=True)
+    block_format = probe(cache, 16, write_packed)
+    assert paged._fused_views(cache, block_format, torch.empty(2, 24, 2, 16, dtype=dtype), 3) is not None
+    written = fill(cache, 16, write_packed, [6, 1, 4], num_tokens=21)
+    fused = torch.empty(2, 21, 2, 16, dtype=dtype)
+    gather_blocks(cache, block_format, torch.tensor([6, 1, 4]), fused)
+    loaded = torch.randn(2, 16, 2, 16).to(dtype)
+    scatter_blocks(cache, block_format, torch.tensor([2, 5]), loaded)
+    after_fused = cache.clone()
+
+    monkeypatch.setattr(paged, "_fused_views", lambda *args: None)
+    per_plane = torch.empty(2, 21, 2, 16, dtype=dtype)
+    gather_blocks(cache, block_format, torch.tensor([6, 1, 4]), per_plane)
+    scatter_blocks(cache, block_format, torch.tensor([2, 5]), loaded)
+    assert torch.equal(fused, written) and torch.equal(per_plane, written)
+    assert torch.equal(cache, after_fused)
+
+
+def test_a_misaligned_chunk_falls_back_to_the_per_plane_path() -> None:
+    import kvstore.connectors.paged as paged
+
+    cache = packed_cache(5, 2, 8, 16, torch.bfloat16, tokens_outer=False)
+    block_format = probe(cache, 16, write_packed)
+    backing = torch.zeros(2, 17, 2, 16, dtype=torch.bfloat16)
+    shifted = backing[:, 1:]  # planes contiguous, but starting one token (32 bytes) in: still 16-byte aligned
+    assert paged._fused_views(cache, block_format, shifted, 2) is not None
+    odd = torch.zeros(2 * 16 * 2 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 16, 2, 16)  # 2 bytes off
+    assert paged._fused_views(cache, block_format, odd, 2) is None
+    written = fill(cache, 16, write_packed, [3, 1], num_tokens=16)
+    gather_blocks(cache, block_format, torch.tensor([3, 1]), odd)
+    assert torch.equal(odd, written)
