@@ -196,16 +196,18 @@ def gather_blocks(
     if fused is not None:
         blocks, chunk_blocks = fused
         torch.index_select(blocks, 0, block_ids[:num_full], out=chunk_blocks)
-    for plane in (0, 1):
-        view = block_format.plane_view(layer_cache, plane)
-        target = out[plane]
-        if num_full and fused is None:
-            full_target = target[: num_full * block_format.block_size].view(
-                num_full, block_format.block_size, block_format.num_kv_heads, block_format.head_dim
+    elif num_full:
+        shape = (num_full, block_format.block_size, block_format.num_kv_heads, block_format.head_dim)
+        for plane in (0, 1):
+            view = block_format.plane_view(layer_cache, plane)
+            torch.index_select(
+                view, 0, block_ids[:num_full], out=out[plane, : num_full * block_format.block_size].view(shape)
             )
-            torch.index_select(view, 0, block_ids[:num_full], out=full_target)
-        if tail:
-            target[num_full * block_format.block_size :].copy_(view[int(block_ids[num_full])][:tail])
+    if tail:
+        last_block = int(block_ids[num_full])
+        for plane in (0, 1):
+            view = block_format.plane_view(layer_cache, plane)
+            out[plane, num_full * block_format.block_size :].copy_(view[last_block][:tail])
 
 
 def scatter_blocks(
@@ -260,12 +262,12 @@ def _fused_views(
     ):
         return None
     try:
-        wide_storage, chunk_storage = _wide(layer_cache), _wide(chunk_layer)
-    except RuntimeError:  # a storage whose byte size is not a multiple of 16
+        wide_cache, wide_chunk = layer_cache.view(_WIDE_DTYPE), chunk_layer.view(_WIDE_DTYPE)
+    except RuntimeError:  # the last dim is not contiguous, or a size or stride is not a multiple of 16 bytes
         return None
     slots, heads, wide_dim = block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio
     blocks = torch.as_strided(
-        wide_storage,
+        wide_cache,
         size=(layer_cache.shape[0], 2, slots, heads, wide_dim),
         stride=(
             layer_cache.stride(0) // ratio,
@@ -274,22 +276,16 @@ def _fused_views(
             key.head_stride // ratio,
             1,
         ),
-        storage_offset=(layer_cache.storage_offset() + key.offset) // ratio,
+        storage_offset=wide_cache.storage_offset() + key.offset // ratio,
     )
     plane_stride, token_stride = chunk_layer.stride(0) // ratio, chunk_layer.stride(1) // ratio
     chunk_blocks = torch.as_strided(
-        chunk_storage,
+        wide_chunk,
         size=(num_blocks, 2, slots, heads, wide_dim),
         stride=(slots * token_stride, plane_stride, token_stride, wide_dim, 1),
-        storage_offset=chunk_layer.storage_offset() // ratio,
+        storage_offset=wide_chunk.storage_offset(),
     )
     return blocks, chunk_blocks
-
-
-def _wide(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole storage under ``tensor`` as one flat tensor of 16-byte elements."""
-    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    return flat.set_(tensor.untyped_storage()).view(_WIDE_DTYPE)
 
 
 def _check_chunk_layer(
