@@ -1,9 +1,9 @@
 """How fast KV moves between vLLM's paged CUDA cache and a kvstore chunk, against a plain device copy.
 
-The connector's save gathers a request's blocks of every layer into a chunk (``gather_blocks``); its load scatters a
-chunk back into blocks (``scatter_blocks``), one call per layer. This times both for one request over all layers, in
-vLLM 0.32/0.33's packed CUDA format (logical ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``, K then V on
-the last axis) in its two physical orders:
+The connector's save gathers a request's blocks of every layer into a chunk (``PagedLayer.gather``); its load
+scatters a chunk back into blocks (``PagedLayer.scatter``), one call per layer. This times both for one request over
+all layers, in vLLM 0.32/0.33's packed CUDA format (logical ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``,
+K then V on the last axis) in its two physical orders:
 
 - ``LBNHC`` (vLLM's default): memory order ``[num_blocks, block_size, num_kv_heads, 2*head_dim]``;
 - ``LBHNC``: the logical order is the memory order.
@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvstore.connectors.paged import BlockFormat, PlaneMap, gather_blocks, scatter_blocks
+from kvstore.connectors.paged import BlockFormat, PagedLayer, PlaneMap, gather_blocks, scatter_blocks
 
 try:
     import triton
@@ -161,10 +161,15 @@ def widen(block_format: BlockFormat, element_bytes: int) -> BlockFormat:
 
 def variant_copies(name: str, shape: Shape, block_format: BlockFormat) -> tuple[LayerCopy, LayerCopy]:
     """(gather, scatter) of one layer for variant ``name``."""
-    if name == "current":
+    if name == "current":  # what the connector runs: one PagedLayer per layer tensor, its views built once
+        layers: dict[int, PagedLayer] = {}
+
+        def layer_of(cache: torch.Tensor) -> PagedLayer:
+            return layers.setdefault(id(cache), PagedLayer(cache, block_format))
+
         return (
-            lambda cache, ids, out: gather_blocks(cache, block_format, ids, out),
-            lambda cache, ids, source: scatter_blocks(cache, block_format, ids, source),
+            lambda cache, ids, out: layer_of(cache).gather(ids, out),
+            lambda cache, ids, source: layer_of(cache).scatter(ids, source),
         )
     wide_format = widen(block_format, shape.dtype.itemsize)
     if name == "wide16":

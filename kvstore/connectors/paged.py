@@ -27,7 +27,15 @@ import torch
 
 from kvstore.errors import ConfigError, InvalidInputError
 
-__all__ = ["BlockFormat", "PlaneMap", "WriteSlots", "gather_blocks", "probe_block_format", "scatter_blocks"]
+__all__ = [
+    "BlockFormat",
+    "PagedLayer",
+    "PlaneMap",
+    "WriteSlots",
+    "gather_blocks",
+    "probe_block_format",
+    "scatter_blocks",
+]
 
 WriteSlots = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """The backend's own cache write: ``write(key, value, slot_mapping)`` with key/value ``[tokens, heads, head_dim]``
@@ -180,112 +188,144 @@ def _strided_plane(offsets: torch.Tensor, name: str) -> PlaneMap:
     return plane_map
 
 
+class PagedLayer:
+    """One layer's paged KV tensor and the views its copies use, built once.
+
+    A copy per layer then costs a few checks, one view of the chunk and one index call (two per plane when the
+    format cannot be fused): on a GPU the copy of one layer of a long prompt takes ~35 us, so host work per call is
+    what decides whether copies keep up with the device.
+
+    Args:
+        cache: the layer's tensor, dim 0 indexing blocks.
+        block_format: where K and V sit in a block (``probe_block_format``).
+    """
+
+    def __init__(self, cache: torch.Tensor, block_format: BlockFormat) -> None:
+        self.cache = cache
+        self.block_format = block_format
+        self._planes = (block_format.plane_view(cache, 0), block_format.plane_view(cache, 1))
+        self._wide_blocks = _wide_blocks(cache, block_format)
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the first ``out.shape[1]`` token slots of ``block_ids`` (in order) into ``out`` ``[2, tokens,
+        heads, head_dim]``; the last block may be partly used.
+
+        Raises:
+            InvalidInputError: ``out`` needs more blocks than given, or its shape or dtype does not fit.
+        """
+        block_format = self.block_format
+        num_tokens = _check_chunk_layer(self.cache, block_format, block_ids, out)
+        num_full = num_tokens // block_format.block_size
+        tail = num_tokens - num_full * block_format.block_size
+        wide_blocks = self._wide_blocks
+        chunk_blocks = self._wide_chunk(out, num_full) if num_full and wide_blocks is not None else None
+        if wide_blocks is not None and chunk_blocks is not None:
+            torch.index_select(wide_blocks, 0, block_ids[:num_full], out=chunk_blocks)
+        elif num_full:
+            for plane, view in enumerate(self._planes):
+                torch.index_select(view, 0, block_ids[:num_full], out=_plane_blocks(out, plane, num_full, block_format))
+        if tail:
+            last_block = int(block_ids[num_full])
+            for plane, view in enumerate(self._planes):
+                out[plane, num_full * block_format.block_size :].copy_(view[last_block][:tail])
+
+    def scatter(self, block_ids: torch.Tensor, source: torch.Tensor) -> None:
+        """Write ``source`` ``[2, tokens, heads, head_dim]`` into whole blocks ``block_ids`` (tokens = blocks x
+        block size).
+
+        Raises:
+            InvalidInputError: the token count is not ``len(block_ids) * block_size``, or shapes or dtypes differ.
+        """
+        block_format = self.block_format
+        num_tokens = _check_chunk_layer(self.cache, block_format, block_ids, source)
+        num_blocks = len(block_ids)
+        if num_tokens != num_blocks * block_format.block_size:
+            raise InvalidInputError(
+                f"a scatter fills whole blocks: {num_tokens} tokens for {num_blocks} blocks of "
+                f"{block_format.block_size}"
+            )
+        wide_blocks = self._wide_blocks
+        chunk_blocks = self._wide_chunk(source, num_blocks) if wide_blocks is not None else None
+        if wide_blocks is not None and chunk_blocks is not None:
+            wide_blocks.index_copy_(0, block_ids, chunk_blocks)
+            return
+        for plane, view in enumerate(self._planes):
+            view.index_copy_(0, block_ids, _plane_blocks(source, plane, num_blocks, block_format))
+
+    def _wide_chunk(self, chunk_layer: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
+        """``[num_blocks, 2, slots, heads, head_dim / r]`` of the chunk in 16-byte elements, or ``None`` when it
+        is not 16-byte aligned."""
+        ratio = _WIDE_DTYPE.itemsize // chunk_layer.element_size()
+        if chunk_layer.storage_offset() % ratio or chunk_layer.stride(0) % ratio or chunk_layer.data_ptr() % 16:
+            return None
+        try:
+            wide = chunk_layer.view(_WIDE_DTYPE)
+        except RuntimeError:
+            return None
+        block_format = self.block_format
+        slots, heads = block_format.block_size, block_format.num_kv_heads
+        wide_dim = block_format.head_dim // ratio
+        token_stride = heads * wide_dim
+        return torch.as_strided(
+            wide,
+            size=(num_blocks, 2, slots, heads, wide_dim),
+            stride=(slots * token_stride, chunk_layer.stride(0) // ratio, token_stride, wide_dim, 1),
+            storage_offset=wide.storage_offset(),
+        )
+
+
 def gather_blocks(
     layer_cache: torch.Tensor, block_format: BlockFormat, block_ids: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """Copy the first ``out.shape[1]`` token slots of ``block_ids`` (in order) into ``out`` ``[2, tokens, heads,
-    head_dim]``; the last block may be partly used.
-
-    Raises:
-        InvalidInputError: ``out`` needs more blocks than given, or its shape or dtype does not fit.
-    """
-    num_tokens = _check_chunk_layer(layer_cache, block_format, block_ids, out)
-    num_full = num_tokens // block_format.block_size
-    tail = num_tokens - num_full * block_format.block_size
-    fused = _fused_views(layer_cache, block_format, out, num_full) if num_full else None
-    if fused is not None:
-        blocks, chunk_blocks = fused
-        torch.index_select(blocks, 0, block_ids[:num_full], out=chunk_blocks)
-    elif num_full:
-        shape = (num_full, block_format.block_size, block_format.num_kv_heads, block_format.head_dim)
-        for plane in (0, 1):
-            view = block_format.plane_view(layer_cache, plane)
-            torch.index_select(
-                view, 0, block_ids[:num_full], out=out[plane, : num_full * block_format.block_size].view(shape)
-            )
-    if tail:
-        last_block = int(block_ids[num_full])
-        for plane in (0, 1):
-            view = block_format.plane_view(layer_cache, plane)
-            out[plane, num_full * block_format.block_size :].copy_(view[last_block][:tail])
+    """``PagedLayer.gather`` for a one-off copy (a connector keeps one ``PagedLayer`` per layer)."""
+    PagedLayer(layer_cache, block_format).gather(block_ids, out)
 
 
 def scatter_blocks(
     layer_cache: torch.Tensor, block_format: BlockFormat, block_ids: torch.Tensor, source: torch.Tensor
 ) -> None:
-    """Write ``source`` ``[2, tokens, heads, head_dim]`` into whole blocks ``block_ids`` (tokens = blocks x size).
-
-    Raises:
-        InvalidInputError: the token count is not ``len(block_ids) * block_size``, or shapes or dtypes differ.
-    """
-    num_tokens = _check_chunk_layer(layer_cache, block_format, block_ids, source)
-    num_blocks = len(block_ids)
-    if num_tokens != num_blocks * block_format.block_size:
-        raise InvalidInputError(
-            f"a scatter fills whole blocks: {num_tokens} tokens for {num_blocks} blocks of {block_format.block_size}"
-        )
-    fused = _fused_views(layer_cache, block_format, source, num_blocks)
-    if fused is not None:
-        blocks, chunk_blocks = fused
-        blocks.index_copy_(0, block_ids, chunk_blocks)
-        return
-    for plane in (0, 1):
-        view = block_format.plane_view(layer_cache, plane)
-        view.index_copy_(
-            0,
-            block_ids,
-            source[plane].view(num_blocks, block_format.block_size, block_format.num_kv_heads, block_format.head_dim),
-        )
+    """``PagedLayer.scatter`` for a one-off copy (a connector keeps one ``PagedLayer`` per layer)."""
+    PagedLayer(layer_cache, block_format).scatter(block_ids, source)
 
 
-def _fused_views(
-    layer_cache: torch.Tensor, block_format: BlockFormat, chunk_layer: torch.Tensor, num_blocks: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Both planes of every cache block and of the chunk's first ``num_blocks`` blocks, in 16-byte elements:
-    ``[cache blocks, 2, slots, heads, head_dim / r]`` and ``[num_blocks, 2, slots, heads, head_dim / r]``; ``None``
-    when the format or an alignment does not allow it."""
+def _plane_blocks(chunk_layer: torch.Tensor, plane: int, num_blocks: int, block_format: BlockFormat) -> torch.Tensor:
+    """The chunk's first ``num_blocks`` blocks of one plane: ``[num_blocks, slots, heads, head_dim]``."""
+    shape = (num_blocks, block_format.block_size, block_format.num_kv_heads, block_format.head_dim)
+    return chunk_layer[plane, : num_blocks * block_format.block_size].view(shape)
+
+
+def _wide_blocks(cache: torch.Tensor, block_format: BlockFormat) -> torch.Tensor | None:
+    """Both planes of every block, ``[blocks, 2, slots, heads, head_dim / r]`` in 16-byte elements; ``None`` when K
+    and V do not share strides, a head's dims are not contiguous, or an offset or stride is not 16-byte aligned."""
     key, value = block_format.key, block_format.value
-    ratio = _WIDE_DTYPE.itemsize // layer_cache.element_size()
+    ratio = _WIDE_DTYPE.itemsize // cache.element_size()
     if (
         key.dim_stride != 1
         or value.dim_stride != 1
         or (key.token_stride, key.head_stride) != (value.token_stride, value.head_stride)
         or block_format.head_dim % ratio
         or any(step % ratio for step in (key.offset, value.offset, key.token_stride, key.head_stride))
-        or layer_cache.storage_offset() % ratio
-        or layer_cache.stride(0) % ratio
-        or chunk_layer.storage_offset() % ratio
-        or chunk_layer.stride(1) % ratio
-        or chunk_layer.stride(0) % ratio
-        or layer_cache.data_ptr() % _WIDE_DTYPE.itemsize
-        or chunk_layer.data_ptr() % _WIDE_DTYPE.itemsize
+        or cache.storage_offset() % ratio
+        or cache.stride(0) % ratio
+        or cache.data_ptr() % _WIDE_DTYPE.itemsize
     ):
         return None
     try:
-        wide_cache, wide_chunk = layer_cache.view(_WIDE_DTYPE), chunk_layer.view(_WIDE_DTYPE)
-    except RuntimeError:  # the last dim is not contiguous, or a size or stride is not a multiple of 16 bytes
+        wide = cache.view(_WIDE_DTYPE)
+    except RuntimeError:  # the last dim is not contiguous, or a size is not a multiple of 16 bytes
         return None
-    slots, heads, wide_dim = block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio
-    blocks = torch.as_strided(
-        wide_cache,
-        size=(layer_cache.shape[0], 2, slots, heads, wide_dim),
+    return torch.as_strided(
+        wide,
+        size=(cache.shape[0], 2, block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio),
         stride=(
-            layer_cache.stride(0) // ratio,
+            cache.stride(0) // ratio,
             (value.offset - key.offset) // ratio,
             key.token_stride // ratio,
             key.head_stride // ratio,
             1,
         ),
-        storage_offset=wide_cache.storage_offset() + key.offset // ratio,
+        storage_offset=wide.storage_offset() + key.offset // ratio,
     )
-    plane_stride, token_stride = chunk_layer.stride(0) // ratio, chunk_layer.stride(1) // ratio
-    chunk_blocks = torch.as_strided(
-        wide_chunk,
-        size=(num_blocks, 2, slots, heads, wide_dim),
-        stride=(slots * token_stride, plane_stride, token_stride, wide_dim, 1),
-        storage_offset=wide_chunk.storage_offset(),
-    )
-    return blocks, chunk_blocks
 
 
 def _check_chunk_layer(

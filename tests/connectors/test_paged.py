@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.connectors.paged import BlockFormat, gather_blocks, probe_block_format, scatter_blocks
+from kvstore.connectors.paged import BlockFormat, PagedLayer, gather_blocks, probe_block_format, scatter_blocks
 from kvstore.errors import ConfigError, InvalidInputError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -201,32 +201,34 @@ def test_the_fused_path_moves_what_the_per_plane_path_moves(dtype, monkeypatch: 
 
     cache = packed_cache(7, 2, 8, 16, dtype, tokens_outer=True)
     block_format = probe(cache, 16, write_packed)
-    assert paged._fused_views(cache, block_format, torch.empty(2, 24, 2, 16, dtype=dtype), 3) is not None
+    layer = PagedLayer(cache, block_format)
+    assert layer._wide_chunk(torch.empty(2, 24, 2, 16, dtype=dtype), 3) is not None
     written = fill(cache, 16, write_packed, [6, 1, 4], num_tokens=21)
     fused = torch.empty(2, 21, 2, 16, dtype=dtype)
-    gather_blocks(cache, block_format, torch.tensor([6, 1, 4]), fused)
+    layer.gather(torch.tensor([6, 1, 4]), fused)
     loaded = torch.randn(2, 16, 2, 16).to(dtype)
-    scatter_blocks(cache, block_format, torch.tensor([2, 5]), loaded)
+    layer.scatter(torch.tensor([2, 5]), loaded)
     after_fused = cache.clone()
 
-    monkeypatch.setattr(paged, "_fused_views", lambda *args: None)
+    monkeypatch.setattr(paged, "_wide_blocks", lambda *args: None)
+    per_plane_layer = PagedLayer(cache, block_format)
     per_plane = torch.empty(2, 21, 2, 16, dtype=dtype)
-    gather_blocks(cache, block_format, torch.tensor([6, 1, 4]), per_plane)
-    scatter_blocks(cache, block_format, torch.tensor([2, 5]), loaded)
+    per_plane_layer.gather(torch.tensor([6, 1, 4]), per_plane)
+    per_plane_layer.scatter(torch.tensor([2, 5]), loaded)
     assert torch.equal(fused, written) and torch.equal(per_plane, written)
     assert torch.equal(cache, after_fused)
 
 
-def test_a_misaligned_chunk_falls_back_to_the_per_plane_path() -> None:
-    import kvstore.connectors.paged as paged
-
+def test_a_misaligned_chunk_or_a_transposed_format_takes_the_per_plane_path() -> None:
     cache = packed_cache(5, 2, 8, 16, torch.bfloat16, tokens_outer=False)
-    block_format = probe(cache, 16, write_packed)
+    layer = PagedLayer(cache, probe(cache, 16, write_packed))
     backing = torch.zeros(2, 17, 2, 16, dtype=torch.bfloat16)
-    shifted = backing[:, 1:]  # planes contiguous, but starting one token (32 bytes) in: still 16-byte aligned
-    assert paged._fused_views(cache, block_format, shifted, 2) is not None
+    shifted = backing[:, 1:]  # planes contiguous, starting one token (64 bytes) in: still 16-byte aligned
+    assert layer._wide_chunk(shifted, 2) is not None
     odd = torch.zeros(2 * 16 * 2 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 16, 2, 16)  # 2 bytes off
-    assert paged._fused_views(cache, block_format, odd, 2) is None
+    assert layer._wide_chunk(odd, 2) is None
     written = fill(cache, 16, write_packed, [3, 1], num_tokens=16)
-    gather_blocks(cache, block_format, torch.tensor([3, 1]), odd)
+    layer.gather(torch.tensor([3, 1]), odd)
     assert torch.equal(odd, written)
+    cpu_cache = torch.zeros(4, 2, 8, 32, dtype=torch.bfloat16)
+    assert PagedLayer(cpu_cache, probe(cpu_cache, 16, write_cpu_transposed))._wide_blocks is None

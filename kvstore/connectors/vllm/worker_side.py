@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.client import Client
-from kvstore.connectors.paged import BlockFormat, gather_blocks, probe_block_format, scatter_blocks
+from kvstore.connectors.paged import BlockFormat, PagedLayer, PlaneMap, probe_block_format
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.metadata import (
     KVStoreConnectorMetadata,
@@ -101,8 +101,8 @@ class WorkerSide:
             for name in ("load", "async-load", "save")
         )
         self._caches: list[torch.Tensor] = []
+        self._layers: list[PagedLayer] = []
         self._layer_of: dict[str, int] = {}
-        self._format: BlockFormat | None = None
         self._metadata: KVStoreConnectorMetadata | None = None
         self._sync_loads: list[tuple[LoadSpec, concurrent.futures.Future[_Fetched]]] = []
         self._layers_loaded = 0
@@ -141,8 +141,9 @@ class WorkerSide:
                 )
             if cache.dtype != layout.dtype.torch_dtype or cache.stride() != first.stride():
                 raise ConfigError(f"vLLM KV cache {name} is {cache.dtype}; the layout says {layout.dtype.value}")
-        self._format = self._read_block_format(names[0], first)
-        logger.info("kvstore: %d layers of paged KV, %s", len(names), self._format.describe())
+        block_format = self._read_block_format(names[0], first)
+        self._layers = [PagedLayer(cache, block_format) for cache in self._caches]
+        logger.info("kvstore: %d layers of paged KV, %s", len(names), block_format.describe())
 
     def _read_block_format(self, name: str, cache: torch.Tensor) -> BlockFormat:
         from vllm.config import get_layers_from_vllm_config
@@ -196,12 +197,12 @@ class WorkerSide:
             return
         if layer == 0:
             self._saves = [self._new_save(spec) for spec in metadata.saves]
-        block_format = self._block_format()
+        paged = self._layers[layer]
         for save in self._saves:
             if save.num_layers_gathered != layer:
                 continue  # a layer was skipped: this save is incomplete and will be dropped
-            ids = torch.tensor(save.spec.block_ids, dtype=torch.int64, device=self._caches[layer].device)
-            gather_blocks(self._caches[layer], block_format, ids, save.staging[layer])
+            ids = torch.tensor(save.spec.block_ids, dtype=torch.int64, device=paged.cache.device)
+            paged.gather(ids, save.staging[layer])
             save.num_layers_gathered += 1
 
     def wait_for_save(self) -> None:
@@ -287,21 +288,18 @@ class WorkerSide:
         return _Fetched(kv=result.kv, loaded_end=max(usable, spec.start), seconds=time.perf_counter() - started)
 
     def _scatter_layer(self, layer: int) -> None:
-        block_format = self._block_format()
-        cache = self._caches[layer]
         for spec, future in self._sync_loads:
             fetched = future.result()
             if layer == 0:
                 self._account_load(spec, fetched)
-            self._scatter(cache, block_format, layer, spec, fetched)
+            self._scatter(layer, spec, fetched)
 
     def _load_whole(self, spec: LoadSpec) -> set[int]:
         """An async load: fetch, then scatter every layer; returns the blocks that could not be loaded."""
         fetched = self._fetch(self._async_link, spec)
         try:
-            block_format = self._block_format()
-            for layer, cache in enumerate(self._caches):
-                self._scatter(cache, block_format, layer, spec, fetched)
+            for layer in range(len(self._layers)):
+                self._scatter(layer, spec, fetched)
             if self._caches[0].device.type == "cuda":
                 torch.cuda.current_stream(self._caches[0].device).synchronize()
         except Exception:  # the load thread's boundary: vLLM recomputes what did not load
@@ -309,15 +307,15 @@ class WorkerSide:
             fetched = _Fetched(kv=None, loaded_end=spec.start, seconds=0.0)
         return self._account_load(spec, fetched)
 
-    def _scatter(
-        self, cache: torch.Tensor, block_format: BlockFormat, layer: int, spec: LoadSpec, fetched: _Fetched
-    ) -> None:
+    def _scatter(self, layer: int, spec: LoadSpec, fetched: _Fetched) -> None:
         if fetched.kv is None or fetched.loaded_end <= spec.start:
             return
+        paged = self._layers[layer]
+        device = paged.cache.device
         num_blocks = (fetched.loaded_end - spec.start) // self._block_size
-        ids = torch.tensor(spec.block_ids[:num_blocks], dtype=torch.int64, device=cache.device)
+        ids = torch.tensor(spec.block_ids[:num_blocks], dtype=torch.int64, device=device)
         source = fetched.kv[layer, :, spec.start : fetched.loaded_end]
-        scatter_blocks(cache, block_format, ids, source.to(cache.device, non_blocking=True))
+        paged.scatter(ids, source.to(device, non_blocking=True))
 
     def _account_load(self, spec: LoadSpec, fetched: _Fetched) -> set[int]:
         """Count a load and report the blocks it could not fill (once, on its first layer)."""
@@ -382,10 +380,6 @@ class WorkerSide:
                 save_seconds=time.perf_counter() - started,
             )
 
-    def _block_format(self) -> BlockFormat:
-        assert self._format is not None, "register_kv_caches was not called before the first step"
-        return self._format
-
 
 def _shared_buffer(client: Client, num_tokens: int) -> torch.Tensor | None:
     """A shared-memory KV buffer the server writes into directly, or ``None`` for a remote server."""
@@ -397,8 +391,6 @@ def _shared_buffer(client: Client, num_tokens: int) -> torch.Tensor | None:
 
 def _packed_format(cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int) -> BlockFormat:
     """vLLM 0.32/0.33's documented CUDA format: ``[blocks, heads, slots, K|V]`` with the tensor's own strides."""
-    from kvstore.connectors.paged import PlaneMap
-
     _, head_stride, token_stride, dim_stride = cache.stride()
     key = PlaneMap(offset=0, token_stride=token_stride, head_stride=head_stride, dim_stride=dim_stride)
     value = PlaneMap(
