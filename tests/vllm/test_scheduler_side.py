@@ -74,13 +74,6 @@ class EngineShape:
 
 SchedulerFactory = Callable[..., Scheduler]
 
-pytestmark = pytest.mark.filterwarnings(
-    # The connector's shutdown leaves its scheduler link's ZeroMQ socket to the garbage collector (the bug that
-    # test_shutdown_says_goodbye_to_the_store guards); make_scheduler collects it inside the test that made it.
-    r"ignore:Exception ignored in. <function (Socket|Context)\.__del__:pytest.PytestUnraisableExceptionWarning"
-)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _none_hash() -> None:
     """vLLM's block-hash seed, a module global EngineCore sets before building requests."""
@@ -168,7 +161,7 @@ def make_scheduler(vllm_model_dir: Path, layout: KVLayout) -> Iterator[Scheduler
     for scheduler in schedulers:
         scheduler.shutdown()
     schedulers.clear()
-    gc.collect()  # the shut-down connector's sockets, warned about here (pytestmark) rather than in a later test
+    gc.collect()  # anything a shut-down connector left to the collector is warned about in the test that made it
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------------
@@ -542,12 +535,6 @@ def test_a_preempted_request_drops_its_pin_and_is_loaded_again_when_readmitted(
     assert open_plans(store.url) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: SchedulerSide.build_connector_meta releases the pins of scheduler_output.preempted_req_ids after "
-    "update_state_after_alloc pinned the same request's readmission in this step, so the load it hands the workers "
-    "is unpinned",
-)
 def test_a_request_preempted_and_readmitted_in_one_step_keeps_the_pin_of_its_new_load(
     make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
 ) -> None:
@@ -633,12 +620,6 @@ def test_an_abort_during_an_async_disk_load_drops_the_pin_at_once(
     assert open_plans(store.url) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: SchedulerSide.close (KVStoreConnector.shutdown, scheduler role) releases its pins but never closes "
-    "its StoreLink: no goodbye, the server lists the client until it times out, the socket waits for the garbage "
-    "collector, and an embedded server the scheduler started is not stopped",
-)
 def test_shutdown_says_goodbye_to_the_store(make_scheduler: SchedulerFactory, store: ServerProcess) -> None:
     scheduler = make_scheduler(store.url)
     transfer_config = scheduler.vllm_config.kv_transfer_config

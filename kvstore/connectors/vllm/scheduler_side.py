@@ -115,6 +115,8 @@ class SchedulerSide:
         if probe is not None:
             tracked.store_prefix_tokens = probe.prefix_tokens
         if num_external_tokens <= 0 or probe is None:
+            if probe is not None:  # a (re)admission without a load: any older pin has no load left to serve
+                self._release_pin(tracked)
             return
         end = self._loadable_end(probe.prefix_tokens, len(tracked.prompt))
         start = end - num_external_tokens
@@ -135,8 +137,10 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         metadata = KVStoreConnectorMetadata(loads=list(self._queued_loads.values()))
         self._queued_loads.clear()
-        for preempted in scheduler_output.preempted_req_ids or ():
-            self._forget_blocks(preempted)
+        cached = scheduler_output.scheduled_cached_reqs
+        readmitted = {request.req_id for request in scheduler_output.scheduled_new_reqs} | set(cached.resumed_req_ids)
+        for preempted in set(scheduler_output.preempted_req_ids or ()) - readmitted:
+            self._forget_blocks(preempted)  # a request readmitted in this same step keeps its new load's pin
         for new_request in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new_request.req_id)
             if tracked is None:
@@ -144,7 +148,6 @@ class SchedulerSide:
             tracked.block_ids = list(new_request.block_ids[0])
             done = new_request.num_computed_tokens + scheduler_output.num_scheduled_tokens[new_request.req_id]
             self._maybe_save(new_request.req_id, tracked, done, metadata)
-        cached = scheduler_output.scheduled_cached_reqs
         for index, request_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(request_id)
             if tracked is None:
@@ -178,9 +181,11 @@ class SchedulerSide:
             self._release_pin(tracked)
 
     def close(self) -> None:
+        """Release every pin and close the link (a goodbye; an embedded server this process started stops)."""
         for tracked in self._tracked.values():
             self._release_pin(tracked)
         self._tracked.clear()
+        self._link.close()
 
     @property
     def num_pinned_plans(self) -> int:
