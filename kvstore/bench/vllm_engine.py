@@ -4,7 +4,12 @@
 a vLLM engine spawns its engine-core and worker processes, which re-import the main module, so it needs a
 ``__main__`` of its own, and a crashed or hung engine then costs one subprocess, not the caller. By hand::
 
-    .venv-vllm/bin/python -m kvstore.bench.vllm_engine spec.json     # or the spec's JSON on stdin
+    .venv-vllm/bin/python -P kvstore/bench/vllm_engine.py spec.json     # or the spec's JSON on stdin
+
+It runs as a file (``engine_command``), not with ``-m``: vLLM's spawned workers re-import the main module, and as
+``kvstore.bench.vllm_engine`` that would import kvstore (numba, torch extensions) into each worker before vLLM sets
+up its kernels, which breaks vLLM 0.32's kernel registration on CPU. ``-P`` keeps this file's directory off
+``sys.path``, so its sibling modules cannot shadow top-level ones.
 
 The spec is an ``EngineSpec`` as JSON. Prompts run one after another, one ``LLM.generate`` call each, so a later
 request finds what an earlier one left in vLLM's prefix cache or in a KV connector's store. Sampling is greedy,
@@ -164,11 +169,18 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def engine_command() -> list[str]:
+    """The command that runs this driver (its spec on stdin)."""
+    return [sys.executable, "-P", str(Path(__file__).resolve())]
+
+
 def wait_until_stored(spec: EngineSpec, prompt: Sequence[int], timeout_s: float) -> bool:
-    """Poll kvstore until a lookup of ``prompt`` covers it whole; whether it did within ``timeout_s``."""
+    """Poll kvstore until a lookup of ``prompt`` covers it whole; whether it did within ``timeout_s`` (``False`` at
+    once when the store does not answer: there is no save to wait for)."""
     import time
 
     from kvstore import Client
+    from kvstore.errors import KVStoreError
     from kvstore.server.ownership import live_server_record
 
     extra = dict((spec.kv_transfer_config or {}).get("kv_connector_extra_config") or {})
@@ -179,14 +191,17 @@ def wait_until_stored(spec: EngineSpec, prompt: Sequence[int], timeout_s: float)
             record = live_server_record(Path(extra.get("kvstore.disk_path", "kvstore-data")))
             url = record.url if record is not None else None
         if url is not None:
-            with Client(url) as admin:
-                layout = admin.info().layout
-            if layout is not None:
-                with Client(url, layout) as client:
-                    plan = client.lookup(list(prompt), blend=False)
-                    client.release(plan)
-                if plan.num_prefix_tokens >= len(prompt):
-                    return True
+            try:
+                with Client(url, connect_timeout_s=2.0) as admin:
+                    layout = admin.info().layout
+                if layout is not None:
+                    with Client(url, layout, connect_timeout_s=2.0) as client:
+                        plan = client.lookup(list(prompt), blend=False)
+                        client.release(plan)
+                    if plan.num_prefix_tokens >= len(prompt):
+                        return True
+            except KVStoreError:
+                return False
         time.sleep(0.05)
     return False
 

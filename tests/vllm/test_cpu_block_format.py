@@ -51,6 +51,8 @@ def test_gather_and_scatter_agree_with_the_cpu_kernel(isa: str, dtype: torch.dty
     scatter_blocks(ours, block_format, torch.tensor([2, 5]), loaded)
     theirs = torch.zeros_like(cache)
     kernel_writer(theirs, isa)(
-        loaded[0].contiguous(), loaded[1].contiguous(), torch.cat([2 * SLOTS + torch.arange(SLOTS), 5 * SLOTS + torch.arange(SLOTS)])
+        loaded[0].contiguous(),
+        loaded[1].contiguous(),
+        torch.cat([2 * SLOTS + torch.arange(SLOTS), 5 * SLOTS + torch.arange(SLOTS)]),
     )
     assert torch.equal(ours, theirs)
