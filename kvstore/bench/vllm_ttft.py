@@ -25,13 +25,12 @@ import inspect
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.bench.vllm_engine import EngineSpec, RequestResult
+from kvstore.bench.vllm_engine import EngineSpec, RequestResult, engine_command
 from kvstore.errors import ConfigError
 
 __all__ = ["VllmBenchOptions", "VllmBenchRow", "prose_prompts", "run_vllm_benchmark"]
@@ -192,7 +191,7 @@ def _run_engine(spec: EngineSpec, timeout_s: float) -> list[RequestResult]:
     """One engine session in a subprocess; its log goes to this process's stderr only when it fails."""
     with tempfile.TemporaryFile() as log:
         completed = subprocess.run(
-            [sys.executable, "-m", "kvstore.bench.vllm_engine"],
+            engine_command(),
             input=spec.to_json(),
             stdout=subprocess.PIPE,
             stderr=log,

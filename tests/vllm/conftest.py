@@ -28,7 +28,7 @@ from typing import IO
 
 import pytest
 
-from kvstore.bench.vllm_engine import EngineSpec, RequestResult
+from kvstore.bench.vllm_engine import EngineSpec, RequestResult, engine_command
 from kvstore.models import default_model_cache_dir
 from kvstore.models.vllm_export import export_smollm2_for_vllm
 
@@ -99,7 +99,7 @@ def run_engine_driver(spec: EngineSpec, *, timeout_s: float = ENGINE_TIMEOUT_S) 
     spec_json = spec.to_json()
     with tempfile.TemporaryFile() as stderr:
         driver = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.bench.vllm_engine"],
+            engine_command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
