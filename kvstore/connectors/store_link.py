@@ -33,6 +33,7 @@ from kvstore.errors import (
     StorageError,
 )
 from kvstore.layout import KVLayout
+from kvstore.server.ownership import live_server_record
 
 __all__ = ["StoreLink"]
 
@@ -118,6 +119,8 @@ class StoreLink:
             if url is None:
                 server = self._server
                 if server is None or not server.is_running():
+                    server = self._running_server_locked()
+                if server is None:
                     self._start_in_background_locked()
                     return None
                 url = server.url
@@ -142,6 +145,14 @@ class StoreLink:
             spare = self._client
         client.close()
         return spare
+
+    def _running_server_locked(self) -> EmbeddedServer | None:
+        """The server another process runs on the data dir (one file read), kept as the link's server."""
+        record = live_server_record(self._settings.embedded.disk_path)
+        if record is None:
+            return None
+        self._server = EmbeddedServer(url=record.url, pid=record.pid, process=None)
+        return self._server
 
     def _start_in_background_locked(self) -> None:
         """Find or start the embedded server on a thread of its own: no request waits for a server's start-up."""

@@ -84,10 +84,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 async_disk_loads=settings.async_disk_loads,
             )
         else:
-            links = (
+            links = (  # each connected now: a link's first call must not be the one that finds the server
                 _connected_link(settings, layout, f"{name} load", settings.transfer_timeout_s),
-                StoreLink(settings, layout, name=f"{name} async-load", timeout_s=settings.transfer_timeout_s),
-                StoreLink(settings, layout, name=f"{name} save", timeout_s=settings.transfer_timeout_s),
+                _connected_link(settings, layout, f"{name} async-load", settings.transfer_timeout_s),
+                _connected_link(settings, layout, f"{name} save", settings.transfer_timeout_s),
             )
             self._worker = WorkerSide(vllm_config, layout, links, block_size=block_size)
         logger.info(
