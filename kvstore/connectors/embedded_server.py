@@ -12,6 +12,14 @@ server still flushing) is used, or waited for, never fought.
 
 The child's output goes to ``DIR/embedded-server.log``; a child that dies during start-up is reported with the
 last line it printed.
+
+CPUs: vLLM's CPU worker binds itself to its compute cores (leaving ``VLLM_CPU_NUM_OF_RESERVED_CPU`` free) and
+busy-polls them between steps, and a child inherits that twice: its CPU affinity, and OpenMP's binding variables
+(``GOMP_CPU_AFFINITY=0``, ``OMP_NUM_THREADS=1``), with which the child's own OpenMP runtime binds it back to the
+worker's cores when torch loads. A server bound there waits on the run queue behind the engine (measured on a
+2-core host: 30 s of a server's first seconds spent runnable but not running, so an 8K-token disk load timed out).
+So the server starts without those variables, moved to the CPUs the starting process left free (every CPU when it
+left none).
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ _LOCK_FILE = "embedded-server.lock"
 _OWNER_LOCK_FILE = "LOCK"  # the disk tier's owner lock (``tiers.disk_env``)
 _LOG_FILE = "embedded-server.log"
 _POLL_S = 0.05
+_THREAD_BINDING_ENV = frozenset(
+    {"GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY", "OMP_NUM_THREADS", "MKL_NUM_THREADS"}
+)
+"""OpenMP settings an engine's worker makes for its own cores (vLLM's CPU worker sets the first and the fifth);
+the server, a process of its own, runs with its defaults."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -159,8 +172,12 @@ def _start(settings: EmbeddedServerSettings, data_dir: Path, deadline: float) ->
         str(os.getpid()),
     ]
     log_path = data_dir / _LOG_FILE
+    env = {name: value for name, value in os.environ.items() if name not in _THREAD_BINDING_ENV}
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+        )
+    _unpin(process.pid)  # right after exec, long before its interpreter starts a thread
     logger.info("started an embedded kvstore server (pid %d) on %s; its log: %s", process.pid, data_dir, log_path)
     while time.monotonic() < deadline:
         record = live_server_record(data_dir)
@@ -172,6 +189,32 @@ def _start(settings: EmbeddedServerSettings, data_dir: Path, deadline: float) ->
     process.kill()
     process.wait()
     raise ServerUnavailableError(f"the embedded kvstore server on {data_dir} did not start in time; see {log_path}")
+
+
+def _unpin(pid: int) -> None:
+    """Move a child off the CPUs this process is bound to (see the module docstring); no-op when it is unbound."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    ours = os.sched_getaffinity(0)
+    machine = set(range(os.cpu_count() or 1))
+    if ours >= machine:
+        return
+    for cpus in (machine - ours, machine):  # a cpuset may forbid the first choice
+        try:
+            os.sched_setaffinity(pid, cpus)
+        except OSError:
+            continue
+        logger.info(
+            "embedded kvstore server (pid %d) runs on CPUs %s (this process is bound to %s)",
+            pid,
+            _cpu_list(os.sched_getaffinity(pid)),
+            _cpu_list(ours),
+        )
+        return
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(cpu) for cpu in sorted(cpus))
 
 
 def _last_error(log_path: Path) -> str:

@@ -53,7 +53,10 @@ def test_engine_specs_and_results_survive_json(prompts, max_tokens, wait, kills)
     assert again.to_json() == spec.to_json()
     assert [list(prompt) for prompt in again.prompts] == prompts
     result = RequestResult(token_ids=tuple(prompts[0]), num_cached_tokens=128, ttft_s=0.5)
-    assert RequestResult.from_json(result.to_json()) == result
+    assert RequestResult.from_json(result.to_json()) == result and result.kvstore_loaded_tokens is None
+    report = {"kvstore": {"loaded_tokens": 128, "load_failed_tokens": 0}}
+    loaded = RequestResult(token_ids=(1,), num_cached_tokens=128, ttft_s=0.5, kv_transfer_params=report)
+    assert RequestResult.from_json(loaded.to_json()) == loaded and loaded.kvstore_loaded_tokens == 128
 
 
 def test_an_engine_spec_refuses_empty_prompts_and_no_tokens() -> None:
@@ -74,6 +77,7 @@ def test_options_and_rows() -> None:
         ttft_ms_p50=812.345,
         speedup_vs_cold=12.3456,
         num_cached_tokens_p50=7936,
+        kvstore_loaded_tokens_p50=7680,
         ttft_ms_samples=(800.01, 812.345),
     )
     assert row.to_json_dict() == {
@@ -82,6 +86,7 @@ def test_options_and_rows() -> None:
         "ttft_ms_p50": 812.3,
         "speedup_vs_cold": 12.346,
         "num_cached_tokens_p50": 7936,
+        "kvstore_loaded_tokens_p50": 7680,
         "ttft_ms_samples": [800.0, 812.3],
     }
 

@@ -240,3 +240,29 @@ def test_a_holder_that_lets_go_before_the_deadline_is_waited_for(
     store_and_check(server.url, tokens_seed=3)
     server.stop()
     assert server.process.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is a Linux feature")
+def test_a_server_started_by_a_pinned_process_runs_on_the_cpus_it_left_free(
+    data_dir: Path, children: list[subprocess.Popen[str]]
+) -> None:
+    """vLLM's CPU worker binds itself to its compute cores, by affinity and by OpenMP variables (which bind a child
+    back when its torch loads): the server it starts must inherit neither."""
+    machine = set(range(os.cpu_count() or 1))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})  # this thread only: the one that starts the child
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("GOMP_CPU_AFFINITY", "0")
+            patch.setenv("OMP_NUM_THREADS", "1")
+            server = ensure_embedded_server(embedded_settings(data_dir), start_timeout_s=START_TIMEOUT_S)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert server.process is not None
+    children.append(server.process)  # type: ignore[arg-type]
+    store_and_check(server.url, tokens_seed=3)  # torch, and OpenMP with it, is loaded and has run by now
+    assert os.sched_getaffinity(server.pid) == (machine - {0} or machine)
+    environment = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+    assert not [entry for entry in environment if entry.startswith((b"GOMP_CPU_AFFINITY=", b"OMP_NUM_THREADS="))]
+    server.stop()

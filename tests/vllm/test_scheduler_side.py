@@ -7,7 +7,8 @@ readmitted), and that a dead store costs one lookup timeout and no exception.
 
 Steps are driven as EngineCore drives them: ``schedule()``, then ``update_from_output()`` with a ``ModelRunnerOutput``
 holding one sampled token per request whose prefill the step completed, and what the worker's connector reports
-(``KVStoreWorkerMetadata.finished_loads`` for loads, ``finished_recving`` for asynchronous ones). The store is a real
+(``KVStoreWorkerMetadata.finished_loads`` for loads, with ``finished_recving`` for asynchronous ones, and
+``invalid_block_ids`` for blocks a load could not fill). The store is a real
 ``kvstore serve`` serving the model's layout (the connector's own ``engine_layout``), preloaded with random KV through
 ``Client.store``; the pins are the server's open plans.
 
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -99,6 +101,7 @@ def vllm_config(model_dir: Path, shape: EngineShape, extra_config: dict[str, obj
             kv_connector_module_path="kvstore.connectors.vllm",
             kv_role="kv_both",
             kv_connector_extra_config=dict(extra_config),
+            kv_load_failure_policy="recompute",
         )
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN),
@@ -212,19 +215,24 @@ def finish_step(
     output: SchedulerOutput,
     *,
     finished_loads: Iterable[str] = (),
+    short_loads: Mapping[str, int] | None = None,
     finished_recving: Iterable[str] = (),
-) -> None:
+    invalid_block_ids: Iterable[int] = (),
+) -> dict[str, dict[str, Any] | None]:
     """What the model runner returns for ``output``: a token for each request whose prefill (or decode) the step
-    completed, none for a partial prefill chunk, and the worker connector's reports."""
+    completed, none for a partial prefill chunk, and the worker connector's reports: ``finished_loads`` loaded
+    whole (a worker reports at most what was planned; the scheduler side counts at most that), ``short_loads``
+    with the tokens they did load. Returns the ``kv_transfer_params`` of each request the step finished."""
     request_ids = list(output.num_scheduled_tokens)
     sampled = []
     for request_id in request_ids:
         request = scheduler.requests[request_id]
         sampled.append([SAMPLED_TOKEN] if request.num_computed_tokens >= request.num_tokens else [])
-    loads = set(finished_loads)
+    loads = dict.fromkeys(finished_loads, MAX_MODEL_LEN) | dict(short_loads or {})
     connector_output = KVConnectorOutput(
         finished_recving=set(finished_recving) or None,
         kv_connector_worker_meta=KVStoreWorkerMetadata(finished_loads=loads) if loads else None,
+        invalid_block_ids=set(invalid_block_ids),
     )
     runner_output = ModelRunnerOutput(
         req_ids=request_ids,
@@ -232,7 +240,13 @@ def finish_step(
         sampled_token_ids=sampled,
         kv_connector_output=connector_output,
     )
-    scheduler.update_from_output(output, runner_output)
+    engine_outputs = scheduler.update_from_output(output, runner_output)
+    return {
+        engine_output.request_id: engine_output.kv_transfer_params
+        for outputs in engine_outputs.values()
+        for engine_output in outputs.outputs
+        if engine_output.finish_reason is not None
+    }
 
 
 def new_request_blocks(output: SchedulerOutput, request_id: str) -> list[int]:
@@ -594,6 +608,82 @@ def test_an_async_disk_load_is_pinned_until_the_worker_reports_it_received(
     assert metadata_of(third) == KVStoreConnectorMetadata(
         saves=[SaveSpec(request_id="disk", token_ids=tuple(tokens), block_ids=tuple(blocks[6:]), start=96, end=120)]
     )
+
+
+def evict_to_disk(url: str, layout: KVLayout) -> None:
+    """Leave every stored chunk on disk only (its hits then load asynchronously)."""
+    with Client(url, layout) as client:
+        client.flush()
+        client.evict_bytes(1 << 30, TierName.CPU)
+
+
+def test_the_response_says_how_many_tokens_the_store_loaded(
+    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
+) -> None:
+    tokens = prompt(120, seed=30)
+    preload(store.url, layout, tokens[:64])
+    scheduler = make_scheduler(store.url)
+    add_request(scheduler, "loaded", tokens, max_tokens=1)
+    add_request(scheduler, "missed", prompt(120, seed=31), max_tokens=1)
+    output = scheduler.schedule()
+    assert [load.request_id for load in metadata_of(output).loads] == ["loaded"]
+
+    params = finish_step(scheduler, output, finished_loads={"loaded"})
+
+    assert params == {
+        "loaded": {"kvstore": {"loaded_tokens": 64, "load_failed_tokens": 0}},
+        "missed": {"kvstore": {"loaded_tokens": 0, "load_failed_tokens": 0}},
+    }
+
+
+def test_a_failed_async_load_is_recomputed_and_its_request_is_never_offered_the_hit_again(
+    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
+) -> None:
+    """A store too slow to load in time keeps answering lookups: re-offering the hit would loop the request through
+    load after failed load (measured: minutes on an 8K prompt) instead of computing it."""
+    tokens = prompt(120, seed=32)
+    preload(store.url, layout, tokens[:96])
+    evict_to_disk(store.url, layout)
+    scheduler = make_scheduler(store.url)
+    add_request(scheduler, "failing", tokens, max_tokens=1)
+    first = scheduler.schedule()
+    (load,) = metadata_of(first).loads
+    assert load.is_async and (load.start, load.end) == (0, 96)
+
+    finish_step(
+        scheduler, first, short_loads={"failing": 0}, finished_recving={"failing"}, invalid_block_ids=load.block_ids
+    )
+
+    assert open_plans(store.url) == 0
+    second = scheduler.schedule()
+    assert num_computed_at_admission(second, "failing") == 0
+    assert second.num_scheduled_tokens == {"failing": 120}, "vLLM computes the whole prompt"
+    assert metadata_of(second).loads == []
+    assert open_plans(store.url) == 0
+    params = finish_step(scheduler, second)
+    assert params == {"failing": {"kvstore": {"loaded_tokens": 0, "load_failed_tokens": 96}}}
+
+
+def test_a_sync_load_that_falls_short_recomputes_only_the_missing_blocks(
+    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
+) -> None:
+    tokens = prompt(120, seed=33)
+    preload(store.url, layout, tokens[:96])
+    scheduler = make_scheduler(store.url)
+    add_request(scheduler, "short", tokens, max_tokens=1)
+    first = scheduler.schedule()
+    (load,) = metadata_of(first).loads
+    assert (load.start, load.end, load.is_async) == (0, 96, False)
+
+    # The worker found [0, 64): blocks 4 and 5 are reported, and vLLM recomputes from token 64.
+    finish_step(scheduler, first, short_loads={"short": 64}, invalid_block_ids=load.block_ids[4:])
+
+    assert open_plans(store.url) == 0
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"short": 120 - 64}
+    assert metadata_of(second).loads == []
+    params = finish_step(scheduler, second)
+    assert params == {"short": {"kvstore": {"loaded_tokens": 64, "load_failed_tokens": 32}}}
 
 
 def test_an_abort_during_an_async_disk_load_drops_the_pin_at_once(

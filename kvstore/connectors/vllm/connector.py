@@ -63,6 +63,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         transfer = self._kv_transfer_config
         try:
             settings = parse_connector_settings(transfer.kv_connector_extra_config)
@@ -155,8 +156,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler_side().request_finished(request)
-        return False, None
+        return False, self._scheduler_side().request_finished(request)
 
     # -- both ---------------------------------------------------------------------------------------------------
 
@@ -173,6 +173,19 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side call reached a worker's connector"
         return self._scheduler
+
+
+def _log_through_vllm() -> None:
+    """Send kvstore's log records to vLLM's handlers at vLLM's level (``VLLM_LOGGING_LEVEL``), so the connector's
+    lines appear in the engine's log with its format instead of only warnings on bare stderr."""
+    kvstore_logger = logging.getLogger("kvstore")
+    vllm_logger = logging.getLogger("vllm")
+    if kvstore_logger.handlers or not vllm_logger.handlers:
+        return  # the application set up kvstore's logging itself, or vLLM set up none
+    for handler in vllm_logger.handlers:
+        kvstore_logger.addHandler(handler)
+    kvstore_logger.setLevel(vllm_logger.level)
+    kvstore_logger.propagate = False
 
 
 def _connected_link(settings: ConnectorSettings, layout: KVLayout, name: str, timeout_s: float) -> StoreLink:

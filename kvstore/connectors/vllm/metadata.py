@@ -66,14 +66,23 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 @dataclass(slots=True)
 class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """What a worker finished this step: loads whose data is in the blocks (or failed), so the scheduler side can
-    drop the pins it took when it planned them."""
+    """What a worker finished this step: loads whose data is in the blocks (or failed), and how many tokens each
+    put there, so the scheduler side can drop the pins it took when it planned them and tell a load that fell short
+    (vLLM recomputes it) from one that did not.
 
-    finished_loads: set[str] = field(default_factory=set)
+    Args:
+        finished_loads: request id -> tokens its load put into the blocks (fewer than planned: the rest failed).
+    """
+
+    finished_loads: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Merge two workers' reports: a load counts only as far as every worker got."""
         assert isinstance(other, KVStoreWorkerMetadata), f"cannot aggregate {type(other).__name__}"
-        return KVStoreWorkerMetadata(finished_loads=self.finished_loads | other.finished_loads)
+        merged = dict(self.finished_loads)
+        for request_id, num_tokens in other.finished_loads.items():
+            merged[request_id] = min(num_tokens, merged.get(request_id, num_tokens))
+        return KVStoreWorkerMetadata(finished_loads=merged)
 
 
 _COUNTERS = (

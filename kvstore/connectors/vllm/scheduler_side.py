@@ -7,8 +7,11 @@ Per request::
     update_state_after_alloc     the hit is taken: look up again *pinned*, queue a LoadSpec for the workers
     build_connector_meta         hand queued loads to the workers; once a step completes the prefill, a SaveSpec
                                  for the chunks the store lacks
-    update_connector_output      the workers report finished loads: drop their pins
-    request_finished / preempt   drop whatever is still pinned or queued
+    update_connector_output      the workers report finished loads (and how many tokens each put in place): drop
+                                 their pins; a load that fell short marks the request, which is then never offered
+                                 a hit again (vLLM recomputes it, instead of retrying a load that keeps failing)
+    request_finished / preempt   drop whatever is still pinned or queued; the response's ``kv_transfer_params``
+                                 say what was loaded: ``{"kvstore": {"loaded_tokens": N, "load_failed_tokens": M}}``
 
 Saves are asynchronous: a prompt is in the store some milliseconds after its prefill step (longer on a busy host),
 so an identical prompt arriving in between misses (vLLM's own prefix cache serves that case within one engine).
@@ -28,6 +31,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from vllm.v1.request import RequestStatus
 
 from kvstore.client import Client
 from kvstore.connectors.store_link import StoreLink
@@ -64,6 +69,13 @@ class _Tracked:
     store_prefix_tokens: int = 0
     saved: bool = False
     pinned: LookupPlan | None = None
+    planned_load_tokens: int = 0  # the load queued or in flight (0: none)
+    loaded_tokens: int = 0
+    load_failed_tokens: int = 0
+
+    def transfer_params(self) -> dict[str, object]:
+        """What the response's ``kv_transfer_params`` say about this request."""
+        return {"kvstore": {"loaded_tokens": self.loaded_tokens, "load_failed_tokens": self.load_failed_tokens}}
 
 
 class SchedulerSide:
@@ -94,6 +106,9 @@ class SchedulerSide:
         prompt = tuple(request.prompt_token_ids or ())
         if not self._load or len(prompt) <= self._block_size:
             return 0, False
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None and tracked.load_failed_tokens:
+            return 0, False  # its load fell short once: vLLM recomputes rather than retry a store that failed it
         probe = self._link.call("lookup", lambda client: _probe(client, prompt))
         if probe is None:
             self._probes.pop(request.request_id, None)
@@ -125,6 +140,7 @@ class SchedulerSide:
         first, last = start // self._block_size, end // self._block_size
         self._release_pin(tracked)
         tracked.pinned = self._link.call("pin", lambda client: client.lookup(tracked.prompt, blend=False))
+        tracked.planned_load_tokens = end - start
         self._queued_loads[request_id] = LoadSpec(
             request_id=request_id,
             token_ids=tracked.prompt,
@@ -164,21 +180,33 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         finished = set(connector_output.finished_recving or ())
         worker_meta = connector_output.kv_connector_worker_meta
-        if isinstance(worker_meta, KVStoreWorkerMetadata):
-            finished |= worker_meta.finished_loads
-        for request_id in finished:
+        loaded = worker_meta.finished_loads if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
+        for request_id in finished | loaded.keys():
             tracked = self._tracked.get(request_id)
-            if tracked is not None:
-                self._release_pin(tracked)
+            if tracked is None:
+                continue
+            self._release_pin(tracked)
+            if request_id in loaded:
+                num_loaded = min(loaded[request_id], tracked.planned_load_tokens)
+                tracked.loaded_tokens += num_loaded
+                tracked.load_failed_tokens += tracked.planned_load_tokens - num_loaded
+                tracked.planned_load_tokens = 0
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> dict[str, object] | None:
         """Drop everything of a finished or aborted request (its blocks are vLLM's to free: saves copy out in the
-        step that computes them, so nothing here ever holds a block)."""
+        step that computes them, so nothing here ever holds a block); returns its ``kv_transfer_params``."""
         self._probes.pop(request.request_id, None)
         self._queued_loads.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
-        if tracked is not None:
-            self._release_pin(tracked)
+        if tracked is None:
+            return None
+        self._release_pin(tracked)
+        if tracked.planned_load_tokens and request.status is not RequestStatus.FINISHED_ABORTED:
+            # Finished in the step of its (sync) load, whose report vLLM hands over after finishing requests: the
+            # load filled every block, or vLLM, which reads failed blocks first, would have rescheduled the request.
+            tracked.loaded_tokens += tracked.planned_load_tokens
+            tracked.planned_load_tokens = 0
+        return tracked.transfer_params()
 
     def close(self) -> None:
         """Release every pin and close the link (a goodbye; an embedded server this process started stops)."""
@@ -206,6 +234,7 @@ class SchedulerSide:
         tracked = self._tracked.get(request_id)
         if tracked is not None:
             tracked.block_ids = []
+            tracked.planned_load_tokens = 0  # a late report of its load counts what arrived, fails nothing
             self._release_pin(tracked)
 
     def _maybe_save(

@@ -106,11 +106,11 @@ class WorkerSide:
         self._metadata: KVStoreConnectorMetadata | None = None
         self._sync_loads: list[tuple[LoadSpec, concurrent.futures.Future[_Fetched]]] = []
         self._layers_loaded = 0
-        self._async_loads: dict[str, concurrent.futures.Future[set[int]]] = {}
+        self._async_loads: dict[str, concurrent.futures.Future[tuple[int, set[int]]]] = {}
         self._saves: list[_PendingSave] = []
         self._save_futures: list[concurrent.futures.Future[None]] = []
         self._failed_blocks: set[int] = set()
-        self._finished_loads: set[str] = set()
+        self._finished_loads: dict[str, int] = {}  # request id -> tokens its load put into the blocks
         self._stats_lock = threading.Lock()
         self._stats = KVStoreConnectorStats()
 
@@ -211,8 +211,8 @@ class WorkerSide:
             for layer in range(self._layers_loaded, len(self._caches)):
                 self._scatter_layer(layer)
             self._layers_loaded = len(self._caches)
-        for spec, _ in self._sync_loads:
-            self._finished_loads.add(spec.request_id)
+        for spec, future in self._sync_loads:
+            self._finished_loads[spec.request_id] = _loaded_tokens(spec, future.result())
         self._sync_loads = []
         for save in self._saves:
             if save.num_layers_gathered == len(self._caches):
@@ -225,11 +225,12 @@ class WorkerSide:
         self._save_futures = [future for future in self._save_futures if not future.done()]
 
     def get_finished(self) -> set[str] | None:
-        """Async loads that finished since the last call (their failed blocks are already reported)."""
+        """Async loads that finished since the last call (their failed blocks are reported with them)."""
         done = {request_id for request_id, future in self._async_loads.items() if future.done()}
         for request_id in done:
-            self._failed_blocks |= self._async_loads.pop(request_id).result()
-            self._finished_loads.add(request_id)
+            num_loaded, failed_blocks = self._async_loads.pop(request_id).result()
+            self._failed_blocks |= failed_blocks
+            self._finished_loads[request_id] = num_loaded
         return done or None
 
     def take_failed_blocks(self) -> set[int]:
@@ -239,7 +240,7 @@ class WorkerSide:
     def take_worker_metadata(self) -> KVStoreWorkerMetadata | None:
         if not self._finished_loads:
             return None
-        finished, self._finished_loads = self._finished_loads, set()
+        finished, self._finished_loads = self._finished_loads, {}
         return KVStoreWorkerMetadata(finished_loads=finished)
 
     def take_stats(self) -> KVStoreConnectorStats | None:
@@ -294,8 +295,8 @@ class WorkerSide:
                 self._account_load(spec, fetched)
             self._scatter(layer, spec, fetched)
 
-    def _load_whole(self, spec: LoadSpec) -> set[int]:
-        """An async load: fetch, then scatter every layer; returns the blocks that could not be loaded."""
+    def _load_whole(self, spec: LoadSpec) -> tuple[int, set[int]]:
+        """An async load: fetch, then scatter every layer; returns the tokens loaded and the blocks that were not."""
         fetched = self._fetch(self._async_link, spec)
         try:
             for layer in range(len(self._layers)):
@@ -305,7 +306,7 @@ class WorkerSide:
         except Exception:  # the load thread's boundary: vLLM recomputes what did not load
             logger.exception("request %s: async load failed; vLLM recomputes its blocks", spec.request_id)
             fetched = _Fetched(kv=None, loaded_end=spec.start, seconds=0.0)
-        return self._account_load(spec, fetched)
+        return _loaded_tokens(spec, fetched), self._account_load(spec, fetched)
 
     def _scatter(self, layer: int, spec: LoadSpec, fetched: _Fetched) -> None:
         if fetched.kv is None or fetched.loaded_end <= spec.start:
@@ -332,7 +333,7 @@ class WorkerSide:
                 len(failed),
             )
         self._failed_blocks |= failed if not spec.is_async else set()
-        num_tokens = fetched.loaded_end - spec.start
+        num_tokens = _loaded_tokens(spec, fetched)
         with self._stats_lock:
             self._stats.record(
                 loads=1,
@@ -379,6 +380,10 @@ class WorkerSide:
                 saved_bytes=self._layout.chunk_bytes(num_tokens),
                 save_seconds=time.perf_counter() - started,
             )
+
+
+def _loaded_tokens(spec: LoadSpec, fetched: _Fetched) -> int:
+    return fetched.loaded_end - spec.start
 
 
 def _shared_buffer(client: Client, num_tokens: int) -> torch.Tensor | None:
