@@ -408,6 +408,15 @@ class Client:
         with self._locked():
             return segments.new_buffer(num_tokens)
 
+    def release_buffer(self, buffer: torch.Tensor) -> bool:
+        """Stop sharing a ``buffer()`` with the server (its memory goes once the caller drops the tensor too);
+        ``False`` when it is not one of this client's buffers."""
+        segments = self._segments
+        if segments is None:
+            return False
+        with self._locked():
+            return segments.release_buffer(buffer)
+
     def flush(self) -> None:
         """Block until every pending disk write on the server is committed and synced."""
         self._simple(Op.FLUSH)

@@ -2,8 +2,9 @@
 
 Loads. A synchronous load (the hit is in a memory tier) is fetched on a background thread as soon as the step starts
 (``start_load_kv``): a pinned lookup of the prompt's prefix, then one retrieve into a shared-memory buffer the server
-writes directly. Entering each attention layer (``wait_for_layer_load``) waits for that fetch and scatters that one
-layer into the request's blocks, so layer 0's attention does not wait for the other layers' copies. An asynchronous
+writes directly (kept for the next load: ``LoadBuffers``). Entering each attention layer (``wait_for_layer_load``)
+waits for that fetch and scatters that one layer into the request's blocks, so layer 0's attention does not wait
+for the other layers' copies. An asynchronous
 load (the hit is on disk) runs whole on its own thread while the engine keeps stepping other requests, and is
 reported done through ``get_finished``.
 
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.client import Client
+from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.connectors.paged import BlockFormat, PagedLayer, PlaneMap, probe_block_format
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.metadata import (
@@ -60,11 +62,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Fetched:
-    """A load's KV as retrieved: ``kv`` covers tokens ``[0, loaded_end)`` at least (``None`` when nothing)."""
+    """A load's KV as retrieved: ``kv`` covers tokens ``[0, loaded_end)`` at least (``None`` when nothing); ``buffer``
+    is the load buffer it lies in, to give back once the KV is in the blocks."""
 
     kv: torch.Tensor | None
     loaded_end: int
     seconds: float
+    buffer: torch.Tensor | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -109,6 +113,7 @@ class WorkerSide:
         self._async_loads: dict[str, concurrent.futures.Future[tuple[int, set[int]]]] = {}
         self._saves: list[_PendingSave] = []
         self._save_futures: list[concurrent.futures.Future[None]] = []
+        self._sync_buffers, self._async_buffers = LoadBuffers(), LoadBuffers()  # one per load link and thread
         self._failed_blocks: set[int] = set()
         self._finished_loads: dict[str, int] = {}  # request id -> tokens its load put into the blocks
         self._stats_lock = threading.Lock()
@@ -180,7 +185,8 @@ class WorkerSide:
             if spec.is_async:
                 self._async_loads[spec.request_id] = self._pools[1].submit(self._load_whole, spec)
             else:
-                self._sync_loads.append((spec, self._pools[0].submit(self._fetch, self._sync_link, spec)))
+                fetch = self._pools[0].submit(self._fetch, self._sync_link, self._sync_buffers, spec)
+                self._sync_loads.append((spec, fetch))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_of.get(layer_name)
@@ -212,7 +218,9 @@ class WorkerSide:
                 self._scatter_layer(layer)
             self._layers_loaded = len(self._caches)
         for spec, future in self._sync_loads:
-            self._finished_loads[spec.request_id] = _loaded_tokens(spec, future.result())
+            fetched = future.result()
+            self._finished_loads[spec.request_id] = _loaded_tokens(spec, fetched)
+            self._sync_buffers.give_back(fetched.buffer)
         self._sync_loads = []
         for save in self._saves:
             if save.num_layers_gathered == len(self._caches):
@@ -259,18 +267,18 @@ class WorkerSide:
 
     # -- loads ----------------------------------------------------------------------------------------------------
 
-    def _fetch(self, link: StoreLink, spec: LoadSpec) -> _Fetched:
+    def _fetch(self, link: StoreLink, buffers: LoadBuffers, spec: LoadSpec) -> _Fetched:
         """Retrieve the prompt's cached prefix; ``loaded_end`` says how far it is usable (block-aligned)."""
         started = time.perf_counter()
         try:
-            fetched = link.call("load", lambda client: self._retrieve(client, spec))
+            fetched = link.call("load", lambda client: self._retrieve(client, spec, buffers))
         except Exception:  # the load thread's boundary: vLLM recomputes what did not load
             logger.exception("request %s: loading from the store failed; vLLM recomputes its blocks", spec.request_id)
             fetched = None
         seconds = time.perf_counter() - started
         return fetched if fetched is not None else _Fetched(kv=None, loaded_end=spec.start, seconds=seconds)
 
-    def _retrieve(self, client: Client, spec: LoadSpec) -> _Fetched:
+    def _retrieve(self, client: Client, spec: LoadSpec, buffers: LoadBuffers) -> _Fetched:
         started = time.perf_counter()
         plan = client.lookup(spec.token_ids, blend=False)
         usable = min(spec.end, plan.num_prefix_tokens)
@@ -278,15 +286,22 @@ class WorkerSide:
         if usable <= spec.start:
             client.release(plan)
             return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started)
-        out = _shared_buffer(client, plan.end) if self._caches[0].device.type == "cpu" else None
+        try:
+            out = buffers.take(client, plan.end) if self._caches[0].device.type == "cpu" else None
+        except KVStoreError:
+            client.release(plan)
+            raise
         try:
             result = client.retrieve(plan, out)
         except KVStoreError:
             client.release(plan)
+            buffers.give_back(out)
             raise
         usable = min(usable, exact_prefix_tokens(result.segments))  # a chunk that failed its checksum is a gap
         usable -= usable % self._block_size
-        return _Fetched(kv=result.kv, loaded_end=max(usable, spec.start), seconds=time.perf_counter() - started)
+        return _Fetched(
+            kv=result.kv, loaded_end=max(usable, spec.start), seconds=time.perf_counter() - started, buffer=out
+        )
 
     def _scatter_layer(self, layer: int) -> None:
         for spec, future in self._sync_loads:
@@ -297,7 +312,8 @@ class WorkerSide:
 
     def _load_whole(self, spec: LoadSpec) -> tuple[int, set[int]]:
         """An async load: fetch, then scatter every layer; returns the tokens loaded and the blocks that were not."""
-        fetched = self._fetch(self._async_link, spec)
+        fetched = self._fetch(self._async_link, self._async_buffers, spec)
+        buffer = fetched.buffer
         try:
             for layer in range(len(self._layers)):
                 self._scatter(layer, spec, fetched)
@@ -306,6 +322,8 @@ class WorkerSide:
         except Exception:  # the load thread's boundary: vLLM recomputes what did not load
             logger.exception("request %s: async load failed; vLLM recomputes its blocks", spec.request_id)
             fetched = _Fetched(kv=None, loaded_end=spec.start, seconds=0.0)
+        finally:
+            self._async_buffers.give_back(buffer)
         return _loaded_tokens(spec, fetched), self._account_load(spec, fetched)
 
     def _scatter(self, layer: int, spec: LoadSpec, fetched: _Fetched) -> None:
