@@ -65,20 +65,23 @@ VLLM_CPU_ENV = MappingProxyType(
 
 EngineRunner = Callable[[EngineSpec], list[RequestResult]]
 
-E2E_PROMPT_TOKENS = 1100
-"""The connector tests' prompts: four whole 256-token chunks and a partial one."""
+E2E_PROMPT_TOKENS = 700
+"""The connector tests' prompts: two whole 256-token chunks and a partial one (each prompt computed costs about 10 s
+of one core here: they are as short as the cases they test allow)."""
 SHARED_PREFIX_TOKENS = 512
 """``shared_prefix`` starts with ``first``'s first two chunks."""
 BASELINE_PROMPT_TOKENS = 300
-REFERENCE_NEW_TOKENS = 24
+REFERENCE_NEW_TOKENS = 8
 """Greedy tokens the cold reference generates per prompt; the connector tests compare their first few."""
+_COVERAGE_ENV = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
+"""How coverage's ``patch = subprocess`` reaches child processes (tests/vllm/coverage.toml)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ColdReference:
     """Every prompt the tests use, and what an engine with no connector and no prefix cache answers to it.
 
-    Prompts: ``first``, ``second``, ``third`` (1,100 tokens each of real prose, disjoint), ``shared_prefix``
+    Prompts: ``first``, ``second``, ``third`` (700 tokens each of real prose, disjoint), ``shared_prefix``
     (``first``'s first 512 tokens, then ``third``'s), and ``baseline`` (300 tokens of ``os.walk``'s docstring).
     """
 
@@ -116,7 +119,8 @@ def cold_reference(vllm_model_dir: Path, vllm_env: Mapping[str, str]) -> ColdRef
     results = run_engine_driver(
         EngineSpec(
             model_dir=vllm_model_dir, prompts=list(prompts.values()), max_tokens=REFERENCE_NEW_TOKENS, env=vllm_env
-        )
+        ),
+        measure_coverage=False,  # it runs no connector code, and tracing vLLM's Python costs it about a minute
     )
     return ColdReference(prompts=prompts, outputs=dict(zip(prompts, results, strict=True)))
 
@@ -127,7 +131,9 @@ def run_engine() -> EngineRunner:
     return run_engine_driver
 
 
-def run_engine_driver(spec: EngineSpec, *, timeout_s: float = ENGINE_TIMEOUT_S) -> list[RequestResult]:
+def run_engine_driver(
+    spec: EngineSpec, *, timeout_s: float = ENGINE_TIMEOUT_S, measure_coverage: bool = True
+) -> list[RequestResult]:
     """Run ``kvstore.bench.vllm_engine`` on ``spec`` and parse its results.
 
     The driver runs in a session of its own, so on a timeout its whole process group (the engine core and workers it
@@ -136,6 +142,8 @@ def run_engine_driver(spec: EngineSpec, *, timeout_s: float = ENGINE_TIMEOUT_S) 
     Args:
         spec: the engine and its prompts.
         timeout_s: the whole run's limit, engine start included.
+        measure_coverage: let a coverage run follow the driver into the engine's processes (as it does by default
+            for every subprocess); an engine without the connector has nothing to measure.
 
     Returns:
         One result per prompt, in prompt order.
@@ -146,8 +154,10 @@ def run_engine_driver(spec: EngineSpec, *, timeout_s: float = ENGINE_TIMEOUT_S) 
     """
     spec_json = spec.to_json()
     with tempfile.TemporaryFile() as stderr:
+        env = None if measure_coverage else {k: v for k, v in os.environ.items() if k not in _COVERAGE_ENV}
         driver = subprocess.Popen(
             engine_command(),
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,

@@ -4,8 +4,8 @@ Every output is compared with the session's cold engine (``cold_reference``: no 
 must never change a token. ``num_cached_tokens`` is vLLM's own count of prompt tokens it did not compute, with vLLM's
 prefix cache off what the connector was asked to load; it counts a load that failed and was recomputed too, so every
 hit is also checked against what the connector says it loaded (``kvstore_loaded_tokens``, from the response's
-``kv_transfer_params``). A 1,100-token prompt whose whole KV is stored (four chunks and a partial one) loads 1,024
-tokens: the hit is cut to vLLM's 128-token block, and vLLM computes at least the prompt's last token.
+``kv_transfer_params``). A 700-token prompt whose whole KV is stored (two chunks and a partial one) loads 640 tokens:
+the hit is cut to vLLM's 128-token block, and vLLM computes at least the prompt's last token.
 
 Engines are slow to start (about 20-30 s on two cores, 10 s to stop), so one test runs three engines on one data
 dir, each step building on the last:
@@ -28,7 +28,7 @@ from kvstore.bench.vllm_engine import EngineSpec
 from tests.server.conftest import ServerProcess, running_server
 from tests.vllm.conftest import SHARED_PREFIX_TOKENS, ColdReference, EngineRunner
 
-FULL_HIT_TOKENS = 1024  # 1,100 cut to a 128-token block, leaving the last token to compute
+FULL_HIT_TOKENS = 640  # 700 cut to a 128-token block, leaving the last token to compute
 MAX_TOKENS = 4
 SAVE_WAIT_S = 60.0
 SESSION_TIMEOUT_S = 1200  # three engine sessions on a loaded 2-core machine
