@@ -181,6 +181,13 @@ def preload(url: str, layout: KVLayout, tokens: list[int]) -> None:
         client.store(tokens, make_kv(layout, len(tokens), seed=len(tokens)))
 
 
+def evict_to_disk(url: str, layout: KVLayout) -> None:
+    """Leave every stored chunk on disk only (its hits then load asynchronously)."""
+    with Client(url, layout) as client:
+        client.flush()
+        client.evict_bytes(1 << 30, TierName.CPU)
+
+
 def open_plans(url: str) -> int:
     """The server's plans looked up and not yet retrieved or released: the connector's pins."""
     with Client(url, timeout_s=5.0) as admin:
@@ -607,13 +614,6 @@ def test_an_async_disk_load_is_pinned_until_the_worker_reports_it_received(
     assert metadata_of(third) == KVStoreConnectorMetadata(
         saves=[SaveSpec(request_id="disk", token_ids=tuple(tokens), block_ids=tuple(blocks[6:]), start=96, end=120)]
     )
-
-
-def evict_to_disk(url: str, layout: KVLayout) -> None:
-    """Leave every stored chunk on disk only (its hits then load asynchronously)."""
-    with Client(url, layout) as client:
-        client.flush()
-        client.evict_bytes(1 << 30, TierName.CPU)
 
 
 def test_the_response_says_how_many_tokens_the_store_loaded(
