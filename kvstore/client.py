@@ -33,8 +33,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstore.config import check_byte_count, tier_name
 from kvstore.errors import InvalidInputError, KVStoreError, ProtocolError, ServerUnavailableError, StorageError
-from kvstore.keys import PrefixKey, as_token_array
+from kvstore.keys import PrefixKey, as_token_array, checked_keys
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
 from kvstore.server.client_segments import ClientSegments
@@ -60,7 +61,7 @@ from kvstore.server.messages import (
     StoreArgs,
 )
 from kvstore.server.protocol import Op, Reply
-from kvstore.server.shm import OwnedSegment, host_id, shm_available, sweep_stale_segments, unlink_segment
+from kvstore.server.shm import OwnedSegment, host_id, shm_available
 from kvstore.server.wire_values import (
     ChunkInfo,
     RetrievedSegments,
@@ -130,7 +131,6 @@ class Client:
             raise
         self._shm = self._choose_shm()
         if self._shm:
-            sweep_stale_segments()
             assert layout is not None, "shared memory is only chosen for a client with a layout"
             self._segments = ClientSegments(layout, self._attach, self._detach)
 
@@ -196,14 +196,15 @@ class Client:
             self._call_locked(Op.END_SESSION, _fixed(args))
 
     def _attach(self, segment: OwnedSegment) -> int:
+        assert segment.fd is not None, "a segment is attached once, while its descriptor is open"
         try:
-            args = AttachArgs(name=segment.name, nbytes=segment.nbytes).to_wire()
+            args = AttachArgs(name=segment.name, nbytes=segment.nbytes, fd=segment.fd).to_wire()
             fields = self._result(self._call_locked(Op.ATTACH, lambda: (args, None)))
             segment_id = fields.required_int("segment_id", 1, 2**31 - 1)
             fields.finish()
             return segment_id
         finally:
-            unlink_segment(segment.name)  # the server unlinked it too; this covers a failed attach
+            segment.close_fd()  # the server holds its own mapping; a failed attach leaves only ours
 
     def _detach(self, segment_id: int) -> None:
         try:
@@ -427,14 +428,16 @@ class Client:
 
     def evict(self, keys: Sequence[PrefixKey]) -> int:
         """Drop chunks from every tier (pinned copies stay); returns the chunk copies dropped."""
-        fields = self._simple(Op.EVICT, EvictArgs(keys=tuple(keys)).to_wire())
+        fields = self._simple(Op.EVICT, EvictArgs(keys=tuple(checked_keys(keys))).to_wire())
         num_evicted = fields.required_int("num_evicted", 0, 2**63 - 1)
         fields.finish()
         return num_evicted
 
-    def evict_bytes(self, num_bytes: int, tier: TierName) -> int:
-        """Free ``num_bytes`` of one tier, least recently used first; returns bytes freed."""
-        fields = self._simple(Op.EVICT, EvictArgs(num_bytes=num_bytes, tier=TierName(tier)).to_wire())
+    def evict_bytes(self, num_bytes: int, tier: TierName | str) -> int:
+        """Free ``num_bytes`` of one tier (``"cpu"`` or ``TierName.CPU``), least recently used first; returns
+        bytes freed."""
+        check_byte_count(num_bytes)
+        fields = self._simple(Op.EVICT, EvictArgs(num_bytes=num_bytes, tier=tier_name(tier)).to_wire())
         freed = fields.required_int("freed_bytes", 0, 2**63 - 1)
         fields.finish()
         return freed

@@ -7,6 +7,11 @@ block, a ref-counter slot and an event) flattened into a msgpack map. The server
 (and synchronises before replying, so the client may use the tensor as soon as the reply arrives). The client
 keeps its tensor alive for the duration of the request, which is all the IPC contract asks.
 
+A handle is the client's word, and a wrong word would make the server touch device memory outside the client's
+allocation: an illegal-address fault, which poisons the server's whole CUDA context (every later GPU request fails).
+So the server checks, before any copy, that the view lies inside the storage the handle names (``parse``) and
+that the storage lies inside the allocation the driver really mapped (``cuMemGetAddressRange`` after opening).
+
 Only exercised on a CUDA machine (tests marked ``gpu``); without CUDA, ``export_cuda_tensor`` refuses and a server
 answers a ``cuda_ipc`` request with a ``config`` error.
 
@@ -15,6 +20,8 @@ Pure functions; thread-safe (torch's IPC cache has its own lock).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +87,22 @@ class CudaIpcHandle:
         fields.finish()
         if len(handle.shape) != len(handle.stride):
             raise RequestError(ErrorCode.INVALID_ARGUMENT, "cuda_ipc handle: shape and stride differ in length")
+        if handle.view_end_bytes() > handle.storage_size_bytes:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"cuda_ipc handle: the view ends at byte {handle.view_end_bytes():,}, past its storage's "
+                f"{handle.storage_size_bytes:,} bytes",
+            )
         return handle
+
+    def view_end_bytes(self) -> int:
+        """One past the last byte of the storage the view touches (0 for an empty view)."""
+        if any(size == 0 for size in self.shape):
+            return 0
+        last_element = self.tensor_offset + sum(
+            (size - 1) * stride for size, stride in zip(self.shape, self.stride, strict=True)
+        )
+        return (last_element + 1) * self.dtype.element_size_bytes
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -142,7 +164,7 @@ def import_cuda_tensor(handle: CudaIpcHandle) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     try:
-        return rebuild_cuda_tensor(  # type: ignore[no-untyped-call,no-any-return]
+        tensor: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
             torch.Tensor,
             torch.Size(handle.shape),
             handle.stride,
@@ -161,3 +183,32 @@ def import_cuda_tensor(handle: CudaIpcHandle) -> torch.Tensor:
         )
     except RuntimeError as exc:
         raise ConfigError(f"cannot open the cuda_ipc handle (another host, or a freed tensor?): {exc}") from exc
+    storage_start = tensor.untyped_storage().data_ptr()
+    allocation = _allocation_range(storage_start)
+    if allocation is not None and storage_start + handle.storage_size_bytes > allocation[0] + allocation[1]:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"cuda_ipc handle: its storage of {handle.storage_size_bytes:,} bytes runs past the end of the "
+            f"allocation it names ({allocation[0] + allocation[1] - storage_start:,} bytes left there)",
+        )
+    return tensor
+
+
+def _allocation_range(pointer: int) -> tuple[int, int] | None:
+    """The device allocation holding ``pointer``: ``(base, size)`` from the driver, or ``None`` when the driver
+    library cannot be asked (the storage/view check in ``parse`` still holds)."""
+    driver = _cuda_driver()
+    if driver is None:
+        return None
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    if driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(pointer)) != 0:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, "cuda_ipc handle: the driver knows no allocation there")
+    return base.value, size.value
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None

@@ -49,7 +49,6 @@ from kvstore.errors import ConfigError
 from kvstore.server.errors import ErrorCode, RequestError
 from kvstore.server.handlers import ReplyFrames, RequestHandler
 from kvstore.server.protocol import Limits, Op, Request, decode_request
-from kvstore.server.shm import sweep_stale_segments
 
 __all__ = ["KVServer", "LoopOptions"]
 
@@ -144,7 +143,6 @@ class KVServer:
 
     def serve_forever(self, stop: threading.Event) -> None:
         """Answer requests until ``stop`` is set, then finish those in flight and stop the workers."""
-        sweep_stale_segments()
         self._janitor.start()
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
@@ -240,14 +238,10 @@ class KVServer:
     # -- janitor -----------------------------------------------------------------------------------------------
 
     def _janitor_loop(self) -> None:
-        """Give back what dead clients and forgotten plans hold; sweep stale shared-memory names."""
-        passes = 0
+        """Give back what dead clients and forgotten plans hold."""
         while not self._janitor_stop.wait(self._options.janitor_interval_s):
-            passes += 1
             try:
                 self._handler.janitor_pass(self._options.plan_ttl_s)
-                if passes % 30 == 0:
-                    sweep_stale_segments()
             except Exception:  # the janitor's loop boundary: log, count, keep going
                 logger.exception("janitor pass failed")
 

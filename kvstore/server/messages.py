@@ -399,19 +399,25 @@ class ChunkArgs:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AttachArgs:
-    """Map the shared-memory segment ``name`` (created by the client, ``nbytes`` long) into the server."""
+    """Map the shared-memory segment ``name`` (a sealed memfd the client created, ``nbytes`` long, open as the
+    client's descriptor ``fd``) into the server."""
 
     name: str
     nbytes: int
+    fd: int
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> AttachArgs:
-        parsed = cls(name=fields.required_str("name", 128), nbytes=fields.required_int("nbytes", 1, _MAX_OFFSET))
+        parsed = cls(
+            name=fields.required_str("name", 128),
+            nbytes=fields.required_int("nbytes", 1, _MAX_OFFSET),
+            fd=fields.required_int("fd", 0, 2**31 - 1),
+        )
         fields.finish()
         return parsed
 
     def to_wire(self) -> dict[str, object]:
-        return {"name": self.name, "nbytes": self.nbytes}
+        return {"name": self.name, "nbytes": self.nbytes, "fd": self.fd}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,27 +1,31 @@
 """Shared-memory segments for bulk KV between a client and a server on the same host.
 
-A segment is a file in ``/dev/shm`` (tmpfs) that both processes map with ``MAP_SHARED`` (``torch.from_file``), so a
-store reads the client's KV where the client put it and a retrieve writes KV where the client will read it: no
-copy beyond the tier's own. Its life, which leaves no file behind on any path::
+A segment is an anonymous, sealed memory file (``memfd_create``) that both processes map with ``MAP_SHARED``
+(``torch.from_file`` on its ``/proc`` path), so a store reads the client's KV where the client put it and a retrieve
+writes KV where the client will read it: no copy beyond the tier's own. Its life::
 
-    client: create kvstore-<pid>-<random> (O_EXCL, 0600), reserve its pages (posix_fallocate), map it
-    client -> server: attach(name, nbytes)
-    server: check name/owner/size, map it, unlink the name          <- from here no name exists
-    client: unlink the name too (idempotent), whatever the reply    <- covers a failed attach
+    client: memfd_create("kvstore-<pid>-<random>"), reserve its pages (posix_fallocate),
+            seal it against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), map it
+    client -> server: attach(name, nbytes, fd)
+    server: open /proc/<client pid>/fd/<fd>, check it is that memfd (its name carries the client's random part),
+            its size and its seals, map it
+    client: close its descriptor, whatever the reply
     ... both use their mappings; the memory goes when the last mapping goes (either side may die first) ...
 
-Only a client killed between ``create`` and the attach reply leaves a name; ``sweep_stale_segments`` (run by the
-server at start-up and periodically, and by each new client) unlinks segments whose creator pid is dead.
+Why sealed: a mapping whose file shrinks under it raises SIGBUS on the next access, which would kill the server
+for something a client did to its own segment. A sealed memfd cannot be truncated by anyone, so the server refuses
+any segment without ``F_SEAL_SHRINK``. Why memfd rather than a file in ``/dev/shm``: nothing has a name, so
+nothing is left behind when a client dies at any point, and no other process can open it by path.
 
-Reserving the pages up front matters: a write to an unbacked page of a full tmpfs is a SIGBUS, which would kill
-whichever process touched it first -- possibly the server. ``posix_fallocate`` fails cleanly (ENOSPC) instead, and
-the client falls back to inline bytes.
+Reserving the pages up front matters too: a write to an unbacked page when memory is short is a SIGBUS as well;
+``posix_fallocate`` fails cleanly (ENOSPC) instead, and the client falls back to inline bytes.
 
-Pure functions over the filesystem; thread-safe.
+Pure functions over the process's descriptors; thread-safe.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -36,7 +40,6 @@ from kvstore.errors import StorageError
 from kvstore.server.errors import ErrorCode, RequestError
 
 __all__ = [
-    "SHM_DIR",
     "OwnedSegment",
     "create_segment",
     "host_id",
@@ -44,24 +47,23 @@ __all__ = [
     "pid_alive",
     "segment_owner_pid",
     "shm_available",
-    "sweep_stale_segments",
-    "unlink_segment",
 ]
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
 _NAME_PATTERN = re.compile(r"kvstore-([0-9]{1,10})-[0-9a-f]{16}")
+_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_ALL_SEALS = _REQUIRED_SEALS | fcntl.F_SEAL_SEAL
 
 
-def shm_available(directory: Path = SHM_DIR) -> bool:
-    """Whether this host has a writable tmpfs for segments (Linux: ``/dev/shm``)."""
-    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK)
+def shm_available() -> bool:
+    """Whether this host can share segments: Linux ``memfd_create`` and a ``/proc`` to open another process's."""
+    return hasattr(os, "memfd_create") and Path("/proc/self/fd").is_dir()
 
 
 def host_id() -> str:
-    """This host's shared-memory namespace: hostname and boot id (Linux). A client whose id equals the server's
-    shares its ``/dev/shm``; a container with its own ``/dev/shm`` fails the attach and falls back to inline."""
+    """This host's shared-memory namespace: hostname and boot id (Linux). A client whose id differs from the
+    server's never attaches; one in another pid namespace fails the attach and falls back to inline bytes."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -81,10 +83,10 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return True  # no procfs (or it just exited): trust the signal check
-    return stat[stat.rfind(")") + 2 :][:1] != "Z"
+    return status[status.rfind(")") + 2 :][:1] != "Z"
 
 
 def segment_owner_pid(name: str) -> int | None:
@@ -95,55 +97,54 @@ def segment_owner_pid(name: str) -> int | None:
 
 @dataclass(slots=True)
 class OwnedSegment:
-    """A segment this process created and maps: ``tensor`` is its bytes (``uint8``, ``nbytes`` long)."""
+    """A segment this process created and maps: ``tensor`` is its bytes (``uint8``, ``nbytes`` long). ``fd`` stays
+    open until the server has opened it (``close_fd``); the mapping outlives it."""
 
     name: str
     nbytes: int
+    fd: int | None
     tensor: torch.Tensor
 
+    def close_fd(self) -> None:
+        """Close the descriptor the server opens the segment through (idempotent; the mapping stays valid)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
-def create_segment(nbytes: int, directory: Path = SHM_DIR) -> OwnedSegment:
-    """Create, reserve and map a new segment named after this process.
+
+def create_segment(nbytes: int) -> OwnedSegment:
+    """Create, reserve, seal and map a new segment named after this process.
 
     Raises:
-        StorageError: the tmpfs is missing or too full (the caller falls back to inline bytes).
+        StorageError: memory is too short to reserve it, or this OS has no sealed memfds (the caller falls back
+            to inline bytes).
     """
+    if not shm_available():
+        raise StorageError("shared-memory segments need Linux memfd_create and /proc")
     name = f"kvstore-{os.getpid()}-{secrets.token_hex(8)}"
-    path = directory / name
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise StorageError(f"cannot create shared-memory segment {path}: {exc.strerror}") from exc
-    try:
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        finally:
-            os.close(fd)
-        tensor = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _ALL_SEALS)
+        tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
     except (OSError, RuntimeError) as exc:
-        unlink_segment(name, directory)
+        os.close(fd)
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-        raise StorageError(
-            f"cannot reserve a {nbytes / 2**20:.1f} MiB shared-memory segment in {directory}: {reason}"
-        ) from exc
-    return OwnedSegment(name=name, nbytes=nbytes, tensor=tensor)
+        raise StorageError(f"cannot reserve a {nbytes / 2**20:.1f} MiB shared-memory segment: {reason}") from exc
+    return OwnedSegment(name=name, nbytes=nbytes, fd=fd, tensor=tensor)
 
 
-def unlink_segment(name: str, directory: Path = SHM_DIR) -> None:
-    """Remove a segment's name (mappings stay valid). Idempotent."""
-    (directory / name).unlink(missing_ok=True)
-
-
-def open_segment(name: str, nbytes: int, owner_pid: int, directory: Path = SHM_DIR) -> torch.Tensor:
-    """Map a segment a client created, then unlink its name (server side).
+def open_segment(name: str, nbytes: int, fd: int, owner_pid: int) -> torch.Tensor:
+    """Map a segment a client created (server side).
 
     Args:
-        name: the segment's file name (``kvstore-<pid>-<16 hex>``), never a path.
-        nbytes: the size the client says it has; the file must be exactly that long.
+        name: the segment's name (``kvstore-<pid>-<16 hex>``); the descriptor must be the memfd of that name.
+        nbytes: the size the client says it has; the memfd must be exactly that long.
+        fd: the client's descriptor number for it (opened here through ``/proc/<owner_pid>/fd``).
         owner_pid: the client's pid from its hello; the name must carry it, so a client cannot take another's.
 
     Raises:
-        RequestError: ``invalid_argument`` when the name, owner or size is wrong or the file cannot be mapped.
+        RequestError: ``invalid_argument`` when the name, owner, size or seals are wrong or it cannot be mapped.
     """
     pid = segment_owner_pid(name)
     if pid is None:
@@ -152,43 +153,37 @@ def open_segment(name: str, nbytes: int, owner_pid: int, directory: Path = SHM_D
         raise RequestError(
             ErrorCode.INVALID_ARGUMENT, f"segment {name} belongs to pid {pid}, not to this client (pid {owner_pid})"
         )
-    path = directory / name
+    source = f"/proc/{owner_pid}/fd/{fd}"
     try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT, f"segment {name} is not a regular file owned by the server's user"
-            )
-        if info.st_size != nbytes:
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT, f"segment {name} is {info.st_size} bytes, the client said {nbytes}"
-            )
-        tensor = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-    except FileNotFoundError:
+        own_fd = os.open(source, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
         raise RequestError(
-            ErrorCode.INVALID_ARGUMENT, f"no segment {name} in {directory} (another host, or another /dev/shm?)"
+            ErrorCode.INVALID_ARGUMENT, f"cannot open segment {name} at {source} ({exc.strerror}; another host or pid "
+            "namespace?)"
         ) from None
+    try:
+        _check_segment(own_fd, name, nbytes)
+        return torch.from_file(f"/proc/self/fd/{own_fd}", shared=True, size=nbytes, dtype=torch.uint8)
     except (OSError, RuntimeError) as exc:
         raise RequestError(ErrorCode.INVALID_ARGUMENT, f"cannot map segment {name}: {exc}") from None
     finally:
-        unlink_segment(name, directory)
-    return tensor
+        os.close(own_fd)
 
 
-def sweep_stale_segments(directory: Path = SHM_DIR) -> int:
-    """Unlink segments whose creator process is gone; returns how many."""
-    if not directory.is_dir():
-        return 0
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        pid = segment_owner_pid(name)
-        if pid is not None and not pid_alive(pid):
-            unlink_segment(name, directory)
-            removed += 1
-    if removed:
-        logger.info("removed %d shared-memory segments left by processes that died", removed)
-    return removed
+def _check_segment(fd: int, name: str, nbytes: int) -> None:
+    """Refuse a descriptor that is not the named, sealed memfd of ``nbytes`` bytes: anything else could shrink
+    under the server's mapping (SIGBUS) or be some other file of the client's."""
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    if target != f"/memfd:{name} (deleted)":
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"segment {name}: the descriptor is {target!r:.100}, not it")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT, f"segment {name} is {info.st_size} bytes, the client said {nbytes}"
+        )
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"segment {name} is not sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW)",
+        )

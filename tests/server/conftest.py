@@ -112,9 +112,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield started
 
 
-def shm_names_of(pid: int) -> list[str]:
-    """Shared-memory segment names a process created that still exist."""
-    try:
-        return sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"kvstore-{pid}-"))
-    except FileNotFoundError:
-        return []
+def segments_mapped(server_pid: int, client_pid: int) -> int:
+    """How many mappings of segments that ``client_pid`` created the server process still holds."""
+    prefix = f"/memfd:kvstore-{client_pid}-"
+    with open(f"/proc/{server_pid}/maps") as maps:
+        return sum(1 for line in maps if prefix in line)

@@ -3,6 +3,7 @@ tensor on a store and writes into it on a retrieve, device to device (needs CUDA
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 from pathlib import Path
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from kvstore import Client
+from kvstore.keys import as_token_array
 from kvstore.server.cuda_ipc import export_cuda_tensor
+from kvstore.server.messages import CudaIpcBulk, StoreArgs
+from kvstore.server.protocol import Op
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import SERVER_LAYOUT, running_server
 
@@ -43,3 +47,30 @@ def test_exported_handles_describe_the_tensor() -> None:
     handle = export_cuda_tensor(tensor)
     assert handle.shape == tuple(tensor.shape) and handle.stride == tuple(tensor.stride())
     assert handle.tensor_offset == tensor.storage_offset() and handle.dtype.value == "bfloat16"
+
+
+def test_a_handle_claiming_more_storage_than_its_allocation_is_refused(tmp_path: Path) -> None:
+    """A lie the view check cannot see (the view fits the claimed storage): the driver's allocation range can.
+    Touching past the allocation would poison the server's CUDA context for every later request."""
+    tokens = make_tokens(32, seed=9)
+    kv = make_kv(SERVER_LAYOUT, 32, seed=9)
+    with running_server(tmp_path / "data", "--tiers", "gpu,cpu,disk", "--gpu-size-gb", "0.05") as server:
+        with Client(server.url, SERVER_LAYOUT) as client:
+            small = torch.empty(2**20, dtype=torch.bfloat16, device="cuda")  # 2 MiB in an allocation of its own
+            handle = export_cuda_tensor(small)
+            lie = dataclasses.replace(
+                handle,
+                storage_size_bytes=handle.storage_size_bytes + 64 * 2**20,
+                shape=tuple(SERVER_LAYOUT.chunk_shape(32)),
+                stride=tuple(torch.empty(SERVER_LAYOUT.chunk_shape(32)).stride()),
+                tensor_offset=0,
+                dtype=SERVER_LAYOUT.dtype,
+            )
+            lie = dataclasses.replace(lie, tensor_offset=(lie.storage_size_bytes - SERVER_LAYOUT.chunk_bytes(32)) // 2)
+            args = StoreArgs(tokens=as_token_array(tokens), bulk=CudaIpcBulk(handle=lie), durable=False)
+            reply = client._call(Op.STORE, lambda: (args.to_wire(), None))
+            assert not reply.ok and reply.error_code == "invalid_argument", reply.error_message
+            assert "allocation" in (reply.error_message or "")
+            client.store(tokens, kv.cuda())
+            assert torch.equal(client.retrieve(client.lookup(tokens)).kv, kv), "the server's CUDA context is fine"
+        assert "Traceback" not in server.stderr()

@@ -37,6 +37,7 @@ _ARG_TYPES: dict[str, tuple[type, ...]] = {
     "key": (bytes,),
     "name": (str,),
     "nbytes": (int,),
+    "fd": (int,),
     "segment_id": (int,),
     "top": (int,),
 }
@@ -68,7 +69,7 @@ class BadMessages:
             ("end_session", {"session_id": "s"}),
             ("evict", {"keys": [bytes(16)]}),
             ("chunk", {"key": bytes(16)}),
-            ("attach", {"name": "kvstore-1-" + "0" * 16, "nbytes": 64}),
+            ("attach", {"name": "kvstore-1-" + "0" * 16, "nbytes": 64, "fd": 3}),
             ("detach", {"segment_id": 1}),
             ("documents", {"top": 5}),
         ]
@@ -156,7 +157,7 @@ class BadMessages:
             return [_header("lookup", args, self.client_id)]
         if choice == 5:  # a segment name that is not this client's, or not a segment name at all
             name = self.rng.choice(["../../etc/passwd", "kvstore-1-" + "f" * 16, "kvstore-x", "/dev/shm/a"])
-            return [_header("attach", {"name": name, "nbytes": 64}, self.client_id)]
+            return [_header("attach", {"name": name, "nbytes": 64, "fd": self.rng.randint(0, 64)}, self.client_id)]
         return [_header("health", {}, None), b"unexpected payload"]
 
     def extra_field(self) -> Frames:
