@@ -42,10 +42,11 @@ import torch
 
 from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency
 from kvstore.blend.index import Match
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, check_byte_count, tier_name
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
-from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, prefix_keys
+from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, checked_keys, prefix_keys
 from kvstore.layout import KVLayout
+from kvstore.lookup_counts import LookupCounts
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
 from kvstore.prefetch import Prefetcher
 from kvstore.sessions import Pin, PinLedger, Session
@@ -131,6 +132,7 @@ class TieredStore:
         self._disk: DiskTier | None = None
         self._tiers: list[Tier] = []
         self._ledger = PinLedger()
+        self._lookup_counts = LookupCounts(self.config.chunk_size)
         self._catalog: ContentCatalog | None = None
         self._prefetcher: Prefetcher | None = None
         self._scratch_lock = threading.Lock()
@@ -398,6 +400,7 @@ class TieredStore:
             assert catalog is not None
             segments = self._match_leg(token_array, keys, segments, pins, catalog)
         plan_id = self._ledger.open_plan(session_id, pins)
+        self._lookup_counts.add(len(token_array), segments)
         prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
         if self._prefetcher is not None:
             prefetcher = self._prefetcher
@@ -692,14 +695,25 @@ class TieredStore:
         return [tier.name for tier in self._tiers if tier.contains(key)]
 
     def evict(self, keys: Sequence[PrefixKey]) -> int:
-        """Drop chunks from every tier (pinned copies stay). Returns how many chunk copies were dropped."""
-        self._check_open()
-        return sum(tier.evict(key) for key in keys for tier in self._tiers)
+        """Drop chunks from every tier (pinned copies stay). Returns how many chunk copies were dropped.
 
-    def evict_bytes(self, num_bytes: int, tier: TierName) -> int:
-        """Free ``num_bytes`` of one tier, least recently used first, without demoting. Returns bytes freed."""
+        Raises:
+            InvalidInputError: a key is not a 16-byte chunk key.
+        """
         self._check_open()
-        return self._tier(tier).evict_bytes(num_bytes)
+        return sum(tier.evict(key) for key in checked_keys(keys) for tier in self._tiers)
+
+    def evict_bytes(self, num_bytes: int, tier: TierName | str) -> int:
+        """Free ``num_bytes`` of one tier (``"cpu"`` or ``TierName.CPU``), least recently used first, without
+        demoting. Returns bytes freed.
+
+        Raises:
+            InvalidInputError: ``num_bytes`` is not a non-negative whole number.
+            ConfigError: the store has no such tier.
+        """
+        self._check_open()
+        check_byte_count(num_bytes)
+        return self._tier(tier_name(tier)).evict_bytes(num_bytes)
 
     def flush(self) -> None:
         """Block until every pending disk write is committed and synced and every registration has run."""
@@ -711,7 +725,7 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         return StoreStats(
-            tiers=tuple(tier.stats() for tier in self._tiers),
+            tiers=tuple(self._lookup_counts.apply(tier.stats()) for tier in self._tiers),
             num_open_plans=self._ledger.num_open_plans,
             num_sessions=self._ledger.num_sessions,
             catalog=self._catalog.stats() if self._catalog is not None else None,
@@ -721,7 +735,7 @@ class TieredStore:
         for tier in self._tiers:
             if tier.name is name:
                 return tier
-        raise ConfigError(f"this store has no {name} tier (tiers: {','.join(t.name for t in self._tiers)})")
+        raise ConfigError(f"this store has no {name.value} tier (tiers: {','.join(t.name.value for t in self._tiers)})")
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 

@@ -83,6 +83,19 @@ def test_gpu_eviction_demotes_to_cpu_and_hits_promote_back(tmp_path: Path, small
         assert torch.equal(store.retrieve(again).kv, kv)
 
 
+def test_a_hit_is_a_chunk_a_lookup_planned_from_a_tier(tmp_path: Path, small_layout: KVLayout) -> None:
+    """The one definition of ``TierStats.hits``: counted at lookup, by the tier the chunk is planned from."""
+    cfg = config(tmp_path, small_layout, tiers=(TierName.GPU, TierName.CPU))
+    with TieredStore(small_layout, cfg) as store:
+        tokens = make_tokens(6 * CHUNK)
+        store.store(tokens, make_kv(small_layout, 6 * CHUNK))  # 2 chunks demoted to cpu, 4 stay on the gpu tier
+        store.release(store.lookup(tokens))  # planned only, never read: still 2 cpu hits and 4 gpu hits
+        store.release(store.lookup(make_tokens(2 * CHUNK, seed=99)))  # 2 chunks no tier has
+        gpu, cpu = store.stats().tiers
+        assert (gpu.hits, gpu.misses, cpu.hits, cpu.misses) == (4, 4, 2, 6)
+        assert cpu.hit_ratio == 2 / 8 and gpu.hit_ratio + cpu.hit_ratio == 6 / 8
+
+
 def test_write_through_releases_its_pins_once_flushed(tmp_path: Path, small_layout: KVLayout) -> None:
     cfg = config(tmp_path, small_layout, tiers=(TierName.CPU, TierName.DISK))
     with TieredStore(small_layout, cfg) as store:

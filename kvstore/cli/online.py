@@ -38,17 +38,14 @@ def _connect(url: str) -> Client:
 def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, object]:
     """The JSON of ``kvstore inspect --url``.
 
-    Each tier's ``hit_ratio`` is the share of looked-up chunks that tier served (``lookup_hits`` over all chunk
-    lookups, misses included); ``hits``/``misses`` are the tier's own read counters.
+    Each tier's ``hits``, ``misses`` and ``hit_ratio`` follow ``TierStats``'s one definition of a hit: a chunk
+    a lookup planned from that tier.
     """
-    lookup_hits = {hits.tier: hits.hits for hits in info.lookup_hits}
-    num_lookups = sum(lookup_hits.values()) + info.lookup_misses
     tiers = []
     for tier in stats.tiers:
         row: dict[str, object] = asdict(tier)
         row["tier"] = tier.tier.value
-        row["lookup_hits"] = lookup_hits.get(tier.tier, 0)
-        row["hit_ratio"] = round(lookup_hits.get(tier.tier, 0) / num_lookups, 4) if num_lookups else 0.0
+        row["hit_ratio"] = round(tier.hit_ratio, 4)
         tiers.append(row)
     layout = info.layout
     return {
@@ -63,7 +60,6 @@ def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, ob
         "disk_path": info.disk_path,
         "num_requests": info.num_requests,
         "tiers": tiers,
-        "lookup_misses": info.lookup_misses,
         "num_open_plans": stats.num_open_plans,
         "num_sessions": stats.num_sessions,
         "catalog": asdict(stats.catalog) if stats.catalog is not None else None,

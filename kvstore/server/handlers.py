@@ -40,7 +40,7 @@ from kvstore.server.document_hits import DocumentHits
 from kvstore.server.document_hits_file import DocumentHitsSaver
 from kvstore.server.document_report import DocumentsArgs, DocumentsReport, count_by_tier, top_document
 from kvstore.server.errors import ErrorCode, RequestError, error_for
-from kvstore.server.hits import HitCounter, LookupTally, PlanCoverage
+from kvstore.server.hits import HitCounter, PlanCoverage
 from kvstore.server.messages import (
     AttachArgs,
     BulkRef,
@@ -69,7 +69,6 @@ from kvstore.server.wire_values import (
     ServerHealth,
     ServerHello,
     ServerInfo,
-    TierHits,
     encode_plan,
     encode_retrieve_result,
     encode_stats,
@@ -136,7 +135,6 @@ class RequestHandler:
         self._metrics = metrics
         self._is_serving = is_serving
         self._hits = HitCounter()
-        self._tally = LookupTally()
         self._num_requests = 0  # approximate under concurrency; only reported
         self._documents = documents if documents is not None else DocumentHits()
         self._documents_saver = None
@@ -205,7 +203,7 @@ class RequestHandler:
             return self._ok(request, ChunkInfo(key=key.hex(), tiers=tiers, hits=self._hits.hits(key)).to_wire())
         if op is Op.ATTACH:
             attach = AttachArgs.parse(args, limits)
-            segment = open_segment(attach.name, attach.nbytes, self._clients.client_pid(client_id))
+            segment = open_segment(attach.name, attach.nbytes, attach.fd, self._clients.client_pid(client_id))
             return self._ok(request, {"segment_id": self._clients.add_segment(client_id, segment)})
         if op is Op.DOCUMENTS:
             return self._ok(request, self._top_documents(DocumentsArgs.parse(args, limits).top).to_wire())
@@ -299,7 +297,6 @@ class RequestHandler:
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
         self._hits.add([segment.key for segment in plan.segments])
         coverage = PlanCoverage.of(plan, store.config.chunk_size)
-        self._tally.add(coverage)
         self._documents.add_plan(plan, args.tokens)
         self._metrics.observe_lookup(coverage, time.perf_counter() - started_s, self._metrics.engine_of(client_id))
         return encode_plan(plan, args.session_id)
@@ -447,7 +444,6 @@ class RequestHandler:
         )
 
     def info(self) -> ServerInfo:
-        hits, misses = self._tally.snapshot()
         return ServerInfo(
             server_version=self._identity.version,
             pid=os.getpid(),
@@ -460,8 +456,6 @@ class RequestHandler:
             num_requests=self._num_requests,
             clients=self._clients.summaries(),
             top_chunks=tuple(ChunkHits(key=key.hex(), hits=count) for key, count in self._hits.top(_NUM_TOP_CHUNKS)),
-            lookup_hits=tuple(TierHits(tier=tier, hits=count) for tier, count in sorted(hits.items())),
-            lookup_misses=misses,
         )
 
     # -- giving back what departed clients held -----------------------------------------------------------------

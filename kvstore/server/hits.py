@@ -1,18 +1,13 @@
-"""Lookup hits: per chunk (``kvstore inspect --url``'s most planned chunks, ``chunk`` replies) and per tier.
-
-Per tier, because the tiers' own hit counters count reads (``get_into``), not lookups: a lookup pins a chunk in
-the fastest tier holding it, so "which tier served the chunks of each prompt, and how many chunks no tier had" is
-counted here, per lookup (``LookupTally``).
+"""Lookup hits per chunk (``kvstore inspect --url``'s most planned chunks, ``chunk`` replies), and one plan's
+coverage for the lookup metrics. Hits per tier are the store's (``TierStats``, ``kvstore.lookup_counts``).
 
 A bounded counter: when it tracks more than ``max_keys`` chunks it keeps the most-hit half, so memory stays
 bounded on a server that sees millions of distinct chunks (the counts of chunks it dropped restart from zero;
 the top of the list is what an operator looks at).
 
-``PlanCoverage`` is one plan counted in one pass over its segments, for the tally here and the lookup metrics
-(``metrics``): each used to walk the segments on its own, ~30 us a 60-segment lookup together, ~10 us now
-(issue 5).
+``PlanCoverage`` is one plan counted in one pass over its segments for the lookup metrics (``metrics``).
 
-Threads: any. ``_counts_lock`` guards ``_counts``; ``_tally_lock`` guards ``LookupTally``'s counts.
+Threads: any. ``_counts_lock`` guards ``_counts``.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from kvstore.keys import PrefixKey, num_chunks
 from kvstore.plan import LookupPlan
 from kvstore.tiers.base import TierName
 
-__all__ = ["HitCounter", "LookupTally", "PlanCoverage"]
+__all__ = ["HitCounter", "PlanCoverage"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,22 +100,3 @@ class HitCounter:
     def top(self, num_keys: int) -> list[tuple[PrefixKey, int]]:
         with self._counts_lock:
             return self._counts.most_common(num_keys)
-
-
-class LookupTally:
-    """Chunks planned from each tier, and prompt chunks no tier had, since the server started."""
-
-    def __init__(self) -> None:
-        self._tally_lock = threading.Lock()
-        self._hits: Counter[TierName] = Counter()
-        self._misses = 0
-
-    def add(self, coverage: PlanCoverage) -> None:
-        with self._tally_lock:
-            self._hits.update(coverage.num_chunks_by_tier)
-            self._misses += coverage.num_missed_chunks
-
-    def snapshot(self) -> tuple[dict[TierName, int], int]:
-        """``(hits by tier, misses)``."""
-        with self._tally_lock:
-            return dict(self._hits), self._misses

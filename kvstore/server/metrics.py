@@ -75,8 +75,8 @@ class _StoreCollector(Collector):
         if stats is None:
             return
         counters = {
-            "hits": "Lookups that found a chunk in this tier.",
-            "misses": "Lookups that did not find a chunk in this tier.",
+            "hits": "Chunks lookups planned from this tier (the fastest holding them); equals kvstore_lookup_chunks.",
+            "misses": "Chunks lookups looked for that this tier did not serve (another tier or none did).",
             "puts": "Chunks written into this tier.",
             "rejected_puts": "Chunks this tier refused because everything resident was pinned.",
             "evictions": "Chunks this tier dropped or demoted to make room.",

@@ -45,7 +45,6 @@ __all__ = [
     "ServerHello",
     "ServerInfo",
     "TierCapacity",
-    "TierHits",
     "decode_segments",
     "decode_stats",
     "decode_store_result",
@@ -376,14 +375,6 @@ class ChunkHits:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TierHits:
-    """Chunks lookups found in one tier since the server started."""
-
-    tier: TierName
-    hits: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerInfo:
     """Settings and state of a running server (``info``)."""
 
@@ -398,8 +389,6 @@ class ServerInfo:
     num_requests: int
     clients: tuple[ClientSummary, ...]
     top_chunks: tuple[ChunkHits, ...]
-    lookup_hits: tuple[TierHits, ...]
-    lookup_misses: int
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -414,8 +403,6 @@ class ServerInfo:
             "num_requests": self.num_requests,
             "clients": [client.to_wire() for client in self.clients],
             "top_chunks": [[chunk.key, chunk.hits] for chunk in self.top_chunks],
-            "lookup_hits": [{"tier": hits.tier.value, "hits": hits.hits} for hits in self.lookup_hits],
-            "lookup_misses": self.lookup_misses,
         }
 
     @classmethod
@@ -439,10 +426,6 @@ class ServerInfo:
                 ClientSummary.from_wire(Fields(raw, "info.clients[]")) for raw in fields.list_("clients", 100_000)
             ),
             top_chunks=tuple(top_chunks),
-            lookup_hits=tuple(
-                _decode_record(TierHits, Fields(raw, "info.lookup_hits[]")) for raw in fields.list_("lookup_hits", 3)
-            ),
-            lookup_misses=fields.required_int("lookup_misses", 0, _MAX_COUNT),
         )
         fields.finish()
         return info

@@ -55,8 +55,6 @@ class _Slot:
 
 @dataclass(slots=True)
 class _Counters:
-    hits: int = 0
-    misses: int = 0
     puts: int = 0
     rejected_puts: int = 0
     evictions: int = 0
@@ -232,9 +230,7 @@ class ArenaTier(Tier):
         with self._slots_lock:
             slot = self._resident.get(key)
             if slot is None:
-                self._counters.misses += 1
                 return None
-            self._counters.hits += 1
             slot.pins += 1
             self._resident.move_to_end(key)
             return slot
@@ -306,8 +302,6 @@ class ArenaTier(Tier):
                 stored_bytes=used_bytes,
                 num_chunks=len(self._resident),
                 num_pinned=sum(1 for s in self._resident.values() if s.pins > 0),
-                hits=counters.hits,
-                misses=counters.misses,
                 puts=counters.puts,
                 rejected_puts=counters.rejected_puts,
                 evictions=counters.evictions,

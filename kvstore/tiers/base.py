@@ -75,6 +75,12 @@ class TierStats:
 
     ``used_bytes`` counts KV bytes resident (uncompressed); ``stored_bytes`` counts what they occupy in the tier
     (compressed payload plus headers for disk, equal to ``used_bytes`` for memory tiers).
+
+    **A hit** (the one definition, for ``hits``, ``hit_ratio``, ``kvstore_tier_hits_total`` and ``kvstore inspect``):
+    a chunk a lookup planned from this tier -- the fastest tier holding it, where the lookup pins it. Every other
+    chunk a lookup looked for is a miss of this tier (held by another tier, or by none). So ``hit_ratio`` is the
+    share of looked-up chunks this tier served, and the tiers' ratios add up to the store's chunk hit ratio.
+    Counted by the store (``LookupCounts``) since it opened; a tier used on its own counts none.
     """
 
     tier: TierName
@@ -83,12 +89,12 @@ class TierStats:
     stored_bytes: int
     num_chunks: int
     num_pinned: int
-    hits: int
-    misses: int
     puts: int
     rejected_puts: int
     evictions: int
     corrupt_reads: int = 0
+    hits: int = 0
+    misses: int = 0
 
     @property
     def hit_ratio(self) -> float:

@@ -143,7 +143,7 @@ class DiskTier(Tier):
             raise ConfigError(
                 f"disk tier capacity_bytes={capacity_bytes} is below one chunk "
                 f"({self._geometry.stored_bound_bytes(chunk_size) / _MIB:.1f} MiB for {layout.describe()} x "
-                f"{chunk_size} tokens); raise --disk-capacity-bytes, e.g. 64GiB"
+                f"{chunk_size} tokens); raise it (StoreConfig.disk_capacity_bytes, kvstore serve --disk-size-gb)"
             )
         self._lifecycle = OwnedLifecycle(f"disk tier {self.path}")
         self._warned_lock = threading.Lock()
@@ -384,16 +384,14 @@ class DiskTier(Tier):
         else:
             status = read_chunk(self._env, self._codec, self._pool, key, ticket.frame_bytes, out_bytes)
         if status is FrameStatus.OK:
-            self._index.count_read(hit=True)
             return True
         if status is None:
-            self._index.count_read(hit=False)
             return False
         self._drop_corrupt(key, status)
         return False
 
     def _drop_corrupt(self, key: PrefixKey, status: FrameStatus) -> None:
-        self._index.count_read(hit=False, corrupt=True)
+        self._index.count_corrupt_read()
         self._warn_once(
             f"corrupt-{status.value}",
             "disk tier %s: chunk %s failed to decode (%s); dropped and counted as a miss (later drops for "

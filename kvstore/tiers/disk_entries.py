@@ -52,8 +52,6 @@ class ReadTicket:
 
 @dataclass(slots=True)
 class DiskCounters:
-    hits: int = 0
-    misses: int = 0
     puts: int = 0
     rejected_puts: int = 0
     evictions: int = 0

@@ -198,7 +198,6 @@ class DiskIndex:
             if entry is None:
                 entry = self._take_recovered_locked(key)
                 if entry is None:
-                    self._counters.misses += 1
                     return None
             self._entries.move_to_end(key)
             entry.last_access_ns = now_ns
@@ -219,14 +218,9 @@ class DiskIndex:
             if pending.num_readers == 0:
                 self._readers_done.notify_all()
 
-    def count_read(self, *, hit: bool, corrupt: bool = False) -> None:
+    def count_corrupt_read(self) -> None:
         with self._lock:
-            if hit:
-                self._counters.hits += 1
-            else:
-                self._counters.misses += 1
-            if corrupt:
-                self._counters.corrupt_reads += 1
+            self._counters.corrupt_reads += 1
 
     def count_write_error(self) -> None:
         with self._lock:
@@ -367,8 +361,6 @@ class DiskIndex:
                 stored_bytes=self._stored_bytes,
                 num_chunks=len(self._entries) + len(self._recovered),
                 num_pinned=self._num_pinned,
-                hits=counters.hits,
-                misses=counters.misses,
                 puts=counters.puts,
                 rejected_puts=counters.rejected_puts,
                 evictions=counters.evictions,
@@ -379,7 +371,7 @@ class DiskIndex:
         """A copy of the counters (``write_errors`` is not part of ``TierStats``)."""
         with self._lock:
             c = self._counters
-            return DiskCounters(c.hits, c.misses, c.puts, c.rejected_puts, c.evictions, c.corrupt_reads, c.write_errors)
+            return DiskCounters(c.puts, c.rejected_puts, c.evictions, c.corrupt_reads, c.write_errors)
 
     def num_pending(self) -> int:
         with self._lock:

@@ -47,7 +47,7 @@ def test_inspect_url_reports_tiers_layout_clients_and_hits(
     cpu, disk = report["tiers"]
     assert (cpu["tier"], disk["tier"]) == ("cpu", "disk")
     assert cpu["capacity_bytes"] > 0 and cpu["num_chunks"] >= 4 and disk["num_chunks"] >= 4
-    assert cpu["lookup_hits"] >= 8 and 0 < cpu["hit_ratio"] <= 1
+    assert cpu["hits"] >= 8 and 0 < cpu["hit_ratio"] <= 1
     top = {chunk["key"]: chunk["hits"] for chunk in report["top_chunks"]}
     assert all(top.get(key, 0) >= 2 for key in stored_keys)
     assert report["num_open_plans"] == 0 and report["catalog"]["num_entries"] >= 4

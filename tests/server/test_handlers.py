@@ -148,6 +148,7 @@ def test_store_lookup_retrieve_inline(harness: Harness) -> None:
     assert harness.code(Op.RELEASE, {"plan_id": plan_id}, client) == ErrorCode.UNKNOWN_PLAN
     exposition = harness.metrics.exposition().decode()
     assert "kvstore_blend_index_entries" in exposition and 'kvstore_lookup_chunks_total{tier="cpu"} 3.0' in exposition
+    assert 'kvstore_tier_hits_total{tier="cpu"} 3.0' in exposition, "one definition of a hit: planned chunks"
 
 
 def test_a_memory_only_retrieve_skips_what_only_the_disk_holds(tmp_path: Path) -> None:
@@ -213,7 +214,7 @@ def test_admin_ops_and_their_errors(harness: Harness) -> None:
     harness.ok(Op.STATS, {}, admin)
     result, _ = harness.ok(Op.INFO, {}, admin)
     assert len(result.list_("clients", 10)) == 2
-    assert harness.code(Op.ATTACH, {"name": "kvstore-1-" + "a" * 16, "nbytes": 64}, client) == (
+    assert harness.code(Op.ATTACH, {"name": "kvstore-1-" + "a" * 16, "nbytes": 64, "fd": 3}, client) == (
         ErrorCode.INVALID_ARGUMENT  # another pid's segment
     )
     result, _ = harness.ok(Op.DETACH, {"segment_id": 5}, client)
@@ -224,7 +225,7 @@ def test_admin_ops_and_their_errors(harness: Harness) -> None:
     args = HelloArgs(layout_json=layout.to_json(), client_name="x", pid=1, host_id="").to_wire()
     assert harness.code(Op.HELLO, args) == ErrorCode.LAYOUT_MISMATCH
     remote = harness.ok(Op.HELLO, args | {"layout": None})[0].required_str("client_id", 64)
-    assert harness.code(Op.ATTACH, {"name": "kvstore-1-" + "a" * 16, "nbytes": 64}, remote) == ErrorCode.CONFIG
+    assert harness.code(Op.ATTACH, {"name": "kvstore-1-" + "a" * 16, "nbytes": 64, "fd": 3}, remote) == ErrorCode.CONFIG
 
 
 def test_documents_op_counts_stores_and_lookups_and_the_janitor_saves_them(tmp_path: Path) -> None:

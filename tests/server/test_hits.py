@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from kvstore.keys import PrefixKey
+from kvstore.lookup_counts import LookupCounts
 from kvstore.plan import LookupPlan, Segment
-from kvstore.server.hits import HitCounter, LookupTally, PlanCoverage
-from kvstore.tiers.base import TierName
+from kvstore.server.hits import HitCounter, PlanCoverage
+from kvstore.tiers.base import TierName, TierStats
 
 
 def _segment(start: int, num_tokens: int, *, exact: bool, tier: TierName) -> Segment:
@@ -31,10 +32,12 @@ def test_plan_coverage_counts_exact_blend_gap_tiers_and_misses() -> None:
     empty = PlanCoverage.of(LookupPlan(plan_id=2, session_id=None, num_query_tokens=0, segments=()), chunk_size=16)
     assert (empty.num_gap_tokens, empty.num_missed_chunks, empty.num_chunks_by_tier) == (0, 0, {})
 
-    tally = LookupTally()
-    tally.add(coverage)
-    tally.add(coverage)
-    assert tally.snapshot() == ({TierName.CPU: 4, TierName.DISK: 2, TierName.GPU: 2}, 2)
+    counts = LookupCounts(chunk_size=16)
+    counts.add(plan.num_query_tokens, list(plan.segments))
+    counts.add(plan.num_query_tokens, list(plan.segments))
+    cpu = counts.apply(TierStats(tier=TierName.CPU, capacity_bytes=1, used_bytes=0, stored_bytes=0, num_chunks=0,
+                                 num_pinned=0, puts=0, rejected_puts=0, evictions=0))  # fmt: skip
+    assert (cpu.hits, cpu.misses, cpu.hit_ratio) == (4, 6, 0.4)  # 10 chunks looked up, 4 planned from cpu
 
 
 def test_hit_counter_keeps_the_most_hit_half_when_full() -> None:

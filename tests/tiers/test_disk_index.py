@@ -44,7 +44,7 @@ class Model:
             sorted(recovered, key=lambda item: item[1].last_access_ns)  # stable: ties in key order
         )
         self.dirty: dict[PrefixKey, int] = {}
-        self.misses = self.rejected = self.evictions = self.puts = self.write_errors = 0
+        self.rejected = self.evictions = self.puts = self.write_errors = 0
 
     def stored_bytes(self) -> int:
         return sum(entry.stored_bytes for entry in self.entries.values() if not entry.pending)
@@ -74,7 +74,6 @@ class Model:
     def read(self, key: PrefixKey, now_ns: int) -> bool:
         entry = self.entries.get(key)
         if entry is None:
-            self.misses += 1
             return False
         self.entries.move_to_end(key)
         entry.last_access_ns = now_ns
@@ -204,8 +203,7 @@ def assert_same(index: DiskIndex, model: Model) -> None:
     assert stats.stored_bytes == model.stored_bytes()
     assert stats.used_bytes == sum(entry.raw_bytes for entry in model.entries.values())
     assert stats.num_pinned == sum(1 for entry in model.entries.values() if entry.num_pins)
-    assert (stats.misses, stats.rejected_puts, stats.evictions, stats.puts) == (
-        model.misses, model.rejected, model.evictions, model.puts)  # fmt: skip
+    assert (stats.rejected_puts, stats.evictions, stats.puts) == (model.rejected, model.evictions, model.puts)
     assert index.counters().write_errors == model.write_errors
     assert index.overflow_bytes(0) == max(0, model.stored_bytes() - CAPACITY_BYTES)
     assert index.num_pending() == sum(1 for entry in model.entries.values() if entry.pending)

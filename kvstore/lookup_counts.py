@@ -1,0 +1,45 @@
+"""Hits and misses per tier, counted where lookups are planned (the definition is ``TierStats``'s docstring).
+
+The tiers cannot count hits themselves: a lookup pins a chunk in the fastest tier holding it without reading it,
+and a read (``get_into``) happens later, or never, or from a promoted copy. So the store counts each plan once,
+as it hands it out: every planned chunk is a hit of the tier it was planned from and a miss of every other tier;
+every prompt chunk no segment covers is a miss of every tier.
+
+Threads: any (one lock, held for a few additions per lookup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+
+from kvstore.keys import num_chunks
+from kvstore.plan import Segment
+from kvstore.tiers.base import TierName, TierStats
+
+__all__ = ["LookupCounts"]
+
+
+class LookupCounts:
+    """Chunks looked up, and how many each tier served, since the store opened."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self._chunk_size = chunk_size
+        self._lock = threading.Lock()
+        self._served: Counter[TierName] = Counter()
+        self._looked_up = 0
+
+    def add(self, num_query_tokens: int, segments: list[Segment]) -> None:
+        """Count one plan: its segments (one chunk each) and the prompt chunks they leave uncovered."""
+        served = Counter(segment.tier for segment in segments)
+        looked_up = max(num_chunks(num_query_tokens, self._chunk_size), len(segments))
+        with self._lock:
+            self._served.update(served)
+            self._looked_up += looked_up
+
+    def apply(self, stats: TierStats) -> TierStats:
+        """``stats`` with its tier's hits and misses."""
+        with self._lock:
+            hits = self._served[stats.tier]
+            return dataclasses.replace(stats, hits=hits, misses=self._looked_up - hits)
