@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvstore.errors import StorageError
 from kvstore.keys import PrefixKey
+from kvstore.tiers.data_file_check import DATA_FILE, data_file_damage
 from kvstore.tiers.disk import DiskTier, StoredChunk
 from kvstore.tiers.disk_check import DiskCheckReport
 
@@ -69,7 +70,7 @@ def _iso(ns: int | None) -> str | None:
 
 
 def _open(path: Path) -> DiskTier:
-    if not (Path(path) / "data.mdb").is_file():
+    if not (Path(path) / DATA_FILE).is_file():
         raise StorageError(
             f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used"
         )
@@ -137,7 +138,14 @@ def find_chunk(path: Path, key: PrefixKey) -> ChunkSummary | None:
 
 
 def check_data_dir(path: Path, progress: Callable[[int], None] | None = None) -> DiskCheckReport:
-    """Walk every chunk and frame of a data dir, read-only, and report every defect (``DiskTier.check``)."""
+    """Walk every chunk and frame of a data dir, read-only, and report every defect (``DiskTier.check``); a
+    damaged ``data.mdb`` (one that cannot be mapped safely) is reported as the one defect, without opening it."""
+    damage = data_file_damage(Path(path) / DATA_FILE)
+    if damage is not None:
+        return DiskCheckReport(
+            num_chunks=0, num_frames=0, num_unfinished_frames=0, stored_bytes=0, problems=(damage.message(),),
+            num_problems=1,
+        )
     tier = _open(path)
     try:
         return tier.check(progress)

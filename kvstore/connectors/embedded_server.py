@@ -39,13 +39,13 @@ from kvstore.connectors.settings import EmbeddedServerSettings
 from kvstore.errors import ConfigError, ServerUnavailableError
 from kvstore.server.ownership import live_server_record
 from kvstore.server.shm import pid_alive
+from kvstore.tiers.owner_lock import wait_until_unheld
 
 __all__ = ["EmbeddedServer", "ensure_embedded_server"]
 
 logger = logging.getLogger(__name__)
 
 _LOCK_FILE = "embedded-server.lock"
-_OWNER_LOCK_FILE = "LOCK"  # the disk tier's owner lock (``tiers.disk_env``)
 _LOG_FILE = "embedded-server.log"
 _POLL_S = 0.05
 _THREAD_BINDING_ENV = frozenset(
@@ -113,26 +113,14 @@ def ensure_embedded_server(settings: EmbeddedServerSettings, *, start_timeout_s:
 
 
 def _wait_until_released(data_dir: Path, deadline: float) -> None:
-    """Wait while another process holds the data dir's ``LOCK`` without serving it (a server flushing on its way
-    out has already removed ``serve.json``)."""
-    lock_path = data_dir / _OWNER_LOCK_FILE
-    if not lock_path.exists():
-        return
-    with open(lock_path, "rb") as handle:
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                if time.monotonic() >= deadline:
-                    holder = handle.read(32).decode("ascii", "replace").strip() or "unknown"
-                    raise ConfigError(
-                        f"the kvstore data dir {data_dir} is held by process {holder}, which serves no clients; "
-                        "stop it or set kvstore.disk_path to another dir"
-                    ) from None
-                time.sleep(_POLL_S)
-                continue
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            return
+    """Wait while another process holds the data dir without serving it (a server flushing on its way out has
+    already removed ``serve.json``)."""
+    holder = wait_until_unheld(data_dir, deadline, _POLL_S)
+    if holder is not None:
+        raise ConfigError(
+            f"the kvstore data dir {data_dir} is held by process {holder}, which serves no clients; "
+            "stop it or set kvstore.disk_path to another dir"
+        )
 
 
 @contextlib.contextmanager

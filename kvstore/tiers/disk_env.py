@@ -1,9 +1,11 @@
 """The LMDB environment of one data dir: flags, exclusive ownership, the layout record, safe map growth.
 
-A data dir holds ``data.mdb`` and ``lock.mdb`` (LMDB's) and ``LOCK`` (ours). A writable open takes
-``flock(LOCK_EX | LOCK_NB)`` on ``LOCK`` and writes its pid there, so a second writer -- in this process or
-another -- fails at once with the holder's pid instead of corrupting the cache. A read-only open (``kvstore
-inspect``) takes no ``LOCK``; it uses LMDB's own reader table, which is safe next to a live writer. LMDB
+A data dir holds ``data.mdb`` and ``lock.mdb`` (LMDB's) and ``LOCK`` (ours). A writable open holds the dir's
+owner lock (``owner_lock``: a flock on the directory, its pid noted in ``LOCK``), so a second writer -- in this
+process or another -- fails at once with the holder's pid instead of corrupting the cache. A read-only open
+(``kvstore inspect``) takes no lock; it uses LMDB's own reader table, which is safe next to a live writer.
+Before LMDB maps ``data.mdb``, ``data_file_check`` reads its meta pages with plain reads: a file cut shorter than
+its last commit would be a SIGBUS at the first touch of the map, so it is refused with one line instead. LMDB
 cannot open one environment twice in one process, so a read-only open next to a writable one must come from
 another process.
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ import lmdb
 
 from kvstore.errors import LayoutMismatchError, StorageError
 from kvstore.layout import KVLayout
+from kvstore.tiers.data_file_check import DATA_FILE, check_data_file
 from kvstore.tiers.disk_format import (
     DATA_DIR_FORMAT_VERSION,
     INFO_CAPACITY_BYTES,
@@ -46,13 +48,12 @@ from kvstore.tiers.disk_format import (
     INFO_FORMAT_VERSION,
     INFO_LAYOUT,
 )
+from kvstore.tiers.owner_lock import release_owner_lock, take_owner_lock
 
 __all__ = ["DataDirInfo", "DiskEnvironment", "storage_error", "tune_malloc_for_large_values"]
 
 logger = logging.getLogger(__name__)
 
-_OWNER_LOCK_FILE = "LOCK"
-_DATA_FILE = "data.mdb"
 _MAX_DBS = 4
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
@@ -176,16 +177,13 @@ class DiskEnvironment:
         self._writeback_fd: int | None = None
         self._sync_file_range: Callable[[int, int, int, int], int] | None = None
         if read_only:
-            if not (self.path / _DATA_FILE).is_file():
-                raise StorageError(f"no kvstore data dir at {self.path} (no {_DATA_FILE}); check the --path")
+            if not (self.path / DATA_FILE).is_file():
+                raise StorageError(f"no kvstore data dir at {self.path} (no {DATA_FILE}); check the --path")
+            check_data_file(self.path / DATA_FILE)
         else:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StorageError(
-                    f"cannot create data dir {self.path}: {exc.strerror}; choose a writable --disk-path"
-                ) from exc
-            self._lock_fd = _take_owner_lock(self.path)
+            _make_data_dir(self.path)
+            check_data_file(self.path / DATA_FILE)  # before the lock: nothing is written to a damaged dir
+            self._lock_fd = take_owner_lock(self.path)
         try:
             self.env = lmdb.open(
                 str(self.path),
@@ -210,7 +208,7 @@ class DiskEnvironment:
                 ) from exc
             raise storage_error(f"cannot open data dir {self.path}", exc) from exc
         if not read_only:
-            self._writeback_fd = os.open(self.path / _DATA_FILE, os.O_RDONLY | os.O_CLOEXEC)
+            self._writeback_fd = os.open(self.path / DATA_FILE, os.O_RDONLY | os.O_CLOEXEC)
             self._sync_file_range = _sync_file_range()
         try:
             self.payload_db = self.env.open_db(b"payload", create=not read_only)
@@ -341,11 +339,11 @@ class DiskEnvironment:
 
     def file_bytes(self) -> int:
         """Current size of ``data.mdb`` on disk."""
-        return (self.path / _DATA_FILE).stat().st_size
+        return (self.path / DATA_FILE).stat().st_size
 
     @property
     def data_file(self) -> Path:
-        return self.path / _DATA_FILE
+        return self.path / DATA_FILE
 
     def sync(self) -> None:
         """Make every commit durable (fdatasync of the data file)."""
@@ -370,27 +368,17 @@ class DiskEnvironment:
 
     def _release_owner_lock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            release_owner_lock(self._lock_fd)
             self._lock_fd = None
 
 
-def _take_owner_lock(path: Path) -> int:
-    """Hold ``path/LOCK`` exclusively for this process (pid written inside) or raise naming the holder."""
-    fd = os.open(path / _OWNER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _make_data_dir(path: Path) -> None:
+    """Create the data dir (and parents) or say in one line why it cannot be."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        if holder == str(os.getpid()):
-            raise StorageError(
-                f"data dir {path} is held by this process (pid {holder}): a DiskTier on it is already open; "
-                "close it first or share it"
-            ) from None
-        raise StorageError(
-            f"data dir {path} is held by process {holder}; stop it, open the dir read-only "
-            "(kvstore inspect), or use another --disk-path"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StorageError(f"data dir {path} exists and is not a directory; choose another --disk-path") from None
+    except OSError as exc:
+        raise StorageError(f"cannot create data dir {path}: {exc.strerror}; choose a writable --disk-path") from None
+    if not path.is_dir():
+        raise StorageError(f"data dir {path} is not a directory; choose another --disk-path")

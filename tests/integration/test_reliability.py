@@ -145,3 +145,29 @@ def test_a_second_process_cannot_open_a_held_data_dir(tmp_path: Path, small_layo
     assert "held by process" in result.stdout and str(os.getpid()) in result.stdout
     with pytest.raises(StorageError), TieredStore(small_layout, cfg), TieredStore(small_layout, cfg):
         pass
+
+
+def test_deleting_lock_does_not_let_a_second_writer_in(tmp_path: Path, small_layout: KVLayout) -> None:
+    """The owner lock is on the directory: removing the ``LOCK`` note leaves it held."""
+    path = tmp_path / "data"
+    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=path, disk_capacity_bytes=64 << 20)
+    code = (
+        "import sys; from pathlib import Path; from kvstore import *; from kvstore.tiers.base import TierName\n"
+        f"layout = KVLayout.from_json({small_layout.to_json()!r})\n"
+        f"cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=Path({str(path)!r}),"
+        " disk_capacity_bytes=64 << 20)\n"
+        "try:\n    TieredStore(layout, cfg)\nexcept StorageError as exc:\n    print('refused:', exc); sys.exit(3)\n"
+        "print('opened'); sys.exit(0)\n"
+    )
+    with TieredStore(small_layout, cfg) as store:
+        (path / "LOCK").unlink()
+        second = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+        assert second.returncode == 3, f"a second writer opened the dir: {second.stdout}{second.stderr[-500:]}"
+        assert "held by another process" in second.stdout
+        tokens, kv = make_tokens(512, seed=4), make_kv(small_layout, 512, seed=4)
+        store.store(tokens, kv)
+        store.flush()
+    after = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert after.returncode == 0 and "opened" in after.stdout, after.stdout + after.stderr[-500:]
+    with TieredStore(small_layout, cfg) as store:
+        assert torch.equal(store.retrieve(store.lookup(tokens)).kv, kv)

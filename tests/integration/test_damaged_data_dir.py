@@ -1,0 +1,152 @@
+"""A damaged data dir is named in one line by every entry point, and nothing is written to it.
+
+A ``data.mdb`` cut short used to kill ``kvstore inspect``, ``TieredStore`` and ``kvstore serve`` with SIGBUS (LMDB
+maps the file and trusts its meta pages). Each entry point runs in a child process here, so a crash shows up as a
+signal exit code instead of killing pytest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import KVLayout, StoreConfig, TieredStore
+from kvstore.errors import StorageError
+from kvstore.tiers.base import TierName
+from kvstore.tiers.data_file_check import data_file_damage
+from tests.factories import make_kv, make_tokens
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHUNK_SIZE = 64
+
+
+def _config(path: Path) -> StoreConfig:
+    return StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, disk_path=path, disk_capacity_bytes=64 << 20)
+
+
+def _filled_data_dir(path: Path, layout: KVLayout) -> None:
+    with TieredStore(layout, _config(path)) as store:
+        for seed in range(8):
+            store.store(make_tokens(4 * CHUNK_SIZE, seed=seed), make_kv(layout, 4 * CHUNK_SIZE, seed=seed))
+        store.flush()
+
+
+def _fingerprint(path: Path) -> dict[str, tuple[str, int]]:
+    """Every file's digest and mtime: equal before and after means nothing was written."""
+    return {
+        entry.name: (hashlib.sha256(entry.read_bytes()).hexdigest(), entry.stat().st_mtime_ns)
+        for entry in sorted(path.iterdir())
+    }
+
+
+def _kvstore(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode >= 0, f"killed by {signal.Signals(-result.returncode).name}: {result.stderr[-500:]}"
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and all(word in lines[-1] for word in words), result.stderr
+
+
+@pytest.fixture(params=["half", "ninety_percent", "empty"])
+def damaged(request: pytest.FixtureRequest, tmp_path: Path, small_layout: KVLayout) -> tuple[Path, str]:
+    """A data dir whose ``data.mdb`` was cut to 50%, 90% or 0 bytes, and the word the errors must use."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    data_file = path / "data.mdb"
+    size = data_file.stat().st_size
+    keep = {"half": size // 2, "ninety_percent": size * 9 // 10, "empty": 0}[request.param]
+    os.truncate(data_file, keep)
+    return path, "empty" if keep == 0 else "truncated"
+
+
+def test_inspect_names_the_damage_in_one_line(damaged: tuple[Path, str]) -> None:
+    path, word = damaged
+    before = _fingerprint(path)
+    _assert_one_line_error(_kvstore("inspect", "--path", str(path)), "data.mdb is damaged", word)
+    assert _fingerprint(path) == before
+
+
+def test_inspect_check_reports_the_damage_as_a_problem(damaged: tuple[Path, str]) -> None:
+    path, word = damaged
+    before = _fingerprint(path)
+    result = _kvstore("inspect", "--path", str(path), "--check", "--json")
+    assert result.returncode == 1, (result.returncode, result.stderr[-500:])
+    report = json.loads(result.stdout)
+    assert report["ok"] is False and report["num_problems"] == 1
+    assert word in report["problems"][0] and "restore" in report["problems"][0]
+    assert _fingerprint(path) == before
+
+
+def test_opening_the_store_raises_a_storage_error_and_writes_nothing(
+    damaged: tuple[Path, str], small_layout: KVLayout
+) -> None:
+    path, word = damaged
+    before = _fingerprint(path)
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom kvstore import KVLayout, StoreConfig, TieredStore, StorageError\n"
+        "from kvstore.tiers.base import TierName\n"
+        f"layout = KVLayout.from_json({small_layout.to_json()!r})\n"
+        f"config = StoreConfig(tiers=(TierName.DISK,), chunk_size={CHUNK_SIZE}, disk_path=Path({str(path)!r}),"
+        " disk_capacity_bytes=64 << 20)\n"
+        "try:\n    TieredStore(layout, config)\nexcept StorageError as exc:\n    print(exc); sys.exit(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, f"exit {result.returncode}: {result.stderr[-500:]}"
+    assert word in result.stdout and "data.mdb is damaged" in result.stdout
+    assert _fingerprint(path) == before
+
+
+def test_serve_refuses_to_start_on_it(damaged: tuple[Path, str], tmp_path: Path, small_layout: KVLayout) -> None:
+    path, word = damaged
+    before = _fingerprint(path)
+    layout_file = tmp_path / "layout.json"
+    layout_file.write_text(small_layout.to_json())
+    result = _kvstore(
+        "serve", "--disk-path", str(path), "--port", "0", "--metrics-port", "0", "--layout", str(layout_file),
+        "--chunk-size", str(CHUNK_SIZE), "--tiers", "cpu,disk", "--cpu-size-gb", "0.01",
+    )  # fmt: skip
+    _assert_one_line_error(result, "data.mdb is damaged", word)
+    assert _fingerprint(path) == before
+
+
+def test_a_whole_data_file_passes_and_every_cut_is_caught(tmp_path: Path, small_layout: KVLayout) -> None:
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    whole = (path / "data.mdb").read_bytes()
+    assert data_file_damage(path / "data.mdb") is None
+    with lmdb.open(str(path), readonly=True, lock=False, max_dbs=4) as env:  # LMDB's own account of the file
+        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    assert needed <= len(whole)
+    copy = tmp_path / "copy.mdb"
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(min_value=0, max_value=needed - 1))
+    def cut_anywhere_is_damage(keep: int) -> None:
+        copy.write_bytes(whole[:keep])
+        assert data_file_damage(copy) is not None
+
+    cut_anywhere_is_damage()
+
+
+def test_a_file_that_is_not_lmdb_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    path.mkdir()
+    (path / "data.mdb").write_bytes(b"not a database at all" * 500)
+    with pytest.raises(StorageError, match="not an LMDB data file"):
+        TieredStore(KVLayout(model_id="x", num_layers=1, num_kv_heads=1, head_dim=8), _config(path))
