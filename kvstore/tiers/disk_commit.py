@@ -154,5 +154,7 @@ def discard_unfinished(env: DiskEnvironment, keys: Sequence[PrefixKey]) -> None:
     try:
         with env.write() as txn:
             delete_chunks(txn, env, keys)
-    except (StorageError, lmdb.MapFullError):
-        logger.exception("disk writer: %d unfinished chunks stay until the next open removes them", len(keys))
+    except (StorageError, lmdb.MapFullError) as exc:
+        logger.warning(
+            "disk writer: %d unfinished chunks stay until the next open removes them (%s)", len(keys), exc
+        )

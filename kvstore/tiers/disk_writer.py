@@ -21,7 +21,8 @@ encode group ``N + 1``, the thread completes group ``N``:
 
 A failure in a group (an lmdb error, a full map that cannot grow) never ends the thread: it is logged with
 ``logger.exception``, the group's uncommitted writes are counted in ``write_errors`` and dropped, their
-buffers released; chunks whose meta committed before the failure stay committed.
+buffers released; chunks whose meta committed before the failure stay committed. Failures on a full filesystem
+are logged once per outage instead, without a traceback (``disk_outage``).
 
 Threads: the writer thread owns ``_arenas``, ``_arena_turn``, ``_unwritten_bytes`` and every write
 transaction. Callers only touch the bounded ``_queue`` (a full queue blocks them: backpressure).
@@ -49,6 +50,7 @@ from kvstore.tiers.disk_entries import PendingWrite
 from kvstore.tiers.disk_env import DiskEnvironment, storage_error
 from kvstore.tiers.disk_format import StoredChunk, encode_meta, meta_bytes, with_last_access
 from kvstore.tiers.disk_index import DiskIndex
+from kvstore.tiers.disk_outage import DiskOutage
 
 __all__ = ["DeleteJob", "DiskWriter", "FlushJob", "WriteJob", "WriterOptions"]
 
@@ -150,6 +152,7 @@ class DiskWriter:
         pool: CodecPool,
         options: WriterOptions,
     ) -> None:
+        self._outage = DiskOutage(env.path, env.file_bytes, index.capacity_bytes)
         self._env = env
         self._codec = codec
         self._index = index
@@ -256,8 +259,10 @@ class DiskWriter:
                 encoded.stored_bytes += length
             deletes = [key for job in group.jobs if isinstance(job, DeleteJob) for key in job.keys]
             committed, rejected, failed = self._commit(group, deletes)
-        except Exception:  # the thread boundary: count, drop the group's writes, keep serving
-            logger.exception("disk writer: a group of %d jobs failed; its writes are dropped", len(group.jobs))
+        except Exception as exc:  # the thread boundary: count, drop the group's writes, keep serving
+            needed = sum(encoded.stored_bytes for encoded in group.encoded)
+            if not (isinstance(exc, StorageError) and self._outage.explains(len(group.writes), needed)):
+                logger.exception("disk writer: a group of %d jobs failed; its writes are dropped", len(group.jobs))
             for job in group.writes:
                 self._finish(job, committed=None)
             if not group.writes:
@@ -277,8 +282,9 @@ class DiskWriter:
                 elif 0 < self._options.writeback_bytes <= self._unwritten_bytes:
                     self._unwritten_bytes = 0
                     self._env.start_writeback()
-            except Exception:
-                logger.exception("disk writer: sync failed; recent commits may not be durable")
+            except Exception as exc:
+                if not (isinstance(exc, StorageError) and self._outage.explains(0, 0)):
+                    logger.exception("disk writer: sync failed; recent commits may not be durable")
                 self._index.count_write_error()
         finally:
             for flush in group.jobs:
@@ -375,11 +381,14 @@ class DiskWriter:
                 self._transact(write, "write chunks", needed_bytes=transaction.num_bytes)
             except StorageError:
                 num_failed = len(encoded) - num_committed
-                logger.exception(
-                    "disk writer: %d of %d writes failed; their writes are dropped", num_failed, len(encoded)
-                )
+                needed = sum(item.stored_bytes for item in encoded[num_committed:])
+                if not self._outage.explains(num_failed, needed):
+                    logger.exception(
+                        "disk writer: %d of %d writes failed; their writes are dropped", num_failed, len(encoded)
+                    )
                 discard_unfinished(self._env, begun)
                 break
+            self._outage.committed()
             begun += [chunk.key for chunk in transaction.begins]
             num_committed += len(transaction.ends)
             del begun[: len(transaction.closed_intents)]  # chunks end in the order they begin
