@@ -9,10 +9,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.tiers.base import TierName
 
-__all__ = ["DEFAULT_DATA_DIR", "StoreConfig", "parse_size", "parse_tiers"]
+__all__ = ["DEFAULT_DATA_DIR", "StoreConfig", "check_byte_count", "parse_size", "parse_tiers", "tier_name"]
 
 GIB = 1024**3
 MAX_INDEXED_CHUNK_TOKENS = 2**16 - 1  # the content index keeps chunk lengths in 16 bits
@@ -60,6 +60,24 @@ def parse_tiers(text: str) -> tuple[TierName, ...]:
         ) from None
     _check_tiers(tiers)
     return tiers
+
+
+def check_byte_count(num_bytes: object) -> None:
+    """Raise ``InvalidInputError`` unless ``num_bytes`` is a non-negative whole number (a bool is not one)."""
+    if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes < 0:
+        raise InvalidInputError(f"num_bytes={num_bytes!r} must be a non-negative whole number of bytes")
+
+
+def tier_name(value: TierName | str) -> TierName:
+    """One tier by name (``"cpu"`` or ``TierName.CPU``).
+
+    Raises:
+        ConfigError: not one of gpu, cpu, disk.
+    """
+    try:
+        return TierName(value)
+    except ValueError:
+        raise ConfigError(f"tier {value!r} is not one of gpu, cpu, disk") from None
 
 
 def _check_tiers(tiers: tuple[TierName, ...]) -> None:
@@ -113,9 +131,19 @@ class StoreConfig:
     enable_dedup_content: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tiers", tuple(TierName(t) for t in self.tiers))
+        try:
+            object.__setattr__(self, "tiers", tuple(TierName(t) for t in self.tiers))
+        except (ValueError, TypeError):
+            raise ConfigError(
+                f"tiers={self.tiers!r}: each tier must be one of gpu, cpu, disk (e.g. ('cpu', 'disk'))"
+            ) from None
         object.__setattr__(self, "disk_path", Path(self.disk_path))
         _check_tiers(self.tiers)
+        for name in ("chunk_size", "gpu_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes",
+                     "disk_zstd_level", "disk_codec_threads"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be a whole number")
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size={self.chunk_size} must be a positive number of tokens, e.g. 256")
         for name in ("gpu_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes"):

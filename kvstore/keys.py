@@ -26,6 +26,7 @@ __all__ = [
     "TokenArray",
     "as_token_array",
     "chained_key",
+    "checked_keys",
     "key_from_hex",
     "num_chunks",
     "prefix_keys",
@@ -105,6 +106,24 @@ def chained_key(previous: bytes, chunk_tokens: TokenArray) -> PrefixKey:
 
 def _chain(previous: bytes, chunk_bytes: memoryview) -> bytes:
     return xxhash.xxh3_128_digest(previous + chunk_bytes)
+
+
+def checked_keys(keys: Sequence[object]) -> list[PrefixKey]:
+    """``keys`` as chunk keys, each checked to be ``KEY_BYTES`` bytes (a key of any other length names nothing
+    and would silently evict nothing).
+
+    Raises:
+        InvalidInputError: a key that is not ``KEY_BYTES`` bytes, naming its position.
+    """
+    checked = []
+    for position, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise InvalidInputError(
+                f"keys[{position}] is not a {KEY_BYTES}-byte chunk key ({type(key).__name__} of length "
+                f"{len(key) if isinstance(key, bytes) else '-'}); pass keys from a plan or key_from_hex"
+            )
+        checked.append(PrefixKey(key))
+    return checked
 
 
 def key_from_hex(text: str) -> PrefixKey:

@@ -10,11 +10,13 @@ from types import FrameType
 
 import typer
 
+from kvstore.config import GIB
 from kvstore.errors import ConfigError
 from kvstore.server.app import ServerAddress, run_server
 from kvstore.server.host_facts import probe_host
-from kvstore.server.settings import ServeFlags, resolve_settings
+from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
 from kvstore.server.shm import pid_alive
+from kvstore.tiers.base import TierName
 
 __all__ = ["serve_command"]
 
@@ -112,8 +114,8 @@ def serve_command(
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def announce(address: ServerAddress) -> None:
-        layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"
-        typer.echo(f"kvstore serve: listening on {address.url} (metrics {address.metrics_url}); layout {layout_text}")
+        for line in startup_lines(settings, flags, address):
+            typer.echo(f"kvstore serve: {line}")
         typer.echo("kvstore serve: Ctrl-C to stop", err=True)
 
     try:
@@ -122,6 +124,40 @@ def serve_command(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     typer.echo("kvstore serve: stopped (pending disk writes flushed)")
+
+
+def startup_lines(settings: ServerSettings, flags: ServeFlags, address: ServerAddress) -> list[str]:
+    """What an operator needs to see at start: where it listens, the layout, and what each tier takes -- the
+    defaults included, since they silently claim RAM and disk."""
+    store = settings.store
+    layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"
+    lines = [
+        f"listening on {address.url} (metrics {address.metrics_url})",
+        f"layout {layout_text}; chunks of {store.chunk_size} tokens",
+    ]
+    defaults = {
+        TierName.GPU: ("of GPU memory", flags.gpu_size_gb, "--gpu-size-gb", "4 GiB, at most 1/4 of free GPU memory"),
+        TierName.CPU: ("of RAM", flags.cpu_size_gb, "--cpu-size-gb", "4 GiB, at most a quarter of available RAM"),
+        TierName.DISK: ("of stored bytes", flags.disk_size_gb, "--disk-size-gb", "64 GiB, at most half the free disk"),
+    }
+    capacities = {
+        TierName.GPU: store.gpu_capacity_bytes,
+        TierName.CPU: store.cpu_capacity_bytes,
+        TierName.DISK: store.disk_capacity_bytes,
+    }
+    for tier in store.tiers:
+        where, given, flag, default = defaults[tier]
+        origin = f"set by {flag}" if given is not None else f"the default: {default}; {flag} to change"
+        lines.append(f"{tier.value} tier: {capacities[tier] / GIB:.2f} GiB {where} ({origin})")
+    if TierName.DISK in store.tiers:
+        data_dir = store.disk_path.absolute()
+        recovered = (
+            f"{address.disk_chunks:,} chunks recovered from disk"
+            if address.disk_chunks is not None
+            else "opened when the first client names the layout"
+        )
+        lines.append(f"data dir {data_dir}: {recovered}")
+    return lines
 
 
 def _stop_when_gone(pid: int, stop: threading.Event) -> None:

@@ -12,7 +12,6 @@ Threads: ``run_server`` runs the loop on the calling thread; see ``loop`` for th
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import os
 import threading
@@ -32,6 +31,7 @@ from kvstore.server.shm import host_id, shm_available
 from kvstore.server.store_host import StoreHost
 from kvstore.store import StoreStats
 from kvstore.tiers.base import TierName
+from kvstore.version import __version__
 
 __all__ = ["ServerAddress", "background_server", "run_server", "server_version"]
 
@@ -40,17 +40,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerAddress:
-    """Where a started server listens."""
+    """Where a started server listens, and what its disk tier recovered (``None``: no disk tier, or the store opens
+    when the first client names the layout)."""
 
     url: str
     metrics_url: str
+    disk_chunks: int | None = None
 
 
 def server_version() -> str:
-    try:
-        return importlib.metadata.version("kvstore")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
+    return __version__
 
 
 def run_server(settings: ServerSettings, stop: threading.Event, on_ready: Callable[[ServerAddress], None]) -> None:
@@ -103,7 +102,11 @@ def _serve(
         server.close()
         raise
     metrics_url = f"http://{settings.loop.host}:{metrics_server.port}/metrics"
-    address = ServerAddress(url=server.url, metrics_url=metrics_url)
+    stats = store_stats()
+    disk = stats.tier(TierName.DISK) if stats is not None else None
+    address = ServerAddress(
+        url=server.url, metrics_url=metrics_url, disk_chunks=disk.num_chunks if disk is not None else None
+    )
     try:
         metrics_server.start()
         if disk_path is not None:

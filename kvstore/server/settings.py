@@ -20,6 +20,7 @@ Pure functions over a ``HostFacts`` value (tests pass their own machine).
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +196,7 @@ def resolve_settings(flags: ServeFlags, host: HostFacts, config_file: Path | Non
     disk_path = merged.disk_path or DEFAULT_DATA_DIR
     chunk_size = merged.chunk_size
     if TierName.DISK in tiers:
+        _check_data_dir_path(disk_path)
         holder = live_server_record(disk_path)
         if holder is not None:
             raise StorageError(
@@ -227,7 +229,45 @@ def resolve_settings(flags: ServeFlags, host: HostFacts, config_file: Path | Non
         enable_segmented_prefix=bool(merged.enable_segmented_prefix),
         enable_dedup_content=bool(merged.enable_dedup_content),
     )
+    _check_room_for_a_chunk(store, layout)
     return ServerSettings(store=store, layout=layout, loop=_loop_options(merged), metrics_port=_metrics_port(merged))
+
+
+def _check_data_dir_path(disk_path: Path) -> None:
+    """Refuse a ``--disk-path`` that can never be a data dir, before anything is created or sized from it."""
+    if disk_path.exists():
+        if not disk_path.is_dir():
+            raise ConfigError(f"--disk-path {disk_path} is not a directory; choose a directory for the data dir")
+        return
+    parent = disk_path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot create data dir {disk_path}: {parent} is not a writable directory")
+    if os.statvfs(parent).f_blocks == 0:
+        raise ConfigError(
+            f"cannot create data dir {disk_path}: {parent} is a virtual filesystem with no storage; choose a "
+            "--disk-path on a disk"
+        )
+
+
+def _check_room_for_a_chunk(store: StoreConfig, layout: KVLayout | None) -> None:
+    """Refuse a tier too small for one chunk before start-up (it would refuse every client later). Without a
+    layout yet (none given, none recorded) only an empty tier can be refused."""
+    chunk_bytes = layout.chunk_bytes(store.chunk_size) if layout is not None else 1
+    sizes = {
+        TierName.GPU: ("gpu-size-gb", store.gpu_capacity_bytes),
+        TierName.CPU: ("cpu-size-gb", store.cpu_capacity_bytes),
+        TierName.DISK: ("disk-size-gb", store.disk_capacity_bytes),
+    }
+    for tier in store.tiers:
+        flag, size = sizes[tier]
+        if size < chunk_bytes:
+            one_chunk = f"one chunk ({chunk_bytes / _MIB:.2f} MiB of {layout.describe()})" if layout else "any chunk"
+            raise ConfigError(
+                f"--{flag} {size / GIB:g} leaves the {tier.value} tier no room for {one_chunk}; raise it or drop "
+                f"{tier.value} from --tiers"
+            )
 
 
 def _default_tiers(host: HostFacts) -> tuple[TierName, ...]:

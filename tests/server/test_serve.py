@@ -104,6 +104,8 @@ def test_bad_config_files_are_one_line_errors(tmp_path: Path, text: str, fragmen
         (ServeFlags(workers=0), ConfigError, "between 1 and 64"),
         (ServeFlags(enable_dedup_content=True), ConfigError, "needs enable_blend"),
         (ServeFlags(layout="gpt-17"), ConfigError, "neither a preset"),
+        (ServeFlags(tiers="cpu,disk", cpu_size_gb=0.0), ConfigError, "leaves the cpu tier no room for any chunk"),
+        (ServeFlags(tiers="cpu", cpu_size_gb=1e-6, layout="llama3.1-8b"), ConfigError, "no room for one chunk"),
     ],
 )
 def test_invalid_settings_fail_before_start_up(
@@ -149,6 +151,23 @@ def test_bad_flags_exit_with_one_line_before_start_up(
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert exited.value.code == code and len(lines) == 1 and fragment in lines[0], captured.err
     assert "listening" not in captured.out and not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("where", ["a_regular_file", "under_proc"])
+def test_a_data_dir_that_cannot_be_one_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    if where == "a_regular_file":
+        disk_path, fragment = tmp_path / "file", "is not a directory"
+        disk_path.write_text("not a data dir")
+    else:
+        disk_path, fragment = Path("/proc/kv"), "cannot create data dir /proc/kv"
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--disk-path", str(disk_path), "--tiers", "cpu,disk", "--layout", "smollm2-135m"])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert exited.value.code == 1 and len(lines) == 1 and fragment in lines[0], captured.err
+    assert "internal error" not in captured.err
 
 
 def test_sigint_finishes_flushes_and_exits_0(tmp_path: Path) -> None:
