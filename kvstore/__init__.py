@@ -21,6 +21,7 @@ from kvstore.errors import (
 )
 from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
 from kvstore.store import TieredStore
+from kvstore.version import __version__
 
 __all__ = [
     "CapacityError",
@@ -40,4 +41,5 @@ __all__ = [
     "StoreClosedError",
     "StoreConfig",
     "TieredStore",
+    "__version__",
 ]

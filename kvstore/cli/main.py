@@ -20,6 +20,7 @@ from kvstore.cli.evict import evict_command
 from kvstore.cli.inspect import inspect_command
 from kvstore.cli.serve import serve_command
 from kvstore.errors import KVStoreError
+from kvstore.version import DISTRIBUTION, __version__
 
 __all__ = ["app", "main"]
 
@@ -34,9 +35,18 @@ app = typer.Typer(
 )
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"kvstore {__version__} (distribution {DISTRIBUTION})")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _configure(
     log_level: str = typer.Option("warning", "--log-level", help="debug, info, warning or error."),
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+    ),
 ) -> None:
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
