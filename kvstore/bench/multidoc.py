@@ -143,9 +143,10 @@ class MultiDocOptions:
         object.__setattr__(self, "workload", BenchWorkload(self.workload))
         object.__setattr__(self, "warm_up", WarmUp(self.warm_up))
         object.__setattr__(self, "facts", FactStyle(self.facts))
-        object.__setattr__(self, "modes", tuple(BenchMode(mode) for mode in self.modes))
-        if BenchMode.FULL not in self.modes:
-            object.__setattr__(self, "modes", (BenchMode.FULL, *self.modes))  # the baseline of every ratio
+        modes = [BenchMode(mode) for mode in self.modes]
+        # full prefill runs first, asked for or not: it is the reference every quality figure and ratio compares with
+        others = tuple(dict.fromkeys(mode for mode in modes if mode is not BenchMode.FULL))
+        object.__setattr__(self, "modes", (BenchMode.FULL, *others))
         if self.samples_path is not None and not self.samples_path.parent.is_dir():  # before minutes of work
             raise ConfigError(f"--samples {self.samples_path}: its directory does not exist")
         if self.model_path is not None and self.random_init is not None:

@@ -283,3 +283,10 @@ def test_groupedwarm_up_prompts_are_query_contexts_of_consecutive_documents() ->
     assert [prompt.tolist() for prompt in prompts] == [
         prompt_format.context_prompt(group).tolist() for group in expected
     ]
+
+
+@pytest.mark.parametrize("asked", [("blend", "full"), ("blend",), ("full", "blend", "blend")])
+def test_full_prefill_runs_first_whatever_order_the_modes_are_asked_in(asked: tuple[str, ...]) -> None:
+    """Quality is always scored against full prefill: ``--modes blend,full`` used to score blend against itself."""
+    options = MultiDocOptions(modes=asked)  # type: ignore[arg-type]
+    assert options.modes == (BenchMode.FULL, BenchMode.BLEND)
