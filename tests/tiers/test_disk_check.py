@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 
+from kvstore.cli.main import main
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord
@@ -72,3 +75,25 @@ def test_frames_of_no_chunk_are_counted_not_problems(
     report = check(path, small_layout)
     assert report.num_unfinished_frames == 1
     assert report.problems == (f"chunk {keys[1].hex()}: stray frame 5",)
+
+
+def test_a_corrupt_meta_record_is_reported_by_inspect_check(
+    data_dir: tuple[Path, list[bytes]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvstore inspect --check`` on a chunk whose meta record fails its checksum: one problem naming the chunk."""
+    path, keys = data_dir
+    env = lmdb.open(str(path), max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            meta_db = env.open_db(b"meta", txn=txn)
+            value = bytearray(txn.get(keys[1], db=meta_db))
+            value[20] ^= 0x04  # inside raw_bytes: still well-formed, only the checksum can tell
+            txn.put(keys[1], bytes(value), db=meta_db)
+    finally:
+        env.close()
+    with pytest.raises(SystemExit) as exited:
+        main(["inspect", "--path", str(path), "--check", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert exited.value.code == 1 and report["ok"] is False and report["num_problems"] == 1
+    assert report["problems"] == [f"chunk {keys[1].hex()}: meta record unreadable (checksum or format)"]
+    assert report["num_chunks"] == 2 and report["num_unfinished_frames"] == 2, "its frames belong to no chunk now"

@@ -18,6 +18,7 @@ from kvstore.tiers.disk_format import (
     decode_meta_values,
     encode_meta,
 )
+from kvstore.tiers.disk_meta_batch import decode_meta_batch
 
 FIELDS = [name for name in StoredChunk.__slots__ if name != "tokens"]
 
@@ -125,3 +126,26 @@ def test_a_batch_decodes_as_each_record_alone(
             assert got.tokens.shape == ((got.num_tokens,) if with_tokens else (0,))
 
 
+
+
+def test_the_stored_checksum_is_xxh3_64_of_the_record_without_its_checksum_field() -> None:
+    """The format's checksum, computed here from its definition (not through the decoder's code)."""
+    value = encode_meta(stored_chunk(7, 33))
+    stored = struct.unpack_from("<Q", value, 48)[0]
+    assert stored == xxhash.xxh3_64_intdigest(value[:48] + value[56:])
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_tokens=st.integers(1, 40), position=st.integers(0, 10**6),
+       bit=st.integers(0, 7))  # fmt: skip
+def test_any_flipped_bit_of_a_meta_record_is_rejected_by_every_decoder(
+    seed: int, num_tokens: int, position: int, bit: int
+) -> None:
+    chunk = stored_chunk(seed, num_tokens)
+    flipped = bytearray(encode_meta(chunk))
+    flipped[position % len(flipped)] ^= 1 << bit
+    value = bytes(flipped)
+    assert decode_meta(chunk.key, value) is None
+    assert decode_meta_values([chunk.key], [value], with_tokens=True) == [None]
+    batch = decode_meta_batch([chunk.key], [value])
+    assert len(batch) == 0 and list(batch.broken_keys) == [chunk.key], "opening a data dir drops it too"
