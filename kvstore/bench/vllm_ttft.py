@@ -6,7 +6,9 @@ library, which every machine has):
 
     session            prompts              rows
     cold               P1, P2, ...          cold: no connector, no prefix cache (the baseline)
-    vllm prefix cache  P1, P1, P2, P2, ...  vllm_prefix_hit: the repeats, served by vLLM's own prefix cache
+    vllm prefix cache  P1, P1, P2, P2, ...  vllm_prefix_miss: the firsts (computed: a second cold baseline, run
+                                            right before the kvstore session, for a machine whose speed drifts);
+                                            vllm_prefix_hit: the repeats, served by vLLM's own prefix cache
     kvstore            P1, P1, P2, P2, ...  kvstore_miss: the firsts (computed, then stored: the connector's cost on
                                             a miss); kvstore_cpu_hit: the repeats, loaded from the cpu tier
     kvstore restarted  P1, P2, ...          kvstore_disk_hit: a new engine and a new embedded server on the same
@@ -162,6 +164,7 @@ def run_vllm_benchmark(
     cold_p50 = statistics.median(_ttft_ms(cold))
     measured = {
         "cold": cold,
+        "vllm_prefix_miss": prefix[0::2],
         "vllm_prefix_hit": prefix[1::2],
         "kvstore_miss": kvstore[0::2],
         "kvstore_cpu_hit": kvstore[1::2],
