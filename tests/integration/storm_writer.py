@@ -6,7 +6,11 @@ prints ``durable N`` once every sequence below N is committed and synced. It run
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +22,7 @@ from kvstore.tiers.base import TierName
 LAYOUT = KVLayout(model_id="test/storm", num_layers=4, num_kv_heads=2, head_dim=64)
 CHUNK_SIZE = 32
 TOKENS_PER_SEQUENCE = 80  # two full chunks and a partial one
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def sequence(seed: int) -> tuple[np.ndarray, torch.Tensor]:
@@ -36,6 +41,28 @@ def config(path: Path) -> StoreConfig:
         disk_path=path,
         disk_capacity_bytes=1 << 30,
     )
+
+
+def storm_and_kill(data: Path, durable_target: int, linger_s: float = 0.0, timeout_s: float = 120.0) -> int:
+    """Run a storm writer on ``data`` in a child process, SIGKILL it once ``durable_target`` sequences are
+    acknowledged durable (and ``linger_s`` later: not always right after a flush); returns how many were."""
+    durable = 0
+    with subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.storm_writer", str(data)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as writer:
+        assert writer.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while durable < durable_target and time.monotonic() < deadline:
+            line = writer.stdout.readline()
+            if line.startswith("durable "):
+                durable = int(line.split()[1])
+        time.sleep(linger_s)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+    return durable
 
 
 def main() -> None:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lmdb
@@ -20,7 +18,7 @@ from kvstore.inspection import check_data_dir
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk_format import frame_key
 from tests.factories import make_kv, make_tokens
-from tests.integration.storm_writer import LAYOUT, TOKENS_PER_SEQUENCE, config, sequence
+from tests.integration.storm_writer import LAYOUT, TOKENS_PER_SEQUENCE, config, sequence, storm_and_kill
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,21 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_kill_9_during_a_write_storm_loses_nothing_acknowledged_and_corrupts_nothing(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    durable = 0
-    with subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.storm_writer", str(data)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as writer:
-        assert writer.stdout is not None
-        deadline = time.monotonic() + 60
-        while durable < 48 and time.monotonic() < deadline:
-            line = writer.stdout.readline()
-            if line.startswith("durable "):
-                durable = int(line.split()[1])
-        os.kill(writer.pid, signal.SIGKILL)  # mid-storm: it never stops writing
-        writer.wait()
+    durable = storm_and_kill(data, 48, timeout_s=60)  # mid-storm: it never stops writing
     assert durable >= 48, "the writer did not get going"
 
     with TieredStore(LAYOUT, config(data)) as store:
