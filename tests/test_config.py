@@ -51,6 +51,10 @@ def test_parse_tiers_errors(text: str, message: str) -> None:
         ({"cpu_capacity_bytes": -1}, "negative"),
         ({"disk_codec_threads": 0}, "at least 1"),
         ({"tiers": ()}, "at least one"),
+        ({"tiers": ("cpu", "dsk")}, "one of gpu, cpu, disk"),
+        ({"chunk_size": 1.5}, "whole number"),
+        ({"cpu_capacity_bytes": True}, "whole number"),
+        ({"disk_capacity_bytes": 2.0**30}, "whole number"),
     ],
 )
 def test_store_config_validates(changes: dict[str, object], message: str) -> None:

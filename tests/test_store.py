@@ -96,6 +96,20 @@ def test_a_hit_is_a_chunk_a_lookup_planned_from_a_tier(tmp_path: Path, small_lay
         assert cpu.hit_ratio == 2 / 8 and gpu.hit_ratio + cpu.hit_ratio == 6 / 8
 
 
+def test_evict_refuses_what_names_nothing_and_takes_tier_names(tmp_path: Path, small_layout: KVLayout) -> None:
+    with TieredStore(small_layout, config(tmp_path, small_layout, tiers=(TierName.CPU,))) as store:
+        store.store(make_tokens(2 * CHUNK), make_kv(small_layout, 2 * CHUNK))
+        with pytest.raises(InvalidInputError, match="16-byte chunk key"):
+            store.evict([b"short"])  # type: ignore[list-item]
+        with pytest.raises(InvalidInputError, match="non-negative"):
+            store.evict_bytes(-5, "cpu")
+        with pytest.raises(ConfigError, match="no disk tier"):
+            store.evict_bytes(1, "disk")
+        with pytest.raises(ConfigError, match="not one of gpu, cpu, disk"):
+            store.evict_bytes(1, "dsk")
+        assert store.evict_bytes(1, "cpu") == small_layout.chunk_bytes(CHUNK), "a plain string names the tier"
+
+
 def test_write_through_releases_its_pins_once_flushed(tmp_path: Path, small_layout: KVLayout) -> None:
     cfg = config(tmp_path, small_layout, tiers=(TierName.CPU, TierName.DISK))
     with TieredStore(small_layout, cfg) as store:

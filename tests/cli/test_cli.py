@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
+import kvstore
 from kvstore import StoreConfig, TieredStore
 from kvstore.cli.main import main
 from kvstore.keys import as_token_array, prefix_keys
@@ -232,3 +234,10 @@ def test_bench_index_json_row(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(["bench", "index", "--chunks", "0"], capsys)
     assert code == 1
     assert_one_line_error(err, "positive")
+
+
+def test_version_names_the_release_and_the_distribution(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0 and out.strip() == f"kvstore {kvstore.__version__} (distribution kvstore-llm)"
+    assert kvstore.__version__ == importlib.metadata.version("kvstore-llm")
+    assert (Path(kvstore.__file__).parent / "py.typed").is_file()

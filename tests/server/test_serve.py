@@ -14,9 +14,11 @@ import msgpack
 import pytest
 
 from kvstore.cli.main import main
+from kvstore.cli.serve import startup_lines
 from kvstore.config import GIB
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.presets import preset_layout
+from kvstore.server.app import ServerAddress
 from kvstore.server.connection import Connection
 from kvstore.server.host_facts import HostFacts
 from kvstore.server.protocol import PROTOCOL_VERSION, Op, decode_reply
@@ -64,6 +66,18 @@ def test_defaults_serve_out_of_the_box(tmp_path: Path) -> None:
     assert resolve_settings(ServeFlags(disk_path=tmp_path / "d"), with_cuda).store.tiers[0] is TierName.GPU
     small = HostFacts(cuda_available=False, available_memory_bytes=2 * GIB, gpu_free_bytes=0)
     assert resolve_settings(ServeFlags(disk_path=tmp_path / "d"), small).store.cpu_capacity_bytes == GIB // 2
+
+
+def test_the_start_up_lines_name_every_tier_its_size_and_whether_it_is_a_default(tmp_path: Path) -> None:
+    flags = ServeFlags(disk_path=tmp_path / "d", cpu_size_gb=0.5)
+    settings = resolve_settings(flags, MACHINE)
+    address = ServerAddress(url="tcp://127.0.0.1:1", metrics_url="http://127.0.0.1:2/metrics", disk_chunks=42)
+    lines = startup_lines(settings, flags, address)
+    assert lines[0] == "listening on tcp://127.0.0.1:1 (metrics http://127.0.0.1:2/metrics)"
+    assert lines[1] == "layout set by the first client; chunks of 256 tokens"
+    assert lines[2] == "cpu tier: 0.50 GiB of RAM (set by --cpu-size-gb)"
+    assert lines[3].startswith("disk tier: ") and "the default: 64 GiB, at most half the free disk" in lines[3]
+    assert lines[4] == f"data dir {(tmp_path / 'd').absolute()}: 42 chunks recovered from disk"
 
 
 def test_flags_override_the_config_file(tmp_path: Path) -> None:
