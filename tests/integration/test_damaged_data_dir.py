@@ -1,8 +1,8 @@
 """A damaged data dir is named in one line by every entry point, and nothing is written to it.
 
 A ``data.mdb`` cut short used to kill ``kvstore inspect``, ``TieredStore`` and ``kvstore serve`` with SIGBUS (LMDB
-maps the file and trusts its meta pages). Each entry point runs in a child process here, so a crash shows up as a
-signal exit code instead of killing pytest.
+maps the file and trusts its meta pages). The entry points run in this process (the check comes before any
+mapping); one runs in a child process as well, so a regression shows up as a signal exit code there.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import KVLayout, StoreConfig, TieredStore
+from kvstore.cli.main import main
 from kvstore.errors import StorageError
 from kvstore.tiers.base import TierName
 from kvstore.tiers.data_file_check import data_file_damage
@@ -49,18 +50,18 @@ def _fingerprint(path: Path) -> dict[str, tuple[str, int]]:
     }
 
 
-def _kvstore(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli.main", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
-    )
+def _kvstore(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The CLI in this process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(args))
+    captured = capsys.readouterr()
+    return int(exited.value.code or 0), captured.out, captured.err
 
 
-def _assert_one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
-    assert result.returncode >= 0, f"killed by {signal.Signals(-result.returncode).name}: {result.stderr[-500:]}"
-    assert result.returncode != 0, result.stdout
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines and all(word in lines[-1] for word in words), result.stderr
+def _assert_one_line_error(code: int, stderr: str, *words: str) -> None:
+    assert code == 1, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and all(word in lines[0] for word in words), stderr
 
 
 @pytest.fixture(params=["half", "ninety_percent", "empty"])
@@ -75,19 +76,35 @@ def damaged(request: pytest.FixtureRequest, tmp_path: Path, small_layout: KVLayo
     return path, "empty" if keep == 0 else "truncated"
 
 
-def test_inspect_names_the_damage_in_one_line(damaged: tuple[Path, str]) -> None:
+def test_inspect_names_the_damage_in_one_line(damaged: tuple[Path, str], capsys: pytest.CaptureFixture[str]) -> None:
     path, word = damaged
     before = _fingerprint(path)
-    _assert_one_line_error(_kvstore("inspect", "--path", str(path)), "data.mdb is damaged", word)
+    code, _, err = _kvstore(capsys, "inspect", "--path", str(path))
+    _assert_one_line_error(code, err, "data.mdb is damaged", word)
     assert _fingerprint(path) == before
 
 
-def test_inspect_check_reports_the_damage_as_a_problem(damaged: tuple[Path, str]) -> None:
+def test_a_child_process_inspecting_it_is_not_killed(tmp_path: Path, small_layout: KVLayout) -> None:
+    """The SIGBUS canary: in a child, a crash is an exit code instead of the end of the test run."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    os.truncate(path / "data.mdb", (path / "data.mdb").stat().st_size // 2)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "inspect", "--path", str(path)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode >= 0, f"killed by {signal.Signals(-result.returncode).name}: {result.stderr[-500:]}"
+    _assert_one_line_error(result.returncode, result.stderr, "data.mdb is damaged", "truncated")
+
+
+def test_inspect_check_reports_the_damage_as_a_problem(
+    damaged: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
     path, word = damaged
     before = _fingerprint(path)
-    result = _kvstore("inspect", "--path", str(path), "--check", "--json")
-    assert result.returncode == 1, (result.returncode, result.stderr[-500:])
-    report = json.loads(result.stdout)
+    code, out, _ = _kvstore(capsys, "inspect", "--path", str(path), "--check", "--json")
+    assert code == 1
+    report = json.loads(out)
     assert report["ok"] is False and report["num_problems"] == 1
     assert word in report["problems"][0] and "restore" in report["problems"][0]
     assert _fingerprint(path) == before
@@ -98,30 +115,23 @@ def test_opening_the_store_raises_a_storage_error_and_writes_nothing(
 ) -> None:
     path, word = damaged
     before = _fingerprint(path)
-    code = (
-        "import sys\nfrom pathlib import Path\nfrom kvstore import KVLayout, StoreConfig, TieredStore, StorageError\n"
-        "from kvstore.tiers.base import TierName\n"
-        f"layout = KVLayout.from_json({small_layout.to_json()!r})\n"
-        f"config = StoreConfig(tiers=(TierName.DISK,), chunk_size={CHUNK_SIZE}, disk_path=Path({str(path)!r}),"
-        " disk_capacity_bytes=64 << 20)\n"
-        "try:\n    TieredStore(layout, config)\nexcept StorageError as exc:\n    print(exc); sys.exit(3)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 3, f"exit {result.returncode}: {result.stderr[-500:]}"
-    assert word in result.stdout and "data.mdb is damaged" in result.stdout
+    with pytest.raises(StorageError, match=f"data.mdb is damaged: .*{word}"):
+        TieredStore(small_layout, _config(path))
     assert _fingerprint(path) == before
 
 
-def test_serve_refuses_to_start_on_it(damaged: tuple[Path, str], tmp_path: Path, small_layout: KVLayout) -> None:
+def test_serve_refuses_to_start_on_it(
+    damaged: tuple[Path, str], tmp_path: Path, small_layout: KVLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, word = damaged
     before = _fingerprint(path)
     layout_file = tmp_path / "layout.json"
     layout_file.write_text(small_layout.to_json())
-    result = _kvstore(
-        "serve", "--disk-path", str(path), "--port", "0", "--metrics-port", "0", "--layout", str(layout_file),
-        "--chunk-size", str(CHUNK_SIZE), "--tiers", "cpu,disk", "--cpu-size-gb", "0.01",
+    code, _, err = _kvstore(
+        capsys, "serve", "--disk-path", str(path), "--port", "0", "--metrics-port", "0", "--layout",
+        str(layout_file), "--chunk-size", str(CHUNK_SIZE), "--tiers", "cpu,disk", "--cpu-size-gb", "0.01",
     )  # fmt: skip
-    _assert_one_line_error(result, "data.mdb is damaged", word)
+    _assert_one_line_error(code, err, "data.mdb is damaged", word)
     assert _fingerprint(path) == before
 
 
