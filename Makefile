@@ -43,13 +43,13 @@ run: $(STAMP)
 	$(BIN)/kvstore serve --disk-path ./kvstore-data
 
 # The main suite first (it never collects tests/vllm), then the vLLM tests, whose coverage gate is the connectors'.
-# The main suite runs on two xdist workers, a file each at a time (module fixtures such as a shared server stay in
-# one worker): much of it waits on child processes and servers, so two workers keep both cores busy.
+# The main suite runs on three xdist workers, a file each at a time (module fixtures such as a shared server stay in
+# one worker): much of it waits on child processes and servers, so three workers keep both cores busy.
 # .venv-vllm is built in the background meanwhile (its ~3 min of downloads and unpacking overlap the main suite);
 # its log is shown only if it fails, after the main suite's results, which a failing vLLM install never hides.
 test: $(STAMP)
 	@$(MAKE) --no-print-directory $(VLLM_STAMP) > $(VLLM_LOG) 2>&1 & installer=$$!; \
-	status=0; $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 --cov=kvstore \
+	status=0; $(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile --durations=15 --cov=kvstore \
 		--cov-report=term --cov-fail-under=90 || status=$$?; \
 	if ! wait $$installer; then tail -n 40 $(VLLM_LOG); echo "make test: building $(VLLM_VENV) failed" >&2; exit 2; fi; \
 	if [ $$status -ne 0 ]; then exit $$status; fi; \
