@@ -236,7 +236,8 @@ def test_a_holder_that_lets_go_before_the_deadline_is_waited_for(
     server = ensure_embedded_server(embedded_settings(data_dir), start_timeout_s=START_TIMEOUT_S)
     assert server.process is not None
     children.append(server.process)  # type: ignore[arg-type]
-    assert time.monotonic() - started >= 1.5 and holder.poll() == 0, "it waited for the holder to exit"
+    assert time.monotonic() - started >= 1.5, "it waited for the holder to let go of the data dir"
+    assert holder.wait(60) == 0  # it lets go when its store closes; its exit may come a little later on a busy machine
     store_and_check(server.url, tokens_seed=3)
     server.stop()
     assert server.process.returncode == 0
