@@ -21,7 +21,7 @@ import torch
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.presets import preset_layout
 from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.tier import DiskTier
 
 CHUNK_SIZE = 256
 

@@ -33,7 +33,7 @@ from kvstore import TieredStore
 from kvstore.inspection import check_data_dir
 from kvstore.keys import num_chunks
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk_format import frame_key
+from kvstore.tiers.disk.format import frame_key
 from tests.integration.storm_writer import CHUNK_SIZE, LAYOUT, config, sequence, storm_and_kill
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

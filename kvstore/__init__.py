@@ -1,28 +1,61 @@
 """kvstore: a tiered KV-cache storage engine for LLM serving.
 
-GPU pages over a CPU LRU over LMDB + zstd on disk, prefix-chained chunk keys, and (in ``kvstore.blend``) content
-fingerprints and layerwise blending. Start with ``TieredStore`` and ``KVLayout``; ``Client`` is the same surface
-for a running ``kvstore serve``.
+GPU pages over a CPU LRU over LMDB + zstd on disk, prefix-chained chunk keys, content fingerprints
+(``kvstore.content``) and layerwise blending (``kvstore.blend``). Start with ``TieredStore`` and ``KVLayout``;
+``Client`` is the same surface for a running ``kvstore serve``.
+
+The names below are imported when first used, so ``import kvstore.client`` does not load the store.
 """
 
-from kvstore.client import Client
-from kvstore.config import StoreConfig
-from kvstore.errors import (
-    CapacityError,
-    ConfigError,
-    InvalidInputError,
-    KVStoreError,
-    LayoutMismatchError,
-    ProtocolError,
-    ServerBusyError,
-    ServerUnavailableError,
-    StorageError,
-    StoreClosedError,
-)
-from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
-from kvstore.store import TieredStore
-from kvstore.version import __version__
+from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from kvstore.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from kvstore.client import Client
+    from kvstore.config import StoreConfig
+    from kvstore.errors import (
+        CapacityError,
+        ConfigError,
+        InvalidInputError,
+        KVStoreError,
+        LayoutMismatchError,
+        ProtocolError,
+        ServerBusyError,
+        ServerUnavailableError,
+        StorageError,
+        StoreClosedError,
+    )
+    from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
+    from kvstore.store import TieredStore
+    from kvstore.surface import StoreSurface
+    from kvstore.version import __version__
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "kvstore.client": ("Client",),
+        "kvstore.config": ("StoreConfig",),
+        "kvstore.errors": (
+            "CapacityError",
+            "ConfigError",
+            "InvalidInputError",
+            "KVStoreError",
+            "LayoutMismatchError",
+            "ProtocolError",
+            "ServerBusyError",
+            "ServerUnavailableError",
+            "StorageError",
+            "StoreClosedError",
+        ),
+        "kvstore.layout": ("KVDtype", "KVLayout", "RopeScaling", "RopeSpec"),
+        "kvstore.store": ("TieredStore",),
+        "kvstore.surface": ("StoreSurface",),
+        "kvstore.version": ("__version__",),
+    },
+)
 __all__ = [
     "CapacityError",
     "Client",
@@ -40,6 +73,7 @@ __all__ = [
     "StorageError",
     "StoreClosedError",
     "StoreConfig",
+    "StoreSurface",
     "TieredStore",
     "__version__",
 ]

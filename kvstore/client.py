@@ -38,13 +38,16 @@ from kvstore.errors import InvalidInputError, KVStoreError, ProtocolError, Serve
 from kvstore.keys import PrefixKey, as_token_array, checked_keys
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
-from kvstore.server.client_segments import ClientSegments
-from kvstore.server.connection import Connection
-from kvstore.server.cuda_ipc import export_cuda_tensor
-from kvstore.server.document_report import DocumentsArgs, DocumentsReport
-from kvstore.server.errors import ErrorCode, exception_for
-from kvstore.server.fields import Fields
-from kvstore.server.messages import (
+from kvstore.sessions import Session
+from kvstore.stats import StoreStats
+from kvstore.tiers.base import TierName
+from kvstore.wire.client_segments import ClientSegments
+from kvstore.wire.connection import Connection
+from kvstore.wire.cuda_ipc import export_cuda_tensor
+from kvstore.wire.documents import DocumentsArgs, DocumentsReport
+from kvstore.wire.error_codes import ErrorCode, exception_for
+from kvstore.wire.fields import Fields
+from kvstore.wire.messages import (
     AttachArgs,
     BulkRef,
     ChunkArgs,
@@ -60,9 +63,9 @@ from kvstore.server.messages import (
     ShmBulk,
     StoreArgs,
 )
-from kvstore.server.protocol import Op, Reply
-from kvstore.server.shm import OwnedSegment, host_id, shm_available
-from kvstore.server.wire_values import (
+from kvstore.wire.protocol import Op, Reply
+from kvstore.wire.shm import OwnedSegment, host_id, shm_available
+from kvstore.wire.values import (
     ChunkInfo,
     RetrievedSegments,
     ServerHealth,
@@ -72,9 +75,6 @@ from kvstore.server.wire_values import (
     decode_store_result,
     plan_from_wire,
 )
-from kvstore.sessions import Session
-from kvstore.store import StoreStats
-from kvstore.tiers.base import TierName
 
 __all__ = ["Client"]
 

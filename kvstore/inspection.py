@@ -12,9 +12,9 @@ from pathlib import Path
 
 from kvstore.errors import StorageError
 from kvstore.keys import PrefixKey
-from kvstore.tiers.data_file_check import DATA_FILE, data_file_damage
-from kvstore.tiers.disk import DiskTier, StoredChunk
-from kvstore.tiers.disk_check import DiskCheckReport
+from kvstore.tiers.disk.check import DiskCheckReport
+from kvstore.tiers.disk.data_file_check import DATA_FILE, data_file_damage
+from kvstore.tiers.disk.tier import DiskTier, StoredChunk
 
 __all__ = ["ChunkSummary", "DataDirSummary", "check_data_dir", "chunks_on_disk", "find_chunk", "summarize_data_dir"]
 
@@ -71,9 +71,7 @@ def _iso(ns: int | None) -> str | None:
 
 def _open(path: Path) -> DiskTier:
     if not (Path(path) / DATA_FILE).is_file():
-        raise StorageError(
-            f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used"
-        )
+        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used")
     return DiskTier.open_existing(Path(path), read_only=True, num_codec_threads=1)
 
 
@@ -143,7 +141,11 @@ def check_data_dir(path: Path, progress: Callable[[int], None] | None = None) ->
     damage = data_file_damage(Path(path) / DATA_FILE)
     if damage is not None:
         return DiskCheckReport(
-            num_chunks=0, num_frames=0, num_unfinished_frames=0, stored_bytes=0, problems=(damage.message(),),
+            num_chunks=0,
+            num_frames=0,
+            num_unfinished_frames=0,
+            stored_bytes=0,
+            problems=(damage.message(),),
             num_problems=1,
         )
     tier = _open(path)

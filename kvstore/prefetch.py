@@ -20,7 +20,7 @@ import logging
 from kvstore.keys import PrefixKey
 from kvstore.sessions import PinLedger
 from kvstore.tiers.cpu import CpuTier
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.tier import DiskTier
 
 __all__ = ["DEFAULT_PREFETCH_THREADS", "Prefetcher"]
 
@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFETCH_THREADS = 2
 """Chunks a store reads from disk at once: while one reader decodes, the other can wait for the disk (one reader
 alone leaves the disk idle during its decode). ``kvstore bench tiers`` measures one reader (``get_cold``) and this
-many (``get_cold_prefetch``): 1-11% faster on the 16-core H200 host, no faster on 2 cores (docs/benchmarks.md)."""
+many (``get_cold_prefetch``): faster on the 16-core H200 host, no faster on 2 cores (measured:
+docs/design-notes.md#prefetch)."""
 
 
 class Prefetcher:

@@ -33,16 +33,15 @@ import gc
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency
-from kvstore.blend.index import Match
 from kvstore.config import StoreConfig, check_byte_count, tier_name
+from kvstore.content.catalog import ContentCatalog, Residency
+from kvstore.content.index import Match
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
 from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, checked_keys, prefix_keys
 from kvstore.layout import KVLayout
@@ -50,22 +49,23 @@ from kvstore.lookup_counts import LookupCounts
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
 from kvstore.prefetch import Prefetcher
 from kvstore.sessions import Pin, PinLedger, Session
+from kvstore.stats import StoreStats
 from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
+from kvstore.tiers.base import ChunkRecord, Tier, TierName
 from kvstore.tiers.cpu import CpuTier
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.disk_tuning import DiskTuning
+from kvstore.tiers.disk.tier import DiskTier
+from kvstore.tiers.disk.tuning import DiskTuning
 from kvstore.tiers.gpu import GpuTier
 
-__all__ = ["StoreStats", "TieredStore"]
+__all__ = ["TieredStore"]
 
 logger = logging.getLogger(__name__)
 
 _LAYERS_PER_STEP = 4
 """Layers a layer-by-layer retrieve copies per step. Each step is one copy per chunk (its layers are contiguous in
-the chunk), so an 8B prompt of 60 chunks takes 480 host-to-device copies instead of 3,840 for K and V of every
-layer: the per-copy host cost (~10-30 us) competed with the prefill's own kernel launches. The first step (4 of 32
-layers, ~5 ms from pinned memory) lands while layer 0 computes."""
+the chunk), so an 8B prompt of 60 chunks takes 480 host-to-device copies instead of 3,840 for K and V of every layer:
+the per-copy host cost competed with the prefill's own kernel launches. The first step (4 of 32 layers, from pinned
+memory) lands while layer 0 computes (measured: docs/design-notes.md#store)."""
 
 
 def _no_op() -> None:
@@ -77,8 +77,8 @@ def _collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a data dir opens.
 
     Opening builds an index entry per stored chunk (a million objects for a million chunks), none of them garbage;
-    each allocation threshold crossed would start a collection that walks them all again (measured: 8 of the 30 s
-    a 1M-chunk open took). Reference counting still frees everything as usual meanwhile.
+    each allocation threshold crossed would start a collection that walks them all again, a large share of a 1M-chunk
+    open (measured: docs/design-notes.md#store). Reference counting still frees everything as usual meanwhile.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -92,19 +92,6 @@ def _collector_paused() -> Iterator[None]:
 class _Lifecycle(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StoreStats:
-    """Counters of the store, each of its tiers (fastest first) and, with blending on, its content catalog."""
-
-    tiers: tuple[TierStats, ...]
-    num_open_plans: int
-    num_sessions: int
-    catalog: CatalogStats | None = None
-
-    def tier(self, name: TierName) -> TierStats | None:
-        return next((stats for stats in self.tiers if stats.tier is name), None)
 
 
 class TieredStore:

@@ -16,7 +16,7 @@ from kvstore.config import StoreConfig
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk_format import frame_key
+from kvstore.tiers.disk.format import frame_key
 
 
 def make_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> torch.Tensor:

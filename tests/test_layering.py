@@ -9,34 +9,52 @@ import kvstore
 
 PACKAGE_ROOT = Path(kvstore.__file__).parent
 
-# A module in the key's package may not import any module under the listed prefixes.
+# A module in the key's package may not import any module under the listed prefixes. The layers, bottom up:
+#   values (errors, layout, keys, plan, stats, surface)  <  tiers, content  <  store  <  server
+#   wire (shared by client and server)  <  client  <  connectors (an engine's side)
+#   blend (an engine: it takes any StoreSurface), bench, cli on top.
+_ABOVE_THE_STORE = ("kvstore.store", "kvstore.server", "kvstore.client", "kvstore.connectors", "kvstore.blend")
+_TOOLS = ("kvstore.cli", "kvstore.bench")
+_VALUES = (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", "kvstore.tiers.disk", "kvstore.wire", "kvstore.config")
 FORBIDDEN = {
-    "kvstore.tiers": (
-        "kvstore.store",
-        "kvstore.cli",
-        "kvstore.bench",
-        "kvstore.server",
-        "kvstore.blend",
-        "kvstore.config",
-    ),
-    "kvstore.layout": ("kvstore.store", "kvstore.tiers", "kvstore.cli", "kvstore.bench"),
-    "kvstore.keys": ("kvstore.store", "kvstore.tiers", "kvstore.cli", "kvstore.bench"),
     "kvstore.errors": ("kvstore.",),
-    "kvstore.models": ("kvstore.store", "kvstore.tiers", "kvstore.blend", "kvstore.cli", "kvstore.bench"),
-    "kvstore.store": ("kvstore.cli", "kvstore.bench", "kvstore.server"),
-    # What the store is built from must not reach back up into it (the blender, an engine, may).
-    "kvstore.plan": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server"),
-    "kvstore.sessions": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server"),
-    "kvstore.prefetch": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server"),
-    **{
-        f"kvstore.blend.{part}": ("kvstore.store", "kvstore.cli", "kvstore.bench", "kvstore.server", "kvstore.tiers")
-        for part in ("index", "fingerprint_table", "rolling_hash", "catalog", "registration", "strikes", "aliases")
-    },
-    "kvstore.bench": ("kvstore.cli",),
-    "kvstore.server": ("kvstore.cli", "kvstore.bench", "kvstore.client"),
-    "kvstore.client": ("kvstore.cli", "kvstore.bench"),
+    "kvstore.layout": _VALUES,
+    "kvstore.keys": _VALUES,
+    "kvstore.plan": _VALUES,
+    "kvstore.stats": _VALUES,
+    "kvstore.surface": _VALUES,
+    "kvstore.tiers": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", "kvstore.wire", "kvstore.config"),
+    "kvstore.content": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.tiers", "kvstore.wire"),
+    # What the store is built from must not reach back up into it.
+    "kvstore.sessions": (*_ABOVE_THE_STORE, *_TOOLS),
+    "kvstore.prefetch": (*_ABOVE_THE_STORE, *_TOOLS),
+    "kvstore.store": (
+        *_TOOLS,
+        "kvstore.server",
+        "kvstore.client",
+        "kvstore.connectors",
+        "kvstore.blend",
+        "kvstore.wire",
+    ),
+    "kvstore.models": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.tiers", "kvstore.content"),
+    # The wire is shared by both ends and imports neither (nor what only one end has).
+    "kvstore.wire": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", "kvstore.tiers.disk", "kvstore.sessions"),
+    "kvstore.server": (*_TOOLS, "kvstore.client", "kvstore.connectors", "kvstore.blend"),
+    # The client never imports the server, nor the store it fronts.
+    "kvstore.client": (
+        *_TOOLS,
+        "kvstore.server",
+        "kvstore.store",
+        "kvstore.content",
+        "kvstore.tiers.disk",
+        "kvstore.blend",
+        "kvstore.connectors",
+    ),
     # An engine's connector reaches the store through a server only (its scheduler and workers are processes).
-    "kvstore.connectors": ("kvstore.cli", "kvstore.bench", "kvstore.store", "kvstore.blend"),
+    "kvstore.connectors": (*_TOOLS, "kvstore.store", "kvstore.blend", "kvstore.content"),
+    # The blender takes a StoreSurface: a store in process or a client.
+    "kvstore.blend": (*_TOOLS, "kvstore.store", "kvstore.server", "kvstore.tiers.disk", "kvstore.content"),
+    "kvstore.bench": ("kvstore.cli",),
 }
 
 

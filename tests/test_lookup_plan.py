@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from kvstore import ConfigError, KVLayout, TieredStore
-from kvstore.blend.catalog import ContentCatalog, Residency
-from kvstore.blend.index import FingerprintIndex, RegistrationResult
-from kvstore.blend.registration import RegistrationJob, RegistrationWorker
 from kvstore.config import StoreConfig
+from kvstore.content.catalog import ContentCatalog, Residency
+from kvstore.content.index import FingerprintIndex, RegistrationResult
+from kvstore.content.registration import RegistrationJob, RegistrationWorker
 from kvstore.keys import PrefixKey, as_token_array, prefix_keys
 from kvstore.tiers.base import ChunkRecord, TierName
 from kvstore.tiers.cpu import CpuTier

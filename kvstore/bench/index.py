@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.blend import FingerprintIndex
-from kvstore.blend.rolling_hash import rolling_fingerprints
+from kvstore.content import FingerprintIndex
+from kvstore.content.rolling_hash import rolling_fingerprints
 from kvstore.keys import PrefixKey
 
 __all__ = ["IndexBenchRow", "run_index_benchmark"]

@@ -12,7 +12,7 @@ Two kinds of facts (``FactStyle``):
   multi-document QA where the question's words point at one document;
 - ``same``: every fact is "The access code for the <name> archive is <code>.": the documents of a prompt hold
   near-identical sentences that differ in one name and one number, a stress test of binding a name to its number
-  across documents (SmolLM2-135M answers about 60% of them right with a full prefill, as it does the distinct ones).
+  across documents (with a full prefill SmolLM2-135M gets them right as often as the distinct ones).
 
 Every piece is tokenised separately and the prompt is their concatenation, as LMCache's blend benchmark builds it,
 so a document's tokens are the same wherever it lands and its cached chunks recur exactly::
@@ -22,12 +22,12 @@ so a document's tokens are the same wherever it lands and its cached chunks recu
              | sep | document |                 (multi-doc-qa, ``alone``: each document from position 0)
              | preamble | sep | document 0 | sep | document 1 | ... |     (shuffle: the identity order, once)
 
-Why the preamble by default (LMCache's warm-up prompt has its system prompt too): an instruct model encodes a
-document differently inside a chat turn than as bare text at position 0, and a query's first document is then an
-exact prefix. On SmolLM2 the two warm-ups gave a 0.15 blend the same planted-fact answers on the same queries and a
-KL within 6% (docs/benchmarks.md, "Blend quality on SmolLM2"; an earlier 0.31 vs 0.56 was 24-query noise). The
-price: a document's first chunk holds the preamble, so where the document is not first its head (up to a chunk)
-is a gap to compute.
+Why the preamble by default (LMCache's warm-up prompt has its system prompt too): an instruct model encodes a document
+differently inside a chat turn than as bare text at position 0, and a query's first document is then an exact prefix. On
+SmolLM2 the two warm-ups gave a 0.15 blend the same planted-fact answers on the same queries and nearly the same KL
+(docs/benchmarks.md, "Blend quality on SmolLM2"; measured: docs/design-notes.md#bench-multidoc-workload). The price: a
+document's first chunk holds the preamble, so where the document is not first its head (up to a chunk) is a gap to
+compute.
 
 The preamble and the question follow the tokenizer's chat template when it has one (SmolLM2-Instruct does).
 

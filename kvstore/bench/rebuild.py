@@ -55,14 +55,15 @@ import torch
 
 from kvstore.bench.index import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
 from kvstore.bench.page_cache import drop_page_cache
-from kvstore.blend.catalog import CatalogStats, ContentCatalog, Residency
 from kvstore.config import StoreConfig
+from kvstore.content.catalog import ContentCatalog, Residency
 from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey, TokenArray, prefix_keys
 from kvstore.layout import KVDtype, KVLayout
+from kvstore.stats import CatalogStats
 from kvstore.store import TieredStore
 from kvstore.tiers.base import ChunkRecord, TierName
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.tier import DiskTier
 
 __all__ = ["RebuildBenchOptions", "RebuildBenchRow", "RebuildProgress", "default_data_dir", "run_rebuild_benchmark"]
 
@@ -192,7 +193,7 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
     )
     expected_chunks = options.num_documents * CHUNKS_PER_DOCUMENT
     samples: dict[str, list[float]] = {
-        name: [] for name in ("rebuild", "cpu", "gc", "one_pass", "one_pass_cpu", "disk_open", "read")
+        name: [] for name in ("rebuild", "cpu", "gc", "one_pass", "one_pass_cpu", "opening", "read")
     }
     catalog: CatalogStats | None = None
     for repeat in range(options.num_repeats):
@@ -203,7 +204,7 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
                 f"data dir {data_dir} holds {num_records} chunks, its manifest says {expected_chunks}; "
                 "delete it and run again"
             )
-        samples["disk_open"].append(disk_open_s)
+        samples["opening"].append(disk_open_s)
         samples["read"].append(read_records_s)
         one_pass = _time_one_pass_rebuild(options, data_dir)
         samples["one_pass"].append(one_pass.elapsed_s)
@@ -231,7 +232,7 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
     finally:
         store.close()
     rebuild_s = statistics.median(samples["rebuild"])
-    baseline_s = statistics.median(samples["disk_open"]) + statistics.median(samples["read"])
+    baseline_s = statistics.median(samples["opening"]) + statistics.median(samples["read"])
     chunks_per_s = round(expected_chunks / rebuild_s)
     return RebuildBenchRow(
         chunks=expected_chunks,
@@ -250,7 +251,7 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
         rebuild_one_pass_s=round(statistics.median(samples["one_pass"]), 3),
         rebuild_one_pass_cpu_s=round(statistics.median(samples["one_pass_cpu"]), 3),
         baseline="DiskTier open + one pass of DiskTier.iter_records() (records read and checked, not indexed)",
-        disk_open_s=round(statistics.median(samples["disk_open"]), 3),
+        disk_open_s=round(statistics.median(samples["opening"]), 3),
         read_records_s=round(statistics.median(samples["read"]), 3),
         rebuild_to_baseline_ratio=round(rebuild_s / baseline_s, 2),
         chunks_per_s=chunks_per_s,
@@ -292,11 +293,10 @@ def _ensure_data_dir(options: RebuildBenchOptions, data_dir: Path, say: RebuildP
             path.unlink()
     elif data_dir.exists() and any(data_dir.iterdir()):
         raise ConfigError(
-            f"--dir {data_dir} is not empty and was not built by kvstore bench rebuild; "
-            "give a new or empty directory"
+            f"--dir {data_dir} is not empty and was not built by kvstore bench rebuild; give a new or empty directory"
         )
     data_dir.mkdir(parents=True, exist_ok=True)
-    # KV + meta value per chunk, and half again for LMDB's pages (measured: 4.8 GB for 1M chunks of head_dim 2)
+    # KV + meta value per chunk, and half again for LMDB's pages (measured: docs/design-notes.md#bench-rebuild)
     chunk_bytes = options.layout.chunk_bytes(CHUNK_TOKENS) + 4 * CHUNK_TOKENS + 72
     needed_bytes = options.num_documents * CHUNKS_PER_DOCUMENT * chunk_bytes * 3 // 2
     free_bytes = shutil.disk_usage(data_dir).free
@@ -405,7 +405,6 @@ class _GcClock:
             self._started_s = time.perf_counter()
         else:
             self.elapsed_s += time.perf_counter() - self._started_s
-
 
 
 # -- the check --------------------------------------------------------------------------------------------------

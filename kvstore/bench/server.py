@@ -12,10 +12,10 @@ alternating repeat by repeat:
   process. Two client variants: a plain tensor (the client copies it into its scratch segment: one extra copy)
   and a ``Client.buffer`` tensor (no client-side copy). GB/s are 1e9 KV bytes per second; target >= 0.5x.
 
-Every retrieve is checked bit for bit (untimed). The benchmark process (client and in-process store) runs torch on
-one thread, as ``kvstore bench tiers`` does: the server copies on its worker threads, which measured like one
-torch thread, while two intra-op threads copied the per-chunk token slices at half the speed on the 2-core
-development machine (4 against 9.5 GB/s) -- a baseline handicapped that way would flatter the server.
+Every retrieve is checked bit for bit (untimed). The benchmark process (client and in-process store) runs torch on one
+thread, as ``kvstore bench tiers`` does: the server copies on its worker threads, which measured like one torch thread,
+while two intra-op threads copied the per-chunk token slices much slower on the 2-core development machine (measured:
+docs/design-notes.md#bench-server) -- a baseline handicapped that way would flatter the server.
 Logs; never prints.
 """
 
@@ -41,6 +41,7 @@ from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.presets import preset_layout
 from kvstore.store import TieredStore
+from kvstore.surface import StoreSurface
 from kvstore.tiers.base import TierName
 
 __all__ = ["ServerBenchOptions", "ServerBenchRow", "run_server_benchmark"]
@@ -179,7 +180,7 @@ def run_server_benchmark(
     """
     say = progress or (lambda _message: None)
     num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the server's worker threads copy; 2 threads copy chunk slices 2x slower here
+    torch.set_num_threads(1)  # as the server's worker threads copy; 2 threads copy chunk slices slower here
     try:
         say("lookup phase: starting a server")
         yield from _lookup_phase(options, directory, say)
@@ -189,9 +190,7 @@ def run_server_benchmark(
         torch.set_num_threads(num_threads)
 
 
-def _lookup_phase(
-    options: ServerBenchOptions, directory: Path, say: Callable[[str], None]
-) -> Iterator[ServerBenchRow]:
+def _lookup_phase(options: ServerBenchOptions, directory: Path, say: Callable[[str], None]) -> Iterator[ServerBenchRow]:
     layout = preset_layout(options.lookup_layout)
     num_tokens = options.lookup_tokens
     cpu_bytes = layout.chunk_bytes(num_tokens + options.chunk_size) + GIB // 8
@@ -300,7 +299,7 @@ def _bandwidth_phase(
 
 
 def _store_and_retrieve(
-    owner: Client | TieredStore,
+    owner: StoreSurface,
     tokens: np.ndarray,
     source: torch.Tensor,
     target: torch.Tensor,

@@ -106,8 +106,16 @@ class TierBenchOptions:
         object.__setattr__(self, "tiers", tuple(TierName(tier) for tier in self.tiers))
         for name in self.layouts:
             preset_layout(name)
-        for name in ("chunk_size", "memory_bytes", "gpu_memory_bytes", "disk_bytes", "source_bytes",
-                     "num_repeats", "num_disk_repeats", "num_codec_threads"):
+        for name in (
+            "chunk_size",
+            "memory_bytes",
+            "gpu_memory_bytes",
+            "disk_bytes",
+            "source_bytes",
+            "num_repeats",
+            "num_disk_repeats",
+            "num_codec_threads",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"tier benchmark {name}={getattr(self, name)} must be positive")
 
@@ -126,7 +134,8 @@ class TierBenchRow:
     user and system, over the wall time of the tier's operation and of its baseline -- how close each came to using
     every core, i.e. whether the machine's cores rather than its disk set the pace. ``user_core_s_per_GB`` /
     ``sys_core_s_per_GB`` (and their ``baseline_`` twins, disk rows): that CPU time split into user and system
-    time, per GB: on a VM a cold read's user time can double between runs of identical work (docs/benchmarks.md).
+    time, per GB: on a VM a cold read's user time varies widely between runs of identical work (docs/benchmarks.md;
+    measured: docs/design-notes.md#bench-tiers).
     """
 
     tier: TierName
@@ -250,16 +259,18 @@ def _make_case(options: TierBenchOptions, name: str, layout: KVLayout, total_byt
     step = options.chunk_size
     rng = np.random.default_rng(options.seed)
     tokens = as_token_array(rng.integers(0, 50_000, size=num_chunks * step, dtype=np.int64))
-    records = [ChunkRecord(key=key, source_start=i * step, tokens=tokens[i * step : (i + 1) * step])
-               for i, key in enumerate(prefix_keys(layout.namespace, tokens, step))]
+    records = [
+        ChunkRecord(key=key, source_start=i * step, tokens=tokens[i * step : (i + 1) * step])
+        for i, key in enumerate(prefix_keys(layout.namespace, tokens, step))
+    ]
     return _Case(name=name, layout=layout, records=records, sources=sources, chunk_bytes=chunk_bytes)
 
 
 def _time_ops(op: Op, num_ops: int, num_bytes: int, device: torch.device, samples: _Samples | None) -> None:
     """Run ``op(0) .. op(num_ops - 1)`` back to back, into ``samples`` (``None``: an untimed warm-up).
 
-    Per-op latency is the caller's wall time per call (clock reads cost ~0.1 us; a CUDA event per op would
-    cost ~10 us on the H200 host, more than a 5.6 MiB device copy). On CUDA the loop is bracketed by
+    Per-op latency is the caller's wall time per call (a clock read is cheap; a CUDA event per op would cost more than a
+    5.6 MiB device copy on the H200 host; measured: docs/design-notes.md#bench-tiers). On CUDA the loop is bracketed by
     synchronizes, so GB/s include the device work; an asynchronous copy's latency is its enqueue time.
     """
     cuda = device.type == "cuda"
@@ -312,8 +323,16 @@ def _alternate(num_repeats: int, timed: list[_Timed], case: _Case, device: torch
 
 
 def _row(
-    case: _Case, tier: TierName, op: str, samples: _Samples, baseline: tuple[str, _Samples],
-    target_ratio: float, *, device: torch.device = _CPU, note: str, verified: bool | None = None,
+    case: _Case,
+    tier: TierName,
+    op: str,
+    samples: _Samples,
+    baseline: tuple[str, _Samples],
+    target_ratio: float,
+    *,
+    device: torch.device = _CPU,
+    note: str,
+    verified: bool | None = None,
     compression_ratio: float | None = None,
 ) -> TierBenchRow:
     gbps, baseline_gbps = statistics.median(samples.gbps), statistics.median(baseline[1].gbps)
@@ -329,14 +348,32 @@ def _row(
     cpu_cores, user_s, sys_s = _cpu_medians(samples)
     baseline_cpu_cores, baseline_user_s, baseline_sys_s = _cpu_medians(baseline[1])
     return TierBenchRow(
-        tier=tier, layout=case.name, op=op, GBps=gbps, baseline=baseline[0], baseline_GBps=baseline_gbps,
-        ratio=ratio, target_ratio=target_ratio, met=ratio >= target_ratio and verified is not False,
-        num_chunks=len(case.records), chunk_bytes=case.chunk_bytes, num_repeats=len(samples.gbps),
-        device=str(device), compression_ratio=compression_ratio, cpu_cores=cpu_cores,
-        baseline_cpu_cores=baseline_cpu_cores, user_core_s_per_GB=user_s, sys_core_s_per_GB=sys_s,
-        baseline_user_core_s_per_GB=baseline_user_s, baseline_sys_core_s_per_GB=baseline_sys_s,
-        verified=verified, p50_ms=latency_ms[0],
-        p90_ms=latency_ms[1], p99_ms=latency_ms[2], max_ms=latency_ms[3], note=note,
+        tier=tier,
+        layout=case.name,
+        op=op,
+        GBps=gbps,
+        baseline=baseline[0],
+        baseline_GBps=baseline_gbps,
+        ratio=ratio,
+        target_ratio=target_ratio,
+        met=ratio >= target_ratio and verified is not False,
+        num_chunks=len(case.records),
+        chunk_bytes=case.chunk_bytes,
+        num_repeats=len(samples.gbps),
+        device=str(device),
+        compression_ratio=compression_ratio,
+        cpu_cores=cpu_cores,
+        baseline_cpu_cores=baseline_cpu_cores,
+        user_core_s_per_GB=user_s,
+        sys_core_s_per_GB=sys_s,
+        baseline_user_core_s_per_GB=baseline_user_s,
+        baseline_sys_core_s_per_GB=baseline_sys_s,
+        verified=verified,
+        p50_ms=latency_ms[0],
+        p90_ms=latency_ms[1],
+        p99_ms=latency_ms[2],
+        max_ms=latency_ms[3],
+        note=note,
     )
 
 
@@ -379,15 +416,12 @@ def _bench_arena(
     tier_put: Op = lambda i: tier.put(records[i], sources[i % count])  # noqa: E731
     tier_get: Op = lambda i: tier.get_into(records[i].key, outs[i % count])  # noqa: E731
     empty_tier = lambda: tier.evict_bytes(tier.capacity_bytes)  # noqa: E731
-    _alternate(options.num_repeats, [_Timed(baseline_put, put_base), _Timed(tier_put, put, empty_tier)],
-               case, device)
-    _alternate(options.num_repeats, [_Timed(baseline_get, get_base), _Timed(tier_get, get, zero_outs)],
-               case, device)
+    _alternate(options.num_repeats, [_Timed(baseline_put, put_base), _Timed(tier_put, put, empty_tier)], case, device)
+    _alternate(options.num_repeats, [_Timed(baseline_get, get_base), _Timed(tier_get, get, zero_outs)], case, device)
     verified = all(map(_bits_equal, outs, sources))  # the tier's gets ran last, into zeroed buffers
     target = _TARGET_MEMORY_RATIO
     yield _row(case, tier.name, "put", put, (baseline, put_base), target, device=device, note=note)
-    yield _row(case, tier.name, "get", get, (baseline, get_base), target, device=device, note=note,
-               verified=verified)
+    yield _row(case, tier.name, "get", get, (baseline, get_base), target, device=device, note=note, verified=verified)
 
 
 def _bench_cpu(options: TierBenchOptions, case: _Case) -> Iterator[TierBenchRow]:
@@ -409,9 +443,7 @@ def _bench_gpu(options: TierBenchOptions, case: _Case, device: torch.device) -> 
     gpu = GpuTier(case.layout, options.chunk_size, case.total_bytes, device=device)
     cpu = CpuTier(case.layout, options.chunk_size, case.total_bytes, pin_memory=cuda)
     try:
-        yield from _bench_arena(
-            options, case, gpu, device, f"d2d copy_{smoke}", "bytes counted once, not r+w"
-        )
+        yield from _bench_arena(options, case, gpu, device, f"d2d copy_{smoke}", "bytes counted once, not r+w")
         records, first = case.records, case.sources[0]
         host = torch.empty((len(records), *first.shape), dtype=first.dtype, pin_memory=cuda)
         for i, record in enumerate(records):
@@ -434,17 +466,24 @@ def _bench_gpu(options: TierBenchOptions, case: _Case, device: torch.device) -> 
 
         measured, base = _Samples(), _Samples()
         empty_gpu = lambda: gpu.evict_bytes(gpu.capacity_bytes)  # noqa: E731
-        _alternate(options.num_repeats, [_Timed(baseline, base), _Timed(promote, measured, empty_gpu)],
-                   case, device)
+        _alternate(options.num_repeats, [_Timed(baseline, base), _Timed(promote, measured, empty_gpu)], case, device)
         out = torch.zeros_like(dest[0])
         verified = gpu.get_into(records[-1].key, out) and _bits_equal(out, case.source(len(records) - 1))
     finally:
         cpu.close()
         gpu.close()
     label = ("pinned host->device copy_" if cuda else "host copy_") + smoke
-    yield _row(case, TierName.GPU, "promote_from_cpu", measured, (label, base), _TARGET_PROMOTE_RATIO,
-               device=device, note="cpu tier pinned" if cuda else "cpu tier not pinned", verified=verified)
-
+    yield _row(
+        case,
+        TierName.GPU,
+        "promote_from_cpu",
+        measured,
+        (label, base),
+        _TARGET_PROMOTE_RATIO,
+        device=device,
+        note="cpu tier pinned" if cuda else "cpu tier not pinned",
+        verified=verified,
+    )
 
 
 def _process_cpu_s() -> tuple[float, float]:
@@ -496,7 +535,7 @@ def _raw_read(path: Path, buffer: memoryview) -> float:
 def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], None]) -> Iterator[TierBenchRow]:
     # here: the memory tiers run where lmdb/zstandard are absent
     from kvstore.prefetch import DEFAULT_PREFETCH_THREADS
-    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.disk.tier import DiskTier
 
     records, outs = case.records, [torch.empty_like(source) for source in case.sources]
     read_buffer = outs[0].view(torch.uint8).reshape(-1).numpy().data
@@ -509,9 +548,15 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
     verified = verified_prefetch = committed = True
 
     def open_tier(data_dir: Path, *, read_only: bool) -> DiskTier:
-        return DiskTier(data_dir, case.layout, options.chunk_size, capacity_bytes,
-                        zstd_level=options.zstd_level, num_codec_threads=options.num_codec_threads,
-                        read_only=read_only)
+        return DiskTier(
+            data_dir,
+            case.layout,
+            options.chunk_size,
+            capacity_bytes,
+            zstd_level=options.zstd_level,
+            num_codec_threads=options.num_codec_threads,
+            read_only=read_only,
+        )
 
     def serial_reads(op: Op, samples: _Samples) -> None:
         _time_ops(op, len(records), case.total_bytes, _CPU, samples)
@@ -536,7 +581,8 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
         return all(map(_bits_equal, outs, case.sources))
 
     # Both timed writes start right after a just-written file of the same size was deleted: on the shared
-    # virtual disk a write right behind another one ran up to 4x slower than one behind a delete.
+    # virtual disk a write right behind another one ran much slower than one behind a delete (measured:
+    # docs/design-notes.md#bench-tiers).
     try:
         _raw_write(root / "warm-up.bin", case)
         (root / "warm-up.bin").unlink()
@@ -572,13 +618,36 @@ def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], Non
         shutil.rmtree(root, ignore_errors=True)
     ratio, codec = statistics.median(compression_ratios), f"zstd {options.zstd_level}"
     codec += f", {options.num_codec_threads} codec threads"
-    yield _row(case, TierName.DISK, "put", put, ("sequential write, fsync", put_base), _TARGET_DISK_PUT_RATIO,
-               note=f"all chunks put, then flush (codec, commit, sync); {codec}", verified=committed,
-               compression_ratio=ratio)
-    yield _row(case, TierName.DISK, "get_cold", get, ("4 MiB readinto, dropped page cache", get_base),
-               _TARGET_DISK_GET_RATIO, note=f"files dropped (POSIX_FADV_DONTNEED), tier reopened; {codec}",
-               verified=verified, compression_ratio=ratio)
-    yield _row(case, TierName.DISK, "get_cold_prefetch", get_prefetch,
-               ("4 MiB readinto, dropped page cache", get_base), _TARGET_DISK_GET_RATIO,
-               note=f"as get_cold, {DEFAULT_PREFETCH_THREADS} concurrent readers (the store's prefetcher); {codec}",
-               verified=verified_prefetch, compression_ratio=ratio)
+    yield _row(
+        case,
+        TierName.DISK,
+        "put",
+        put,
+        ("sequential write, fsync", put_base),
+        _TARGET_DISK_PUT_RATIO,
+        note=f"all chunks put, then flush (codec, commit, sync); {codec}",
+        verified=committed,
+        compression_ratio=ratio,
+    )
+    yield _row(
+        case,
+        TierName.DISK,
+        "get_cold",
+        get,
+        ("4 MiB readinto, dropped page cache", get_base),
+        _TARGET_DISK_GET_RATIO,
+        note=f"files dropped (POSIX_FADV_DONTNEED), tier reopened; {codec}",
+        verified=verified,
+        compression_ratio=ratio,
+    )
+    yield _row(
+        case,
+        TierName.DISK,
+        "get_cold_prefetch",
+        get_prefetch,
+        ("4 MiB readinto, dropped page cache", get_base),
+        _TARGET_DISK_GET_RATIO,
+        note=f"as get_cold, {DEFAULT_PREFETCH_THREADS} concurrent readers (the store's prefetcher); {codec}",
+        verified=verified_prefetch,
+        compression_ratio=ratio,
+    )

@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -112,12 +113,19 @@ class RequestResult:
         kv_transfer_params: what the KV connector said about the request (``RequestOutput.kv_transfer_params``;
             kvstore's: ``{"kvstore": {"loaded_tokens": ..., "load_failed_tokens": ...}}``). vLLM's
             ``num_cached_tokens`` counts a load that failed and was recomputed as cached; this does not.
+        started_at, finished_at: wall-clock time (unix seconds) around the request's ``generate`` call, to match it
+            with a connector trace (``kvstore.connectors.hook_clock``).
+        connector_ms: the time the engine's threads spent in the connector's hooks during the request, from that
+            trace (filled in by ``kvstore bench vllm``, not by the driver; ``None`` without one).
     """
 
     token_ids: tuple[int, ...]
     num_cached_tokens: int | None
     ttft_s: float | None
     kv_transfer_params: Mapping[str, Any] | None = None
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    connector_ms: float | None = None
 
     @property
     def kvstore_loaded_tokens(self) -> int | None:
@@ -132,6 +140,8 @@ class RequestResult:
                 "num_cached_tokens": self.num_cached_tokens,
                 "ttft_s": self.ttft_s,
                 "kv_transfer_params": None if self.kv_transfer_params is None else dict(self.kv_transfer_params),
+                "started_at": self.started_at,
+                "finished_at": self.finished_at,
             }
         )
 
@@ -143,6 +153,8 @@ class RequestResult:
             num_cached_tokens=settings["num_cached_tokens"],
             ttft_s=settings["ttft_s"],
             kv_transfer_params=settings.get("kv_transfer_params"),
+            started_at=settings.get("started_at", 0.0),
+            finished_at=settings.get("finished_at", 0.0),
         )
 
 
@@ -169,13 +181,17 @@ def main(argv: Sequence[str]) -> int:
     for index, prompt in enumerate(spec.prompts):
         for command in spec.commands_before.get(str(index), ()):
             subprocess.run(list(command), check=True)
+        started_at = time.time()
         (output,) = engine.generate([TokensPrompt(prompt_token_ids=list(prompt))], sampling, use_tqdm=False)
+        finished_at = time.time()
         metrics = output.metrics
         result = RequestResult(
             token_ids=tuple(output.outputs[0].token_ids),
             num_cached_tokens=output.num_cached_tokens,
             ttft_s=getattr(metrics, "first_token_latency", None) or None,
             kv_transfer_params=output.kv_transfer_params,
+            started_at=started_at,
+            finished_at=finished_at,
         )
         results.write(result.to_json() + "\n")
         results.flush()
@@ -194,11 +210,9 @@ def engine_command() -> list[str]:
 def wait_until_stored(spec: EngineSpec, prompt: Sequence[int], timeout_s: float) -> bool:
     """Poll kvstore until a lookup of ``prompt`` covers it whole; whether it did within ``timeout_s`` (``False`` at
     once when the store does not answer: there is no save to wait for)."""
-    import time
-
     from kvstore import Client
+    from kvstore.data_dir.server_record import live_server_record
     from kvstore.errors import KVStoreError
-    from kvstore.server.ownership import live_server_record
 
     extra = dict((spec.kv_transfer_config or {}).get("kv_connector_extra_config") or {})
     url = extra.get("kvstore.url")

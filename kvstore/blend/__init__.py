@@ -1,28 +1,73 @@
-"""Blending: find stored chunks inside new prompts by content and reuse their KV at new positions."""
+"""Blending, the engine side: reuse the store's cached KV at new positions in a prompt (CacheBlend).
+
+- ``blender``, ``layerwise``, ``llama_layers``: one blended prefill, layer by layer, of a Llama-family model;
+- ``rope``, ``rope_gate``: re-rotating cached K to new positions, and the per-model proof that this is exact;
+- ``selection``, ``recurring_context``, ``query_attention``: which tokens are recomputed, and their attention;
+- ``kv_loading``, ``load_cost``, ``stage_clock``: loading a plan's KV while the model computes, the disk-or-recompute
+  choice, and timing the stages.
+
+Finding cached chunks by content is the store's job (``kvstore.content``, below the store).
+"""
 
 from __future__ import annotations
 
-from kvstore.blend.blender import BlendOutput, LayerwiseBlender, PrefillMode, PrefillTimings
-from kvstore.blend.index import Alias, FingerprintIndex, Match, RegistrationResult
-from kvstore.blend.layerwise import BlendConfig, BlendPlanSummary
-from kvstore.blend.rope import PlacedRange, RopeRotator, Rotation, inverse_frequencies, rotate_keys, token_deltas
-from kvstore.blend.rope_gate import PositionShift, RopeGateReport, check_rope_gate, gate_tolerance, require_rope_gate
-from kvstore.blend.selection import DeviationMetric
+from typing import TYPE_CHECKING
 
+from kvstore.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from kvstore.blend.blender import BlendOutput, LayerwiseBlender, PrefillMode, PrefillTimings
+    from kvstore.blend.layerwise import BlendConfig, BlendPlanSummary
+    from kvstore.blend.rope import (
+        PlacedRange,
+        RopeRotator,
+        Rotation,
+        inverse_frequencies,
+        rotate_keys,
+        token_deltas,
+    )
+    from kvstore.blend.rope_gate import (
+        PositionShift,
+        RopeGateReport,
+        check_rope_gate,
+        gate_tolerance,
+        require_rope_gate,
+    )
+    from kvstore.blend.selection import DeviationMetric
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "kvstore.blend.blender": ("BlendOutput", "LayerwiseBlender", "PrefillMode", "PrefillTimings"),
+        "kvstore.blend.layerwise": ("BlendConfig", "BlendPlanSummary"),
+        "kvstore.blend.rope": (
+            "PlacedRange",
+            "RopeRotator",
+            "Rotation",
+            "inverse_frequencies",
+            "rotate_keys",
+            "token_deltas",
+        ),
+        "kvstore.blend.rope_gate": (
+            "PositionShift",
+            "RopeGateReport",
+            "check_rope_gate",
+            "gate_tolerance",
+            "require_rope_gate",
+        ),
+        "kvstore.blend.selection": ("DeviationMetric",),
+    },
+)
 __all__ = [
-    "Alias",
     "BlendConfig",
     "BlendOutput",
     "BlendPlanSummary",
     "DeviationMetric",
-    "FingerprintIndex",
     "LayerwiseBlender",
-    "Match",
     "PlacedRange",
     "PositionShift",
     "PrefillMode",
     "PrefillTimings",
-    "RegistrationResult",
     "RopeGateReport",
     "RopeRotator",
     "Rotation",

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
     from transformers import DynamicCache
 
-    from kvstore.store import TieredStore
+    from kvstore.surface import StoreSurface
 
 __all__ = ["BlendOutput", "LayerwiseBlender", "PrefillMode", "PrefillTimings"]
 
@@ -129,7 +129,8 @@ class LayerwiseBlender:
     Args:
         model: a Llama-family transformers causal LM in eval mode (llama, mistral, qwen2), loaded in its dtype
             (``from_pretrained(dtype=...)``, not ``.to(dtype)`` afterwards: the RoPE gate refuses that).
-        store: the store to look up and keep KV in; its layout must be the model's.
+        store: the store to look up and keep KV in (a ``TieredStore`` or a ``Client``); its layout must be the
+            model's.
         config: recompute ratio, check layer and deviation metric for ``blend`` prefills.
 
     Raises:
@@ -137,13 +138,16 @@ class LayerwiseBlender:
         LayoutMismatchError: the store's layout is not the model's.
     """
 
-    def __init__(self, model: torch.nn.Module, store: TieredStore, config: BlendConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, store: StoreSurface, config: BlendConfig | None = None) -> None:
+        layout = store.layout
+        if layout is None:
+            raise ConfigError("the blender needs a store with a layout; an admin Client (layout=None) has none")
         self._stack = LlamaStack(model)
         self.model = model
         self.store = store
+        self.layout = layout
         self.config = config or BlendConfig()
         self._check_config(self.config)
-        layout = store.layout
         expected = layout_from_hf_config(getattr(model, "config", None), model_id=layout.model_id, dtype=layout.dtype)
         if expected != layout:
             differences = [
@@ -257,7 +261,7 @@ class LayerwiseBlender:
         num_prefix = min(plan.num_prefix_tokens, len(tokens) - 1)
         cache = DynamicCache(config=getattr(self.model, "config", None))
         if num_prefix > 0:
-            kv = torch.empty(self.store.layout.chunk_shape(plan.end), dtype=self.store.layout.dtype.torch_dtype,
+            kv = torch.empty(self.layout.chunk_shape(plan.end), dtype=self.layout.dtype.torch_dtype,
                              device=self._stack.device)  # fmt: skip
             num_prefix = min(num_prefix, owner.retrieve(plan, kv).num_prefix_tokens)  # a corrupt chunk cuts it
             prefix = kv[:, :, :num_prefix]
@@ -315,7 +319,7 @@ class LayerwiseBlender:
             rotator=self._rotator,
             loader=self._loader,
             owner=owner,
-            layout=self.store.layout,
+            layout=self.layout,
             tokens=tokens,
             settings=settings,
             clock=self._clock,
@@ -351,7 +355,7 @@ class LayerwiseBlender:
 
     def _kv_of(self, cache: Any) -> torch.Tensor:
         """The layout-shaped KV ``[L, 2, T, Hkv, D]`` of a transformers cache (whose layers are ``[1, Hkv, T, D]``)."""
-        dtype = self.store.layout.dtype.torch_dtype
+        dtype = self.layout.dtype.torch_dtype
         return torch.stack(
             [torch.stack([layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)]) for layer in cache.layers]
         ).to(dtype)

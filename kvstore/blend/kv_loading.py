@@ -9,8 +9,8 @@ A blended prefill needs layer ``l`` of the cached KV only when it reaches layer 
                                          ^ segments known   ^ each layer: an event the compute stream waits on
 
 The compute stream waits only for the layer it is about to read (``PendingLoad.wait_layer``), so with the KV in the
-cpu tier (pinned host slots, ~50 GB/s) the load hides under the compute of the layers before it instead of
-sitting in front of the first layer that reads the cache.
+cpu tier (pinned host slots: copies at the pinned host-to-device rate) the load hides under the compute of the
+layers before it instead of sitting in front of the first layer that reads the cache.
 
 On CUDA the worker makes a side stream current, so its copies overlap the compute stream's kernels; it first waits
 for the compute stream (the buffer's zero fill) and records an event after each layer's copies, which the compute

@@ -1,10 +1,10 @@
 """Wait for the disk or recompute: which is faster for the chunks of a plan that only the disk holds.
 
-On a fast GPU, computing a token's KV is cheaper than reading it from disk (design.md section 7: an 8B model's KV
-read at 1.8 GB/s costs 71 us per token, computing it on an H200 35 us); on a CPU it is the other way round. Which
-holds depends on the machine, the model and the disk, so a blender learns both rates from its own prefills
-(running medians; full and prefix prefills teach the compute rate too, and their dense passes cost less per
-token-layer than a blend's sparse one, as the skipped tokens would) and decides per prompt, before its retrieve::
+On a fast GPU, computing a token's KV is cheaper than reading it from disk (design.md section 7; measured:
+docs/design-notes.md#blend-load-cost); on a CPU it is the other way round. Which holds depends on the machine, the model
+and the disk, so a blender learns both rates from its own prefills (running medians; full and prefix prefills teach the
+compute rate too, and their dense passes cost less per token-layer than a blend's sparse one, as the skipped tokens
+would) and decides per prompt, before its retrieve::
 
     wait_ms      = bytes still on disk                  x  ms the passes stalled per byte waited for
     recompute_ms = token-layers added by skipping them  x  ms per token-layer the passes computed

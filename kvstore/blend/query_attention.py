@@ -74,9 +74,9 @@ class _FlexState:
 class _SdpaMask:
     """The additive mask ``[1, 1, n, T]`` (rows 16-aligned) for one sdpa call over the whole query set.
 
-    One call, not one per group of queries: cutting the queries into groups that read only the keys up to their
-    last position was no faster on an H200 in isolation (2.17 vs 2.16 ms for 2,302 queries over 15,060 keys) and
-    five times slower inside a blended prefill, where every group of every prompt is a new shape for the kernel.
+    One call, not one per group of queries: cutting the queries into groups that read only the keys up to their last
+    position was no faster on an H200 in isolation and much slower inside a blended prefill, where every group of every
+    prompt is a new shape for the kernel (measured: docs/design-notes.md#blend-query-attention).
     """
 
     def __init__(self, query_positions: torch.Tensor, num_keys: int, dtype: torch.dtype) -> None:
@@ -164,9 +164,9 @@ class QueryMask:
     ) -> torch.Tensor:
         """Flex attention on contiguous head-major q/k/v.
 
-        The pass hands over views (q from ``[1, n, H, D]`` storage, K/V from the token-major cache ``[T, Hkv, D]``)
-        and the compiled kernel ran 2.43 ms on them against 1.21 ms on contiguous copies (H200, 2,302 queries over
-        15,060 keys of 8 x 128); the copies themselves (~60 MB) take a few microseconds.
+        The pass hands over views (q from ``[1, n, H, D]`` storage, K/V from the token-major cache ``[T, Hkv, D]``) and
+        the compiled kernel ran much slower on them than on contiguous copies, which cost far less than they save
+        (measured: docs/design-notes.md#blend-query-attention).
         """
         compiled = query.device.type == "cuda"
         padding = -self.num_queries % _FLEX_QUERY_BLOCK
@@ -188,7 +188,8 @@ def _block_mask(query_positions: torch.Tensor, num_keys: int) -> Any:
     visible to every query in it (no mask needed), the blocks from there to ``hi``'s block are partial (the mask
     decides per score), and the rest are skipped. A handful of tensor ops with no host sync, where
     ``create_block_mask`` (which evaluates the mask over the whole grid, and whose host work sat on the critical
-    path right after the selection's sync) took 4-6 ms per prompt on the H200. Queries are padded to whole blocks.
+    path right after the selection's sync) was slow per prompt on the H200 (measured:
+    docs/design-notes.md#blend-query-attention). Queries are padded to whole blocks.
     """
     from torch.nn.attention.flex_attention import BlockMask
 

@@ -14,10 +14,10 @@ So the blend can recompute, on top of its ratio, every token of a reused span wh
     prompt:  | ... The access code for the | ... | doc 3: ... The access code for the ... |
                                                          ^^^ ^^^^^^ ^^^^ ^^^ ^^^  each ends a 4-token run seen before
 
-Measured on SmolLM2 (docs/benchmarks.md): KL to full prefill 18% lower, planted-fact answers unchanged over 55
-queries, hence off by default (``BlendConfig.recurring_context_tokens = 0``).
+On SmolLM2 (docs/benchmarks.md) it lowered the KL to full prefill but left the planted-fact answers unchanged (measured:
+docs/design-notes.md#blend-recurring-context), hence off by default (``BlendConfig.recurring_context_tokens = 0``).
 
-Only token ids are read, before layer 0, in O(T log T) (1-2.5 ms for 15,360 tokens on the dev machine).
+Only token ids are read, before layer 0, in O(T log T).
 
 Pure functions; thread-safe.
 """
@@ -53,8 +53,8 @@ def recurring_context_positions(tokens: TokenArray, segments: Sequence[Segment],
     num_windows = ids.shape[0] - match_tokens + 1
     if num_windows <= 0:
         return torch.zeros(0, dtype=torch.int64)
-    # Each run as one 64-bit hash (a collision only recomputes a token more): sorting integers is ~10x faster than
-    # sorting the runs as byte strings (15,360 tokens: 10 ms as strings).
+    # Each run as one 64-bit hash (a collision only recomputes a token more): sorting integers is much faster than
+    # sorting the runs as byte strings (measured: docs/design-notes.md#blend-recurring-context).
     hashes = np.zeros(num_windows, dtype=np.uint64)
     for offset in range(match_tokens):
         hashes = (hashes ^ ids[offset : offset + num_windows].astype(np.uint64)) * _MIX

@@ -28,10 +28,9 @@ one-token sequences with explicit ``position_ids``, and K and V are read from th
 - Model arithmetic: a model running in half precision applies RoPE in that dtype (cos, sin, two products and a
   sum rounded: under 4 u per application, two applications): 8 u(compute).
 
-Measured on SmolLM2-135M-Instruct (30 layers, positions to 8123): float32 model and cache 3.6e-5 (bound 9.7e-4);
-float32 model, bfloat16 cache 7.6e-3 (bound 1.3e-2); bfloat16 model and cache 9.2e-3 (bound 4.4e-2); a layout with
-the wrong theta (1e4 for 1e5) 1.9. A wrong scaling of the lowest frequencies can hide under the bfloat16 bound; the
-config comparison catches it exactly.
+On SmolLM2-135M-Instruct the error of the right layout stays under its bound in every dtype combination, and a layout
+with the wrong theta lands far above every bound (measured: docs/design-notes.md#blend-rope-gate). A wrong scaling of
+the lowest frequencies can hide under the bfloat16 bound; the config comparison catches it exactly.
 
 Runs the model under ``torch.inference_mode`` in eval mode (restored afterwards); not thread-safe with other users
 of the same model.

@@ -13,11 +13,11 @@ from rich.progress import Progress
 
 from kvstore.cli.online import evict_on_server
 from kvstore.config import DEFAULT_DATA_DIR, parse_size
+from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, StorageError
 from kvstore.keys import key_from_hex
-from kvstore.server.ownership import live_server_record
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk.tier import DiskTier
 
 __all__ = ["evict_command"]
 
@@ -27,9 +27,7 @@ _EVERYTHING_BYTES = 2**62
 def evict_command(
     path: Path = typer.Option(DEFAULT_DATA_DIR, "--path", help="The data dir (holds data.mdb)."),
     keys: list[str] = typer.Option([], "--key", help="A chunk key to drop (32 hex digits); repeat for more."),
-    num_bytes: str | None = typer.Option(
-        None, "--bytes", help="Free this much, least recently used first (2GiB)."
-    ),
+    num_bytes: str | None = typer.Option(None, "--bytes", help="Free this much, least recently used first (2GiB)."),
     everything: bool = typer.Option(False, "--all", help="Drop every chunk (asks first unless --yes)."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with what was dropped."),
@@ -72,9 +70,7 @@ def evict_command(
             f"kvstore evict --url {holder.url} ..."
         )
     if not (path / "data.mdb").is_file():
-        raise StorageError(
-            f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used"
-        )
+        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used")
     if everything and not yes:
         if not sys.stdin.isatty():
             raise ConfigError("--all asks for confirmation and there is no terminal to ask on; add --yes")

@@ -19,7 +19,7 @@ from kvstore.config import DEFAULT_DATA_DIR
 from kvstore.errors import ConfigError
 from kvstore.inspection import DataDirSummary, check_data_dir, find_chunk, summarize_data_dir
 from kvstore.keys import key_from_hex
-from kvstore.server.document_report import MAX_TOP_DOCUMENTS
+from kvstore.wire.documents import MAX_TOP_DOCUMENTS
 
 __all__ = ["inspect_command", "render_summary"]
 
@@ -79,9 +79,7 @@ def inspect_command(
     console = Console(width=max(120, shutil.get_terminal_size().columns))  # the top documents' 32-digit keys
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"scanning {path}", total=None)
-        summary = summarize_data_dir(
-            path, lambda seen, total: progress.update(task, completed=seen, total=total)
-        )
+        summary = summarize_data_dir(path, lambda seen, total: progress.update(task, completed=seen, total=total))
     render_summary(console, summary)
     render_top_documents(console, saved_top_documents(path, top), offline=True)
 

@@ -22,9 +22,9 @@ from kvstore.cli.top_documents import TopDocuments, render_top_documents
 from kvstore.client import Client
 from kvstore.errors import ConfigError, ProtocolError
 from kvstore.keys import PrefixKey
-from kvstore.server.wire_values import ServerInfo
-from kvstore.store import StoreStats
+from kvstore.stats import StoreStats
 from kvstore.tiers.base import TierName
+from kvstore.wire.values import ServerInfo
 
 __all__ = ["evict_on_server", "inspect_server"]
 

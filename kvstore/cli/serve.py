@@ -12,10 +12,10 @@ import typer
 
 from kvstore.config import GIB
 from kvstore.errors import ConfigError
+from kvstore.pids import pid_alive
 from kvstore.server.app import ServerAddress, run_server
 from kvstore.server.host_facts import probe_host
 from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
-from kvstore.server.shm import pid_alive
 from kvstore.tiers.base import TierName
 
 __all__ = ["serve_command"]

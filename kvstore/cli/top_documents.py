@@ -10,13 +10,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import KVStoreError
 from kvstore.inspection import chunks_on_disk
-from kvstore.server.document_hits import DocumentHits
+from kvstore.server.document_hits import DocumentHits, top_document
 from kvstore.server.document_hits_file import load_document_hits
-from kvstore.server.document_report import TierChunks, TopDocument, top_document
-from kvstore.server.ownership import live_server_record
 from kvstore.tiers.base import TierName
+from kvstore.wire.documents import TierChunks, TopDocument
 
 __all__ = ["NO_HITS_NOTE", "TopDocuments", "render_top_documents", "saved_top_documents"]
 

@@ -16,10 +16,9 @@ last line it printed.
 CPUs: vLLM's CPU worker binds itself to its compute cores (leaving ``VLLM_CPU_NUM_OF_RESERVED_CPU`` free) and
 busy-polls them between steps, and a child inherits that twice: its CPU affinity, and OpenMP's binding variables
 (``GOMP_CPU_AFFINITY=0``, ``OMP_NUM_THREADS=1``), with which the child's own OpenMP runtime binds it back to the
-worker's cores when torch loads. A server bound there waits on the run queue behind the engine (measured on a
-2-core host: 30 s of a server's first seconds spent runnable but not running, so an 8K-token disk load timed out).
-So the server starts without those variables, moved to the CPUs the starting process left free (every CPU when it
-left none).
+worker's cores when torch loads. A server bound there waits on the run queue behind the engine, on a 2-core host long
+enough for a disk load to time out (measured: docs/design-notes.md#connectors-embedded-server). So the server starts
+without those variables, moved to the CPUs the starting process left free (every CPU when it left none).
 """
 
 from __future__ import annotations
@@ -36,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.connectors.settings import EmbeddedServerSettings
+from kvstore.data_dir.owner_lock import wait_until_unheld
+from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, ServerUnavailableError
-from kvstore.server.ownership import live_server_record
-from kvstore.server.shm import pid_alive
-from kvstore.tiers.owner_lock import wait_until_unheld
+from kvstore.pids import pid_alive
 
 __all__ = ["EmbeddedServer", "ensure_embedded_server"]
 

@@ -1,10 +1,10 @@
 """Shared-memory KV buffers that loads reuse, instead of one new buffer per load.
 
-A load from a server on the same host is retrieved into a ``Client.buffer``: shared memory the server writes
-directly. A new buffer is a new segment: creating and mapping one for an 8K-token prompt of SmolLM2 in float32
-(365 MB) took 140-180 ms on the 2-core dev VM, and the server's copy into its fresh pages 270-300 ms; into a buffer
-used before, the copy took 60 ms. So each load takes a buffer from this pool and gives it back once its KV is in
-the engine's blocks; the pool keeps them for the next load.
+A load from a server on the same host is retrieved into a ``Client.buffer``: shared memory the server writes directly. A
+new buffer is a new segment: creating and mapping one costs time, and the server's copy into its fresh pages, which it
+faults in, costs several times a copy into a buffer used before (measured:
+docs/design-notes.md#connectors-load-buffers). So each load takes a buffer from this pool and gives it back once its KV
+is in the engine's blocks; the pool keeps them for the next load.
 
 The pool holds at most as many buffers as loads ever ran at once (one or two in practice), each as large as the
 largest load it served; a buffer too small for a load is released, not kept. Buffers belong to the client that made

@@ -191,9 +191,10 @@ def _strided_plane(offsets: torch.Tensor, name: str) -> PlaneMap:
 class PagedLayer:
     """One layer's paged KV tensor and the views its copies use, built once.
 
-    A copy per layer then costs a few checks, one view of the chunk and one index call (two per plane when the
-    format cannot be fused): on a GPU the copy of one layer of a long prompt takes ~35 us, so host work per call is
-    what decides whether copies keep up with the device.
+    A copy per layer then costs a few checks, one view of the chunk and one index call (two per plane when the format
+    cannot be fused): on a GPU the copy of one layer of a long prompt is short (measured:
+    docs/design-notes.md#connectors-paged), so host work per call is what decides whether copies keep up with the
+    device.
 
     Args:
         cache: the layer's tensor, dim 0 indexing blocks.

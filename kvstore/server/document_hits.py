@@ -3,7 +3,7 @@
 A *document* is the chunks one ``store()`` call added to what the server already knew, in order; its id is the key
 of its first chunk. A document stored after a shared system prompt therefore starts at its own first chunk, and
 the shared prompt is a document of its own: its hits are not smeared over every document that follows it. (The
-same rule as the content catalog's relinking, ``blend/relink.py``: of several sequences sharing a prefix, the
+same rule as the content catalog's relinking, ``content/relink.py``: of several sequences sharing a prefix, the
 first keeps the prefix.)
 
 A *hit* is one lookup plan that used any of a document's chunks (a prefix hit or a blend match; counted once per
@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 from kvstore.keys import PrefixKey, TokenArray
 from kvstore.plan import LookupPlan, Segment
+from kvstore.tiers.base import TierName
+from kvstore.wire.documents import NUM_PREVIEW_TOKENS, TierChunks, TopDocument
 
-__all__ = ["NUM_PREVIEW_TOKENS", "DocumentHits", "DocumentSnapshot"]
+__all__ = ["DocumentHits", "DocumentSnapshot", "count_by_tier", "top_document"]
 
-NUM_PREVIEW_TOKENS = 16
 """Token ids kept per document to show what it is."""
 
 _TRIM_RATIO = 0.9
@@ -298,3 +299,26 @@ def _unknown_runs(segments: Sequence[Segment], document_of: dict[PrefixKey, Pref
         if kept:
             unique.append(kept)
     return unique
+
+
+def top_document(document: DocumentSnapshot, tiers: tuple[TierChunks, ...]) -> TopDocument:
+    """A tracked document as a report row, with the tiers that hold its chunks now."""
+    return TopDocument(
+        first_key=document.first_key.hex(),
+        num_chunks=len(document.chunk_keys),
+        num_tokens=document.num_tokens,
+        num_hits=document.num_hits,
+        num_tokens_served=document.num_tokens_served,
+        last_hit_ns=document.last_hit_ns,
+        tiers=tiers,
+        first_tokens=document.first_tokens,
+    )
+
+
+def count_by_tier(chunk_tiers: list[list[TierName]]) -> tuple[TierChunks, ...]:
+    """Per tier (fastest first), how many of the chunks it holds, from each chunk's tiers."""
+    counts = {tier: 0 for tier in TierName}
+    for held_in in chunk_tiers:
+        for tier in held_in:
+            counts[tier] += 1
+    return tuple(TierChunks(tier=tier, num_chunks=count) for tier, count in counts.items() if count)

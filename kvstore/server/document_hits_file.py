@@ -34,9 +34,10 @@ import numpy as np
 
 from kvstore.errors import KVStoreError, StorageError
 from kvstore.keys import KEY_BYTES, PrefixKey
-from kvstore.server.document_hits import NUM_PREVIEW_TOKENS, DocumentHits, DocumentSnapshot
-from kvstore.server.errors import RequestError
-from kvstore.server.fields import Fields
+from kvstore.server.document_hits import DocumentHits, DocumentSnapshot
+from kvstore.wire.documents import NUM_PREVIEW_TOKENS
+from kvstore.wire.error_codes import RequestError
+from kvstore.wire.fields import Fields
 
 __all__ = ["DOCUMENT_HITS_FILE", "DocumentHitsSaver", "SavedDocumentHits", "load_document_hits", "save_document_hits"]
 

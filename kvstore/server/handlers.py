@@ -35,13 +35,17 @@ from kvstore.keys import PrefixKey, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, StoreResult
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
-from kvstore.server.cuda_ipc import import_cuda_tensor
-from kvstore.server.document_hits import DocumentHits
+from kvstore.server.document_hits import DocumentHits, count_by_tier, top_document
 from kvstore.server.document_hits_file import DocumentHitsSaver
-from kvstore.server.document_report import DocumentsArgs, DocumentsReport, count_by_tier, top_document
-from kvstore.server.errors import ErrorCode, RequestError, error_for
 from kvstore.server.hits import HitCounter, PlanCoverage
-from kvstore.server.messages import (
+from kvstore.server.metrics import BulkTransfer, ServerMetrics
+from kvstore.server.store_host import StoreHost
+from kvstore.store import TieredStore
+from kvstore.tiers.base import TierName
+from kvstore.wire.cuda_ipc import import_cuda_tensor
+from kvstore.wire.documents import DocumentsArgs, DocumentsReport
+from kvstore.wire.error_codes import ErrorCode, RequestError, error_for
+from kvstore.wire.messages import (
     AttachArgs,
     BulkRef,
     ChunkArgs,
@@ -58,11 +62,9 @@ from kvstore.server.messages import (
     StoreArgs,
     layout_from_json,
 )
-from kvstore.server.metrics import BulkTransfer, ServerMetrics
-from kvstore.server.protocol import Limits, Op, Request, encode_error, encode_ok
-from kvstore.server.shm import open_segment
-from kvstore.server.store_host import StoreHost
-from kvstore.server.wire_values import (
+from kvstore.wire.protocol import Limits, Op, Request, encode_error, encode_ok
+from kvstore.wire.shm import open_segment
+from kvstore.wire.values import (
     ChunkHits,
     ChunkInfo,
     ServerFeatures,
@@ -74,8 +76,6 @@ from kvstore.server.wire_values import (
     encode_stats,
     encode_store_result,
 )
-from kvstore.store import TieredStore
-from kvstore.tiers.base import TierName
 
 __all__ = ["ReplyFrames", "RequestHandler", "ServerIdentity"]
 

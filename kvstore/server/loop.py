@@ -13,14 +13,13 @@ milliseconds to seconds; lookups and health checks must not queue behind them. W
 socket: ZeroMQ sockets are not thread-safe, so only the I/O thread touches the ROUTER, and a PULL socket wakes its
 poll as soon as a worker pushes (no polling interval on the hot path).
 
-Why health and lookups of prompts up to ~32K tokens are answered on the I/O thread: they are short, in-memory
-and GIL-bound (a 15k-token lookup is ~0.3 ms; the store holds its locks only for bookkeeping), so a worker could
-not run them any sooner, while the hand-off to a worker and back (pool queue, thread wake-up, PUSH, PULL, two GIL
-hand-overs) measured 0.11-0.17 ms a request (server time from receiving a health request to sending its reply:
-0.17-0.23 ms through the pool, 0.06 ms inline) on the 2-core development VM, against a lookup round trip of
-~1 ms (issue 5, lookup p50 <= 1 ms; docs/benchmarks.md). A longer prompt's plan goes to the control pool, so one
-request never keeps the I/O thread from receiving and forwarding for more than ~1 ms. So does every release: its
-small header does not say how many pins it drops (a 4M-token plan holds 16K).
+Why health and lookups of prompts up to ~32K tokens are answered on the I/O thread: they are short, in-memory and
+GIL-bound (the store holds its locks only for bookkeeping), so a worker could not run them any sooner, while the
+hand-off to a worker and back (pool queue, thread wake-up, PUSH, PULL, two GIL hand-overs) costs a sizeable share of a
+lookup round trip that must stay within its target (issue 5, lookup p50 <= 1 ms; measured:
+docs/design-notes.md#server-loop). A longer prompt's plan goes to the control pool, so one request never keeps the I/O
+thread from receiving and forwarding for longer than a lookup's target. So does every release: its small header does
+not say how many pins it drops (a 4M-token plan holds 16K).
 
 Malformed requests (bad msgpack, wrong version, unknown op, bad header) are answered by the I/O thread itself;
 when ``max_in_flight`` requests are being worked on, a new one is answered ``busy`` at once, which bounds memory
@@ -46,9 +45,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvstore.errors import ConfigError
-from kvstore.server.errors import ErrorCode, RequestError
 from kvstore.server.handlers import ReplyFrames, RequestHandler
-from kvstore.server.protocol import Limits, Op, Request, decode_request
+from kvstore.wire.error_codes import ErrorCode, RequestError
+from kvstore.wire.protocol import Limits, Op, Request, decode_request
 
 __all__ = ["KVServer", "LoopOptions"]
 
@@ -57,7 +56,7 @@ logger = logging.getLogger(__name__)
 _BULK_OPS = frozenset({Op.STORE, Op.RETRIEVE, Op.FLUSH, Op.EVICT})
 _INLINE_OPS = frozenset({Op.HEALTH, Op.LOOKUP})
 _MAX_INLINE_HEADER_BYTES = 128 * 1024
-"""A larger request (a lookup of over ~32K tokens, 4 bytes a token; ~1 ms of planning) goes to the control pool."""
+"""A larger request (a lookup of over ~32K tokens, 4 bytes a token: a long plan) goes to the control pool."""
 _POLL_MS = 200
 _MAX_DRAIN = 256
 _server_ids = itertools.count(1)

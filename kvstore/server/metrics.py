@@ -37,9 +37,9 @@ from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError
 from kvstore.server.hits import PlanCoverage
-from kvstore.server.wire_values import ServerHealth
-from kvstore.store import StoreStats
+from kvstore.stats import StoreStats
 from kvstore.tiers.base import TierName
+from kvstore.wire.values import ServerHealth
 
 __all__ = ["MAX_ENGINES", "OTHER_ENGINE", "BulkTransfer", "EngineMetrics", "MetricsServer", "ServerMetrics"]
 

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig, parse_tiers
+from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, LayoutMismatchError, StorageError
 from kvstore.layout import KVLayout
 from kvstore.presets import PRESET_NAMES, preset_layout
 from kvstore.server.host_facts import HostFacts, free_disk_bytes
 from kvstore.server.loop import LoopOptions
-from kvstore.server.ownership import live_server_record
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk_env import DiskEnvironment
+from kvstore.tiers.disk.environment import DiskEnvironment
 
 __all__ = ["ServeFlags", "ServerSettings", "load_config_file", "resolve_settings"]
 

@@ -22,9 +22,9 @@ import threading
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.layout import KVLayout
-from kvstore.server.wire_values import TierCapacity
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
+from kvstore.wire.values import TierCapacity
 
 __all__ = ["StoreHost"]
 

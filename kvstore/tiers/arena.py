@@ -1,9 +1,10 @@
 """A preallocated arena of chunk-sized slots with LRU eviction and pin counts: the body of the cpu and gpu tiers.
 
-Why an arena: a fresh 32 MiB allocation runs at ~1.9 GB/s on the development machine against ~13 GB/s for a copy
-into memory that already exists (../shared/limits.md), so the hot path must never allocate. The arena is one
-``uint8`` tensor of ``num_slots * slot_bytes`` allocated once (pinned host memory when CUDA is present, or device
-memory); slot ``i`` holds one chunk at byte offset ``i * slot_bytes``, a partial chunk in its first bytes::
+Why an arena: a copy into a fresh 32 MiB allocation runs several times slower than a copy into memory that already
+exists (../shared/limits.md; measured: docs/design-notes.md#tiers-arena), so the hot path must never allocate. The
+arena is one ``uint8`` tensor of ``num_slots * slot_bytes`` allocated once (pinned host memory when CUDA is present,
+or device memory); slot ``i`` holds one chunk at byte offset ``i * slot_bytes``, a partial chunk in its first
+bytes::
 
     arena: | slot 0: [L,2,n,H,D] ... pad | slot 1 | slot 2 | ... | slot num_slots-1 |
 
@@ -104,8 +105,8 @@ class ArenaTier(Tier):
             device=self.device,
             pin_memory=pin_memory and self.device.type == "cpu",
         )
-        # Views of full slots, built once: slicing and reshaping costs ~10 us per call, more than copying a
-        # 5.6 MiB chunk on an H200 (docs/benchmarks.md, gpu put/get).
+        # Views of full slots, built once: slicing and reshaping per call costs more than copying a 5.6 MiB chunk
+        # on an H200 (measured: docs/design-notes.md#tiers-arena).
         self._full_slot_views = [self._make_view(index, chunk_size) for index in range(self.num_slots)]
         self._slots_lock = threading.Lock()
         self._resident: OrderedDict[PrefixKey, _Slot] = OrderedDict()

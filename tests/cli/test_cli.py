@@ -17,7 +17,7 @@ from kvstore.cli.main import main
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.presets import preset_layout
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk_format import frame_key
+from kvstore.tiers.disk.format import frame_key
 from tests.factories import make_kv, make_tokens
 
 
@@ -82,7 +82,7 @@ def test_inspect_table_and_one_chunk(demo_dir: Path, capsys: pytest.CaptureFixtu
 
 
 def _first_key_of(path: Path) -> str:
-    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.disk.tier import DiskTier
 
     tier = DiskTier.open_existing(path)
     try:

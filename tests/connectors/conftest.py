@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.connectors.settings import EmbeddedServerSettings
-from kvstore.server.ownership import live_server_record
+from kvstore.data_dir.server_record import live_server_record
 from tests.server.conftest import CHUNK_SIZE
 
 EMBEDDED_SERVE_SETTINGS: dict[str, object] = {

@@ -19,8 +19,8 @@ import torch
 from kvstore import Client, StoreConfig, TieredStore
 from kvstore.cli.main import main
 from kvstore.connectors.embedded_server import EmbeddedServer, ensure_embedded_server
+from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError
-from kvstore.server.ownership import live_server_record
 from kvstore.tiers.base import TierName
 from tests.connectors.conftest import embedded_settings, process_gone
 from tests.factories import make_kv, make_tokens
@@ -121,9 +121,7 @@ def test_the_first_call_starts_a_server_that_later_calls_find(
 
 
 @pytest.mark.slow
-def test_parents_that_arrive_together_share_one_server(
-    data_dir: Path, children: list[subprocess.Popen[str]]
-) -> None:
+def test_parents_that_arrive_together_share_one_server(data_dir: Path, children: list[subprocess.Popen[str]]) -> None:
     parents = [start_python(_PARENT, str(data_dir)) for _ in range(2)]
     children.extend(parents)
     lines = [parent_line(parent) for parent in parents]

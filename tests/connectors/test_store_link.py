@@ -18,7 +18,7 @@ import torch
 from kvstore import Client, ConfigError, KVLayout, LayoutMismatchError, ServerUnavailableError
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
-from kvstore.server.ownership import live_server_record
+from kvstore.data_dir.server_record import live_server_record
 from tests.connectors.conftest import embedded_settings, process_gone
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import REPO_ROOT, SERVER_LAYOUT, ServerProcess, running_server, start_server

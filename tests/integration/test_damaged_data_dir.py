@@ -24,7 +24,7 @@ from kvstore import KVLayout, StoreConfig, TieredStore
 from kvstore.cli.main import main
 from kvstore.errors import StorageError
 from kvstore.tiers.base import TierName
-from kvstore.tiers.data_file_check import data_file_damage
+from kvstore.tiers.disk.data_file_check import data_file_damage
 from tests.factories import make_kv, make_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from kvstore import KVLayout, LayoutMismatchError, StoreConfig, TieredStore
 from kvstore.errors import StorageError
 from kvstore.inspection import check_data_dir
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk_format import frame_key
+from kvstore.tiers.disk.format import frame_key
 from tests.factories import make_kv, make_tokens
 from tests.integration.storm_writer import LAYOUT, TOKENS_PER_SEQUENCE, config, sequence, storm_and_kill
 

@@ -13,11 +13,11 @@ import torch
 
 from kvstore import Client, InvalidInputError
 from kvstore.keys import as_token_array
-from kvstore.server.connection import Connection
-from kvstore.server.errors import ErrorCode
-from kvstore.server.messages import HelloArgs, InlineBulk, StoreArgs
-from kvstore.server.protocol import Op
-from kvstore.server.shm import host_id
+from kvstore.wire.connection import Connection
+from kvstore.wire.error_codes import ErrorCode
+from kvstore.wire.messages import HelloArgs, InlineBulk, StoreArgs
+from kvstore.wire.protocol import Op
+from kvstore.wire.shm import host_id
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess, running_server
 

@@ -12,9 +12,9 @@ import torch
 
 from kvstore import Client
 from kvstore.keys import as_token_array
-from kvstore.server.cuda_ipc import export_cuda_tensor
-from kvstore.server.messages import CudaIpcBulk, StoreArgs
-from kvstore.server.protocol import Op
+from kvstore.wire.cuda_ipc import export_cuda_tensor
+from kvstore.wire.messages import CudaIpcBulk, StoreArgs
+from kvstore.wire.protocol import Op
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import SERVER_LAYOUT, running_server
 

@@ -17,11 +17,11 @@ from kvstore.plan import LookupPlan, Segment
 from kvstore.server.clients import ClientRegistry
 from kvstore.server.handlers import RequestHandler, ServerIdentity
 from kvstore.server.hits import PlanCoverage
-from kvstore.server.messages import HelloArgs
 from kvstore.server.metrics import MAX_ENGINES, OTHER_ENGINE, ServerMetrics
-from kvstore.server.protocol import Limits, Op, decode_reply, decode_request, encode_request
 from kvstore.server.store_host import StoreHost
 from kvstore.tiers.base import TierName
+from kvstore.wire.messages import HelloArgs
+from kvstore.wire.protocol import Limits, Op, decode_reply, decode_request, encode_request
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess
 

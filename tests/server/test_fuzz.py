@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from kvstore import Client
-from kvstore.server.protocol import PROTOCOL_VERSION, decode_reply
+from kvstore.wire.protocol import PROTOCOL_VERSION, decode_reply
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import SERVER_LAYOUT, running_server
 

@@ -29,10 +29,13 @@ from kvstore.keys import as_token_array
 from kvstore.layout import KVLayout
 from kvstore.server.clients import ClientRegistry
 from kvstore.server.document_hits_file import load_document_hits
-from kvstore.server.document_report import DocumentsArgs, DocumentsReport, TierChunks
-from kvstore.server.errors import ErrorCode, error_for, exception_for
 from kvstore.server.handlers import ReplyFrames, RequestHandler, ServerIdentity
-from kvstore.server.messages import (
+from kvstore.server.metrics import ServerMetrics
+from kvstore.server.store_host import StoreHost
+from kvstore.tiers.base import TierName
+from kvstore.wire.documents import DocumentsArgs, DocumentsReport, TierChunks
+from kvstore.wire.error_codes import ErrorCode, error_for, exception_for
+from kvstore.wire.messages import (
     EvictArgs,
     HelloArgs,
     InlineBulk,
@@ -41,11 +44,8 @@ from kvstore.server.messages import (
     ShmBulk,
     StoreArgs,
 )
-from kvstore.server.metrics import ServerMetrics
-from kvstore.server.protocol import Limits, Op, decode_reply, decode_request, encode_request
-from kvstore.server.store_host import StoreHost
-from kvstore.server.wire_values import RetrievedSegments
-from kvstore.tiers.base import TierName
+from kvstore.wire.protocol import Limits, Op, decode_reply, decode_request, encode_request
+from kvstore.wire.values import RetrievedSegments
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT
 

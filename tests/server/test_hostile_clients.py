@@ -22,8 +22,8 @@ import torch
 import zmq
 
 from kvstore import Client
-from kvstore.server.protocol import PROTOCOL_VERSION, Reply, decode_reply
-from kvstore.server.shm import host_id
+from kvstore.wire.protocol import PROTOCOL_VERSION, Reply, decode_reply
+from kvstore.wire.shm import host_id
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess
 

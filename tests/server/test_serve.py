@@ -19,11 +19,11 @@ from kvstore.config import GIB
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.presets import preset_layout
 from kvstore.server.app import ServerAddress
-from kvstore.server.connection import Connection
 from kvstore.server.host_facts import HostFacts
-from kvstore.server.protocol import PROTOCOL_VERSION, Op, decode_reply
 from kvstore.server.settings import ServeFlags, load_config_file, resolve_settings
 from kvstore.tiers.base import TierName
+from kvstore.wire.connection import Connection
+from kvstore.wire.protocol import PROTOCOL_VERSION, Op, decode_reply
 from tests.server.conftest import CHUNK_SIZE, REPO_ROOT, SERVER_LAYOUT, ServerProcess, running_server, serve_args
 
 MACHINE = HostFacts(cuda_available=False, available_memory_bytes=16 * GIB, gpu_free_bytes=0)

@@ -43,8 +43,8 @@ from kvstore import Client, KVLayout
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.vllm.engine_facts import engine_layout
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
-from kvstore.server import ClientSummary
 from kvstore.tiers import TierName
+from kvstore.wire import ClientSummary
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import ServerProcess, running_server, start_server
 

@@ -1,0 +1,618 @@
+"""Content fingerprint index: finds stored chunks by their tokens at any offset of a new prompt.
+
+A stored sequence is registered chunk by chunk (chunked from position 0; the last chunk may be partial). Each
+chunk becomes one entry: its fingerprint (``kvstore.content.rolling_hash``), an independent xxh3_64 of its token
+bytes (the verification hash), its prefix key, its source start, its length and a link to the entry of the
+sequence's next chunk. ``match`` rolls the fingerprint over every window of the query inside numba, plans the
+leftmost-first matches, follows ``next`` links so a document is covered to its end (including its partial last
+chunk, which a fixed-size window never finds), then proves every planned chunk with the verification hash::
+
+    query:  | system | doc A c0 | c1 | ... | c10 | A last | sep | doc B c0 | ... | question |
+              window hit ^ ------- next links -------------^      ^ window hit
+
+Invariants:
+
+* Never loses an entry: buckets are chains over numpy arrays (``kvstore.content.fingerprint_table``), so entries
+  sharing a fingerprint bucket coexist; the table grows (ids stay stable) and removed ids are reused.
+* Zero false positives: a chunk is returned only if the query tokens' xxh3_64 equals the entry's. A 64-bit
+  fingerprint collision (or any planned chunk failing verification) sends ``match`` down its exact path, which
+  verifies candidates one by one: it costs time, never a wrong or missed match.
+* One entry per key, and dedup-content: at most one entry per content (fingerprint, verification, length); the
+  first writer wins and later keys with that content are reported as aliases in ``RegistrationResult``, not
+  indexed. A next link belongs to the first writer's sequence: an alias's own continuation is found by its
+  windows, but its partial last chunk only if the first writer's sequence continues the same way.
+* Tokens are never kept: 50 bytes per entry row (rows grow by 1/16), plus fingerprint heads, key heads and presence bits
+  (bytes per chunk measured: docs/design-notes.md#content-index).
+
+Bulk registration: ``chunk_contents`` hashes many chunks wherever they lie and ``register_runs`` registers many
+sequences in one numba call, exactly as one ``register`` per sequence would (the content-index rebuild at open).
+
+Threads: ``FingerprintIndex`` is safe to share; ``_index_lock`` guards every array and counter (mutations and
+``match`` alike, since growth replaces the arrays). The numba kernels release the GIL but run under the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from kvstore.content import fingerprint_table as table
+from kvstore.content.match_scan import scan_and_plan
+from kvstore.content.rolling_hash import block_fingerprints, window_base_power
+from kvstore.errors import ConfigError, InvalidInputError
+from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, num_chunks
+
+__all__ = ["Alias", "ChunkContents", "FingerprintIndex", "Match", "RegistrationResult"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_CHUNK_TOKENS = 2**16 - 1  # length is a u16 column
+_MAX_ENTRIES = 2**31 - 1  # entry ids are int32
+_MAX_POSITION = 2**32 - 1  # source_start is a u32 column
+_ENTRY_GROWTH_RATIO = 0.0625  # grow rows by 1/16: bounds the slack that counts against bytes per chunk
+_FINGERPRINT_LOAD = 2  # entries per fingerprint bucket before the heads double
+_KEY_LOAD = 4  # entries per key bucket before the heads double
+_PRESENCE_BITS_PER_BUCKET = 32
+
+
+class Match(NamedTuple):
+    """A verified occurrence of a stored chunk in a query.
+
+    A named tuple rather than a frozen dataclass: a match of a 15k-token prompt makes ~60 of them, and a tuple is built
+    several times faster; as dataclasses they were a sizeable share of the whole match (measured:
+    docs/design-notes.md#content-index).
+
+    Attributes:
+        query_start: token position of the chunk in the query.
+        num_tokens: chunk length in tokens (``chunk_size``, or less for a sequence's last chunk).
+        key: prefix key of the stored chunk.
+        source_start: token position of the chunk in the sequence it was stored with.
+    """
+
+    query_start: int
+    num_tokens: int
+    key: PrefixKey
+    source_start: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alias:
+    """A chunk whose content was already indexed under another key (dedup-content: first writer wins)."""
+
+    key: PrefixKey
+    existing_key: PrefixKey
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegistrationResult:
+    """What ``FingerprintIndex.register`` did with each chunk.
+
+    Attributes:
+        num_added: chunks that became new entries.
+        num_already_indexed: chunks whose key already indexed the same content (re-registration).
+        aliases: chunks indexed under a different key with equal content; the store records them as aliases.
+    """
+
+    num_added: int
+    num_already_indexed: int
+    aliases: tuple[Alias, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkContents:
+    """The content hashes of many chunks (``FingerprintIndex.chunk_contents``), for ``register_runs``.
+
+    Lets a caller hash chunks as they stream past, drop their tokens, and register them later in any order.
+
+    Attributes:
+        fingerprints: each chunk's fingerprint, cut to ``fingerprint_bits``.
+        verifications: each chunk's xxh3_64 of its token bytes.
+        lengths: each chunk's tokens.
+        fingerprint_bits: the bits of the index that computed them (only such an index may register them).
+    """
+
+    fingerprints: npt.NDArray[np.uint64]
+    verifications: npt.NDArray[np.uint64]
+    lengths: npt.NDArray[np.uint16]
+    fingerprint_bits: int
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def take(self, order: npt.NDArray[np.int64]) -> ChunkContents:
+        """The chunks at positions ``order``, in that order."""
+        return ChunkContents(
+            fingerprints=self.fingerprints[order],
+            verifications=self.verifications[order],
+            lengths=self.lengths[order],
+            fingerprint_bits=self.fingerprint_bits,
+        )
+
+    @staticmethod
+    def concatenate(parts: Sequence[ChunkContents], fingerprint_bits: int) -> ChunkContents:
+        """The chunks of ``parts``, one after the other (all computed by indexes of ``fingerprint_bits``)."""
+        if any(part.fingerprint_bits != fingerprint_bits for part in parts):
+            raise InvalidInputError("ChunkContents of indexes with different fingerprint_bits cannot be joined")
+        return ChunkContents(
+            fingerprints=np.concatenate([part.fingerprints for part in parts] or [np.empty(0, np.uint64)]),
+            verifications=np.concatenate([part.verifications for part in parts] or [np.empty(0, np.uint64)]),
+            lengths=np.concatenate([part.lengths for part in parts] or [np.empty(0, np.uint16)]),
+            fingerprint_bits=fingerprint_bits,
+        )
+
+
+class FingerprintIndex:
+    """Index of stored chunks by content, probed at every token offset of a query.
+
+    Args:
+        initial_capacity: entries to allocate up front; the table grows past it by 1/16 at a time.
+        fingerprint_bits: bits of the fingerprint kept (64 in production). Tests lower it to force collisions.
+    """
+
+    def __init__(self, *, initial_capacity: int = 1024, fingerprint_bits: int = 64) -> None:
+        if not 1 <= fingerprint_bits <= 64:
+            raise ConfigError(f"fingerprint_bits={fingerprint_bits} must lie in [1, 64]; use 64 outside tests")
+        if not 1 <= initial_capacity <= _MAX_ENTRIES:
+            raise ConfigError(f"initial_capacity={initial_capacity} must lie in [1, 2**31), e.g. 1024")
+        self._index_lock = threading.Lock()
+        self.fingerprint_bits = fingerprint_bits
+        self._fingerprint_mask = np.uint64((1 << fingerprint_bits) - 1)
+        self._state = np.array([-1, 0, 0], dtype=np.int64)  # free_head, high_water, num_live
+        self._fingerprint = np.zeros(initial_capacity, dtype=np.uint64)
+        self._verification = np.zeros(initial_capacity, dtype=np.uint64)
+        self._key_low = np.zeros(initial_capacity, dtype=np.uint64)
+        self._key_high = np.zeros(initial_capacity, dtype=np.uint64)
+        self._source_start = np.zeros(initial_capacity, dtype=np.uint32)
+        self._length = np.zeros(initial_capacity, dtype=np.uint16)
+        self._next = np.full(initial_capacity, -1, dtype=np.int32)
+        self._fingerprint_link = np.full(initial_capacity, -1, dtype=np.int32)
+        self._key_link = np.full(initial_capacity, -1, dtype=np.int32)
+        self._resize_heads(fingerprint_log2=4, key_log2=4)
+
+    # --- public API -------------------------------------------------------------------------------------------
+
+    def register(
+        self, tokens: TokenArray, keys: Sequence[PrefixKey], chunk_size: int, source_start: int = 0
+    ) -> RegistrationResult:
+        """Index every chunk of a stored sequence.
+
+        Args:
+            tokens: the sequence's token ids, chunked from position 0 by ``chunk_size`` (last chunk may be partial).
+            keys: the prefix key of each chunk, ``len(keys) == ceil(len(tokens) / chunk_size)``.
+            chunk_size: tokens per chunk, in [1, 65535].
+            source_start: token position of ``tokens[0]`` in the stored sequence (added to each entry's start).
+
+        Returns:
+            How many chunks were added, already indexed, or aliases of content indexed under another key.
+
+        Raises:
+            InvalidInputError: bad token ids, a key count that does not match the chunks, or a key not 16 bytes.
+            ConfigError: ``chunk_size`` or ``source_start`` out of range.
+        """
+        tokens = as_token_array(tokens)
+        _check_chunk_size(chunk_size)
+        count = num_chunks(tokens.shape[0], chunk_size)
+        if len(keys) != count:
+            raise InvalidInputError(
+                f"got {len(keys)} keys for {tokens.shape[0]} tokens in chunks of {chunk_size}; expected {count}, "
+                "one per chunk (kvstore.keys.prefix_keys)"
+            )
+        if source_start < 0 or source_start + tokens.shape[0] > _MAX_POSITION:
+            raise ConfigError(f"source_start={source_start} must lie in [0, 2**32 - len(tokens))")
+        if count == 0:
+            return RegistrationResult(num_added=0, num_already_indexed=0, aliases=())
+        key_bytes = b"".join(keys)
+        if len(key_bytes) != KEY_BYTES * count or any(len(key) != KEY_BYTES for key in keys):
+            raise InvalidInputError(f"every prefix key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
+        key_halves = np.frombuffer(key_bytes, dtype="<u8").reshape(count, 2)
+        fingerprints, verifications, lengths = self._chunk_contents(tokens, chunk_size)
+        source_starts = (source_start + chunk_size * np.arange(count, dtype=np.int64)).astype(np.uint32)
+        entries = np.empty(count, dtype=np.int32)
+        is_new = np.empty(count, dtype=np.bool_)
+        with self._index_lock:
+            self._reserve(int(self._state[2]) + count)
+            table.insert_chunks(
+                fingerprints, verifications, lengths, key_halves[:, 0].copy(), key_halves[:, 1].copy(),
+                source_starts, self._fingerprint, self._verification, self._key_low, self._key_high,
+                self._source_start, self._length, self._next, self._fingerprint_link, self._key_link,
+                self._fingerprint_heads, self._fingerprint_shift, self._key_heads, self._key_shift,
+                self._presence_bits, self._presence_shift, self._state, entries, is_new,
+            )  # fmt: skip
+            return self._registration_result(keys, entries, is_new)
+
+    def chunk_contents(
+        self, tokens: TokenArray, chunk_starts: npt.NDArray[np.int64], chunk_ends: npt.NDArray[np.int64]
+    ) -> ChunkContents:
+        """Hash many chunks at once: chunk ``i`` is ``tokens[chunk_starts[i]:chunk_ends[i]]``.
+
+        The spans may lie anywhere in ``tokens`` (in any order, with gaps), so a caller can hash chunks where they
+        already are, e.g. in a buffer of disk records between their headers.
+
+        Args:
+            tokens: token ids holding every chunk.
+            chunk_starts: each chunk's first token position.
+            chunk_ends: each chunk's end position; every chunk has 1 to 65535 tokens.
+
+        Raises:
+            InvalidInputError: spans outside ``tokens``, empty or too long, or arrays of different lengths.
+        """
+        tokens = as_token_array(tokens)
+        starts = np.asarray(chunk_starts, dtype=np.int64)
+        ends = np.asarray(chunk_ends, dtype=np.int64)
+        lengths = ends - starts
+        if (
+            starts.ndim != 1
+            or starts.shape != ends.shape
+            or (
+                starts.size
+                and (
+                    int(starts.min()) < 0
+                    or int(ends.max()) > tokens.shape[0]
+                    or int(lengths.min()) < 1
+                    or int(lengths.max()) > _MAX_CHUNK_TOKENS
+                )
+            )
+        ):
+            raise InvalidInputError(
+                f"chunk spans must lie in [0, len(tokens)={tokens.shape[0]}] and hold 1 to {_MAX_CHUNK_TOKENS} "
+                "tokens each, one start and one end per chunk"
+            )
+        fingerprints = np.empty(starts.shape[0], dtype=np.uint64)
+        table.span_fingerprints(tokens, starts, ends, self._fingerprint_mask, fingerprints)
+        spans = map(slice, (4 * starts).tolist(), (4 * ends).tolist())
+        verifications = np.fromiter(  # maps, not a generator: less per chunk (a rebuild hashes millions)
+            map(xxhash.xxh3_64_intdigest, map(memoryview(tokens.data).cast("B").__getitem__, spans)),
+            dtype=np.uint64,
+            count=starts.shape[0],
+        )
+        return ChunkContents(
+            fingerprints=fingerprints,
+            verifications=verifications,
+            lengths=lengths.astype(np.uint16),
+            fingerprint_bits=self.fingerprint_bits,
+        )
+
+    def register_runs(
+        self,
+        contents: ChunkContents,
+        keys: Sequence[PrefixKey],
+        source_starts: npt.NDArray[np.int64],
+        run_offsets: npt.NDArray[np.int64],
+        chunk_size: int,
+    ) -> RegistrationResult:
+        """Index many stored sequences at once: the same as one ``register`` per run, in order, in one call.
+
+        Rebuilding the index of a reopened data dir registers every stored sequence this way.
+
+        Args:
+            contents: every chunk's hashes (``chunk_contents``), runs one after the other.
+            keys: every chunk's prefix key, in the same order.
+            source_starts: every chunk's token position in its stored sequence.
+            run_offsets: ``num_runs + 1`` increasing chunk offsets, from 0 to ``len(contents)``; a run is one
+                sequence's consecutive chunks, each of ``chunk_size`` tokens but the last (next links join them).
+            chunk_size: tokens per chunk, in [1, 65535].
+
+        Raises:
+            InvalidInputError: arrays of different lengths, run offsets that do not cut the chunks into runs, a
+                chunk longer than ``chunk_size`` or a short one before its run's end, or a key not 16 bytes.
+            ConfigError: ``chunk_size`` or a source start out of range, or contents of another ``fingerprint_bits``.
+        """
+        _check_chunk_size(chunk_size)
+        if contents.fingerprint_bits != self.fingerprint_bits:
+            raise ConfigError(
+                f"contents hashed with fingerprint_bits={contents.fingerprint_bits} cannot be registered in an "
+                f"index of {self.fingerprint_bits}; hash them with this index's chunk_contents"
+            )
+        count = len(contents)
+        runs = np.asarray(run_offsets, dtype=np.int64)
+        starts = np.asarray(source_starts, dtype=np.int64)
+        lengths = contents.lengths.astype(np.int64)
+        if len(keys) != count or starts.shape != (count,) or runs.ndim != 1 or runs.shape[0] == 0:
+            raise InvalidInputError(
+                f"got {len(keys)} keys and {starts.shape[0]} source starts for {count} chunks; give one of each "
+                "per chunk, and run_offsets from 0 to the chunk count"
+            )
+        if runs[0] != 0 or runs[-1] != count or (runs.shape[0] > 1 and int(np.diff(runs).min()) < 1):
+            raise InvalidInputError(f"run_offsets must rise from 0 to {count} chunks, each run one chunk or more")
+        run_ends = np.zeros(count, dtype=np.bool_)
+        run_ends[runs[1:] - 1] = True
+        if count and (int(lengths.max()) > chunk_size or bool((lengths[~run_ends] != chunk_size).any())):
+            raise InvalidInputError(
+                f"every chunk but a run's last must have chunk_size={chunk_size} tokens, and none more"
+            )
+        if count and (int(starts.min()) < 0 or int((starts + lengths).max()) > _MAX_POSITION):
+            raise ConfigError("every source start must lie in [0, 2**32 - its chunk's tokens)")
+        if count and set(map(len, keys)) != {KEY_BYTES}:
+            raise InvalidInputError(f"every prefix key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
+        key_halves = np.frombuffer(b"".join(keys), dtype="<u8").reshape(count, 2)
+        entries = np.empty(count, dtype=np.int32)
+        is_new = np.empty(count, dtype=np.bool_)
+        with self._index_lock:
+            self._reserve(int(self._state[2]) + count)
+            table.insert_runs(
+                runs, contents.fingerprints, contents.verifications, contents.lengths, key_halves[:, 0].copy(),
+                key_halves[:, 1].copy(), starts.astype(np.uint32), self._fingerprint, self._verification,
+                self._key_low, self._key_high, self._source_start, self._length, self._next,
+                self._fingerprint_link, self._key_link, self._fingerprint_heads, self._fingerprint_shift,
+                self._key_heads, self._key_shift, self._presence_bits, self._presence_shift, self._state,
+                entries, is_new,
+            )  # fmt: skip
+            return self._registration_result(keys, entries, is_new)
+
+    def _registration_result(
+        self, keys: Sequence[PrefixKey], entries: npt.NDArray[np.int32], is_new: npt.NDArray[np.bool_]
+    ) -> RegistrationResult:
+        """Sort the chunks that found an entry already there into re-registrations and aliases (lock held)."""
+        aliases: list[Alias] = []
+        num_already_indexed = 0
+        for chunk in np.flatnonzero(~is_new).tolist():
+            existing_key = self._key_of(int(entries[chunk]))
+            if existing_key == keys[chunk]:
+                num_already_indexed += 1
+            else:
+                aliases.append(Alias(key=keys[chunk], existing_key=existing_key))
+        return RegistrationResult(
+            num_added=int(is_new.sum()), num_already_indexed=num_already_indexed, aliases=tuple(aliases)
+        )
+
+    def find_contents(self, tokens: TokenArray, chunk_size: int) -> list[Match | None]:
+        """For each chunk of ``tokens`` (chunked from position 0), the indexed chunk with the same content, if any.
+
+        The store asks this before writing a chunk when dedup-content is on: equal content under another key is
+        recorded as an alias instead of a second payload.
+
+        Returns:
+            One item per chunk: a ``Match`` whose ``query_start`` is the chunk's position in ``tokens`` and whose
+            ``key``/``source_start`` are the indexed copy's, or ``None``.
+        """
+        tokens = as_token_array(tokens)
+        _check_chunk_size(chunk_size)
+        if tokens.shape[0] == 0:
+            return []
+        fingerprints, verifications, lengths = self._chunk_contents(tokens, chunk_size)
+        entries = np.empty(fingerprints.shape[0], dtype=np.int32)
+        with self._index_lock:
+            table.find_contents(
+                fingerprints, verifications, lengths, self._fingerprint, self._verification, self._length,
+                self._fingerprint_link, self._fingerprint_heads, self._fingerprint_shift, entries,
+            )  # fmt: skip
+            found = entries[entries >= 0]
+            key_bytes = self._keys_bytes(found)
+            source_starts = self._source_start[found].tolist()
+        hits: list[Match | None] = []
+        position = 0
+        for chunk, entry in enumerate(entries.tolist()):
+            if entry < 0:
+                hits.append(None)
+                continue
+            hits.append(
+                _match_at(key_bytes, position, chunk * chunk_size, int(lengths[chunk]), source_starts[position])
+            )
+            position += 1
+        return hits
+
+    def _chunk_contents(
+        self, tokens: TokenArray, chunk_size: int
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint16]]:
+        """Fingerprint, verification hash and length of each chunk of ``tokens`` (at least one token)."""
+        count = num_chunks(tokens.shape[0], chunk_size)
+        fingerprints = block_fingerprints(tokens, chunk_size) & self._fingerprint_mask
+        data = memoryview(tokens.data).cast("B")
+        step_bytes = 4 * chunk_size
+        digest = xxhash.xxh3_64_intdigest
+        verifications = np.fromiter(
+            (digest(data[offset : offset + step_bytes]) for offset in range(0, len(data), step_bytes)),
+            dtype=np.uint64,
+            count=count,
+        )
+        lengths = np.full(count, chunk_size, dtype=np.uint16)
+        lengths[-1] = tokens.shape[0] - (count - 1) * chunk_size
+        return fingerprints, verifications, lengths
+
+    def match(self, query: TokenArray, chunk_size: int) -> list[Match]:
+        """Find stored chunks in ``query``: verified, non-overlapping, leftmost first, sorted by query start.
+
+        Every window of ``chunk_size`` tokens is probed; after a verified hit the entry's ``next`` link is
+        followed, so the rest of the document, partial last chunk included, is matched where it continues.
+
+        Args:
+            query: token ids of the new prompt.
+            chunk_size: window length in tokens; only entries of exactly this length start a match.
+
+        Returns:
+            Matches in increasing ``query_start``; no two overlap.
+        """
+        query = as_token_array(query)
+        _check_chunk_size(chunk_size)
+        data = memoryview(query.data).cast("B")
+        digest = xxhash.xxh3_64_intdigest
+        matches: list[Match] = []
+        with self._index_lock:
+            planned_starts, planned_entries = scan_and_plan(
+                query, chunk_size, window_base_power(chunk_size), self._fingerprint_mask,
+                self._fingerprint, self._length, self._fingerprint_link, self._next,
+                self._fingerprint_heads, self._fingerprint_shift, self._presence_bits, self._presence_shift,
+            )  # fmt: skip
+            lengths = self._length[planned_entries].tolist()
+            verifications = self._verification[planned_entries].tolist()
+            source_starts = self._source_start[planned_entries].tolist()
+            key_bytes = self._keys_bytes(planned_entries)
+            planned = zip(planned_starts.tolist(), lengths, verifications, source_starts, strict=True)
+            for position, (start, length, verification, source_start) in enumerate(planned):
+                if digest(data[4 * start : 4 * (start + length)]) != verification:
+                    logger.debug("fingerprint collision at query token %d; matching exactly", start)
+                    starts, entries = table.probe_windows(
+                        query, chunk_size, window_base_power(chunk_size), self._fingerprint_mask,
+                        self._fingerprint, self._length, self._fingerprint_link,
+                        self._fingerprint_heads, self._fingerprint_shift, self._presence_bits, self._presence_shift,
+                    )  # fmt: skip
+                    return self._match_exactly(starts, entries, data, chunk_size)
+                key = PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)])
+                matches.append(Match(start, length, key, source_start))  # positional: the hot loop
+        return matches
+
+    def _match_exactly(
+        self, starts: npt.NDArray[np.int64], entries: npt.NDArray[np.int32], data: memoryview, chunk_size: int
+    ) -> list[Match]:
+        """``match``'s slow path (lock held): verify candidates one by one, leftmost first, then follow links.
+
+        Taken when a planned chunk fails verification, i.e. after a fingerprint collision.
+        """
+        digest = xxhash.xxh3_64_intdigest
+        offsets, chain = table.follow_chains(starts, entries, len(data) // 4, self._next, self._length)
+        lengths = self._length[chain].tolist()
+        verifications = self._verification[chain].tolist()
+        source_starts = self._source_start[chain].tolist()
+        key_bytes = self._keys_bytes(chain)
+        chain_bounds = offsets.tolist()
+        matches: list[Match] = []
+        cursor = 0
+        verified_start, verified_hash = -1, 0
+        for candidate, candidate_start in enumerate(starts.tolist()):
+            if candidate_start < cursor:
+                continue
+            first = chain_bounds[candidate]
+            if candidate_start != verified_start:
+                verified_start = candidate_start
+                verified_hash = digest(data[4 * candidate_start : 4 * (candidate_start + chunk_size)])
+            if verified_hash != verifications[first]:
+                continue
+            start = candidate_start
+            for position in range(first, chain_bounds[candidate + 1]):
+                length = lengths[position]
+                # Each later chunk must match the query by its own verification hash.
+                if position != first and digest(data[4 * start : 4 * (start + length)]) != verifications[position]:
+                    break
+                matches.append(_match_at(key_bytes, position, start, length, source_starts[position]))
+                start += length
+            cursor = start
+        return matches
+
+    def remove(self, keys: Iterable[PrefixKey]) -> int:
+        """Drop the entries of these keys and clear the ``next`` links that pointed at them.
+
+        Costs one pass over the table per call (to clear links), so remove evicted keys in batches.
+
+        Args:
+            keys: prefix keys; keys not indexed (never registered, aliases, already removed) are ignored.
+
+        Returns:
+            How many entries were removed.
+        """
+        key_bytes = b"".join(key for key in keys if len(key) == KEY_BYTES)
+        if not key_bytes:
+            return 0
+        halves = np.frombuffer(key_bytes, dtype="<u8").reshape(-1, 2)
+        with self._index_lock:
+            num_removed = int(
+                table.remove_keys(
+                    halves[:, 0].copy(), halves[:, 1].copy(), self._fingerprint, self._key_low, self._key_high,
+                    self._length, self._next, self._fingerprint_link, self._key_link, self._fingerprint_heads,
+                    self._fingerprint_shift, self._key_heads, self._key_shift, self._state,
+                )
+            )  # fmt: skip
+            self._stale_presence += num_removed
+            if self._stale_presence > max(1024, int(self._state[2])):
+                self._resize_heads(self._fingerprint_log2, self._key_log2)
+        return num_removed
+
+    def __len__(self) -> int:
+        return int(self._state[2])
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            return False
+        low, high = np.frombuffer(key, dtype="<u8")
+        with self._index_lock:
+            return bool(self._find(low, high) >= 0)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the table's arrays (rows, heads and presence bits); tokens are never stored."""
+        with self._index_lock:
+            return sum(array.nbytes for array in self._arrays()) + self._state.nbytes
+
+    # --- internals (lock held) --------------------------------------------------------------------------------
+
+    def _keys_bytes(self, entries: npt.NDArray[np.int32]) -> bytes:
+        """The 16-byte keys of ``entries``, concatenated."""
+        return np.stack([self._key_low[entries], self._key_high[entries]], axis=1).astype("<u8").tobytes()
+
+    def _find(self, low: np.uint64, high: np.uint64) -> int:
+        return int(
+            table.find_key(low, high, self._key_low, self._key_high, self._key_link, self._key_heads, self._key_shift)
+        )
+
+    def _key_of(self, entry: int) -> PrefixKey:
+        return PrefixKey(
+            int(self._key_low[entry]).to_bytes(8, "little") + int(self._key_high[entry]).to_bytes(8, "little")
+        )
+
+    def _arrays(self) -> list[npt.NDArray[np.generic]]:
+        return [
+            self._fingerprint, self._verification, self._key_low, self._key_high, self._source_start,
+            self._length, self._next, self._fingerprint_link, self._key_link,
+            self._fingerprint_heads, self._key_heads, self._presence_bits,
+        ]  # fmt: skip
+
+    def _reserve(self, num_live: int) -> None:
+        """Grow rows so ``num_live`` entries fit without reuse, and the heads so chains stay short."""
+        needed_rows = max(int(self._state[1]), num_live)
+        if needed_rows > _MAX_ENTRIES:
+            raise ConfigError(f"fingerprint index would hold {needed_rows} entries, over its limit of 2**31 - 1")
+        capacity = self._fingerprint.shape[0]
+        if needed_rows > capacity:
+            new_capacity = min(_MAX_ENTRIES, max(needed_rows, capacity + int(capacity * _ENTRY_GROWTH_RATIO) + 16))
+            for name in ("_fingerprint", "_verification", "_key_low", "_key_high", "_source_start", "_length"):
+                old = getattr(self, name)
+                grown = np.zeros(new_capacity, dtype=old.dtype)
+                grown[:capacity] = old
+                setattr(self, name, grown)
+            for name in ("_next", "_fingerprint_link", "_key_link"):
+                old = getattr(self, name)
+                grown = np.full(new_capacity, -1, dtype=np.int32)
+                grown[:capacity] = old
+                setattr(self, name, grown)
+        fingerprint_log2, key_log2 = self._fingerprint_log2, self._key_log2
+        while num_live > _FINGERPRINT_LOAD << fingerprint_log2:
+            fingerprint_log2 += 1
+        while num_live > _KEY_LOAD << key_log2:
+            key_log2 += 1
+        if (fingerprint_log2, key_log2) != (self._fingerprint_log2, self._key_log2):
+            logger.debug("fingerprint index grows its heads to 2**%d / 2**%d", fingerprint_log2, key_log2)
+            self._resize_heads(fingerprint_log2, key_log2)
+
+    def _resize_heads(self, fingerprint_log2: int, key_log2: int) -> None:
+        """Reallocate heads and presence bits and relink every live row (also clears stale presence bits)."""
+        self._fingerprint_log2, self._key_log2 = fingerprint_log2, key_log2
+        self._fingerprint_shift = np.uint64(64 - fingerprint_log2)
+        self._key_shift = np.uint64(64 - key_log2)
+        presence_words_log2 = fingerprint_log2 + _PRESENCE_BITS_PER_BUCKET.bit_length() - 1 - 6  # 64-bit words
+        self._presence_shift = np.uint64(64 - presence_words_log2)
+        self._fingerprint_heads = np.full(1 << fingerprint_log2, -1, dtype=np.int32)
+        self._key_heads = np.full(1 << key_log2, -1, dtype=np.int32)
+        self._presence_bits = np.zeros(1 << presence_words_log2, dtype=np.uint64)
+        self._stale_presence = 0
+        table.rebuild_chains(
+            int(self._state[1]), self._fingerprint, self._key_low, self._length, self._fingerprint_link,
+            self._key_link, self._fingerprint_heads, self._fingerprint_shift, self._key_heads, self._key_shift,
+            self._presence_bits, self._presence_shift,
+        )  # fmt: skip
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not 1 <= chunk_size <= _MAX_CHUNK_TOKENS:
+        raise ConfigError(f"chunk_size={chunk_size} must lie in [1, {_MAX_CHUNK_TOKENS}] tokens, e.g. 256")
+
+
+def _match_at(key_bytes: bytes, position: int, query_start: int, num_tokens: int, source_start: int) -> Match:
+    """The match of the ``position``-th planned entry, whose key is the ``position``-th 16 bytes of ``key_bytes``."""
+    key = PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)])
+    return Match(query_start=query_start, num_tokens=num_tokens, key=key, source_start=source_start)

@@ -1,0 +1,170 @@
+"""Shared-memory segments for bulk KV between a client and a server on the same host.
+
+A segment is an anonymous, sealed memory file (``memfd_create``) that both processes map with ``MAP_SHARED``
+(``torch.from_file`` on its ``/proc`` path), so a store reads the client's KV where the client put it and a retrieve
+writes KV where the client will read it: no copy beyond the tier's own. Its life::
+
+    client: memfd_create("kvstore-<pid>-<random>"), reserve its pages (posix_fallocate),
+            seal it against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), map it
+    client -> server: attach(name, nbytes, fd)
+    server: open /proc/<client pid>/fd/<fd>, check it is that memfd (its name carries the client's random part),
+            its size and its seals, map it
+    client: close its descriptor, whatever the reply
+    ... both use their mappings; the memory goes when the last mapping goes (either side may die first) ...
+
+Why sealed: a mapping whose file shrinks under it raises SIGBUS on the next access, which would kill the server
+for something a client did to its own segment. A sealed memfd cannot be truncated by anyone, so the server refuses
+any segment without ``F_SEAL_SHRINK``. Why memfd rather than a file in ``/dev/shm``: nothing has a name, so
+nothing is left behind when a client dies at any point, and no other process can open it by path.
+
+Reserving the pages up front matters too: a write to an unbacked page when memory is short is a SIGBUS as well;
+``posix_fallocate`` fails cleanly (ENOSPC) instead, and the client falls back to inline bytes.
+
+Pure functions over the process's descriptors; thread-safe.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstore.errors import StorageError
+from kvstore.wire.error_codes import ErrorCode, RequestError
+
+__all__ = [
+    "OwnedSegment",
+    "create_segment",
+    "host_id",
+    "open_segment",
+    "segment_owner_pid",
+    "shm_available",
+]
+
+logger = logging.getLogger(__name__)
+
+_NAME_PATTERN = re.compile(r"kvstore-([0-9]{1,10})-[0-9a-f]{16}")
+_REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_ALL_SEALS = _REQUIRED_SEALS | fcntl.F_SEAL_SEAL
+
+
+def shm_available() -> bool:
+    """Whether this host can share segments: Linux ``memfd_create`` and a ``/proc`` to open another process's."""
+    return hasattr(os, "memfd_create") and Path("/proc/self/fd").is_dir()
+
+
+def host_id() -> str:
+    """This host's shared-memory namespace: hostname and boot id (Linux). A client whose id differs from the
+    server's never attaches; one in another pid namespace fails the attach and falls back to inline bytes."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "no-boot-id"
+    return f"{os.uname().nodename}/{boot_id}"
+
+
+def segment_owner_pid(name: str) -> int | None:
+    """The creator pid encoded in a segment name, or ``None`` when the name is not a kvstore segment's."""
+    match = _NAME_PATTERN.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(slots=True)
+class OwnedSegment:
+    """A segment this process created and maps: ``tensor`` is its bytes (``uint8``, ``nbytes`` long). ``fd`` stays
+    open until the server has opened it (``close_fd``); the mapping outlives it."""
+
+    name: str
+    nbytes: int
+    fd: int | None
+    tensor: torch.Tensor
+
+    def close_fd(self) -> None:
+        """Close the descriptor the server opens the segment through (idempotent; the mapping stays valid)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def create_segment(nbytes: int) -> OwnedSegment:
+    """Create, reserve, seal and map a new segment named after this process.
+
+    Raises:
+        StorageError: memory is too short to reserve it, or this OS has no sealed memfds (the caller falls back
+            to inline bytes).
+    """
+    if not shm_available():
+        raise StorageError("shared-memory segments need Linux memfd_create and /proc")
+    name = f"kvstore-{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _ALL_SEALS)
+        tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError) as exc:
+        os.close(fd)
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise StorageError(f"cannot reserve a {nbytes / 2**20:.1f} MiB shared-memory segment: {reason}") from exc
+    return OwnedSegment(name=name, nbytes=nbytes, fd=fd, tensor=tensor)
+
+
+def open_segment(name: str, nbytes: int, fd: int, owner_pid: int) -> torch.Tensor:
+    """Map a segment a client created (server side).
+
+    Args:
+        name: the segment's name (``kvstore-<pid>-<16 hex>``); the descriptor must be the memfd of that name.
+        nbytes: the size the client says it has; the memfd must be exactly that long.
+        fd: the client's descriptor number for it (opened here through ``/proc/<owner_pid>/fd``).
+        owner_pid: the client's pid from its hello; the name must carry it, so a client cannot take another's.
+
+    Raises:
+        RequestError: ``invalid_argument`` when the name, owner, size or seals are wrong or it cannot be mapped.
+    """
+    pid = segment_owner_pid(name)
+    if pid is None:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"segment name {name!r:.80} is not kvstore-<pid>-<16 hex>")
+    if pid != owner_pid:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT, f"segment {name} belongs to pid {pid}, not to this client (pid {owner_pid})"
+        )
+    source = f"/proc/{owner_pid}/fd/{fd}"
+    try:
+        own_fd = os.open(source, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"cannot open segment {name} at {source} ({exc.strerror}; another host or pid namespace?)",
+        ) from None
+    try:
+        _check_segment(own_fd, name, nbytes)
+        return torch.from_file(f"/proc/self/fd/{own_fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError) as exc:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"cannot map segment {name}: {exc}") from None
+    finally:
+        os.close(own_fd)
+
+
+def _check_segment(fd: int, name: str, nbytes: int) -> None:
+    """Refuse a descriptor that is not the named, sealed memfd of ``nbytes`` bytes: anything else could shrink
+    under the server's mapping (SIGBUS) or be some other file of the client's."""
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    if target != f"/memfd:{name} (deleted)":
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, f"segment {name}: the descriptor is {target!r:.100}, not it")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != nbytes:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT, f"segment {name} is {info.st_size} bytes, the client said {nbytes}"
+        )
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"segment {name} is not sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW)",
+        )

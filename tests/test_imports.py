@@ -1,0 +1,76 @@
+"""What the engine-facing modules load, in a fresh interpreter: an engine process pays only for what it uses.
+
+An engine talks to a server (``kvstore.client``, the connectors' links and paged copies) or reads values
+(``kvstore.plan``, ``kvstore.layout``). None of that may load the store, its tiers, the content index, the server,
+or their libraries (LMDB, zstd, numba, prometheus_client, typer). Package ``__init__``s re-export lazily
+(``kvstore.lazy_exports``) so that importing one module of a package does not import the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+_HEAVY = ("lmdb", "zstandard", "numba", "prometheus_client", "typer", "rich", "transformers")
+_STORE_SIDE = (
+    "kvstore.store",
+    "kvstore.server",
+    "kvstore.tiers.disk",
+    "kvstore.content",
+    "kvstore.blend",
+    "kvstore.cli",
+)
+
+
+def loaded_by(statement: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after ``statement``."""
+    code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return set(json.loads(completed.stdout.splitlines()[-1]))
+
+
+def _offenders(modules: set[str], banned: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in modules if any(m == b or m.startswith(b + ".") for b in banned))
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import kvstore.client",
+        "from kvstore import Client, KVLayout",
+        "import kvstore.connectors.store_link, kvstore.connectors.load_buffers, kvstore.connectors.paged",
+        "import kvstore.connectors.settings, kvstore.connectors.embedded_server",
+        "import kvstore.wire.messages, kvstore.wire.values",
+    ],
+)
+def test_the_client_side_loads_no_store_and_no_server(statement: str) -> None:
+    loaded = loaded_by(statement)
+    assert _offenders(loaded, _HEAVY) == []
+    assert _offenders(loaded, _STORE_SIDE) == []
+
+
+@pytest.mark.parametrize("statement", ["import kvstore.plan", "import kvstore.layout, kvstore.keys, kvstore.stats"])
+def test_values_modules_load_no_storage_library(statement: str) -> None:
+    loaded = loaded_by(statement)
+    assert _offenders(loaded, _HEAVY) == []
+    assert _offenders(loaded, (*_STORE_SIDE, "kvstore.client", "kvstore.wire", "kvstore.tiers.cpu")) == []
+
+
+def test_the_lazy_names_still_resolve() -> None:
+    loaded = loaded_by(
+        "import kvstore, kvstore.blend, kvstore.content, kvstore.tiers, kvstore.server, kvstore.wire\n"
+        "for package in (kvstore, kvstore.blend, kvstore.content, kvstore.tiers, kvstore.server, kvstore.wire):\n"
+        "    assert all(getattr(package, name) is not None for name in package.__all__), package\n"
+        "    assert set(package.__all__) <= set(dir(package)), package"
+    )
+    assert {"kvstore.store", "kvstore.content.index", "kvstore.server.app"} <= loaded
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    import kvstore
+
+    with pytest.raises(AttributeError, match="has no attribute 'Nonexistent'"):
+        kvstore.Nonexistent  # noqa: B018
