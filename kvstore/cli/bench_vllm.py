@@ -52,7 +52,7 @@ def bench_vllm_command(
             model_dir=model_dir, prompt_tokens=prompt_tokens, num_prompts=prompts, dtype=dtype, data_dir=data_dir
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        token_prompts = prose_prompts(tokenizer.encode, options.num_prompts, options.prompt_tokens)
+        token_prompts = prose_prompts(tokenizer.encode, options.num_prompts + 1, options.prompt_tokens)  # + warm-up
         rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
     if as_json:
         for row in rows:
@@ -63,13 +63,16 @@ def bench_vllm_command(
 
 def _render(rows: list[VllmBenchRow]) -> None:
     table = Table(title="kvstore bench vllm (time to first token; speedup over cold in the same run)")
-    columns = ("mode", "prompt tokens", "cached tokens (p50)", "kvstore loaded (p50)", "TTFT p50 ms", "speedup vs cold")
+    columns = (
+        "mode", "prompt tokens", "cached tokens (p50)", "kvstore loaded (p50)", "TTFT p50 ms", "speedup vs cold",
+        "connector ms (p50)",
+    )  # fmt: skip
     for column in columns:
         table.add_column(column)
     for row in rows:
         loaded = "-" if row.kvstore_loaded_tokens_p50 is None else f"{row.kvstore_loaded_tokens_p50:,.0f}"
         table.add_row(
             row.mode, f"{row.prompt_tokens:,}", f"{row.num_cached_tokens_p50:,.0f}", loaded, f"{row.ttft_ms_p50:,.1f}",
-            f"{row.speedup_vs_cold:.2f}x",
+            f"{row.speedup_vs_cold:.2f}x", "-" if row.connector_ms_p50 is None else f"{row.connector_ms_p50:,.1f}",
         )  # fmt: skip
     Console(width=120).print(table)

@@ -6,6 +6,7 @@ by every test in tests/vllm.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult
-from kvstore.bench.vllm_ttft import VllmBenchOptions, VllmBenchRow, prose_prompts
+from kvstore.bench.vllm_ttft import (
+    VllmBenchOptions,
+    VllmBenchRow,
+    prose_prompts,
+    run_vllm_benchmark,
+    with_connector_time,
+)
 from kvstore.cli.main import main
 from kvstore.errors import ConfigError
 
@@ -79,6 +86,8 @@ def test_options_and_rows() -> None:
         num_cached_tokens_p50=7936,
         kvstore_loaded_tokens_p50=7680,
         ttft_ms_samples=(800.01, 812.345),
+        connector_ms_p50=310.456,
+        connector_share_p50=0.3821734,
     )
     assert row.to_json_dict() == {
         "mode": "kvstore_cpu_hit",
@@ -88,6 +97,8 @@ def test_options_and_rows() -> None:
         "num_cached_tokens_p50": 7936,
         "kvstore_loaded_tokens_p50": 7680,
         "ttft_ms_samples": [800.0, 812.3],
+        "connector_ms_p50": 310.5,
+        "connector_share_p50": 0.38217,
     }
 
 
@@ -97,3 +108,21 @@ def test_the_cli_refuses_a_model_dir_without_a_config(tmp_path: Path, capsys: py
     assert exited.value.code == 1
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and "no config.json" in error
+
+
+def test_connector_time_goes_to_the_request_whose_generate_call_it_fell_in(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    steps = [("scheduler", 100.5, 0.001), ("worker", 101.0, 0.25), ("worker", 150.0, 0.5), ("worker", 205.0, 0.125)]
+    trace.write_text("".join(json.dumps({"side": s, "t": t, "seconds": x}) + "\n" for s, t, x in steps))
+    results = [
+        RequestResult(token_ids=(1,), num_cached_tokens=0, ttft_s=1.0, started_at=100.0, finished_at=149.0),
+        RequestResult(token_ids=(1,), num_cached_tokens=0, ttft_s=1.0, started_at=149.5, finished_at=200.0),
+    ]
+    first, second = with_connector_time(results, trace)
+    assert first.connector_ms == pytest.approx(251.0) and second.connector_ms == pytest.approx(500.0)
+    assert with_connector_time(results, tmp_path / "no-trace.jsonl") == results  # no connector: no figure
+
+
+def test_the_benchmark_needs_a_warm_up_and_a_measured_prompt() -> None:
+    with pytest.raises(ConfigError, match="warm-up prompt and at least one measured"):
+        run_vllm_benchmark(VllmBenchOptions(model_dir=Path("m")), [[1] * 300])

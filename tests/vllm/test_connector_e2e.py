@@ -17,6 +17,7 @@ dir, each step building on the last:
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,6 +26,8 @@ from pathlib import Path
 import pytest
 
 from kvstore.bench.vllm_engine import EngineSpec
+from kvstore.bench.vllm_ttft import with_connector_time
+from kvstore.connectors.hook_clock import TRACE_ENV
 from tests.server.conftest import ServerProcess, running_server
 from tests.vllm.conftest import SHARED_PREFIX_TOKENS, ColdReference, EngineRunner
 
@@ -83,15 +86,24 @@ def test_engines_store_share_survive_a_killed_server_and_restart_from_disk_with_
     prompts = cold_reference.prompts
     cold = {name: result.token_ids[:MAX_TOKENS] for name, result in cold_reference.outputs.items()}
     extra = {"kvstore.url": shared_server.url, "kvstore.retry_s": 1.0}
+    trace = data_dir.parent / "connector-trace.jsonl"
 
-    first, again, partial, stored = run_engine(
-        connector_spec(
-            vllm_model_dir,
-            vllm_env,
-            [prompts["first"], prompts["first"], prompts["shared_prefix"], prompts["second"]],
-            extra,
-        )
+    first, again, partial, stored = with_connector_time(
+        run_engine(
+            connector_spec(
+                vllm_model_dir,
+                {**vllm_env, TRACE_ENV: str(trace)},
+                [prompts["first"], prompts["first"], prompts["shared_prefix"], prompts["second"]],
+                extra,
+            )
+        ),
+        trace,
     )
+    sides = {json.loads(line)["side"] for line in trace.read_text().splitlines()}
+    assert sides == {"scheduler", "worker"}, "both halves trace the time the engine spent in their hooks"
+    for request in (first, again):  # a miss that saves, a hit that loads: on the engine's path, but a small part
+        assert request.connector_ms is not None and request.ttft_s is not None
+        assert 0 < request.connector_ms < 0.5 * 1000 * (request.finished_at - request.started_at)
     assert first.num_cached_tokens == first.kvstore_loaded_tokens == 0 and first.token_ids == cold["first"]
     assert again.num_cached_tokens == again.kvstore_loaded_tokens == FULL_HIT_TOKENS, "the cpu tier serves it"
     assert again.token_ids == cold["first"]

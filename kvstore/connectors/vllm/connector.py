@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvstore.connectors.hook_clock import HookClock
 from kvstore.connectors.settings import ConnectorSettings, parse_connector_settings
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout
@@ -75,6 +76,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         name = f"vllm {transfer.engine_id} {role.name.lower()}"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._clock = HookClock(role.name.lower())
         if role is KVConnectorRole.SCHEDULER:
             link = _connected_link(settings, layout, name, settings.lookup_timeout_s)
             self._scheduler = SchedulerSide(
@@ -112,18 +114,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker_side().bind(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._worker_side().start_load_kv()
+        with self._clock:
+            self._worker_side().start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker_side().wait_for_layer_load(layer_name)
+        with self._clock:
+            self._worker_side().wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        self._worker_side().save_kv_layer(layer_name)
+        with self._clock:
+            self._worker_side().save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        self._worker_side().wait_for_save()
+        """The step's last hook: its time in hooks goes into the stats (and the trace)."""
+        worker = self._worker_side()
+        with self._clock:
+            worker.wait_for_save()
+        worker.record_on_path(self._clock.end_step())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker_side().get_finished()
@@ -144,19 +153,27 @@ class KVStoreConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._clock:
+            return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+        with self._clock:
+            self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler_side().build_connector_meta(scheduler_output)
+        """The scheduler's last hook of a step: its time in hooks is traced."""
+        with self._clock:
+            metadata = self._scheduler_side().build_connector_meta(scheduler_output)
+        self._clock.end_step()
+        return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler_side().update_connector_output(connector_output)
+        with self._clock:
+            self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler_side().request_finished(request)
+        with self._clock:
+            return False, self._scheduler_side().request_finished(request)
 
     # -- both ---------------------------------------------------------------------------------------------------
 

@@ -94,12 +94,13 @@ _COUNTERS = (
     "saved_tokens",
     "saved_bytes",
 )
-_SECONDS = ("load_seconds", "save_seconds")
+_SECONDS = ("load_seconds", "save_seconds", "on_path_seconds")
 
 
 @dataclass
 class KVStoreConnectorStats(KVConnectorStats):
-    """The worker's transfer counters since the last report (vLLM logs ``reduce()`` every logging interval)."""
+    """The worker's transfer counters since the last report (vLLM logs ``reduce()`` every logging interval);
+    ``on_path_ms`` is the time the engine's thread spent inside the connector's hooks (``HookClock``)."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -122,6 +123,7 @@ class KVStoreConnectorStats(KVConnectorStats):
         reduced: dict[str, int | float] = {name: data.get(name, 0) for name in _COUNTERS}
         reduced["load_ms_mean"] = round(1000 * data.get("load_seconds", 0.0) / max(data.get("loads", 0), 1), 2)
         reduced["save_ms_mean"] = round(1000 * data.get("save_seconds", 0.0) / max(data.get("saves", 0), 1), 2)
+        reduced["on_path_ms"] = round(1000 * data.get("on_path_seconds", 0.0), 2)
         return reduced
 
     def is_empty(self) -> bool:

@@ -251,6 +251,12 @@ class WorkerSide:
         finished, self._finished_loads = self._finished_loads, {}
         return KVStoreWorkerMetadata(finished_loads=finished)
 
+    def record_on_path(self, seconds: float) -> None:
+        """Count the time the engine's thread spent in this step's hooks (``HookClock``)."""
+        if seconds:
+            with self._stats_lock:
+                self._stats.record(on_path_seconds=seconds)
+
     def take_stats(self) -> KVStoreConnectorStats | None:
         with self._stats_lock:
             if self._stats.is_empty():
