@@ -40,7 +40,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 
 # Foreground until Ctrl-C (which flushes and exits 0); the gpu tier is used only when CUDA is present.
 run: $(STAMP)
-	$(BIN)/kvstore serve --disk-path ./kvstore-data
+	$(BIN)/kvstore serve --data-dir ./kvstore-data
 
 # The main suite first (it never collects tests/vllm), then the vLLM tests, whose coverage gate is the connectors'.
 # The main suite runs on three xdist workers, a file each at a time (module fixtures such as a shared server stay in
@@ -62,9 +62,10 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm --cov=kvstore/connectors \
 		--cov-config=tests/vllm/coverage.toml --cov-report=term-missing --cov-fail-under=80
 
+# mypy also checks tests/server/test_surface.py, where TieredStore and Client are assigned to StoreSurface.
 lint: $(STAMP)
 	$(BIN)/ruff check kvstore tests benchmarks
-	$(BIN)/mypy kvstore
+	$(BIN)/mypy kvstore tests/server/test_surface.py
 
 bench: $(STAMP)
 	$(BIN)/kvstore bench tiers

@@ -60,12 +60,12 @@ def main() -> None:
     parser.add_argument("--layout", default="smollm2-135m")
     parser.add_argument("--chunks", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", type=Path, default=Path.cwd())
+    parser.add_argument("--scratch-dir", type=Path, default=Path.cwd())
     args = parser.parse_args()
     results: dict[str, list[float]] = {"4 MiB frames": [], "equal frames (default)": []}
     for _ in range(args.repeats):
-        results["4 MiB frames"].append(cold_get_gbps(args.layout, args.chunks, 4 << 20, args.dir))
-        results["equal frames (default)"].append(cold_get_gbps(args.layout, args.chunks, None, args.dir))
+        results["4 MiB frames"].append(cold_get_gbps(args.layout, args.chunks, 4 << 20, args.scratch_dir))
+        results["equal frames (default)"].append(cold_get_gbps(args.layout, args.chunks, None, args.scratch_dir))
     for name, samples in results.items():
         print(f"{name}: {[round(s, 2) for s in samples]} GB/s, median {statistics.median(samples):.2f}")
 

@@ -40,7 +40,7 @@ from kvstore.tiers.base import TierName
 assert kvstore.__file__.startswith(sys.argv[1]), kvstore.__file__
 layout = KVLayout(model_id="kvstore-bench-rebuild", num_layers=1, num_kv_heads=1, head_dim=int(sys.argv[4]),
                   dtype=KVDtype.FLOAT16)
-config = StoreConfig(tiers=(TierName.DISK,), disk_path=Path(sys.argv[2]), disk_capacity_bytes=int(sys.argv[3]),
+config = StoreConfig(tiers=(TierName.DISK,), data_dir=Path(sys.argv[2]), disk_capacity_bytes=int(sys.argv[3]),
                      enable_blend=True)
 gc_s, started = [0.0], [0.0]
 def on_collection(phase, info):

@@ -4,7 +4,7 @@ Examples::
 
     .venv/bin/python benchmarks/bench_tiers.py --json                   # every tier (gpu skipped without CUDA)
     .venv/bin/python benchmarks/bench_tiers.py --json --tiers cpu,disk --disk-size 256MiB
-    .venv/bin/python benchmarks/bench_tiers.py --tiers gpu --device cpu --gpu-memory-size 64MiB   # smoke test
+    .venv/bin/python benchmarks/bench_tiers.py --tiers gpu --device cpu --gpu-size 64MiB   # smoke test
 
 The options are those of ``kvstore bench tiers --help``; this script only forwards them.
 """

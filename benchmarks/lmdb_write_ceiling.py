@@ -12,7 +12,8 @@ is process CPU time over wall time).
 
 Usage::
 
-    .venv/bin/python benchmarks/lmdb_write_ceiling.py [--total-mib 1024] [--value-kib 2048] [--repeats 3] [--dir D]
+    .venv/bin/python benchmarks/lmdb_write_ceiling.py [--total-mib 1024] [--value-kib 2048] [--repeats 3] \
+        [--scratch-dir D]
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes written per run, in MiB")
     parser.add_argument("--value-kib", type=int, default=2048, help="bytes per value (the tier's frames: 1-4 MiB)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", type=Path, default=None, help="parent of the temporary directory (default: cwd)")
+    parser.add_argument("--scratch-dir", type=Path, default=None, help="parent of the temp dir (default: cwd)")
     args = parser.parse_args()
     value_bytes = args.value_kib << 10
     count = max(1, (args.total_mib << 20) // value_bytes)
@@ -85,7 +86,7 @@ def main() -> None:
     }
     gbps: dict[str, list[float]] = {name: [] for name in variants}
     cores: dict[str, list[float]] = {name: [] for name in variants}
-    root = Path(tempfile.mkdtemp(prefix="lmdb-ceiling-", dir=args.dir or Path.cwd()))
+    root = Path(tempfile.mkdtemp(prefix="lmdb-ceiling-", dir=args.scratch_dir or Path.cwd()))
     try:
         for repeat in range(args.repeats):
             for index, (name, write) in enumerate(variants.items()):

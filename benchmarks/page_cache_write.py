@@ -15,7 +15,7 @@ mode with the medians. Every byte counts once (10^9 bytes per GB).
 
 Usage::
 
-    .venv/bin/python benchmarks/page_cache_write.py [--total-mib 768] [--repeats 5] [--dir D]
+    .venv/bin/python benchmarks/page_cache_write.py [--total-mib 768] [--repeats 5] [--scratch-dir D]
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--total-mib", type=int, default=768, help="bytes per write, MiB")
     parser.add_argument("--repeats", type=int, default=5, help="writes per mode")
-    parser.add_argument("--dir", type=Path, default=None, help="parent of the temporary directory")
+    parser.add_argument("--scratch-dir", type=Path, default=None, help="parent of the temporary directory")
     args = parser.parse_args()
     if args.total_mib <= 0 or args.repeats <= 0:
         parser.error("--total-mib and --repeats must be positive")
     total_bytes = args.total_mib * 1024 * 1024
     block = np.random.default_rng(0).integers(0, 256, size=_BLOCK_BYTES, dtype=np.uint8).data
-    root = Path(tempfile.mkdtemp(prefix="kvstore-page-cache-", dir=args.dir))
+    root = Path(tempfile.mkdtemp(prefix="kvstore-page-cache-", dir=args.scratch_dir))
     rows: dict[str, list[dict[str, float | int | str]]] = {mode: [] for mode in _MODES}
     try:
         previous_recycled: Path | None = None

@@ -11,49 +11,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvstore.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidInputError,
+    KVStoreError,
+    LayoutMismatchError,
+    ProtocolError,
+    ServerBusyError,
+    ServerUnavailableError,
+    StorageError,
+    StoreClosedError,
+)
+from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
 from kvstore.lazy_exports import lazy_exports
+from kvstore.version import __version__
 
 if TYPE_CHECKING:
     from kvstore.client import Client
     from kvstore.config import StoreConfig
-    from kvstore.errors import (
-        CapacityError,
-        ConfigError,
-        InvalidInputError,
-        KVStoreError,
-        LayoutMismatchError,
-        ProtocolError,
-        ServerBusyError,
-        ServerUnavailableError,
-        StorageError,
-        StoreClosedError,
-    )
-    from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
     from kvstore.store import TieredStore
     from kvstore.surface import StoreSurface
-    from kvstore.version import __version__
 
+# Values above are light (an engine loads them anyway); the store and the client are imported when first used.
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "kvstore.client": ("Client",),
         "kvstore.config": ("StoreConfig",),
-        "kvstore.errors": (
-            "CapacityError",
-            "ConfigError",
-            "InvalidInputError",
-            "KVStoreError",
-            "LayoutMismatchError",
-            "ProtocolError",
-            "ServerBusyError",
-            "ServerUnavailableError",
-            "StorageError",
-            "StoreClosedError",
-        ),
-        "kvstore.layout": ("KVDtype", "KVLayout", "RopeScaling", "RopeSpec"),
         "kvstore.store": ("TieredStore",),
         "kvstore.surface": ("StoreSurface",),
-        "kvstore.version": ("__version__",),
     },
 )
 __all__ = [

@@ -102,7 +102,7 @@ class StoreConfig:
         gpu_capacity_bytes: device memory for the gpu tier.
         gpu_device: CUDA device of the gpu tier (``"cpu"`` runs the gpu-tier logic without a GPU, for tests).
         cpu_capacity_bytes: host memory for the cpu tier (page-locked when CUDA is present).
-        disk_path: the data dir holding ``data.mdb``.
+        data_dir: the data dir holding ``data.mdb``.
         disk_capacity_bytes: hard cap on the disk tier's stored (compressed) bytes.
         disk_zstd_level: zstd level of the disk codec (1 is the measured sweet spot).
         disk_codec_threads: threads that compress and decompress disk frames.
@@ -121,7 +121,7 @@ class StoreConfig:
     gpu_capacity_bytes: int = 4 * GIB
     gpu_device: str = "cuda"
     cpu_capacity_bytes: int = 4 * GIB
-    disk_path: Path = field(default=DEFAULT_DATA_DIR)
+    data_dir: Path = field(default=DEFAULT_DATA_DIR)
     disk_capacity_bytes: int = 64 * GIB
     disk_zstd_level: int = 1
     disk_codec_threads: int = 2
@@ -137,7 +137,7 @@ class StoreConfig:
             raise ConfigError(
                 f"tiers={self.tiers!r}: each tier must be one of gpu, cpu, disk (e.g. ('cpu', 'disk'))"
             ) from None
-        object.__setattr__(self, "disk_path", Path(self.disk_path))
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
         _check_tiers(self.tiers)
         for name in ("chunk_size", "gpu_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes",
                      "disk_zstd_level", "disk_codec_threads"):  # fmt: skip

@@ -71,7 +71,7 @@ def _iso(ns: int | None) -> str | None:
 
 def _open(path: Path) -> DiskTier:
     if not (Path(path) / DATA_FILE).is_file():
-        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used")
+        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --data-dir a store used")
     return DiskTier.open_existing(Path(path), read_only=True, num_codec_threads=1)
 
 

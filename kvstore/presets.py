@@ -1,6 +1,6 @@
 """KV layouts of the models kvstore is measured with, by short name.
 
-``smollm2-135m`` is the real trained model the quality tests load (../shared/design.md section 8); ``llama3.1-8b``
+``smollm2-135m`` is the real trained model the quality tests load; ``llama3.1-8b``
 is the shape the speed benchmarks use (128 KiB of bf16 KV per token, 32 MiB per 256-token chunk).
 """
 

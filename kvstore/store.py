@@ -100,7 +100,7 @@ class TieredStore:
     Example::
 
         layout = KVLayout(model_id="my-model", num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16")
-        with TieredStore(layout, StoreConfig(disk_path=Path("kvstore-data"))) as store:
+        with TieredStore(layout, StoreConfig(data_dir=Path("kvstore-data"))) as store:
             store.store(tokens, kv)                     # kv: [30, 2, len(tokens), 3, 64] bf16
             plan = store.lookup(tokens + more_tokens)
             result = store.retrieve(plan)               # result.kv: the cached prefix's KV
@@ -145,7 +145,7 @@ class TieredStore:
         if TierName.DISK in config.tiers:
             rebuild = self._catalog.start_rebuild() if self._catalog is not None else None
             self._disk = DiskTier(
-                config.disk_path,
+                config.data_dir,
                 self.layout,
                 config.chunk_size,
                 config.disk_capacity_bytes,
@@ -158,7 +158,7 @@ class TieredStore:
             if rebuild is not None:
                 num_indexed = rebuild.finish()
                 if num_indexed:
-                    logger.info("content index rebuilt from %s: %d chunks", config.disk_path, num_indexed)
+                    logger.info("content index rebuilt from %s: %d chunks", config.data_dir, num_indexed)
         if TierName.CPU in config.tiers:
             self._cpu = CpuTier(self.layout, config.chunk_size, config.cpu_capacity_bytes, spill=self._spill_to_disk)
         if TierName.GPU in config.tiers:

@@ -54,7 +54,9 @@ def edit_payload(path: Path) -> Iterator[tuple[lmdb.Transaction, lmdb._Database]
 def flip_frame_bit(path: Path, key: PrefixKey, frame_index: int = 0) -> None:
     """Flip one bit in the middle of a stored chunk's frame, behind the tier's back (its checksum must catch it)."""
     with edit_payload(path) as (txn, db):
-        frame = bytearray(txn.get(frame_key(key, frame_index), db=db))
+        stored = txn.get(frame_key(key, frame_index), db=db)
+        assert stored is not None, f"no frame {frame_index} of {key.hex()}"
+        frame = bytearray(stored)
         frame[len(frame) // 2] ^= 0x40
         txn.put(frame_key(key, frame_index), bytes(frame), db=db)
 
@@ -70,7 +72,7 @@ def store_config(
         "gpu_capacity_bytes": gpu_chunks * chunk_bytes,
         "gpu_device": "cpu",
         "cpu_capacity_bytes": cpu_chunks * chunk_bytes,
-        "disk_path": tmp_path / "data",
+        "data_dir": tmp_path / "data",
         "disk_capacity_bytes": 64 << 20,
     }
     return StoreConfig(**{**settings, **changes})  # type: ignore[arg-type]

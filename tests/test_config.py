@@ -63,5 +63,5 @@ def test_store_config_validates(changes: dict[str, object], message: str) -> Non
 
 
 def test_store_config_accepts_strings_for_tiers_and_paths() -> None:
-    config = StoreConfig(tiers=("cpu",), disk_path="somewhere")  # type: ignore[arg-type]
-    assert config.tiers == (TierName.CPU,) and str(config.disk_path) == "somewhere"
+    config = StoreConfig(tiers=("cpu",), data_dir="somewhere")  # type: ignore[arg-type]
+    assert config.tiers == (TierName.CPU,) and str(config.data_dir) == "somewhere"

@@ -28,9 +28,9 @@ SAMPLES = [
 
 @pytest.fixture(scope="module")
 def after_make_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory in which ``make run``'s command (``kvstore serve --disk-path ./kvstore-data``) ran and stopped."""
+    """A directory in which ``make run``'s command (``kvstore serve --data-dir ./kvstore-data``) ran and stopped."""
     root = tmp_path_factory.mktemp("repo-root")
-    command = [sys.executable, "-m", "kvstore.cli.main", "serve", "--disk-path", "./kvstore-data"]
+    command = [sys.executable, "-m", "kvstore.cli.main", "serve", "--data-dir", "./kvstore-data"]
     with subprocess.Popen(
         [*command, "--port", "0", "--metrics-port", "0"], cwd=root, stdout=subprocess.PIPE, text=True
     ) as server:

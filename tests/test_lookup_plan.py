@@ -432,7 +432,7 @@ def test_a_chunk_failing_its_checksum_at_retrieve_is_a_gap_or_cuts_the_prefix(
     with TieredStore(small_layout, cfg) as store:
         store.store(tokens, kv)
     keys = prefix_keys(small_layout.namespace, as_token_array(tokens), CHUNK)
-    flip_frame_bit(cfg.disk_path, keys[1])
+    flip_frame_bit(cfg.data_dir, keys[1])
     with TieredStore(small_layout, cfg) as store:
         plan = store.lookup(tokens)
         assert len(plan.segments) == 4, "the meta is intact: the corruption shows only when the frame is read"

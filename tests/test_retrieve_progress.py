@@ -81,7 +81,7 @@ def test_a_corrupt_disk_chunk_is_already_a_gap_when_the_segments_are_reported(
     with TieredStore(small_layout, config) as store:
         store.store(tokens, kv)
     keys = prefix_keys(small_layout.namespace, as_token_array(tokens), CHUNK)
-    flip_frame_bit(config.disk_path, keys[2])
+    flip_frame_bit(config.data_dir, keys[2])
     with TieredStore(small_layout, config) as store:
         plan = store.lookup(tokens)
         out = sentinel_buffer(small_layout, 4 * CHUNK)

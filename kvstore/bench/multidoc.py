@@ -277,7 +277,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
             cpu_capacity_bytes=options.cpu_capacity_bytes or fitted,
             gpu_capacity_bytes=options.gpu_capacity_bytes or fitted,
             gpu_device=device if device.startswith("cuda") else "cpu",
-            disk_path=directory / "data",
+            data_dir=directory / "data",
             disk_capacity_bytes=options.disk_capacity_bytes,
             enable_blend=True,
         )

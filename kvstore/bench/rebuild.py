@@ -80,7 +80,7 @@ RebuildProgress = Callable[[str, int, int | None], None]
 
 
 def default_data_dir(num_chunks: int, seed: int = 0) -> Path:
-    """Where the data dir of ``num_chunks`` chunks lives unless ``--dir`` says otherwise (kept between runs)."""
+    """Where the data dir of ``num_chunks`` chunks lives unless ``--data-dir`` says otherwise (kept between runs)."""
     return Path(tempfile.gettempdir()) / f"kvstore-bench-rebuild-{num_chunks}-seed{seed}"
 
 
@@ -189,7 +189,7 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
     data_dir = options.resolved_data_dir
     build_s = _ensure_data_dir(options, data_dir, say)
     config = StoreConfig(
-        tiers=(TierName.DISK,), disk_path=data_dir, disk_capacity_bytes=options.capacity_bytes, enable_blend=True
+        tiers=(TierName.DISK,), data_dir=data_dir, disk_capacity_bytes=options.capacity_bytes, enable_blend=True
     )
     expected_chunks = options.num_documents * CHUNKS_PER_DOCUMENT
     samples: dict[str, list[float]] = {
@@ -293,7 +293,8 @@ def _ensure_data_dir(options: RebuildBenchOptions, data_dir: Path, say: RebuildP
             path.unlink()
     elif data_dir.exists() and any(data_dir.iterdir()):
         raise ConfigError(
-            f"--dir {data_dir} is not empty and was not built by kvstore bench rebuild; give a new or empty directory"
+            f"--data-dir {data_dir} is not empty and was not built by kvstore bench rebuild; give a new or empty "
+            "directory"
         )
     data_dir.mkdir(parents=True, exist_ok=True)
     # KV + meta value per chunk, and half again for LMDB's pages (measured: docs/design-notes.md#bench-rebuild)
@@ -302,8 +303,8 @@ def _ensure_data_dir(options: RebuildBenchOptions, data_dir: Path, say: RebuildP
     free_bytes = shutil.disk_usage(data_dir).free
     if free_bytes < 2 * needed_bytes:
         raise ConfigError(
-            f"--dir {data_dir}: about {needed_bytes / 2**30:.1f} GiB needed for {options.num_chunks} chunks, "
-            f"{free_bytes / 2**30:.1f} GiB free (want twice that); give a --dir on a larger disk or fewer --chunks"
+            f"--data-dir {data_dir}: about {needed_bytes / 2**30:.1f} GiB needed for {options.num_chunks} chunks, "
+            f"{free_bytes / 2**30:.1f} GiB free (want twice that); give a --data-dir on a larger disk or fewer --chunks"
         )
     started_s = time.perf_counter()
     _build(options, data_dir, say)

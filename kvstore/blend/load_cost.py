@@ -1,6 +1,6 @@
 """Wait for the disk or recompute: which is faster for the chunks of a plan that only the disk holds.
 
-On a fast GPU, computing a token's KV is cheaper than reading it from disk (design.md section 7; measured:
+On a fast GPU, computing a token's KV is cheaper than reading it from disk (measured:
 docs/design-notes.md#blend-load-cost); on a CPU it is the other way round. Which holds depends on the machine, the model
 and the disk, so a blender learns both rates from its own prefills (running medians; full and prefix prefills teach the
 compute rate too, and their dense passes cost less per token-layer than a blend's sparse one, as the skipped tokens

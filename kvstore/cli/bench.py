@@ -22,9 +22,7 @@ from kvstore.presets import PRESET_NAMES
 
 __all__ = ["bench_app"]
 
-bench_app = typer.Typer(
-    help="Benchmarks; each figure comes with a same-run baseline and ratio.", no_args_is_help=True
-)
+bench_app = typer.Typer(help="Benchmarks; each figure comes with a same-run baseline and ratio.", no_args_is_help=True)
 
 _DEFAULTS = TierBenchOptions()
 
@@ -32,16 +30,16 @@ _DEFAULTS = TierBenchOptions()
 @bench_app.command("tiers")
 def bench_tiers_command(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per (tier, layout, op) on stdout."),
-    tiers: str = typer.Option(
-        "gpu,cpu,disk", "--tiers", help="Tiers to measure (gpu is skipped without CUDA)."
-    ),
+    tiers: str = typer.Option("gpu,cpu,disk", "--tiers", help="Tiers to measure (gpu is skipped without CUDA)."),
     layouts: str = typer.Option(",".join(PRESET_NAMES), "--layouts", help="Layout presets, comma-separated."),
-    memory_size: str = typer.Option("512MiB", "--memory-size", help="cpu tier KV bytes per repeat."),
-    gpu_memory_size: str = typer.Option("2GiB", "--gpu-memory-size", help="gpu tier KV bytes per repeat."),
+    memory_size: str = typer.Option("512MiB", "--cpu-size", help="cpu tier size: KV bytes per repeat."),
+    gpu_memory_size: str = typer.Option("2GiB", "--gpu-size", help="gpu tier size: KV bytes per repeat."),
     disk_size: str = typer.Option("768MiB", "--disk-size", help="disk KV bytes written and read per repeat."),
     repeats: int = typer.Option(_DEFAULTS.num_repeats, "--repeats", help="Timed repeats of cpu/gpu ops."),
     disk_repeats: int = typer.Option(_DEFAULTS.num_disk_repeats, "--disk-repeats", help="Timed disk repeats."),
-    directory: Path | None = typer.Option(None, "--dir", help="Parent of the temporary disk data dir."),
+    directory: Path | None = typer.Option(
+        None, "--scratch-dir", help="Where the temporary data dir is made (default: the system's temp dir)."
+    ),
     device: str = typer.Option("cuda", "--device", help="cuda, cuda:N, or cpu (runs the gpu-tier logic on host)."),
     chunk_size: int = typer.Option(_DEFAULTS.chunk_size, "--chunk-size", help="Tokens per chunk."),
     zstd_level: int = typer.Option(_DEFAULTS.zstd_level, "--zstd-level", help="Disk codec zstd level."),
@@ -160,7 +158,7 @@ _REBUILD_DIR_HELP = f"The data dir, kept for later runs [default: {default_data_
 @bench_app.command("rebuild")
 def bench_rebuild_command(
     chunks: int = typer.Option(_REBUILD_DEFAULTS.num_chunks, "--chunks", help="Chunks in the data dir (12 a doc)."),
-    directory: Path | None = typer.Option(None, "--dir", help=_REBUILD_DIR_HELP),
+    directory: Path | None = typer.Option(None, "--data-dir", help=_REBUILD_DIR_HELP),
     queries: int = typer.Option(_REBUILD_DEFAULTS.num_queries, "--queries", help="Lookups that check the index."),
     repeats: int = typer.Option(_REBUILD_DEFAULTS.num_repeats, "--repeats", help="Timed opens (and baselines)."),
     head_dim: int = typer.Option(_REBUILD_DEFAULTS.head_dim, "--head-dim", help="Of the tiny KV layout (fp16)."),

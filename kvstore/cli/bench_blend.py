@@ -142,10 +142,10 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             help="Planted facts: 'distinct' relations per document, or the 'same' sentence in each (binding test).",
         ),
         cpu_capacity: str | None = typer.Option(
-            None, "--cpu-capacity", help="cpu tier size (default: twice the documents' KV, at least 64MiB)."
+            None, "--cpu-size", help="cpu tier size (default: twice the documents' KV, at least 64MiB)."
         ),
         gpu_capacity: str | None = typer.Option(
-            None, "--gpu-capacity", help="gpu tier size (default: twice the documents' KV, at least 64MiB)."
+            None, "--gpu-size", help="gpu tier size (default: twice the documents' KV, at least 64MiB)."
         ),
         num_documents: int = typer.Option(_DEFAULTS.num_documents, "--num-documents", help="Documents stored."),
         document_tokens: int = typer.Option(_DEFAULTS.document_tokens, "--document-tokens", help="Tokens each."),

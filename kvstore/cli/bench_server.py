@@ -48,9 +48,10 @@ def bench_server_command(
         seed=seed,
     )
     rows: list[ServerBenchRow] = []
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-server-") as directory, Console(
-        stderr=True
-    ).status("kvstore bench server") as status:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvstore-bench-server-") as directory,
+        Console(stderr=True).status("kvstore bench server") as status,
+    ):
         for row in run_server_benchmark(options, Path(directory), lambda message: status.update(message)):
             rows.append(row)
             if as_json:

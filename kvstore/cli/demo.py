@@ -31,22 +31,18 @@ _DOCUMENT_TOKENS = 1000
 
 
 def demo_command(
-    path: Path = typer.Option(DEFAULT_DATA_DIR, "--path", help="Data dir to use (created if missing)."),
+    path: Path = typer.Option(DEFAULT_DATA_DIR, "--data-dir", help="Data dir to use (created if missing)."),
 ) -> None:
     """Store KV, restart, look up, retrieve and inspect, on an embedded data dir.
 
-    Example: kvstore demo --path ./kvstore-data
+    Example: kvstore demo --data-dir ./kvstore-data
     """
     console = Console(soft_wrap=True)
     layout = preset_layout("smollm2-135m")
-    tiers = (
-        (TierName.GPU, TierName.CPU, TierName.DISK)
-        if torch.cuda.is_available()
-        else (TierName.CPU, TierName.DISK)
-    )
+    tiers = (TierName.GPU, TierName.CPU, TierName.DISK) if torch.cuda.is_available() else (TierName.CPU, TierName.DISK)
     config = StoreConfig(
         tiers=tiers,
-        disk_path=path,
+        data_dir=path,
         gpu_capacity_bytes=GIB // 4,
         cpu_capacity_bytes=GIB // 4,
         disk_capacity_bytes=2 * GIB,
@@ -55,9 +51,7 @@ def demo_command(
     rng = np.random.default_rng(2026)
     documents = [rng.integers(0, 49_152, size=_DOCUMENT_TOKENS) for _ in range(_NUM_DOCUMENTS)]
     kvs = [
-        torch.randn(layout.chunk_shape(_DOCUMENT_TOKENS), generator=torch.Generator().manual_seed(i)).to(
-            torch.bfloat16
-        )
+        torch.randn(layout.chunk_shape(_DOCUMENT_TOKENS), generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         for i in range(_NUM_DOCUMENTS)
     ]
     console.print(f"[bold]kvstore demo[/bold]: data dir {path}, tiers {','.join(t.value for t in tiers)}")
@@ -108,7 +102,7 @@ def demo_command(
                 f"{len(blended)} blend segments cover {sum(s.num_tokens for s in blended)} tokens at new positions; "
                 f"{sum(gap.num_tokens for gap in plan.gaps)} tokens to compute"
             )
-    console.print("6. kvstore inspect --path", path)
+    console.print("6. kvstore inspect --data-dir", path)
     render_summary(console, summarize_data_dir(path))
     if not identical:
         raise typer.Exit(1)

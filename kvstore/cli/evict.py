@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
+from kvstore.cli.eviction_report import echo_eviction, eviction_report
 from kvstore.cli.online import evict_on_server
 from kvstore.config import DEFAULT_DATA_DIR, parse_size
 from kvstore.data_dir.server_record import live_server_record
@@ -25,7 +25,7 @@ _EVERYTHING_BYTES = 2**62
 
 
 def evict_command(
-    path: Path = typer.Option(DEFAULT_DATA_DIR, "--path", help="The data dir (holds data.mdb)."),
+    path: Path = typer.Option(DEFAULT_DATA_DIR, "--data-dir", help="The data dir (holds data.mdb)."),
     keys: list[str] = typer.Option([], "--key", help="A chunk key to drop (32 hex digits); repeat for more."),
     num_bytes: str | None = typer.Option(None, "--bytes", help="Free this much, least recently used first (2GiB)."),
     everything: bool = typer.Option(False, "--all", help="Drop every chunk (asks first unless --yes)."),
@@ -38,16 +38,16 @@ def evict_command(
 ) -> None:
     """Drop chunks by key, by bytes to free, or all of them.
 
-    Offline (--path), the data dir must not be held by a running store or server (it is refused with the holder's
+    Offline (--data-dir), the data dir must not be held by a running store or server (it is refused with the holder's
     pid; a server's data dir is refused with its --url). With --url the server evicts (pinned chunks stay).
 
     Examples:
 
-        kvstore evict --path ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
+        kvstore evict --data-dir ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
 
-        kvstore evict --path ./kvstore-data --bytes 2GiB
+        kvstore evict --data-dir ./kvstore-data --bytes 2GiB
 
-        kvstore evict --path ./kvstore-data --all --yes
+        kvstore evict --data-dir ./kvstore-data --all --yes
 
         kvstore evict --url tcp://127.0.0.1:5555 --bytes 2GiB --tier cpu
     """
@@ -70,7 +70,7 @@ def evict_command(
             f"kvstore evict --url {holder.url} ..."
         )
     if not (path / "data.mdb").is_file():
-        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --disk-path a store used")
+        raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --data-dir a store used")
     if everything and not yes:
         if not sys.stdin.isatty():
             raise ConfigError("--all asks for confirmation and there is no terminal to ask on; add --yes")
@@ -90,20 +90,8 @@ def evict_command(
         after = tier.stats()
     finally:
         tier.close()
-    report = {
-        "path": str(path),
-        "evicted_chunks": before.num_chunks - after.num_chunks,
-        "freed_stored_bytes": before.stored_bytes - after.stored_bytes,
-        "remaining_chunks": after.num_chunks,
-        "not_found_or_pinned": missing,
-    }
-    if as_json:
-        typer.echo(json.dumps(report))
-    else:
-        typer.echo(
-            f"evicted {report['evicted_chunks']} chunks, freed {before.stored_bytes - after.stored_bytes:,} bytes; "
-            f"{after.num_chunks} chunks remain" + (f"; not found: {', '.join(missing)}" if missing else "")
-        )
+    report = eviction_report(data_dir=path, url=None, before=[before], after=[after], not_found=missing)
+    echo_eviction(report, as_json)
     if missing:
         raise typer.Exit(1)
 

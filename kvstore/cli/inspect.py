@@ -25,7 +25,7 @@ __all__ = ["inspect_command", "render_summary"]
 
 
 def inspect_command(
-    path: Path = typer.Option(DEFAULT_DATA_DIR, "--path", help="The data dir (holds data.mdb)."),
+    path: Path = typer.Option(DEFAULT_DATA_DIR, "--data-dir", help="The data dir (holds data.mdb)."),
     key: str | None = typer.Option(None, "--key", help="Show one chunk by its 32-hex-digit key."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     check: bool = typer.Option(False, "--check", help="Decode every frame and report defects; exit 1 on any."),
@@ -41,13 +41,13 @@ def inspect_command(
 
     Examples:
 
-        kvstore inspect --path ./kvstore-data
+        kvstore inspect --data-dir ./kvstore-data
 
-        kvstore inspect --path ./kvstore-data --json
+        kvstore inspect --data-dir ./kvstore-data --json
 
-        kvstore inspect --path ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
+        kvstore inspect --data-dir ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
 
-        kvstore inspect --path ./kvstore-data --check
+        kvstore inspect --data-dir ./kvstore-data --check
 
         kvstore inspect --url tcp://127.0.0.1:5555 --top 20 --json
     """

@@ -51,9 +51,7 @@ def _configure(
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
         raise typer.BadParameter(f"--log-level {log_level!r}: use debug, info, warning or error")
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
 app.command("inspect")(inspect_command)
@@ -67,9 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: run the app and turn every failure into one line and an exit code."""
     command = typer.main.get_command(app)
     try:
-        result = command.main(
-            args=list(argv) if argv is not None else None, prog_name="kvstore", standalone_mode=False
-        )
+        result = command.main(args=list(argv) if argv is not None else None, prog_name="kvstore", standalone_mode=False)
     except ClickException as exc:
         _fail(f"kvstore: error: {exc.format_message()}", 2)
     except KVStoreError as exc:

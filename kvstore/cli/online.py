@@ -3,7 +3,7 @@
 They connect as an admin client (no layout), so they work on any server, whatever model it serves. ``inspect``
 shows the server's tiers (capacity, used, chunks, pinned, hit rate, evictions), its layout and features, the
 clients and their open plans, the content index, the most-hit chunks and the most-hit documents (``--top``; counted
-by the server from the plans it hands out, ``kvstore.server.document_hits``); ``--key`` shows one chunk.
+by the server from the plans it hands out, ``kvstore.server.usage.documents``); ``--key`` shows one chunk.
 ``evict`` drops chunks by key, frees bytes of one tier or every tier, or empties them (pinned chunks stay).
 """
 
@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvstore.cli.eviction_report import echo_eviction, eviction_report
 from kvstore.cli.top_documents import TopDocuments, render_top_documents
 from kvstore.client import Client
 from kvstore.errors import ConfigError, ProtocolError
@@ -57,7 +58,7 @@ def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, ob
         "layout_namespace": layout.namespace.hex() if layout is not None else None,
         "chunk_size": info.chunk_size,
         "features": asdict(info.features),
-        "disk_path": info.disk_path,
+        "data_dir": info.data_dir,
         "num_requests": info.num_requests,
         "tiers": tiers,
         "num_open_plans": stats.num_open_plans,
@@ -119,7 +120,7 @@ def _render(console: Console, report: dict[str, object]) -> None:
         ("layout", str(report["layout"] or "none registered yet")),
         ("chunk size", f"{report['chunk_size']} tokens"),
         ("features", ", ".join(name for name, on in features.items() if on) or "-"),
-        ("data dir", str(report["disk_path"] or "- (memory only)")),
+        ("data dir", str(report["data_dir"] or "- (memory only)")),
         ("requests", f"{report['num_requests']:,}"),
         ("open plans / sessions", f"{report['num_open_plans']} / {report['num_sessions']}"),
     ]
@@ -171,12 +172,13 @@ def evict_on_server(
             raise ConfigError("--all asks for confirmation and there is no terminal to ask on; add --yes")
         typer.confirm(f"drop every unpinned chunk of the server at {url}?", abort=True)
     with _connect(url) as client:
-        report: dict[str, object] = {"url": url}
+        before = client.stats().tiers
         missing: list[str] = []
+        still_cached: list[str] = []
         if keys:
             missing = [key.hex() for key in keys if not client.chunk(key).tiers]
-            report["evicted_chunk_copies"] = client.evict(keys)
-            report["still_cached"] = [key.hex() for key in keys if client.chunk(key).tiers]
+            client.evict(keys)
+            still_cached = [key.hex() for key in keys if client.chunk(key).tiers]
         else:
             server_tiers = [t.tier for t in client.server.tiers]
             chosen = [tier] if tier is not None else server_tiers
@@ -184,19 +186,12 @@ def evict_on_server(
                 names = ",".join(t.value for t in server_tiers)
                 raise ConfigError(f"--tier {tier.value}: the server's tiers are {names}")
             to_free = num_bytes if num_bytes is not None else _EVERYTHING_BYTES
-            report["freed_bytes"] = {t.value: client.evict_bytes(to_free, t) for t in chosen}
-        report["not_found"] = missing
-    if as_json:
-        typer.echo(json.dumps(report))
-    elif keys:
-        typer.echo(
-            f"evicted {report['evicted_chunk_copies']} chunk copies"
-            + (f"; not found: {', '.join(missing)}" if missing else "")
-            + (f"; still cached (pinned): {', '.join(report['still_cached'])}" if report["still_cached"] else "")  # type: ignore[arg-type]
-        )
-    else:
-        freed = report["freed_bytes"]
-        assert isinstance(freed, dict), "freed_bytes is built as a dict"
-        typer.echo("freed " + ", ".join(f"{_mib(value)} of {name}" for name, value in freed.items()))
+            for chosen_tier in chosen:
+                client.evict_bytes(to_free, chosen_tier)
+        after = client.stats().tiers
+    report = eviction_report(
+        data_dir=None, url=url, before=before, after=after, not_found=missing, still_cached=still_cached
+    )
+    echo_eviction(report, as_json)
     if missing:
         raise typer.Exit(1)

@@ -15,7 +15,7 @@ from kvstore.errors import ConfigError
 from kvstore.pids import pid_alive
 from kvstore.server.app import ServerAddress, run_server
 from kvstore.server.host_facts import probe_host
-from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
+from kvstore.server.settings import ServeFlags, ServerSettings, flag_name, resolve_settings
 from kvstore.tiers.base import TierName
 
 __all__ = ["serve_command"]
@@ -32,11 +32,15 @@ def serve_command(
     chunk_size: int | None = typer.Option(
         None, "--chunk-size", help="Tokens per chunk (default: the data dir's, else 256)."
     ),
-    gpu_size_gb: float | None = typer.Option(None, "--gpu-size-gb", help="gpu tier GiB (default: 4, <= 1/4 free)."),
-    cpu_size_gb: float | None = typer.Option(None, "--cpu-size-gb", help="cpu tier GiB (default: 4, <= 1/4 RAM)."),
-    disk_path: Path | None = typer.Option(None, "--disk-path", help="The data dir (default: ./kvstore-data)."),
-    disk_size_gb: float | None = typer.Option(
-        None, "--disk-size-gb", help="disk tier cap, GiB of stored bytes (default: 64, <= 1/2 free disk)."
+    gpu_size: str | None = typer.Option(
+        None, "--gpu-size", help="gpu tier size, e.g. 16GiB (default: 4GiB, <= 1/4 free)."
+    ),
+    cpu_size: str | None = typer.Option(
+        None, "--cpu-size", help="cpu tier size, e.g. 64GiB (default: 4GiB, <= 1/4 RAM)."
+    ),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help="The data dir (default: ./kvstore-data)."),
+    disk_size: str | None = typer.Option(
+        None, "--disk-size", help="disk tier cap in stored bytes, e.g. 500GiB (default: 64GiB, <= 1/2 free disk)."
     ),
     enable_blend: bool | None = typer.Option(
         None, "--enable-blend/--disable-blend", help="Find cached chunks anywhere in a prompt (content index)."
@@ -62,7 +66,9 @@ def serve_command(
     plan_ttl_s: float | None = typer.Option(
         None, "--plan-ttl-s", help="Release plans not retrieved within this many seconds (default: 600)."
     ),
-    config: Path | None = typer.Option(None, "--config", help="TOML file; keys mirror the flags (cpu_size_gb = 8)."),
+    config: Path | None = typer.Option(
+        None, "--config", help='TOML file; keys are the flags\' names (cpu_size = "8GiB"). Flags > KVSTORE_* > file.'
+    ),
     exit_with_pid: int | None = typer.Option(
         None,
         "--exit-with-pid",
@@ -72,25 +78,27 @@ def serve_command(
     """Serve a tiered KV store to engines on this host (shared memory) or the network (inline bytes).
 
     Runs in the foreground; Ctrl-C or SIGTERM finishes requests in flight, flushes pending disk writes and exits 0.
-    One server serves one model layout; its data dir keeps the cache across restarts.
+    One server serves one model layout; its data dir keeps the cache across restarts. Every flag is also a config
+    file key (--cpu-size: cpu_size) and an environment variable (KVSTORE_CPU_SIZE); a flag wins over the
+    environment, which wins over the file.
 
     Examples:
 
         kvstore serve
 
-        kvstore serve --tiers gpu,cpu,disk --gpu-size-gb 16 --cpu-size-gb 64 --disk-size-gb 500 --enable-blend
+        kvstore serve --tiers gpu,cpu,disk --gpu-size 16GiB --cpu-size 64GiB --disk-size 500GiB --enable-blend
 
-        kvstore serve --layout llama3.1-8b --port 5555 --metrics-port 5556 --disk-path /nvme/kvstore
+        kvstore serve --layout llama3.1-8b --port 5555 --metrics-port 5556 --data-dir /nvme/kvstore
 
         kvstore serve --config kvstore.toml --port 6000
     """
     flags = ServeFlags(
         tiers=tiers,
         chunk_size=chunk_size,
-        gpu_size_gb=gpu_size_gb,
-        cpu_size_gb=cpu_size_gb,
-        disk_path=disk_path,
-        disk_size_gb=disk_size_gb,
+        gpu_size=gpu_size,
+        cpu_size=cpu_size,
+        data_dir=data_dir,
+        disk_size=disk_size,
         enable_blend=enable_blend,
         enable_segmented_prefix=enable_segmented_prefix,
         enable_dedup_content=enable_dedup_content,
@@ -114,7 +122,7 @@ def serve_command(
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def announce(address: ServerAddress) -> None:
-        for line in startup_lines(settings, flags, address):
+        for line in startup_lines(settings, address):
             typer.echo(f"kvstore serve: {line}")
         typer.echo("kvstore serve: Ctrl-C to stop", err=True)
 
@@ -126,7 +134,7 @@ def serve_command(
     typer.echo("kvstore serve: stopped (pending disk writes flushed)")
 
 
-def startup_lines(settings: ServerSettings, flags: ServeFlags, address: ServerAddress) -> list[str]:
+def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]:
     """What an operator needs to see at start: where it listens, the layout, and what each tier takes -- the
     defaults included, since they silently claim RAM and disk."""
     store = settings.store
@@ -136,9 +144,9 @@ def startup_lines(settings: ServerSettings, flags: ServeFlags, address: ServerAd
         f"layout {layout_text}; chunks of {store.chunk_size} tokens",
     ]
     defaults = {
-        TierName.GPU: ("of GPU memory", flags.gpu_size_gb, "--gpu-size-gb", "4 GiB, at most 1/4 of free GPU memory"),
-        TierName.CPU: ("of RAM", flags.cpu_size_gb, "--cpu-size-gb", "4 GiB, at most a quarter of available RAM"),
-        TierName.DISK: ("of stored bytes", flags.disk_size_gb, "--disk-size-gb", "64 GiB, at most half the free disk"),
+        TierName.GPU: ("of GPU memory", "gpu_size", "4GiB, at most 1/4 of free GPU memory"),
+        TierName.CPU: ("of RAM", "cpu_size", "4GiB, at most a quarter of available RAM"),
+        TierName.DISK: ("of stored bytes", "disk_size", "64GiB, at most half the free disk"),
     }
     capacities = {
         TierName.GPU: store.gpu_capacity_bytes,
@@ -146,11 +154,12 @@ def startup_lines(settings: ServerSettings, flags: ServeFlags, address: ServerAd
         TierName.DISK: store.disk_capacity_bytes,
     }
     for tier in store.tiers:
-        where, given, flag, default = defaults[tier]
-        origin = f"set by {flag}" if given is not None else f"the default: {default}; {flag} to change"
+        where, setting, default = defaults[tier]
+        given_by = settings.given_by.get(setting)
+        origin = f"set by {given_by}" if given_by else f"the default: {default}; {flag_name(setting)} to change"
         lines.append(f"{tier.value} tier: {capacities[tier] / GIB:.2f} GiB {where} ({origin})")
     if TierName.DISK in store.tiers:
-        data_dir = store.disk_path.absolute()
+        data_dir = store.data_dir.absolute()
         recovered = (
             f"{address.disk_chunks:,} chunks recovered from disk"
             if address.disk_chunks is not None

@@ -90,13 +90,13 @@ class EmbeddedServer:
 
 
 def ensure_embedded_server(settings: EmbeddedServerSettings, *, start_timeout_s: float = 120.0) -> EmbeddedServer:
-    """The server holding ``settings.disk_path``: the running one, else a new child of this process.
+    """The server holding ``settings.data_dir``: the running one, else a new child of this process.
 
     Raises:
         ConfigError: the data dir cannot be created, or the server refused its settings (its one-line reason).
         ServerUnavailableError: it did not start within ``start_timeout_s``.
     """
-    data_dir = Path(settings.disk_path)
+    data_dir = Path(settings.data_dir)
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -118,7 +118,7 @@ def _wait_until_released(data_dir: Path, deadline: float) -> None:
     if holder is not None:
         raise ConfigError(
             f"the kvstore data dir {data_dir} is held by process {holder}, which serves no clients; "
-            "stop it or set kvstore.disk_path to another dir"
+            "stop it or set kvstore.data_dir to another dir"
         )
 
 

@@ -3,11 +3,12 @@
 vLLM users write them into ``kv_connector_extra_config``::
 
     {"kvstore.url": "tcp://127.0.0.1:5555"}                       # a running, shared ``kvstore serve``
-    {"kvstore.disk_path": "/nvme/kv", "kvstore.cpu_size_gb": 8}   # the embedded default: a private server
+    {"kvstore.data_dir": "/nvme/kv", "kvstore.cpu_size": "8GiB"}  # the embedded default: a private server
 
 Every key starts with ``kvstore.``; an unknown key, a wrong type or a value out of range fails at start with one
 line naming the key (a typo must not silently fall back to a default). Keys that configure the embedded server are
-refused next to ``kvstore.url``: a shared server is configured where it runs.
+refused next to ``kvstore.url``: a shared server is configured where it runs. They are ``kvstore serve``'s settings
+under the same names (``kvstore.cpu_size`` is ``--cpu-size``), sizes as strings such as ``8GiB``.
 
 Pure values; no engine imports.
 """
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from kvstore.config import DEFAULT_DATA_DIR
+from kvstore.config import DEFAULT_DATA_DIR, parse_size
 from kvstore.errors import ConfigError
 
 __all__ = ["ConnectorSettings", "EmbeddedServerSettings", "parse_connector_settings"]
@@ -32,37 +33,30 @@ class EmbeddedServerSettings:
     """The private ``kvstore serve`` a connector starts when no ``kvstore.url`` is given.
 
     Args:
-        disk_path: its data dir (the cache survives engine restarts there).
+        data_dir: its data dir (the cache survives engine restarts there).
         tiers: ``kvstore serve --tiers`` (``None``: the server's default for the host).
-        cpu_size_gb: cpu tier GiB (``None``: the server's default).
-        gpu_size_gb: gpu tier GiB (``None``: the server's default).
-        disk_size_gb: disk tier cap in GiB (``None``: the server's default).
+        cpu_size: cpu tier size, e.g. ``8GiB`` (``None``: the server's default).
+        gpu_size: gpu tier size (``None``: the server's default).
+        disk_size: disk tier cap in stored bytes, e.g. ``500GiB`` (``None``: the server's default).
         chunk_size: tokens per chunk (``None``: the data dir's, else 256).
         config: a ``kvstore serve --config`` TOML file for everything else.
     """
 
-    disk_path: Path = DEFAULT_DATA_DIR
+    data_dir: Path = DEFAULT_DATA_DIR
     tiers: str | None = None
-    cpu_size_gb: float | None = None
-    gpu_size_gb: float | None = None
-    disk_size_gb: float | None = None
+    cpu_size: str | None = None
+    gpu_size: str | None = None
+    disk_size: str | None = None
     chunk_size: int | None = None
     config: Path | None = None
 
     def serve_flags(self) -> list[str]:
         """``kvstore serve`` flags for these settings (the data dir included)."""
-        flags = ["--disk-path", str(self.disk_path)]
-        for name, flag in (
-            ("tiers", "--tiers"),
-            ("cpu_size_gb", "--cpu-size-gb"),
-            ("gpu_size_gb", "--gpu-size-gb"),
-            ("disk_size_gb", "--disk-size-gb"),
-            ("chunk_size", "--chunk-size"),
-            ("config", "--config"),
-        ):
+        flags = ["--data-dir", str(self.data_dir)]
+        for name in ("tiers", "cpu_size", "gpu_size", "disk_size", "chunk_size", "config"):
             value = getattr(self, name)
             if value is not None:
-                flags += [flag, str(value)]
+                flags += ["--" + name.replace("_", "-"), str(value)]
         return flags
 
 
@@ -94,7 +88,7 @@ class ConnectorSettings:
 _EMBEDDED_KEYS = {field.name: field.type for field in fields(EmbeddedServerSettings)}
 _TOP_KEYS = {field.name: field.type for field in fields(ConnectorSettings) if field.name != "embedded"}
 _TIMEOUTS = ("lookup_timeout_s", "transfer_timeout_s", "retry_s")
-_SIZES = ("cpu_size_gb", "gpu_size_gb", "disk_size_gb")
+_SIZES = ("cpu_size", "gpu_size", "disk_size")
 
 
 def parse_connector_settings(extra_config: Mapping[str, object] | None) -> ConnectorSettings:
@@ -129,7 +123,7 @@ def _checked(key: str, name: str, value: object) -> object:
         if name == "url" and not value.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"{key}={value!r} must look like tcp://127.0.0.1:5555")
         return value
-    if name in ("disk_path", "config"):
+    if name in ("data_dir", "config"):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key} must be a path string, not {value!r}")
         return Path(value)
@@ -141,7 +135,15 @@ def _checked(key: str, name: str, value: object) -> object:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{key} must be a positive integer, not {value!r}")
         return value
-    assert name in _TIMEOUTS or name in _SIZES, f"setting {name} has no check"
+    if name in _SIZES:
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise ConfigError(f'{key} must be a size such as "8GiB", not {value!r}')
+        try:
+            parse_size(str(value))
+        except ConfigError:
+            raise ConfigError(f'{key}={value!r} is not a size; write e.g. "8GiB", "512MiB" or "2GB"') from None
+        return str(value)
+    assert name in _TIMEOUTS, f"setting {name} has no check"
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ConfigError(f"{key} must be a positive, finite number, not {value!r}")
     return float(value)

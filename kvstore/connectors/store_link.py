@@ -148,7 +148,7 @@ class StoreLink:
 
     def _running_server_locked(self) -> EmbeddedServer | None:
         """The server another process runs on the data dir (one file read), kept as the link's server."""
-        record = live_server_record(self._settings.embedded.disk_path)
+        record = live_server_record(self._settings.embedded.data_dir)
         if record is None:
             return None
         self._server = EmbeddedServer(url=record.url, pid=record.pid, process=None)

@@ -45,7 +45,7 @@ def take_owner_lock(path: Path) -> int:
         who = f"process {holder}" if holder != "unknown" else f"another process (its note {OWNER_NOTE_FILE} is gone)"
         raise StorageError(
             f"data dir {path} is held by {who}; stop it, open the dir read-only (kvstore inspect), or use another "
-            "--disk-path"
+            "--data-dir"
         ) from None
     try:
         note = os.open(path / OWNER_NOTE_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)

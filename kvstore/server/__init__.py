@@ -5,8 +5,8 @@
 - ``settings``, ``host_facts``, ``store_host``: flags and config file, checks before start-up, the one store and
   its layout (``serve.json``, where a running server is found, is ``kvstore.data_dir.server_record``);
 - ``metrics``: Prometheus ``/metrics`` and ``/healthz``;
-- ``hits``, ``document_hits``, ``document_hits_file``: lookup hits per chunk, hits per stored document (kept in the
-  data dir across restarts).
+- ``usage``: what lookups used, per chunk, per stored document (kept in the data dir across restarts) and per plan
+  (``UsageLedger``, the one vocabulary of hits).
 
 The wire format both ends speak is ``kvstore.wire``; the client end is ``kvstore.Client`` (``kvstore/client.py``).
 """

@@ -83,7 +83,7 @@ def _serve(
         return store.stats() if store is not None else None
 
     metrics = ServerMetrics(store_stats, lambda: clients.num_clients)
-    disk_path = config.disk_path if TierName.DISK in config.tiers else None
+    data_dir = config.data_dir if TierName.DISK in config.tiers else None
     identity = ServerIdentity(
         version=server_version(),
         host_id=host_id(),
@@ -91,7 +91,7 @@ def _serve(
         started_s=started_s,
         limits=settings.loop.limits,
         shm=shm_available(),
-        disk_path=str(disk_path) if disk_path is not None else None,
+        data_dir=str(data_dir) if data_dir is not None else None,
     )
     serving = threading.Event()
     handler = RequestHandler(host, clients, identity, metrics, is_serving=serving.is_set)
@@ -109,8 +109,8 @@ def _serve(
     )
     try:
         metrics_server.start()
-        if disk_path is not None:
-            write_server_record(disk_path, ServerRecord(pid=os.getpid(), url=server.url, metrics_url=metrics_url))
+        if data_dir is not None:
+            write_server_record(data_dir, ServerRecord(pid=os.getpid(), url=server.url, metrics_url=metrics_url))
         serving.set()
         logger.info("serving on %s (metrics %s)", server.url, metrics_url)
         on_ready(address)
@@ -125,8 +125,8 @@ def _serve(
             handler.save_document_hits()
         except KVStoreError as exc:  # shutdown must complete; the counts of the last minute are what is lost
             logger.error("document hit counts not saved at shutdown: %s", exc)
-        if disk_path is not None:
-            remove_server_record(disk_path)
+        if data_dir is not None:
+            remove_server_record(data_dir)
 
 
 @contextlib.contextmanager

@@ -12,12 +12,12 @@ into that tensor on retrieve).
 Metrics (``metrics``) are fed here too, globally and per engine: a client with a layout counts under its hello
 name (``ServerMetrics.add_client`` at hello, ``forget_client`` at its departure, whichever way it departs).
 
-Document hits (``document_hits``) are fed here: each store names a document, each lookup plan counts a hit for the
-documents it used. With a data dir they are loaded at start, saved by the janitor every ``documents_save_interval_s``
-while they change, and saved at shutdown (``save_document_hits``; ``document_hits_file.DocumentHitsSaver``).
+Usage (``kvstore.server.usage.UsageLedger``) is fed here: each store names a document, each lookup plan counts its
+hits per chunk and per document. With a data dir document counts are loaded at start, saved by the janitor every
+``documents_save_interval_s`` while they change, and saved at shutdown (``save_document_hits``).
 
-Threads: any number of workers call ``handle`` concurrently; all state lives in the store, the client registry, the
-hit counters and the saver, each with its own lock. ``janitor_pass`` runs on the janitor thread.
+Threads: any number of workers call ``handle`` concurrently; all state lives in the store, the client registry and
+the usage ledger, each with its own locks. ``janitor_pass`` runs on the janitor thread.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,11 +36,10 @@ from kvstore.keys import PrefixKey, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, StoreResult
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
-from kvstore.server.document_hits import DocumentHits, count_by_tier, top_document
-from kvstore.server.document_hits_file import DocumentHitsSaver
-from kvstore.server.hits import HitCounter, PlanCoverage
 from kvstore.server.metrics import BulkTransfer, ServerMetrics
 from kvstore.server.store_host import StoreHost
+from kvstore.server.usage.documents import DocumentHits
+from kvstore.server.usage.ledger import UsageLedger
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
 from kvstore.wire.cuda_ipc import import_cuda_tensor
@@ -102,7 +102,7 @@ class ServerIdentity:
     started_s: float
     limits: Limits
     shm: bool
-    disk_path: str | None
+    data_dir: str | None
 
 
 class RequestHandler:
@@ -134,13 +134,9 @@ class RequestHandler:
         self._identity = identity
         self._metrics = metrics
         self._is_serving = is_serving
-        self._hits = HitCounter()
         self._num_requests = 0  # approximate under concurrency; only reported
-        self._documents = documents if documents is not None else DocumentHits()
-        self._documents_saver = None
-        if identity.disk_path is not None:
-            self._documents_saver = DocumentHitsSaver(self._documents, identity.disk_path, documents_save_interval_s)
-            self._documents_saver.load()
+        data_dir = Path(identity.data_dir) if identity.data_dir is not None else None
+        self._usage = UsageLedger(data_dir, documents=documents, save_interval_s=documents_save_interval_s)
 
     # -- entry point -------------------------------------------------------------------------------------------
 
@@ -200,7 +196,7 @@ class RequestHandler:
         if op is Op.CHUNK:
             key = ChunkArgs.parse(args, limits).key
             tiers = tuple(self._host.require().contains(key))
-            return self._ok(request, ChunkInfo(key=key.hex(), tiers=tiers, hits=self._hits.hits(key)).to_wire())
+            return self._ok(request, ChunkInfo(key=key.hex(), tiers=tiers, hits=self._usage.chunk_hits(key)).to_wire())
         if op is Op.ATTACH:
             attach = AttachArgs.parse(args, limits)
             segment = open_segment(attach.name, attach.nbytes, attach.fd, self._clients.client_pid(client_id))
@@ -273,7 +269,7 @@ class RequestHandler:
         if args.durable:
             store.flush()
         # A document is what this call added: the chunks from start (the caller knows the head is held).
-        self._documents.add_stored(keys[args.start // chunk_size :], args.tokens[args.start :], chunk_size)
+        self._usage.stored(keys[args.start // chunk_size :], args.tokens[args.start :], chunk_size)
         num_new_tokens = _new_chunk_tokens(
             result, num_tokens, chunk_size, lambda: held_before is False and bool(store.contains(keys[-1]))
         )
@@ -295,9 +291,7 @@ class RequestHandler:
         if not self._clients.add_plan(client_id, plan, args.session_id):
             store.release(plan)
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
-        self._hits.add([segment.key for segment in plan.segments])
-        coverage = PlanCoverage.of(plan, store.config.chunk_size)
-        self._documents.add_plan(plan, args.tokens)
+        coverage = self._usage.planned(plan, args.tokens, store.config.chunk_size)
         self._metrics.observe_lookup(coverage, time.perf_counter() - started_s, self._metrics.engine_of(client_id))
         return encode_plan(plan, args.session_id)
 
@@ -414,16 +408,7 @@ class RequestHandler:
     def _top_documents(self, num_documents: int) -> DocumentsReport:
         """The most-hit documents, each with the tiers holding its chunks now."""
         store = self._host.store
-        rows = []
-        for document in self._documents.top(num_documents):
-            chunk_tiers = [store.contains(key) for key in document.chunk_keys] if store is not None else []
-            rows.append(top_document(document, count_by_tier(chunk_tiers)))
-        return DocumentsReport(
-            documents=tuple(rows),
-            num_tracked=self._documents.num_documents,
-            num_dropped=self._documents.num_dropped,
-            max_documents=self._documents.max_documents,
-        )
+        return self._usage.top_documents(num_documents, store.contains if store is not None else lambda key: [])
 
     def _features(self) -> ServerFeatures:
         config = self._host.config
@@ -452,10 +437,12 @@ class RequestHandler:
             chunk_size=self._host.config.chunk_size,
             tiers=self._host.tier_capacities(),
             features=self._features(),
-            disk_path=self._identity.disk_path,
+            data_dir=self._identity.data_dir,
             num_requests=self._num_requests,
             clients=self._clients.summaries(),
-            top_chunks=tuple(ChunkHits(key=key.hex(), hits=count) for key, count in self._hits.top(_NUM_TOP_CHUNKS)),
+            top_chunks=tuple(
+                ChunkHits(key=key.hex(), hits=count) for key, count in self._usage.top_chunks(_NUM_TOP_CHUNKS)
+            ),
         )
 
     # -- giving back what departed clients held -----------------------------------------------------------------
@@ -491,8 +478,7 @@ class RequestHandler:
             )
             for open_plan in expired:
                 store.release(open_plan.plan)
-        if self._documents_saver is not None:  # last: a failed save (full disk) must not skip the rest of the pass
-            self._documents_saver.save_if_due()
+        self._usage.save_if_due()  # last: a failed save (full disk) must not skip the rest of the pass
 
     def save_document_hits(self) -> None:
         """Save changed document hit counts into the data dir now (at shutdown); no-op without a data dir.
@@ -500,8 +486,7 @@ class RequestHandler:
         Raises:
             StorageError: the file cannot be written.
         """
-        if self._documents_saver is not None:
-            self._documents_saver.save()
+        self._usage.save()
 
 
 def _partial_chunk_held(store: TieredStore, keys: Sequence[PrefixKey], num_tokens: int, chunk_size: int) -> bool | None:

@@ -36,7 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError
-from kvstore.server.hits import PlanCoverage
+from kvstore.server.usage.plan_coverage import PlanCoverage
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import TierName
 from kvstore.wire.values import ServerHealth
@@ -143,7 +143,7 @@ class BulkTransfer:
 
 
 class EngineMetrics:
-    """The per-engine series of one ``engine`` label value, resolved once (``labels()`` costs ~1.3 us a call).
+    """The per-engine series of one ``engine`` label value, resolved once (``labels()`` locks and hashes on every call).
 
     Made by ``ServerMetrics.add_client``; the request workers update it through ``ServerMetrics.observe_*``.
     """
@@ -226,7 +226,7 @@ class ServerMetrics:
         )  # fmt: skip
         self._add_engine_families()
         registry.register(_StoreCollector(_StatsSources(store_stats=store_stats, num_clients=num_clients)))
-        # Labelled children resolved once: ``labels()`` costs ~1.3 us a call, up to seven of them a lookup (issue 5).
+        # Labelled children resolved once: ``labels()`` locks and hashes on every call, up to seven of them a lookup.
         self._exact_tokens = self.lookup_tokens.labels("exact")
         self._blend_tokens = self.lookup_tokens.labels("blend")
         self._gap_tokens = self.lookup_tokens.labels("gap")

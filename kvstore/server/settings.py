@@ -1,20 +1,23 @@
-"""``kvstore serve``'s settings: flags over a TOML config file over defaults, checked before anything starts.
+"""``kvstore serve``'s settings: flags over ``KVSTORE_*`` environment variables over a TOML config file over
+defaults, checked before anything starts.
 
-Precedence: a flag given on the command line, else the key of the same name in ``--config FILE`` (keys mirror the
-flags with ``_`` for ``-``: ``cpu_size_gb = 8``), else the default. Sizes are GiB (2^30 bytes; fractions allowed).
+One vocabulary: each field of ``ServeFlags`` is one setting, spelled ``--cpu-size`` as a flag, ``cpu_size`` in the
+config file and ``KVSTORE_CPU_SIZE`` in the environment (all three derived from the field, never kept by hand).
+Sizes are strings everywhere (``4GiB``, ``512MiB``, ``2GB``; a config file may also give a byte count); booleans in
+the environment are ``1/true/yes/on`` or ``0/false/no/off``. Precedence: flag > environment > config file > default.
 
 Checked before start-up, each failure one line (``ConfigError`` / ``LayoutMismatchError``):
 - tiers: a non-empty, fastest-first subset of gpu, cpu, disk; gpu only with CUDA;
 - the data dir: a ``--chunk-size`` or ``--layout`` that disagrees with what it recorded; held by another server;
 - sizes: a cpu tier larger than the available RAM, a gpu tier larger than the free device memory, a disk tier
   larger than the free disk (plus what the data dir already holds);
-- ports, workers, TTL in range; an unknown config key or a key of the wrong type.
+- ports, workers, TTL in range; an unknown config key, or a value of the wrong type in the file or environment.
 
 Defaults serve out of the box: tiers gpu,cpu,disk with CUDA else cpu,disk; chunk size = the data dir's, else 256;
 cpu 4 GiB (at most a quarter of the available RAM), gpu 4 GiB (at most a quarter of the free device memory), disk
 64 GiB (at most half the free disk); ``./kvstore-data``; 127.0.0.1:5555, metrics on 5556.
 
-Pure functions over a ``HostFacts`` value (tests pass their own machine).
+Pure functions over a ``HostFacts`` value and an environment mapping (tests pass their own).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from dataclasses import dataclass
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig, parse_tiers
+from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig, parse_size, parse_tiers
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, LayoutMismatchError, StorageError
 from kvstore.layout import KVLayout
@@ -35,24 +40,40 @@ from kvstore.server.loop import LoopOptions
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk.environment import DiskEnvironment
 
-__all__ = ["ServeFlags", "ServerSettings", "load_config_file", "resolve_settings"]
+__all__ = [
+    "ENV_PREFIX",
+    "ServeFlags",
+    "ServerSettings",
+    "env_name",
+    "flag_name",
+    "load_config_file",
+    "read_environment",
+    "resolve_settings",
+]
 
+ENV_PREFIX = "KVSTORE_"
 _DEFAULT_CHUNK_SIZE = 256
 _DEFAULT_MEMORY_TIER_BYTES = 4 * GIB
 _DEFAULT_DISK_BYTES = 64 * GIB
 _MIB = 1024 * 1024
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServeFlags:
-    """``kvstore serve``'s options as given; ``None`` means "not given" (the config file or default decides)."""
+    """``kvstore serve``'s settings as given; ``None`` means "not given" (the next source or the default decides).
+
+    Each field is one setting under three spellings: ``flag_name``, the config-file key (the field's name) and
+    ``env_name``.
+    """
 
     tiers: str | None = None
     chunk_size: int | None = None
-    gpu_size_gb: float | None = None
-    cpu_size_gb: float | None = None
-    disk_path: Path | None = None
-    disk_size_gb: float | None = None
+    gpu_size: str | None = None
+    cpu_size: str | None = None
+    data_dir: Path | None = None
+    disk_size: str | None = None
     enable_blend: bool | None = None
     enable_segmented_prefix: bool | None = None
     enable_dedup_content: bool | None = None
@@ -64,44 +85,32 @@ class ServeFlags:
     plan_ttl_s: float | None = None
 
 
-_KEY_TYPES: dict[str, tuple[type, ...]] = {
-    "tiers": (str, list),
-    "chunk_size": (int,),
-    "gpu_size_gb": (int, float),
-    "cpu_size_gb": (int, float),
-    "disk_path": (str,),
-    "disk_size_gb": (int, float),
-    "enable_blend": (bool,),
-    "enable_segmented_prefix": (bool,),
-    "enable_dedup_content": (bool,),
-    "host": (str,),
-    "port": (int,),
-    "metrics_port": (int,),
-    "layout": (str,),
-    "workers": (int,),
-    "plan_ttl_s": (int, float),
-}
+def flag_name(setting: str) -> str:
+    """``cpu_size`` -> ``--cpu-size``."""
+    return "--" + setting.replace("_", "-")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerSettings:
-    """Everything a server starts with, checked.
+def env_name(setting: str) -> str:
+    """``cpu_size`` -> ``KVSTORE_CPU_SIZE``."""
+    return ENV_PREFIX + setting.upper()
 
-    Args:
-        store: the store's settings (bytes).
-        layout: the layout to open with at start-up; ``None``: the first client's.
-        loop: address, workers, plan TTL.
-        metrics_port: HTTP port of ``/metrics`` and ``/healthz`` (0: any free port).
-    """
 
-    store: StoreConfig
-    layout: KVLayout | None
-    loop: LoopOptions
-    metrics_port: int
+def _setting_types() -> dict[str, type]:
+    """Each setting's type without ``None`` (``str``, ``int``, ``float``, ``bool`` or ``Path``), from the fields."""
+    hints = typing.get_type_hints(ServeFlags)
+    types = {}
+    for setting in fields(ServeFlags):
+        (kind,) = (arg for arg in typing.get_args(hints[setting.name]) if arg is not type(None))
+        types[setting.name] = kind
+    return types
+
+
+_SETTING_TYPES = _setting_types()
+_SIZES = ("gpu_size", "cpu_size", "disk_size")
 
 
 def load_config_file(path: Path) -> ServeFlags:
-    """Read a TOML config file whose keys mirror the flags.
+    """Read a TOML config file whose keys are the settings' names (``cpu_size = "8GiB"``).
 
     Raises:
         ConfigError: unreadable, not TOML, an unknown key, or a value of the wrong type.
@@ -115,25 +124,95 @@ def load_config_file(path: Path) -> ServeFlags:
         raise ConfigError(f"--config {path} is not TOML: {exc}") from exc
     values: dict[str, object] = {}
     for key, value in raw.items():
-        if key not in _KEY_TYPES:
-            raise ConfigError(f"unknown key {key!r} in {path}; keys mirror the flags: {', '.join(sorted(_KEY_TYPES))}")
-        if type(value) not in _KEY_TYPES[key]:
-            expected = " or ".join(t.__name__ for t in _KEY_TYPES[key])
-            raise ConfigError(f"{path}: {key} = {value!r} must be a {expected}")
-        if key == "tiers" and isinstance(value, list):
-            if not all(isinstance(item, str) for item in value):
-                raise ConfigError(f'{path}: tiers must be a string or a list of strings, e.g. ["cpu", "disk"]')
-            value = ",".join(value)
-        values[key] = Path(value) if key == "disk_path" and isinstance(value, str) else value
+        if key not in _SETTING_TYPES:
+            raise ConfigError(f"unknown key {key!r} in {path}; the keys are: {', '.join(sorted(_SETTING_TYPES))}")
+        values[key] = _from_toml(f"{path}: {key}", key, value)
     return ServeFlags(**values)  # type: ignore[arg-type]
 
 
-def _merge(flags: ServeFlags, file: ServeFlags) -> ServeFlags:
-    values = {name: getattr(flags, name) for name in ServeFlags.__slots__}
-    for name, value in values.items():
-        if value is None:
-            values[name] = getattr(file, name)
-    return ServeFlags(**values)
+def _from_toml(where: str, setting: str, value: object) -> object:
+    kind = _SETTING_TYPES[setting]
+    if setting == "tiers" and isinstance(value, list):
+        if not all(isinstance(item, str) for item in value):
+            raise ConfigError(f'{where} must be a string or a list of strings, e.g. ["cpu", "disk"]')
+        return ",".join(value)
+    if setting in _SIZES and type(value) is int:
+        return str(value)  # a byte count
+    accepted: tuple[type, ...] = {float: (int, float), Path: (str,)}.get(kind, (kind,))
+    if type(value) not in accepted:
+        expected = 'a size string such as "8GiB"' if setting in _SIZES else " or ".join(t.__name__ for t in accepted)
+        raise ConfigError(f"{where} = {value!r} must be {expected}")
+    return Path(value) if kind is Path else value  # type: ignore[arg-type]
+
+
+def read_environment(environ: Mapping[str, str]) -> ServeFlags:
+    """The settings given as ``KVSTORE_*`` variables (other variables are ignored).
+
+    Raises:
+        ConfigError: a variable whose value is not of its setting's type, or a ``KVSTORE_`` name that is no setting.
+    """
+    values: dict[str, object] = {}
+    settings = {env_name(setting): setting for setting in _SETTING_TYPES}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in _OTHER_ENV:
+            continue
+        setting = settings.get(name)
+        if setting is None:
+            raise ConfigError(f"unknown variable {name}; kvstore serve reads {', '.join(sorted(settings))}")
+        values[setting] = _from_text(f"{name}={text}", _SETTING_TYPES[setting], text)
+    return ServeFlags(**values)  # type: ignore[arg-type]
+
+
+_OTHER_ENV = frozenset({"KVSTORE_CACHE_DIR", "KVSTORE_CONNECTOR_TRACE"})
+"""``KVSTORE_*`` variables that are not server settings (the model cache, the connector's trace)."""
+
+
+def _from_text(where: str, kind: type, text: str) -> object:
+    if kind is bool:
+        if text.strip().lower() not in (*_TRUE, *_FALSE):
+            raise ConfigError(f"{where} must be one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
+        return text.strip().lower() in _TRUE
+    if kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"{where} must be {'an integer' if kind is int else 'a number'}") from None
+    return Path(text) if kind is Path else text
+
+
+def _merge(sources: Sequence[tuple[ServeFlags, Callable[[str], str]]]) -> tuple[ServeFlags, dict[str, str]]:
+    """Each setting from the first source (in precedence order) that gives it, and where it came from (each source's
+    callable names a setting as that source spells it)."""
+    merged = ServeFlags()
+    given_by: dict[str, str] = {}
+    for setting in _SETTING_TYPES:
+        for source, spelling in sources:
+            value = getattr(source, setting)
+            if value is not None:
+                merged = replace(merged, **{setting: value})
+                given_by[setting] = spelling(setting)
+                break
+    return merged, given_by
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerSettings:
+    """Everything a server starts with, checked.
+
+    Args:
+        store: the store's settings (bytes).
+        layout: the layout to open with at start-up; ``None``: the first client's.
+        loop: address, workers, plan TTL.
+        metrics_port: HTTP port of ``/metrics`` and ``/healthz`` (0: any free port).
+        given_by: each setting that was given (not defaulted) -> where: ``--cpu-size``, ``KVSTORE_CPU_SIZE`` or
+            ``FILE cpu_size``.
+    """
+
+    store: StoreConfig
+    layout: KVLayout | None
+    loop: LoopOptions
+    metrics_port: int
+    given_by: Mapping[str, str] = field(default_factory=dict)
 
 
 def read_layout_option(text: str) -> KVLayout:
@@ -149,28 +228,30 @@ def read_layout_option(text: str) -> KVLayout:
         raise ConfigError(f"cannot read --layout {path}: {exc.strerror}") from exc
 
 
-def _gib(name: str, value: float | None, default_bytes: int) -> int:
-    if value is None:
+def _size(setting: str, text: str | None, default_bytes: int) -> int:
+    if text is None:
         return default_bytes
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"--{name.replace('_', '-')} {value} must be a non-negative number of GiB")
-    return int(value * GIB)
+    try:
+        return parse_size(text)
+    except ConfigError:
+        raise ConfigError(f"{flag_name(setting)} {text!r} is not a size; write e.g. 8GiB, 512MiB or 2GB") from None
 
 
-def _check_fits(name: str, wanted_bytes: int, available_bytes: int, where: str) -> None:
+def _check_fits(setting: str, wanted_bytes: int, available_bytes: int, where: str) -> None:
     if wanted_bytes > available_bytes:
+        flag = flag_name(setting)
         raise ConfigError(
-            f"--{name} {wanted_bytes / GIB:.2f} GiB does not fit: {available_bytes / GIB:.2f} GiB of {where} is "
-            f"available; lower --{name}"
+            f"{flag} {wanted_bytes / GIB:.2f}GiB does not fit: {available_bytes / GIB:.2f} GiB of {where} is "
+            f"available; lower {flag}"
         )
 
 
-def _recorded(disk_path: Path) -> tuple[KVLayout, int] | None:
+def _recorded(data_dir: Path) -> tuple[KVLayout, int] | None:
     """The layout and chunk size a data dir recorded, or ``None`` for a fresh dir."""
-    if not (disk_path / "data.mdb").is_file():
+    if not (data_dir / "data.mdb").is_file():
         return None
     try:
-        env = DiskEnvironment(disk_path, read_only=True, map_size_bytes=64 * _MIB)
+        env = DiskEnvironment(data_dir, read_only=True, map_size_bytes=64 * _MIB)
     except StorageError:
         return None
     try:
@@ -180,74 +261,86 @@ def _recorded(disk_path: Path) -> tuple[KVLayout, int] | None:
     return (info.layout, info.chunk_size) if info is not None else None
 
 
-def resolve_settings(flags: ServeFlags, host: HostFacts, config_file: Path | None = None) -> ServerSettings:
-    """Merge flags, config file and defaults, and check them against this machine and the data dir.
+def resolve_settings(
+    flags: ServeFlags, host: HostFacts, config_file: Path | None = None, environ: Mapping[str, str] | None = None
+) -> ServerSettings:
+    """Merge flags, environment (``os.environ`` when ``None``), config file and defaults, and check them against this
+    machine and the data dir.
 
     Raises:
         ConfigError: an invalid or impossible setting (one line naming it and the fix).
         LayoutMismatchError: ``--layout`` or ``--chunk-size`` disagrees with the data dir.
         StorageError: a live server already holds the data dir.
     """
-    merged = _merge(flags, load_config_file(config_file)) if config_file is not None else flags
+    from_file = load_config_file(config_file) if config_file is not None else ServeFlags()
+    merged, given_by = _merge(
+        [
+            (flags, flag_name),
+            (read_environment(os.environ if environ is None else environ), env_name),
+            (from_file, lambda setting: f"{config_file} {setting}"),
+        ]
+    )
     tiers = parse_tiers(merged.tiers) if merged.tiers is not None else _default_tiers(host)
     if TierName.GPU in tiers and not host.cuda_available:
         raise ConfigError("--tiers includes gpu, but torch sees no CUDA device; use --tiers cpu,disk")
     layout = read_layout_option(merged.layout) if merged.layout is not None else None
-    disk_path = merged.disk_path or DEFAULT_DATA_DIR
+    data_dir = merged.data_dir or DEFAULT_DATA_DIR
     chunk_size = merged.chunk_size
     if TierName.DISK in tiers:
-        _check_data_dir_path(disk_path)
-        holder = live_server_record(disk_path)
+        _check_data_dir_path(data_dir)
+        holder = live_server_record(data_dir)
         if holder is not None:
             raise StorageError(
-                f"data dir {disk_path} is held by kvstore serve (pid {holder.pid}) at {holder.url}; stop it, or "
-                "use another --disk-path"
+                f"data dir {data_dir} is held by kvstore serve (pid {holder.pid}) at {holder.url}; stop it, or "
+                "use another --data-dir"
             )
-        recorded = _recorded(disk_path)
+        recorded = _recorded(data_dir)
         if recorded is not None:
             recorded_layout, recorded_chunk_size = recorded
             if chunk_size is not None and chunk_size != recorded_chunk_size:
                 raise LayoutMismatchError(
-                    f"--chunk-size {chunk_size} disagrees with data dir {disk_path} (created with "
-                    f"{recorded_chunk_size}); pass --chunk-size {recorded_chunk_size} or use another --disk-path"
+                    f"--chunk-size {chunk_size} disagrees with data dir {data_dir} (created with "
+                    f"{recorded_chunk_size}); pass --chunk-size {recorded_chunk_size} or use another --data-dir"
                 )
             if layout is not None and layout.namespace != recorded_layout.namespace:
                 raise LayoutMismatchError(
-                    f"--layout {layout.describe()} disagrees with data dir {disk_path}, which holds "
-                    f"{recorded_layout.describe()}; use another --disk-path for this model"
+                    f"--layout {layout.describe()} disagrees with data dir {data_dir}, which holds "
+                    f"{recorded_layout.describe()}; use another --data-dir for this model"
                 )
             chunk_size, layout = recorded_chunk_size, recorded_layout
-    sizes = _sizes(merged, tiers, host, disk_path)
+    sizes = _sizes(merged, tiers, host, data_dir)
     store = StoreConfig(
         tiers=tiers,
         chunk_size=chunk_size if chunk_size is not None else _DEFAULT_CHUNK_SIZE,
         gpu_capacity_bytes=sizes.gpu_bytes,
         cpu_capacity_bytes=sizes.cpu_bytes,
         disk_capacity_bytes=sizes.disk_bytes,
-        disk_path=disk_path,
+        data_dir=data_dir,
         enable_blend=bool(merged.enable_blend),
         enable_segmented_prefix=bool(merged.enable_segmented_prefix),
         enable_dedup_content=bool(merged.enable_dedup_content),
     )
     _check_room_for_a_chunk(store, layout)
-    return ServerSettings(store=store, layout=layout, loop=_loop_options(merged), metrics_port=_metrics_port(merged))
+    return ServerSettings(
+        store=store, layout=layout, loop=_loop_options(merged), metrics_port=_metrics_port(merged), given_by=given_by
+    )
 
 
-def _check_data_dir_path(disk_path: Path) -> None:
-    """Refuse a ``--disk-path`` that can never be a data dir, before anything is created or sized from it."""
-    if disk_path.exists():
-        if not disk_path.is_dir():
-            raise ConfigError(f"--disk-path {disk_path} is not a directory; choose a directory for the data dir")
+def _check_data_dir_path(data_dir: Path) -> None:
+    """Refuse a ``--data-dir`` that can never be a data dir, before anything is created or sized from it."""
+    if data_dir.exists():
+        if not data_dir.is_dir():
+            raise ConfigError(f"--data-dir {data_dir} is not a directory; choose a directory for the data dir")
         return
-    parent = disk_path.absolute().parent
+    parent = data_dir.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot create data dir {disk_path}: {parent} is not a writable directory")
+        raise ConfigError(f"cannot create data dir {data_dir}: {parent} is not a writable directory")
     if os.statvfs(parent).f_blocks == 0:
         raise ConfigError(
-            f"cannot create data dir {disk_path}: {parent} is a virtual filesystem with no storage; choose a "
-            "--disk-path on a disk"
+            f"cannot create data dir {data_dir}: {parent} is a virtual filesystem with no storage; choose a "
+            "--data-dir on a disk"
         )
 
 
@@ -256,18 +349,26 @@ def _check_room_for_a_chunk(store: StoreConfig, layout: KVLayout | None) -> None
     layout yet (none given, none recorded) only an empty tier can be refused."""
     chunk_bytes = layout.chunk_bytes(store.chunk_size) if layout is not None else 1
     sizes = {
-        TierName.GPU: ("gpu-size-gb", store.gpu_capacity_bytes),
-        TierName.CPU: ("cpu-size-gb", store.cpu_capacity_bytes),
-        TierName.DISK: ("disk-size-gb", store.disk_capacity_bytes),
+        TierName.GPU: ("--gpu-size", store.gpu_capacity_bytes),
+        TierName.CPU: ("--cpu-size", store.cpu_capacity_bytes),
+        TierName.DISK: ("--disk-size", store.disk_capacity_bytes),
     }
     for tier in store.tiers:
         flag, size = sizes[tier]
         if size < chunk_bytes:
             one_chunk = f"one chunk ({chunk_bytes / _MIB:.2f} MiB of {layout.describe()})" if layout else "any chunk"
             raise ConfigError(
-                f"--{flag} {size / GIB:g} leaves the {tier.value} tier no room for {one_chunk}; raise it or drop "
+                f"{flag} {_size_text(size)} leaves the {tier.value} tier no room for {one_chunk}; raise it or drop "
                 f"{tier.value} from --tiers"
             )
+
+
+def _size_text(num_bytes: int) -> str:
+    """A size as a flag takes it, in the largest binary unit that keeps it whole (``512MiB``, not ``0.5GiB``)."""
+    for unit, scale in (("GiB", GIB), ("MiB", _MIB), ("KiB", 1024)):
+        if num_bytes and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{unit}"
+    return f"{num_bytes}B"
 
 
 def _default_tiers(host: HostFacts) -> tuple[TierName, ...]:
@@ -283,19 +384,19 @@ class _TierSizes:
     disk_bytes: int
 
 
-def _sizes(flags: ServeFlags, tiers: tuple[TierName, ...], host: HostFacts, disk_path: Path) -> _TierSizes:
+def _sizes(flags: ServeFlags, tiers: tuple[TierName, ...], host: HostFacts, data_dir: Path) -> _TierSizes:
     memory_default = min(_DEFAULT_MEMORY_TIER_BYTES, host.available_memory_bytes // 4)
-    cpu_bytes = _gib("cpu_size_gb", flags.cpu_size_gb, memory_default)
-    gpu_bytes = _gib("gpu_size_gb", flags.gpu_size_gb, min(_DEFAULT_MEMORY_TIER_BYTES, host.gpu_free_bytes // 4))
+    cpu_bytes = _size("cpu_size", flags.cpu_size, memory_default)
+    gpu_bytes = _size("gpu_size", flags.gpu_size, min(_DEFAULT_MEMORY_TIER_BYTES, host.gpu_free_bytes // 4))
     if TierName.CPU in tiers:
-        _check_fits("cpu-size-gb", cpu_bytes, host.available_memory_bytes, "RAM")
+        _check_fits("cpu_size", cpu_bytes, host.available_memory_bytes, "RAM")
     if TierName.GPU in tiers:
-        _check_fits("gpu-size-gb", gpu_bytes, host.gpu_free_bytes, "free GPU memory")
+        _check_fits("gpu_size", gpu_bytes, host.gpu_free_bytes, "free GPU memory")
     disk_bytes = _DEFAULT_DISK_BYTES
     if TierName.DISK in tiers:
-        free = free_disk_bytes(disk_path)
-        disk_bytes = _gib("disk_size_gb", flags.disk_size_gb, min(_DEFAULT_DISK_BYTES, free // 2))
-        _check_fits("disk-size-gb", disk_bytes, free, f"disk under {disk_path}")
+        free = free_disk_bytes(data_dir)
+        disk_bytes = _size("disk_size", flags.disk_size, min(_DEFAULT_DISK_BYTES, free // 2))
+        _check_fits("disk_size", disk_bytes, free, f"disk under {data_dir}")
     return _TierSizes(gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, disk_bytes=disk_bytes)
 
 

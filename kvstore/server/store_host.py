@@ -1,8 +1,8 @@
 """The server's one ``TieredStore``, and the rule that decides its layout.
 
 One server serves exactly one ``KVLayout`` (one model). Why not one store per layout: a data dir records one
-layout and chunk size and is locked by one process, and the memory budgets (``--cpu-size-gb``...) are per
-process; several models on one host run several servers (another ``--port`` and ``--disk-path`` each), which
+layout and chunk size and is locked by one process, and the memory budgets (``--cpu-size``...) are per
+process; several models on one host run several servers (another ``--port`` and ``--data-dir`` each), which
 keeps every budget, data dir and metric attributable to one model.
 
 The layout is fixed, in this order, by ``--layout``, by the layout the data dir recorded when it was created, or
@@ -70,7 +70,7 @@ class StoreHost:
         if store.layout.namespace != layout.namespace:
             raise LayoutMismatchError(
                 f"this server holds KV of {store.layout.describe()}, the client registered {layout.describe()}; "
-                "start another server (its own --port and --disk-path) for this model"
+                "start another server (its own --port and --data-dir) for this model"
             )
         return store
 

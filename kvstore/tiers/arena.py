@@ -1,7 +1,7 @@
 """A preallocated arena of chunk-sized slots with LRU eviction and pin counts: the body of the cpu and gpu tiers.
 
 Why an arena: a copy into a fresh 32 MiB allocation runs several times slower than a copy into memory that already
-exists (../shared/limits.md; measured: docs/design-notes.md#tiers-arena), so the hot path must never allocate. The
+exists (measured: docs/design-notes.md#tiers-arena), so the hot path must never allocate. The
 arena is one ``uint8`` tensor of ``num_slots * slot_bytes`` allocated once (pinned host memory when CUDA is present,
 or device memory); slot ``i`` holds one chunk at byte offset ``i * slot_bytes``, a partial chunk in its first
 bytes::
@@ -95,7 +95,7 @@ class ArenaTier(Tier):
             raise ConfigError(
                 f"{name} tier capacity_bytes={capacity_bytes} is below one chunk "
                 f"({self.slot_bytes / _MIB:.1f} MiB for {layout.describe()} x {chunk_size} tokens); "
-                f"raise --{name}-size-gb"
+                f"raise --{name}-size"
             )
         self.capacity_bytes = self.num_slots * self.slot_bytes
         self._spill = spill

@@ -4,9 +4,7 @@
     documents  top (1..1000)        documents: [TopDocument...], num_tracked, num_dropped, max_documents
 
 A ``TopDocument`` on the wire is a map (``first_key`` as a 16-byte bin, ``first_tokens`` as little-endian uint32
-bin, ``tiers`` as ``[[tier, num_chunks], ...]``). The op is newer than protocol version 1's first servers: an older
-server answers ``unknown_op`` and the client reports that it does not count documents; older clients never send it,
-so the protocol version stays 1.
+bin, ``tiers`` as ``[[tier, num_chunks], ...]``).
 
 The same report is built offline from the counts a server saved in its data dir (``document_hits_file``), with
 the tiers read from the disk.

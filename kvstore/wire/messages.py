@@ -4,7 +4,7 @@ Each ``*Args`` class has ``parse`` (server side: ``Fields`` -> value, raising ``
 (client side: value -> map). Token ids travel as one ``bin`` of little-endian uint32 (4 bytes a token: a 15k-token
 prompt is a 60 KB memcpy, not 15k msgpack ints to decode). Chunk keys are 16-byte ``bin``.
 
-    op           args                                              result (wire_values)
+    op           args                                              result (values)
     hello        layout (canonical JSON | nil), client_name, pid,  client id, server version, layout, chunk size,
                  host_id                                           tiers, features, limits, host id
     goodbye      -                                                 - (plans, sessions, segments dropped)

@@ -7,16 +7,17 @@ for the answer to the next one). Each message is one or two frames::
     request: | header (msgpack map) | [payload: raw KV bytes, inline bulk only] |
     reply:   | header (msgpack map) | [payload: raw KV bytes, inline retrieve only] |
 
-    request header: {"v": 2, "id": <int>, "op": <str>, "client": <str | nil>, "args": <map>}
-    ok reply:       {"v": 2, "id": <int>, "ok": true,  "result": <map>}
-    error reply:    {"v": 2, "id": <int | nil>, "ok": false, "error": {"code": <str>, "message": <str>}}
+    request header: {"v": 3, "id": <int>, "op": <str>, "client": <str | nil>, "args": <map>}
+    ok reply:       {"v": 3, "id": <int>, "ok": true,  "result": <map>}
+    error reply:    {"v": 3, "id": <int | nil>, "ok": false, "error": {"code": <str>, "message": <str>}}
 
 Handshake: a client's first request is ``hello`` (its ``KVLayout`` as canonical JSON, or nil for an admin
 client, its pid and host id); the reply gives the ``client`` token to put in every later header and the server's
 chunk size, tiers, features and limits. A header whose ``v`` is not ``PROTOCOL_VERSION`` gets
 ``unsupported_version``; a token the server does not know (it restarted) gets ``not_registered``, and the client
-says hello again. Operations and their arguments are in ``messages``; values (plans, stats) in ``wire_values``.
-Version 2 (issue 5) sends plan segments as packed rows in one ``bin`` (version 1: an array per segment). Fields
+says hello again. Operations and their arguments are in ``messages``; values (plans, stats) in ``values``.
+Version 2 sent plan segments as packed rows in one ``bin`` (version 1: an array per segment); version 3 names the
+server's data dir ``data_dir`` in ``info`` (version 2: ``disk_path``), one spelling with every command's. Fields
 added within a version are optional and sent only when set (retrieve's ``memory_only``, store's ``start``): an
 older server still takes every request that does not use them, and refuses one that does as an unknown field.
 
@@ -54,7 +55,7 @@ __all__ = [
     "unpack_map",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _MIB = 1024 * 1024
 _MAX_REQUEST_ID = 2**63 - 1
 _MAX_CLIENT_ID_CHARS = 64

@@ -385,7 +385,7 @@ class ServerInfo:
     chunk_size: int
     tiers: tuple[TierCapacity, ...]
     features: ServerFeatures
-    disk_path: str | None
+    data_dir: str | None
     num_requests: int
     clients: tuple[ClientSummary, ...]
     top_chunks: tuple[ChunkHits, ...]
@@ -399,7 +399,7 @@ class ServerInfo:
             "chunk_size": self.chunk_size,
             "tiers": _tiers_to_wire(self.tiers),
             "features": self.features.to_wire(),
-            "disk_path": self.disk_path,
+            "data_dir": self.data_dir,
             "num_requests": self.num_requests,
             "clients": [client.to_wire() for client in self.clients],
             "top_chunks": [[chunk.key, chunk.hits] for chunk in self.top_chunks],
@@ -420,7 +420,7 @@ class ServerInfo:
             chunk_size=fields.required_int("chunk_size", 1, 2**31),
             tiers=_tiers_from_wire(fields, "tiers"),
             features=ServerFeatures.from_wire(fields.map_("features")),
-            disk_path=fields.str_("disk_path", 4096, optional=True),
+            data_dir=fields.str_("data_dir", 4096, optional=True),
             num_requests=fields.required_int("num_requests", 0, _MAX_COUNT),
             clients=tuple(
                 ClientSummary.from_wire(Fields(raw, "info.clients[]")) for raw in fields.list_("clients", 100_000)

@@ -31,7 +31,7 @@ def test_the_command_prints_a_verified_row_and_reuses_its_data_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data_dir = tmp_path / "rebuild"
-    argv = ["bench", "rebuild", "--chunks", "2400", "--dir", str(data_dir), "--queries", "20", "--repeats", "1"]
+    argv = ["bench", "rebuild", "--chunks", "2400", "--data-dir", str(data_dir), "--queries", "20", "--repeats", "1"]
 
     code, out, _ = run_cli([*argv, "--json"], capsys)
 
@@ -60,7 +60,7 @@ def test_a_changed_workload_rebuilds_its_own_data_dir(tmp_path: Path) -> None:
 
 def test_a_directory_it_did_not_build_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
-    code, _, err = run_cli(["bench", "rebuild", "--chunks", "60", "--dir", str(tmp_path)], capsys)
+    code, _, err = run_cli(["bench", "rebuild", "--chunks", "60", "--data-dir", str(tmp_path)], capsys)
     assert code == 1 and "not built by kvstore bench rebuild" in err and "Traceback" not in err
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 

@@ -12,7 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "page_cache_write.
 
 def test_reports_every_write_and_a_median_per_mode(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--total-mib", "4", "--repeats", "2", "--dir", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--total-mib", "4", "--repeats", "2", "--scratch-dir", str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=120,
     )
     rows = [json.loads(line) for line in result.stdout.splitlines()]
@@ -28,7 +28,7 @@ def test_reports_every_write_and_a_median_per_mode(tmp_path: Path) -> None:
 
 def test_rejects_a_non_positive_size(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--total-mib", "0", "--dir", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--total-mib", "0", "--scratch-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode != 0

@@ -38,6 +38,6 @@ def tiny_llama() -> RandomInitModel:
 def tiny_blender(tiny_llama: RandomInitModel, tmp_path: Path) -> Iterator[LayerwiseBlender]:
     """A blender over an empty cpu-tier store of ``TINY_CHUNK``-token chunks under ``tmp_path``."""
     config = StoreConfig(tiers=(TierName.CPU,), chunk_size=TINY_CHUNK, cpu_capacity_bytes=64 << 20,
-                         disk_path=tmp_path / "data", enable_blend=True)  # fmt: skip
+                         data_dir=tmp_path / "data", enable_blend=True)  # fmt: skip
     with TieredStore(tiny_llama.layout, config) as store, LayerwiseBlender(tiny_llama.model, store) as blender:
         yield blender

@@ -36,7 +36,7 @@ def open_store(layout: KVLayout, path: Path, *tiers: TierName, chunk_size: int =
         tiers=tiers or (TierName.CPU,),
         chunk_size=chunk_size,
         cpu_capacity_bytes=64 << 20,
-        disk_path=path / "data",
+        data_dir=path / "data",
         enable_blend=True,
     )
     return TieredStore(layout, config)
@@ -316,7 +316,7 @@ def test_the_blend_pass_on_each_tier_and_device(device: str, tiers: tuple[TierNa
     """The same logic on the CPU (the loader's thread, future and buffer) and on CUDA (its side stream, events)."""
     built = random_init_model("tiny-llama", dtype=torch.float32, device=device, seed=1)
     config = StoreConfig(tiers=tiers, chunk_size=CHUNK, cpu_capacity_bytes=16 << 20, gpu_capacity_bytes=16 << 20,
-                         gpu_device=device, disk_path=tmp_path / "data", enable_blend=True)  # fmt: skip
+                         gpu_device=device, data_dir=tmp_path / "data", enable_blend=True)  # fmt: skip
     waits = BlendConfig(disk_policy="wait")  # reads from every tier, disk too (load_cost may skip a slow disk)
     with TieredStore(built.layout, config) as store, LayerwiseBlender(built.model, store, waits) as blender:
         docs = documents(11)

@@ -111,7 +111,7 @@ def prompt_of(docs: list[list[int]]) -> list[int]:
 
 
 def disk_blender(model: RandomInitModel, path: Path, config: BlendConfig) -> tuple[TieredStore, LayerwiseBlender]:
-    store_config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK, disk_path=path / "data",
+    store_config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK, data_dir=path / "data",
                                disk_capacity_bytes=64 << 20, enable_blend=True)  # fmt: skip
     store = TieredStore(model.layout, store_config)
     return store, LayerwiseBlender(model.model, store, config)

@@ -44,7 +44,7 @@ def blender(request: pytest.FixtureRequest, tiny_llama: RandomInitModel, tmp_pat
     layout = KVLayout(model_id=base.model_id, num_layers=base.num_layers, num_kv_heads=base.num_kv_heads,
                       head_dim=base.head_dim, dtype=request.param, rope=base.rope)  # fmt: skip
     config = StoreConfig(tiers=(TierName.CPU,), chunk_size=CHUNK, cpu_capacity_bytes=64 << 20,
-                         disk_path=tmp_path / "data", enable_blend=True)  # fmt: skip
+                         data_dir=tmp_path / "data", enable_blend=True)  # fmt: skip
     store = TieredStore(layout, config)
     blender = LayerwiseBlender(tiny_llama.model, store)
     request.addfinalizer(store.close)

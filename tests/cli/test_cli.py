@@ -41,7 +41,7 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data dir filled by ``kvstore demo`` (3 documents x 1000 tokens of SmolLM2-shaped KV: 12 chunks)."""
     path = tmp_path_factory.mktemp("cli") / "data"
     result = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli.main", "demo", "--path", str(path)],
+        [sys.executable, "-m", "kvstore.cli.main", "demo", "--data-dir", str(path)],
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[2],
@@ -54,12 +54,12 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_demo_runs_in_process_and_is_idempotent(demo_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(["demo", "--path", str(demo_dir)], capsys)
+    code, out, _ = run(["demo", "--data-dir", str(demo_dir)], capsys)
     assert code == 0 and "0 new chunks" in out and "bit-identical to what was stored: yes" in out
 
 
 def test_inspect_json_summarises_the_data_dir(demo_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(["inspect", "--path", str(demo_dir), "--json"], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(demo_dir), "--json"], capsys)
     summary = json.loads(out)
     assert code == 0
     assert summary["num_chunks"] == 12 and summary["num_partial_chunks"] == 3 and summary["num_sequences"] == 3
@@ -71,13 +71,13 @@ def test_inspect_json_summarises_the_data_dir(demo_dir: Path, capsys: pytest.Cap
 
 
 def test_inspect_table_and_one_chunk(demo_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(["inspect", "--path", str(demo_dir)], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(demo_dir)], capsys)
     assert code == 0 and "compression ratio" in out and "SmolLM2-135M" in out
     key = _first_key_of(demo_dir)
-    code, out, _ = run(["inspect", "--path", str(demo_dir), "--key", key, "--json"], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(demo_dir), "--key", key, "--json"], capsys)
     chunk = json.loads(out)
     assert code == 0 and chunk["key"] == key and chunk["source_start"] == 0 and chunk["num_tokens"] == 256
-    code, _, err = run(["inspect", "--path", str(demo_dir), "--key", "00" * 16], capsys)
+    code, _, err = run(["inspect", "--data-dir", str(demo_dir), "--key", "00" * 16], capsys)
     assert code == 1 and "no chunk" in err
 
 
@@ -94,9 +94,9 @@ def _first_key_of(path: Path) -> str:
 @pytest.mark.parametrize(
     ("argv", "fragment", "expected_code"),
     [
-        (["inspect", "--path", "/nonexistent/kvstore"], "not a kvstore data dir", 1),
+        (["inspect", "--data-dir", "/nonexistent/kvstore"], "not a kvstore data dir", 1),
         (["inspect", "--key", "xyz"], "32 hex digits", 1),
-        (["evict", "--path", "/tmp"], "exactly one of", 1),
+        (["evict", "--data-dir", "/tmp"], "exactly one of", 1),
         (["evict", "--all", "--bytes", "1GiB"], "exactly one of", 1),
         (["evict", "--bytes", "lots"], "is not a size", 1),
         (["bench", "tiers", "--tiers", "disk,cpu"], "out of order", 1),
@@ -115,7 +115,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(
 
 def _filled_dir(path: Path, num_sequences: int) -> list[bytes]:
     layout = preset_layout("smollm2-135m")
-    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=16, disk_path=path, disk_capacity_bytes=256 << 20)
+    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=16, data_dir=path, disk_capacity_bytes=256 << 20)
     keys: list[bytes] = []
     with TieredStore(layout, config) as store:
         for seed in range(num_sequences):
@@ -125,22 +125,31 @@ def _filled_dir(path: Path, num_sequences: int) -> list[bytes]:
     return keys
 
 
+EVICTION_REPORT_KEYS = {
+    "data_dir", "url", "evicted_chunks", "freed_bytes", "remaining_chunks", "not_found", "still_cached",
+}  # fmt: skip
+"""``evict --json``'s keys, the same offline and through a server (tests/server/test_admin_cli.py checks the other)."""
+
+
 def test_evict_by_key_by_bytes_and_all(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "data"
     keys = _filled_dir(path, 6)  # 12 chunks
-    code, out, _ = run(["evict", "--path", str(path), "--key", keys[0].hex(), "--key", keys[1].hex(), "--json"], capsys)
+    code, out, _ = run(
+        ["evict", "--data-dir", str(path), "--key", keys[0].hex(), "--key", keys[1].hex(), "--json"], capsys
+    )
     report = json.loads(out)
-    assert code == 0 and report["evicted_chunks"] == 2 and report["remaining_chunks"] == 10
-    code, out, _ = run(["evict", "--path", str(path), "--key", keys[0].hex()], capsys)
+    assert code == 0 and report["evicted_chunks"] == 2 and report["remaining_chunks"] == {"disk": 10}
+    assert set(report) == EVICTION_REPORT_KEYS and report["data_dir"] == str(path) and report["url"] is None
+    code, out, _ = run(["evict", "--data-dir", str(path), "--key", keys[0].hex()], capsys)
     assert code == 1 and "not found" in out
-    code, out, _ = run(["evict", "--path", str(path), "--bytes", "1MiB", "--json"], capsys)
+    code, out, _ = run(["evict", "--data-dir", str(path), "--bytes", "1MiB", "--json"], capsys)
     report = json.loads(out)
-    assert code == 0 and report["freed_stored_bytes"] >= 1 << 20 and report["remaining_chunks"] < 10
-    code, _, err = run(["evict", "--path", str(path), "--all"], capsys)  # no terminal to confirm on
+    assert code == 0 and report["freed_bytes"]["disk"] >= 1 << 20 and report["remaining_chunks"]["disk"] < 10
+    code, _, err = run(["evict", "--data-dir", str(path), "--all"], capsys)  # no terminal to confirm on
     assert code == 1
     assert_one_line_error(err, "--yes")
-    code, out, _ = run(["evict", "--path", str(path), "--all", "--yes", "--json"], capsys)
-    assert code == 0 and json.loads(out)["remaining_chunks"] == 0
+    code, out, _ = run(["evict", "--data-dir", str(path), "--all", "--yes", "--json"], capsys)
+    assert code == 0 and json.loads(out)["remaining_chunks"] == {"disk": 0}
 
 
 def test_evict_refuses_a_data_dir_a_live_process_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,7 +158,7 @@ def test_evict_refuses_a_data_dir_a_live_process_holds(tmp_path: Path, capsys: p
     holder_code = (
         "import sys; from pathlib import Path; from kvstore import StoreConfig, TieredStore;"
         "from kvstore.presets import preset_layout; from kvstore.tiers.base import TierName;"
-        f"config = StoreConfig(tiers=(TierName.DISK,), chunk_size=16, disk_path=Path({str(path)!r}),"
+        f"config = StoreConfig(tiers=(TierName.DISK,), chunk_size=16, data_dir=Path({str(path)!r}),"
         " disk_capacity_bytes=256 << 20);"
         "store = TieredStore(preset_layout('smollm2-135m'), config); print('ready', flush=True); sys.stdin.read()"
     )
@@ -158,8 +167,8 @@ def test_evict_refuses_a_data_dir_a_live_process_holds(tmp_path: Path, capsys: p
     ) as holder:
         assert holder.stdout is not None and holder.stdin is not None
         assert holder.stdout.readline().strip() == "ready"
-        code, _, err = run(["evict", "--path", str(path), "--all", "--yes"], capsys)
-        inspect_code, out, _ = run(["inspect", "--path", str(path), "--json"], capsys)
+        code, _, err = run(["evict", "--data-dir", str(path), "--all", "--yes"], capsys)
+        inspect_code, out, _ = run(["inspect", "--data-dir", str(path), "--json"], capsys)
         holder.stdin.close()
     assert code == 1
     assert_one_line_error(err, f"held by process {holder.pid}")
@@ -170,8 +179,8 @@ def test_evict_refuses_a_data_dir_a_live_process_holds(tmp_path: Path, capsys: p
 
 def test_bench_tiers_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "tiers", "--json", "--tiers", "cpu,disk", "--layouts", "smollm2-135m", "--chunk-size", "8"]
-    argv += ["--memory-size", "2MiB", "--disk-size", "2MiB", "--repeats", "1", "--disk-repeats", "1"]
-    code, out, _ = run([*argv, "--dir", str(tmp_path)], capsys)
+    argv += ["--cpu-size", "2MiB", "--disk-size", "2MiB", "--repeats", "1", "--disk-repeats", "1"]
+    code, out, _ = run([*argv, "--scratch-dir", str(tmp_path)], capsys)
     rows = [json.loads(line) for line in out.splitlines()]
     assert code == 0
     assert [(row["tier"], row["op"]) for row in rows] == [
@@ -188,7 +197,7 @@ def test_bench_tiers_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_bench_tiers_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "tiers", "--tiers", "cpu", "--layouts", "smollm2-135m", "--chunk-size", "8"]
-    code, out, _ = run([*argv, "--memory-size", "2MiB", "--repeats", "1"], capsys)
+    code, out, _ = run([*argv, "--cpu-size", "2MiB", "--repeats", "1"], capsys)
     assert code == 0 and "ratio" in out and "baseline = host copy_" in out
 
 
@@ -203,7 +212,7 @@ def test_inspect_check_passes_on_a_clean_dir_and_fails_on_a_corrupt_one(
 ) -> None:
     path = tmp_path / "data"
     keys = _filled_dir(path, 2)
-    code, out, _ = run(["inspect", "--path", str(path), "--check", "--json"], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(path), "--check", "--json"], capsys)
     report = json.loads(out)
     assert code == 0 and report["ok"] and report["num_chunks"] == 4
     data_file = path / "data.mdb"
@@ -212,7 +221,7 @@ def test_inspect_check_passes_on_a_clean_dir_and_fails_on_a_corrupt_one(
     position = raw.find(tier_frame)
     raw[position + len(tier_frame) // 2] ^= 0x10
     data_file.write_bytes(bytes(raw))
-    code, out, _ = run(["inspect", "--path", str(path), "--check"], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(path), "--check"], capsys)
     assert code == 1 and "1 problems" in out and keys[0].hex() in out
 
 

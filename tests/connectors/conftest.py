@@ -16,15 +16,15 @@ from tests.server.conftest import CHUNK_SIZE
 
 EMBEDDED_SERVE_SETTINGS: dict[str, object] = {
     "tiers": "cpu,disk",
-    "cpu_size_gb": 0.05,
-    "disk_size_gb": 0.25,
+    "cpu_size": "50MiB",
+    "disk_size": "256MiB",
     "chunk_size": CHUNK_SIZE,
 }
 """A tiny embedded server (a cpu tier of 0.05 GiB, 16-token chunks of ``SERVER_LAYOUT``: 4 KiB each)."""
 
 
 def embedded_settings(data_dir: Path, **changes: object) -> EmbeddedServerSettings:
-    return EmbeddedServerSettings(disk_path=data_dir, **{**EMBEDDED_SERVE_SETTINGS, **changes})  # type: ignore[arg-type]
+    return EmbeddedServerSettings(data_dir=data_dir, **{**EMBEDDED_SERVE_SETTINGS, **changes})  # type: ignore[arg-type]
 
 
 def process_gone(pid: int) -> bool:

@@ -21,20 +21,20 @@ KNOWN_NAMES = (
     "transfer_timeout_s",
     "retry_s",
     "async_disk_loads",
-    "disk_path",
+    "data_dir",
     "tiers",
-    "cpu_size_gb",
-    "gpu_size_gb",
-    "disk_size_gb",
+    "cpu_size",
+    "gpu_size",
+    "disk_size",
     "chunk_size",
     "config",
 )
 EMBEDDED_VALUES: dict[str, object] = {
-    "disk_path": "/nvme/kv",
+    "data_dir": "/nvme/kv",
     "tiers": "cpu,disk",
-    "cpu_size_gb": 8,
-    "gpu_size_gb": 1.5,
-    "disk_size_gb": 500,
+    "cpu_size": "8GiB",
+    "gpu_size": "1.5GiB",
+    "disk_size": 500 * 2**30,
     "chunk_size": 16,
     "config": "kvstore.toml",
 }
@@ -53,7 +53,7 @@ def one_line_error(extra_config: dict[str, object], *fragments: str) -> str:
 def test_no_config_gives_the_embedded_defaults() -> None:
     expected = ConnectorSettings()
     assert parse_connector_settings(None) == expected and parse_connector_settings({}) == expected
-    assert expected.url is None and expected.embedded.disk_path == DEFAULT_DATA_DIR
+    assert expected.url is None and expected.embedded.data_dir == DEFAULT_DATA_DIR
     assert (expected.lookup_timeout_s, expected.transfer_timeout_s, expected.retry_s) == (2.0, 30.0, 5.0)
     assert expected.async_disk_loads and expected.model_id is None
 
@@ -67,11 +67,11 @@ def test_every_embedded_key_is_parsed_into_its_type() -> None:
     assert settings == ConnectorSettings(
         url=None,
         embedded=EmbeddedServerSettings(
-            disk_path=Path("/nvme/kv"),
+            data_dir=Path("/nvme/kv"),
             tiers="cpu,disk",
-            cpu_size_gb=8.0,
-            gpu_size_gb=1.5,
-            disk_size_gb=500.0,
+            cpu_size="8GiB",
+            gpu_size="1.5GiB",
+            disk_size=str(500 * 2**30),
             chunk_size=16,
             config=Path("kvstore.toml"),
         ),
@@ -82,8 +82,8 @@ def test_every_embedded_key_is_parsed_into_its_type() -> None:
         async_disk_loads=False,
     )
     embedded = settings.embedded
-    assert isinstance(embedded.disk_path, Path) and isinstance(embedded.config, Path)
-    assert type(embedded.cpu_size_gb) is float and type(embedded.disk_size_gb) is float
+    assert isinstance(embedded.data_dir, Path) and isinstance(embedded.config, Path)
+    assert type(embedded.cpu_size) is str and type(embedded.disk_size) is str
     assert type(settings.retry_s) is float and type(settings.lookup_timeout_s) is float
     assert type(embedded.chunk_size) is int
 
@@ -96,14 +96,14 @@ def test_a_url_configures_a_shared_server() -> None:
 
 
 def test_serve_flags_name_every_given_setting() -> None:
-    assert EmbeddedServerSettings(disk_path=Path("/d")).serve_flags() == ["--disk-path", "/d"]
+    assert EmbeddedServerSettings(data_dir=Path("/d")).serve_flags() == ["--data-dir", "/d"]
     settings = parse_connector_settings({f"kvstore.{name}": value for name, value in EMBEDDED_VALUES.items()})
     assert settings.embedded.serve_flags() == [
-        "--disk-path", "/nvme/kv",
+        "--data-dir", "/nvme/kv",
         "--tiers", "cpu,disk",
-        "--cpu-size-gb", "8.0",
-        "--gpu-size-gb", "1.5",
-        "--disk-size-gb", "500.0",
+        "--cpu-size", "8GiB",
+        "--gpu-size", "1.5GiB",
+        "--disk-size", str(500 * 2**30),
         "--chunk-size", "16",
         "--config", "kvstore.toml",
     ]  # fmt: skip
@@ -112,19 +112,21 @@ def test_serve_flags_name_every_given_setting() -> None:
 @pytest.mark.parametrize(
     ("extra_config", "fragments"),
     [
-        ({"kvstore.cpu_size": 8}, ("'kvstore.cpu_size'", "kvstore.cpu_size_gb")),
+        ({"kvstore.cpu_size_gb": 8}, ("'kvstore.cpu_size_gb'", "kvstore.cpu_size")),
         ({"kvstore.": 1}, ("'kvstore.'",)),
         ({"kvstore.embedded": {}}, ("'kvstore.embedded'",)),
-        ({"cpu_size_gb": 8}, ("'cpu_size_gb'", "kvstore.cpu_size_gb")),
+        ({"cpu_size": "8GiB"}, ("'cpu_size'", "kvstore.cpu_size")),
         ({"url": "tcp://127.0.0.1:5555"}, ("'url'",)),
         ({"KVSTORE.url": "tcp://127.0.0.1:5555"}, ("'KVSTORE.url'",)),
-        ({"kvstore.cpu_size_gb": True}, ("kvstore.cpu_size_gb", "positive, finite number", "True")),
+        ({"kvstore.cpu_size": True}, ("kvstore.cpu_size", "a size such as", "True")),
+        ({"kvstore.cpu_size": 8.5}, ("kvstore.cpu_size", "a size such as", "8.5")),
+        ({"kvstore.cpu_size": "8 gigs"}, ("kvstore.cpu_size", "is not a size", "8GiB")),
         ({"kvstore.retry_s": "5"}, ("kvstore.retry_s", "positive, finite number", "'5'")),
         ({"kvstore.lookup_timeout_s": -1}, ("kvstore.lookup_timeout_s", "positive, finite number", "-1")),
         ({"kvstore.transfer_timeout_s": 0}, ("kvstore.transfer_timeout_s", "positive, finite number")),
         ({"kvstore.retry_s": float("inf")}, ("kvstore.retry_s", "positive, finite number", "inf")),
-        ({"kvstore.disk_size_gb": float("nan")}, ("kvstore.disk_size_gb", "nan")),
-        ({"kvstore.gpu_size_gb": None}, ("kvstore.gpu_size_gb", "None")),
+        ({"kvstore.disk_size": "-1GiB"}, ("kvstore.disk_size", "-1GiB")),
+        ({"kvstore.gpu_size": None}, ("kvstore.gpu_size", "None")),
         ({"kvstore.chunk_size": True}, ("kvstore.chunk_size", "positive integer")),
         ({"kvstore.chunk_size": 16.0}, ("kvstore.chunk_size", "positive integer", "16.0")),
         ({"kvstore.chunk_size": -16}, ("kvstore.chunk_size", "positive integer", "-16")),
@@ -136,7 +138,7 @@ def test_serve_flags_name_every_given_setting() -> None:
         ({"kvstore.url": "127.0.0.1:5555"}, ("kvstore.url", "tcp://127.0.0.1:5555")),
         ({"kvstore.model_id": ""}, ("kvstore.model_id", "non-empty string")),
         ({"kvstore.tiers": ["cpu", "disk"]}, ("kvstore.tiers", "non-empty string")),
-        ({"kvstore.disk_path": ""}, ("kvstore.disk_path", "path string")),
+        ({"kvstore.data_dir": ""}, ("kvstore.data_dir", "path string")),
         ({"kvstore.config": 3}, ("kvstore.config", "path string")),
     ],
 )
@@ -168,6 +170,10 @@ positive_numbers = st.one_of(
     st.integers(min_value=1, max_value=10**6),
     st.floats(min_value=1e-3, max_value=1e6, allow_nan=False, allow_infinity=False),
 )
+sizes = st.one_of(
+    st.integers(min_value=1, max_value=2**50),
+    st.builds("{}{}".format, st.integers(1, 4096), st.sampled_from(["GiB", "MiB", "GB", "k", ""])),
+)
 names = st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=16)
 paths = names.map(lambda text: f"/data/{text}")
 top_values = st.fixed_dictionaries(
@@ -183,11 +189,11 @@ top_values = st.fixed_dictionaries(
 embedded_values = st.fixed_dictionaries(
     {},
     optional={
-        "disk_path": paths,
+        "data_dir": paths,
         "tiers": names,
-        "cpu_size_gb": positive_numbers,
-        "gpu_size_gb": positive_numbers,
-        "disk_size_gb": positive_numbers,
+        "cpu_size": sizes,
+        "gpu_size": sizes,
+        "disk_size": sizes,
         "chunk_size": st.integers(min_value=1, max_value=4096),
         "config": paths,
     },
@@ -195,9 +201,11 @@ embedded_values = st.fixed_dictionaries(
 
 
 def converted(name: str, value: object) -> object:
-    if name in ("disk_path", "config"):
+    if name in ("data_dir", "config"):
         return Path(str(value))
-    if name.endswith(("_gb", "_s")):
+    if name in ("cpu_size", "gpu_size", "disk_size"):
+        return str(value)
+    if name.endswith("_s"):
         return float(value)  # type: ignore[arg-type]
     return value
 
@@ -219,8 +227,8 @@ def test_any_valid_combination_round_trips_into_the_dataclasses(
     expected_embedded = {} if url is not None else {name: converted(name, value) for name, value in embedded.items()}
     assert settings.embedded == EmbeddedServerSettings(**expected_embedded)  # type: ignore[arg-type]
     flags = settings.embedded.serve_flags()
-    assert flags[:2] == ["--disk-path", str(settings.embedded.disk_path)]
-    assert len(flags) == 2 * (1 + len([name for name in expected_embedded if name != "disk_path"]))
+    assert flags[:2] == ["--data-dir", str(settings.embedded.data_dir)]
+    assert len(flags) == 2 * (1 + len([name for name in expected_embedded if name != "data_dir"]))
 
 
 def is_unknown(key: str) -> bool:

@@ -49,7 +49,7 @@ from kvstore import StoreConfig, TieredStore
 from kvstore.tiers.base import TierName
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT
 config = StoreConfig(
-    tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, disk_path=Path(sys.argv[1]), disk_capacity_bytes=1 << 26
+    tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, data_dir=Path(sys.argv[1]), disk_capacity_bytes=1 << 26
 )
 with TieredStore(SERVER_LAYOUT, config):
     print("holding", flush=True)
@@ -149,7 +149,7 @@ def test_the_server_stops_flushed_when_its_parent_is_killed(
     assert f"process {parent.pid} is gone: stopping" in log and "stopped (pending disk writes flushed)" in log, log
     assert "Traceback" not in log and live_server_record(data_dir) is None
 
-    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, disk_path=data_dir, disk_capacity_bytes=1 << 26)
+    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, data_dir=data_dir, disk_capacity_bytes=1 << 26)
     with TieredStore(SERVER_LAYOUT, config) as store:  # a writable open: the server released the data dir too
         plan = store.lookup(tokens)
         assert plan.num_prefix_tokens == 64, "the server flushed its pending disk writes before exiting"
@@ -160,7 +160,7 @@ def test_the_server_stops_flushed_when_its_parent_is_killed(
 @pytest.mark.parametrize(
     ("changes", "fragment"),
     [
-        ({"cpu_size_gb": 1e6}, "--cpu-size-gb 1000000.00 GiB does not fit"),
+        ({"cpu_size": "1000000GiB"}, "--cpu-size 1000000.00GiB does not fit"),
         ({"tiers": "cpu,tape"}, "--tiers 'cpu,tape': each tier must be one of gpu, cpu, disk"),
     ],
 )
@@ -190,7 +190,7 @@ def test_exit_with_a_dead_pid_fails_with_one_line(tmp_path: Path) -> None:
 def test_a_refused_exit_with_pid_leaves_the_signal_handlers_as_they_were(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["serve", "--disk-path", str(tmp_path / "data"), "--port", "0", "--exit-with-pid", str(dead_pid())]
+    argv = ["serve", "--data-dir", str(tmp_path / "data"), "--port", "0", "--exit-with-pid", str(dead_pid())]
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit) as exited:
@@ -216,7 +216,7 @@ def test_a_data_dir_held_by_a_process_that_serves_nothing_is_refused_after_the_d
         ensure_embedded_server(embedded_settings(data_dir), start_timeout_s=1.0)
     waited_s = time.monotonic() - started
     message = str(raised.value)
-    assert f"is held by process {holder.pid}, which serves no clients" in message and "kvstore.disk_path" in message
+    assert f"is held by process {holder.pid}, which serves no clients" in message and "kvstore.data_dir" in message
     assert "\n" not in message
     assert 1.0 <= waited_s < 10.0, f"waited {waited_s:.1f} s for a 1 s deadline"
     assert holder.poll() is None and live_server_record(data_dir) is None

@@ -39,7 +39,7 @@ def blend_config(tmp_path: Path) -> StoreConfig:
     return StoreConfig(
         tiers=(TierName.DISK,),
         chunk_size=CHUNK,
-        disk_path=tmp_path / "data",
+        data_dir=tmp_path / "data",
         disk_capacity_bytes=64 << 20,
         enable_blend=True,
     )
@@ -148,8 +148,8 @@ def test_chunks_written_by_meta_v1_are_indexed_without_next_links(tmp_path: Path
     config = blend_config(tmp_path)
     with TieredStore(LAYOUT, config) as live:
         store_documents(live, LAYOUT, documents)
-    rewrite_as_meta_v1(config.disk_path, set(keys[0]) | set(keys[2]))  # document 1 keeps its parent keys
-    disk = DiskTier.open_existing(config.disk_path)
+    rewrite_as_meta_v1(config.data_dir, set(keys[0]) | set(keys[2]))  # document 1 keeps its parent keys
+    disk = DiskTier.open_existing(config.data_dir)
     try:
         parents = {record.key: record.parent_key for record in disk.iter_records()}
     finally:
@@ -179,7 +179,7 @@ def test_the_disk_recovery_pass_rebuilds_the_same_index_as_a_second_pass(tmp_pat
     residency = Residency(is_resident=lambda key: True, in_transit=lambda key: False)
     one_pass, two_pass = ContentCatalog(CHUNK, residency), ContentCatalog(CHUNK, residency)
     rebuild = one_pass.start_rebuild()
-    disk = DiskTier(config.disk_path, LAYOUT, CHUNK, config.disk_capacity_bytes, content_records=rebuild.add)
+    disk = DiskTier(config.data_dir, LAYOUT, CHUNK, config.disk_capacity_bytes, content_records=rebuild.add)
     try:
         second_pass = two_pass.start_rebuild()
         for batch in disk.iter_content_records():

@@ -38,7 +38,7 @@ def config(path: Path) -> StoreConfig:
         tiers=(TierName.CPU, TierName.DISK),
         chunk_size=CHUNK_SIZE,
         cpu_capacity_bytes=64 * LAYOUT.chunk_bytes(CHUNK_SIZE),
-        disk_path=path,
+        data_dir=path,
         disk_capacity_bytes=1 << 30,
     )
 

@@ -32,7 +32,7 @@ CHUNK_SIZE = 64
 
 
 def _config(path: Path) -> StoreConfig:
-    return StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, disk_path=path, disk_capacity_bytes=64 << 20)
+    return StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, data_dir=path, disk_capacity_bytes=64 << 20)
 
 
 def _filled_data_dir(path: Path, layout: KVLayout) -> None:
@@ -79,7 +79,7 @@ def damaged(request: pytest.FixtureRequest, tmp_path: Path, small_layout: KVLayo
 def test_inspect_names_the_damage_in_one_line(damaged: tuple[Path, str], capsys: pytest.CaptureFixture[str]) -> None:
     path, word = damaged
     before = _fingerprint(path)
-    code, _, err = _kvstore(capsys, "inspect", "--path", str(path))
+    code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
     _assert_one_line_error(code, err, "data.mdb is damaged", word)
     assert _fingerprint(path) == before
 
@@ -90,7 +90,7 @@ def test_a_child_process_inspecting_it_is_not_killed(tmp_path: Path, small_layou
     _filled_data_dir(path, small_layout)
     os.truncate(path / "data.mdb", (path / "data.mdb").stat().st_size // 2)
     result = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli.main", "inspect", "--path", str(path)],
+        [sys.executable, "-m", "kvstore.cli.main", "inspect", "--data-dir", str(path)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode >= 0, f"killed by {signal.Signals(-result.returncode).name}: {result.stderr[-500:]}"
@@ -102,7 +102,7 @@ def test_inspect_check_reports_the_damage_as_a_problem(
 ) -> None:
     path, word = damaged
     before = _fingerprint(path)
-    code, out, _ = _kvstore(capsys, "inspect", "--path", str(path), "--check", "--json")
+    code, out, _ = _kvstore(capsys, "inspect", "--data-dir", str(path), "--check", "--json")
     assert code == 1
     report = json.loads(out)
     assert report["ok"] is False and report["num_problems"] == 1
@@ -128,8 +128,8 @@ def test_serve_refuses_to_start_on_it(
     layout_file = tmp_path / "layout.json"
     layout_file.write_text(small_layout.to_json())
     code, _, err = _kvstore(
-        capsys, "serve", "--disk-path", str(path), "--port", "0", "--metrics-port", "0", "--layout",
-        str(layout_file), "--chunk-size", str(CHUNK_SIZE), "--tiers", "cpu,disk", "--cpu-size-gb", "0.01",
+        capsys, "serve", "--data-dir", str(path), "--port", "0", "--metrics-port", "0", "--layout",
+        str(layout_file), "--chunk-size", str(CHUNK_SIZE), "--tiers", "cpu,disk", "--cpu-size", "10MiB",
     )  # fmt: skip
     _assert_one_line_error(code, err, "data.mdb is damaged", word)
     assert _fingerprint(path) == before

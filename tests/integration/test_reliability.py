@@ -55,7 +55,7 @@ def _flip_byte_inside_frame(data_file: Path, frame_value: bytes, offset_in_value
 
 
 def test_flipped_bytes_are_a_counted_miss_and_the_store_keeps_working(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
+    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, data_dir=tmp_path / "data", disk_capacity_bytes=64 << 20)
     first_tokens, first_kv = make_tokens(512, 1), make_kv(small_layout, 512, 1)
     other_tokens, other_kv = make_tokens(256, 2), make_kv(small_layout, 256, 2)
     with TieredStore(small_layout, cfg) as store:
@@ -85,7 +85,7 @@ def test_writing_ten_times_the_cap_stays_under_it(tmp_path: Path, small_layout: 
         tiers=(TierName.CPU, TierName.DISK),
         chunk_size=256,
         cpu_capacity_bytes=8 << 20,
-        disk_path=tmp_path / "data",
+        data_dir=tmp_path / "data",
         disk_capacity_bytes=cap,
     )
     chunk_bytes = small_layout.chunk_bytes(256)
@@ -105,7 +105,7 @@ def test_writing_ten_times_the_cap_stays_under_it(tmp_path: Path, small_layout: 
 
 
 def test_another_layout_or_chunk_size_on_the_same_data_dir_is_refused(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
+    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, data_dir=tmp_path / "data", disk_capacity_bytes=64 << 20)
     with TieredStore(small_layout, cfg) as store:
         store.store(make_tokens(256), make_kv(small_layout, 256))
     with pytest.raises(LayoutMismatchError, match="layout"):
@@ -115,11 +115,11 @@ def test_another_layout_or_chunk_size_on_the_same_data_dir_is_refused(tmp_path: 
 
 
 def test_a_second_process_cannot_open_a_held_data_dir(tmp_path: Path, small_layout: KVLayout) -> None:
-    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=tmp_path / "data", disk_capacity_bytes=64 << 20)
+    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, data_dir=tmp_path / "data", disk_capacity_bytes=64 << 20)
     code = (
         "import sys; from pathlib import Path; from kvstore import *; from kvstore.tiers.base import TierName\n"
         f"layout = KVLayout.from_json({small_layout.to_json()!r})\n"
-        f"cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=Path({str(tmp_path / 'data')!r}),"
+        f"cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, data_dir=Path({str(tmp_path / 'data')!r}),"
         " disk_capacity_bytes=64 << 20)\n"
         "try:\n    TieredStore(layout, cfg)\nexcept StorageError as exc:\n    print('refused:', exc); sys.exit(3)\n"
     )
@@ -134,11 +134,11 @@ def test_a_second_process_cannot_open_a_held_data_dir(tmp_path: Path, small_layo
 def test_deleting_lock_does_not_let_a_second_writer_in(tmp_path: Path, small_layout: KVLayout) -> None:
     """The owner lock is on the directory: removing the ``LOCK`` note leaves it held."""
     path = tmp_path / "data"
-    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=path, disk_capacity_bytes=64 << 20)
+    cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, data_dir=path, disk_capacity_bytes=64 << 20)
     code = (
         "import sys; from pathlib import Path; from kvstore import *; from kvstore.tiers.base import TierName\n"
         f"layout = KVLayout.from_json({small_layout.to_json()!r})\n"
-        f"cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, disk_path=Path({str(path)!r}),"
+        f"cfg = StoreConfig(tiers=(TierName.DISK,), chunk_size=256, data_dir=Path({str(path)!r}),"
         " disk_capacity_bytes=64 << 20)\n"
         "try:\n    TieredStore(layout, cfg)\nexcept StorageError as exc:\n    print('refused:', exc); sys.exit(3)\n"
     )

@@ -56,7 +56,7 @@ class ServerProcess:
 
 def serve_args(data_dir: Path, layout_file: Path | None, *extra: str) -> list[str]:
     args = [sys.executable, "-m", "kvstore.cli.main", "serve", "--port", "0", "--metrics-port", "0"]
-    args += ["--disk-path", str(data_dir), "--cpu-size-gb", "0.01", "--disk-size-gb", "0.25"]
+    args += ["--data-dir", str(data_dir), "--cpu-size", "10MiB", "--disk-size", "256MiB"]
     args += ["--chunk-size", str(CHUNK_SIZE), "--workers", "2"]
     if layout_file is not None:
         args += ["--layout", str(layout_file)]

@@ -10,7 +10,8 @@ import pytest
 from kvstore import Client
 from kvstore.cli.main import main
 from kvstore.cli.top_documents import NO_HITS_NOTE
-from kvstore.server.document_hits_file import DOCUMENT_HITS_FILE
+from kvstore.server.usage.documents_file import DOCUMENT_HITS_FILE
+from tests.cli.test_cli import EVICTION_REPORT_KEYS
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess, running_server
 
@@ -93,18 +94,18 @@ def test_offline_inspect_shows_the_document_hits_the_server_saved(
             client.store(tokens, make_kv(SERVER_LAYOUT, 48, seed=77), durable=True)
             for _ in range(3):
                 client.release(client.lookup(tokens))
-        code, out, _ = run(["inspect", "--path", str(data_dir), "--json"], capsys)
+        code, out, _ = run(["inspect", "--data-dir", str(data_dir), "--json"], capsys)
         report = json.loads(out)
         assert code == 0 and report["top_documents"] == [] and report["top_documents_note"] == NO_HITS_NOTE, (
             "nothing saved yet (a minute has not passed): said, not failed"
         )
         assert started.stop() == 0
     assert (data_dir / DOCUMENT_HITS_FILE).is_file(), "saved at shutdown"
-    code, out, _ = run(["inspect", "--path", str(data_dir), "--json", "--top", "5"], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(data_dir), "--json", "--top", "5"], capsys)
     (document,) = json.loads(out)["top_documents"]
     assert code == 0 and (document["hits"], document["tokens_served"], document["num_tokens"]) == (3, 144, 48)
     assert document["tiers"] == {"disk": 3}
-    code, out, _ = run(["inspect", "--path", str(data_dir)], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(data_dir)], capsys)
     assert code == 0 and "top documents by hits" in out and document["first_key"] in out
     with running_server(data_dir) as restarted:
         with Client(restarted.url, SERVER_LAYOUT, name="offline-test") as client:
@@ -112,23 +113,23 @@ def test_offline_inspect_shows_the_document_hits_the_server_saved(
         code, out, _ = run(["inspect", "--url", restarted.url, "--json"], capsys)
         (live,) = json.loads(out)["top_documents"]
         assert live["hits"] == 4 and live["first_key"] == document["first_key"], "counting goes on after a restart"
-        code, out, _ = run(["inspect", "--path", str(data_dir), "--json"], capsys)
+        code, out, _ = run(["inspect", "--data-dir", str(data_dir), "--json"], capsys)
         saved = json.loads(out)
         assert code == 0 and saved["top_documents"][0]["hits"] == 3, "offline: the counts as last saved"
         assert f"live: --url {restarted.url}" in saved["top_documents_note"]
     (data_dir / DOCUMENT_HITS_FILE).write_bytes(b"garbage")
-    code, out, _ = run(["inspect", "--path", str(data_dir)], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(data_dir)], capsys)
     assert code == 0 and "hit counts unreadable" in out
 
 
 def test_offline_commands_beside_a_live_server(
     server: ServerProcess, stored_keys: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, _, err = run(["evict", "--path", str(server.data_dir), "--all", "--yes"], capsys)
+    code, _, err = run(["evict", "--data-dir", str(server.data_dir), "--all", "--yes"], capsys)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 1 and len(lines) == 1, err
     assert f"held by kvstore serve (pid {server.pid})" in lines[0] and f"--url {server.url}" in lines[0]
-    code, out, _ = run(["inspect", "--path", str(server.data_dir), "--json"], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(server.data_dir), "--json"], capsys)
     assert code == 0 and json.loads(out)["num_chunks"] >= 4, "read-only inspection works beside the server"
 
 
@@ -137,7 +138,8 @@ def test_evict_url_by_key_bytes_and_all(
 ) -> None:
     code, out, _ = run(["evict", "--url", server.url, "--key", stored_keys[0], "--json"], capsys)
     report = json.loads(out)
-    assert code == 0 and report["evicted_chunk_copies"] == 2 and report["still_cached"] == []
+    assert code == 0 and report["evicted_chunks"] == 2 and report["still_cached"] == []
+    assert set(report) == EVICTION_REPORT_KEYS and report["url"] == server.url and report["data_dir"] is None
     code, out, _ = run(["evict", "--url", server.url, "--key", stored_keys[0]], capsys)
     assert code == 1 and "not found" in out
     code, out, _ = run(["evict", "--url", server.url, "--bytes", "8KiB", "--tier", "cpu", "--json"], capsys)

@@ -113,7 +113,7 @@ def test_malformed_starts_on_the_wire_get_error_replies(server: ServerProcess) -
 def test_a_cuda_tail_travels_by_ipc_handle(tmp_path: Path) -> None:
     num_tokens, start = 6 * CHUNK_SIZE + 3, 3 * CHUNK_SIZE
     tokens, kv = make_tokens(num_tokens, seed=71), make_kv(SERVER_LAYOUT, num_tokens, seed=71).cuda()
-    with running_server(tmp_path / "data", "--tiers", "gpu,cpu,disk", "--gpu-size-gb", "0.05") as gpu_server:
+    with running_server(tmp_path / "data", "--tiers", "gpu,cpu,disk", "--gpu-size", "50MiB") as gpu_server:
         with Client(gpu_server.url, SERVER_LAYOUT) as client:
             assert client.server.features.cuda_ipc
             client.store(tokens[:start], kv[:, :, :start])

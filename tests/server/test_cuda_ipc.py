@@ -27,7 +27,7 @@ pytestmark = [
 def test_cuda_tensors_travel_by_ipc_handle(tmp_path: Path) -> None:
     tokens = make_tokens(96, seed=7)
     kv = make_kv(SERVER_LAYOUT, 96, seed=7).cuda()
-    with running_server(tmp_path / "data", "--tiers", "gpu,cpu,disk", "--gpu-size-gb", "0.05") as server:
+    with running_server(tmp_path / "data", "--tiers", "gpu,cpu,disk", "--gpu-size", "50MiB") as server:
         with Client(server.url, SERVER_LAYOUT) as client:
             assert client.server.features.cuda_ipc
             client.store(tokens, kv)
@@ -54,7 +54,7 @@ def test_a_handle_claiming_more_storage_than_its_allocation_is_refused(tmp_path:
     Touching past the allocation would poison the server's CUDA context for every later request."""
     tokens = make_tokens(32, seed=9)
     kv = make_kv(SERVER_LAYOUT, 32, seed=9)
-    with running_server(tmp_path / "data", "--tiers", "gpu,cpu,disk", "--gpu-size-gb", "0.05") as server:
+    with running_server(tmp_path / "data", "--tiers", "gpu,cpu,disk", "--gpu-size", "50MiB") as server:
         with Client(server.url, SERVER_LAYOUT) as client:
             small = torch.empty(2**20, dtype=torch.bfloat16, device="cuda")  # 2 MiB in an allocation of its own
             handle = export_cuda_tensor(small)

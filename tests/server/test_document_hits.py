@@ -12,8 +12,8 @@ import pytest
 from kvstore import StoreConfig, TieredStore
 from kvstore.errors import StorageError
 from kvstore.keys import PrefixKey, as_token_array, prefix_keys
-from kvstore.server.document_hits import DocumentHits
-from kvstore.server.document_hits_file import (
+from kvstore.server.usage.documents import DocumentHits
+from kvstore.server.usage.documents_file import (
     DOCUMENT_HITS_FILE,
     DocumentHitsSaver,
     SavedDocumentHits,

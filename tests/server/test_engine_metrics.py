@@ -16,9 +16,9 @@ from kvstore.keys import PrefixKey, as_token_array, prefix_keys
 from kvstore.plan import LookupPlan, Segment
 from kvstore.server.clients import ClientRegistry
 from kvstore.server.handlers import RequestHandler, ServerIdentity
-from kvstore.server.hits import PlanCoverage
 from kvstore.server.metrics import MAX_ENGINES, OTHER_ENGINE, ServerMetrics
 from kvstore.server.store_host import StoreHost
+from kvstore.server.usage.plan_coverage import PlanCoverage
 from kvstore.tiers.base import TierName
 from kvstore.wire.messages import HelloArgs
 from kvstore.wire.protocol import Limits, Op, decode_reply, decode_request, encode_request
@@ -140,7 +140,7 @@ def test_departed_clients_are_forgotten_by_the_engine_table(tmp_path: Path) -> N
     metrics = ServerMetrics(lambda: None, lambda: clients.num_clients)
     limits = Limits()
     identity = ServerIdentity(version="t", host_id="h", pid=1, started_s=time.monotonic(), limits=limits, shm=False,
-                              disk_path=None)  # fmt: skip
+                              data_dir=None)  # fmt: skip
     handler = RequestHandler(host, clients, identity, metrics, is_serving=lambda: True)
 
     def request(op: Op, args: dict[str, object], client_id: str | None = None) -> str:

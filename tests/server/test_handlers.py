@@ -28,10 +28,10 @@ from kvstore.errors import (
 from kvstore.keys import as_token_array
 from kvstore.layout import KVLayout
 from kvstore.server.clients import ClientRegistry
-from kvstore.server.document_hits_file import load_document_hits
 from kvstore.server.handlers import ReplyFrames, RequestHandler, ServerIdentity
 from kvstore.server.metrics import ServerMetrics
 from kvstore.server.store_host import StoreHost
+from kvstore.server.usage.documents_file import load_document_hits
 from kvstore.tiers.base import TierName
 from kvstore.wire.documents import DocumentsArgs, DocumentsReport, TierChunks
 from kvstore.wire.error_codes import ErrorCode, error_for, exception_for
@@ -105,9 +105,9 @@ def make_harness(config: StoreConfig, layout: KVLayout | None, **handler_options
         return host.store.stats() if host.store is not None else None
 
     metrics = ServerMetrics(stats, lambda: clients.num_clients)
-    disk_path = str(config.disk_path) if TierName.DISK in config.tiers else None
+    data_dir = str(config.data_dir) if TierName.DISK in config.tiers else None
     identity = ServerIdentity(
-        version="test", host_id="h", pid=1, started_s=time.monotonic(), limits=LIMITS, shm=True, disk_path=disk_path
+        version="test", host_id="h", pid=1, started_s=time.monotonic(), limits=LIMITS, shm=True, data_dir=data_dir
     )
     handler = RequestHandler(host, clients, identity, metrics, is_serving=lambda: True, **handler_options)  # type: ignore[arg-type]
     return Harness(handler, host, clients, metrics, now, alive)
@@ -117,7 +117,7 @@ def make_harness(config: StoreConfig, layout: KVLayout | None, **handler_options
 def harness(tmp_path: Path) -> Iterator[Harness]:
     config = StoreConfig(
         tiers=(TierName.CPU, TierName.DISK), chunk_size=CHUNK_SIZE, cpu_capacity_bytes=1 << 20,
-        disk_path=tmp_path / "data", disk_capacity_bytes=1 << 26, enable_blend=True,
+        data_dir=tmp_path / "data", disk_capacity_bytes=1 << 26, enable_blend=True,
     )  # fmt: skip
     built = make_harness(config, SERVER_LAYOUT)
     yield built
@@ -152,7 +152,7 @@ def test_store_lookup_retrieve_inline(harness: Harness) -> None:
 
 
 def test_a_memory_only_retrieve_skips_what_only_the_disk_holds(tmp_path: Path) -> None:
-    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, disk_path=tmp_path / "data",
+    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, data_dir=tmp_path / "data",
                          disk_capacity_bytes=1 << 26)  # fmt: skip
     harness = make_harness(config, SERVER_LAYOUT)
     try:
@@ -231,7 +231,7 @@ def test_admin_ops_and_their_errors(harness: Harness) -> None:
 def test_documents_op_counts_stores_and_lookups_and_the_janitor_saves_them(tmp_path: Path) -> None:
     config = StoreConfig(
         tiers=(TierName.CPU, TierName.DISK), chunk_size=CHUNK_SIZE, cpu_capacity_bytes=1 << 20,
-        disk_path=tmp_path / "data", disk_capacity_bytes=1 << 26,
+        data_dir=tmp_path / "data", disk_capacity_bytes=1 << 26,
     )  # fmt: skip
     harness = make_harness(config, SERVER_LAYOUT, documents_save_interval_s=0.0)
     try:

@@ -57,43 +57,100 @@ def one_line_error(result: subprocess.CompletedProcess[str], fragment: str) -> N
 
 
 def test_defaults_serve_out_of_the_box(tmp_path: Path) -> None:
-    settings = resolve_settings(ServeFlags(disk_path=tmp_path / "d"), MACHINE)
+    settings = resolve_settings(ServeFlags(data_dir=tmp_path / "d"), MACHINE)
     store = settings.store
     assert store.tiers == (TierName.CPU, TierName.DISK) and store.chunk_size == 256
     assert store.cpu_capacity_bytes == 4 * GIB and settings.layout is None
     assert (settings.loop.host, settings.loop.port, settings.metrics_port) == ("127.0.0.1", 5555, 5556)
     with_cuda = HostFacts(cuda_available=True, available_memory_bytes=16 * GIB, gpu_free_bytes=80 * GIB)
-    assert resolve_settings(ServeFlags(disk_path=tmp_path / "d"), with_cuda).store.tiers[0] is TierName.GPU
+    assert resolve_settings(ServeFlags(data_dir=tmp_path / "d"), with_cuda).store.tiers[0] is TierName.GPU
     small = HostFacts(cuda_available=False, available_memory_bytes=2 * GIB, gpu_free_bytes=0)
-    assert resolve_settings(ServeFlags(disk_path=tmp_path / "d"), small).store.cpu_capacity_bytes == GIB // 2
+    assert resolve_settings(ServeFlags(data_dir=tmp_path / "d"), small).store.cpu_capacity_bytes == GIB // 2
 
 
 def test_the_start_up_lines_name_every_tier_its_size_and_whether_it_is_a_default(tmp_path: Path) -> None:
-    flags = ServeFlags(disk_path=tmp_path / "d", cpu_size_gb=0.5)
-    settings = resolve_settings(flags, MACHINE)
+    flags = ServeFlags(data_dir=tmp_path / "d", cpu_size="512MiB")
+    settings = resolve_settings(flags, MACHINE, environ={})
     address = ServerAddress(url="tcp://127.0.0.1:1", metrics_url="http://127.0.0.1:2/metrics", disk_chunks=42)
-    lines = startup_lines(settings, flags, address)
+    lines = startup_lines(settings, address)
     assert lines[0] == "listening on tcp://127.0.0.1:1 (metrics http://127.0.0.1:2/metrics)"
     assert lines[1] == "layout set by the first client; chunks of 256 tokens"
-    assert lines[2] == "cpu tier: 0.50 GiB of RAM (set by --cpu-size-gb)"
-    assert lines[3].startswith("disk tier: ") and "the default: 64 GiB, at most half the free disk" in lines[3]
+    assert lines[2] == "cpu tier: 0.50 GiB of RAM (set by --cpu-size)"
+    assert lines[3].startswith("disk tier: ") and "the default: 64GiB, at most half the free disk" in lines[3]
+    from_env = resolve_settings(ServeFlags(data_dir=tmp_path / "d"), MACHINE, environ={"KVSTORE_CPU_SIZE": "1GiB"})
+    assert startup_lines(from_env, address)[2] == "cpu tier: 1.00 GiB of RAM (set by KVSTORE_CPU_SIZE)"
     assert lines[4] == f"data dir {(tmp_path / 'd').absolute()}: 42 chunks recovered from disk"
 
 
-def test_flags_override_the_config_file(tmp_path: Path) -> None:
+def test_flags_override_the_environment_which_overrides_the_config_file(tmp_path: Path) -> None:
     config = tmp_path / "kvstore.toml"
-    config.write_text('tiers = ["cpu"]\ncpu_size_gb = 1.5\nport = 6000\nenable_blend = true\nlayout = "llama3.1-8b"\n')
-    settings = resolve_settings(ServeFlags(port=7000, disk_path=tmp_path / "d"), MACHINE, config)
+    config.write_text(
+        'tiers = ["cpu"]\ncpu_size = "1.5GiB"\nport = 6000\nmetrics_port = 6001\nenable_blend = true\n'
+        'layout = "llama3.1-8b"\nworkers = 3\n'
+    )
+    environ = {"KVSTORE_PORT": "6500", "KVSTORE_WORKERS": "5", "KVSTORE_ENABLE_BLEND": "no", "HOME": "/root"}
+    settings = resolve_settings(ServeFlags(port=7000, data_dir=tmp_path / "d"), MACHINE, config, environ)
     assert settings.store.tiers == (TierName.CPU,) and settings.store.cpu_capacity_bytes == int(1.5 * GIB)
-    assert settings.loop.port == 7000 and settings.store.enable_blend
-    assert settings.layout == preset_layout("llama3.1-8b")
+    assert settings.loop.port == 7000, "the flag wins"
+    assert settings.loop.num_control_workers == 5 and not settings.store.enable_blend, "the environment beats the file"
+    assert settings.metrics_port == 6001 and settings.layout == preset_layout("llama3.1-8b"), "the file beats defaults"
+    assert settings.given_by["port"] == "--port" and settings.given_by["workers"] == "KVSTORE_WORKERS"
+    assert settings.given_by["cpu_size"] == f"{config} cpu_size" and "chunk_size" not in settings.given_by
+
+
+def test_every_setting_has_a_flag_a_config_key_and_a_variable(tmp_path: Path) -> None:
+    """The three spellings come from ServeFlags' fields: a new setting cannot miss one."""
+    import dataclasses
+
+    from kvstore.cli.main import app
+    from kvstore.server.settings import env_name, flag_name
+
+    serve = next(command for command in app.registered_commands if command.name == "serve")
+    options = {option for parameter in inspect_parameters(serve.callback) for option in parameter}
+    for setting in dataclasses.fields(ServeFlags):
+        flag = flag_name(setting.name)
+        assert flag in options or f"--enable-{setting.name.removeprefix('enable_')}" in options, flag
+        assert env_name(setting.name) == "KVSTORE_" + setting.name.upper()
+
+
+def inspect_parameters(callback: object) -> list[list[str]]:
+    """The option names of each parameter of a typer command."""
+    import inspect
+
+    names = []
+    for parameter in inspect.signature(callback).parameters.values():  # type: ignore[arg-type]
+        default = parameter.default
+        declared = [d for d in (getattr(default, "param_decls", None) or []) for d in d.split("/")]
+        names.append([name for name in declared if name.startswith("--")])
+    return names
+
+
+@pytest.mark.parametrize(
+    ("environ", "fragment"),
+    [
+        ({"KVSTORE_PORT": "many"}, "KVSTORE_PORT=many must be an integer"),
+        ({"KVSTORE_ENABLE_BLEND": "maybe"}, "KVSTORE_ENABLE_BLEND=maybe must be one of"),
+        ({"KVSTORE_CPU_SIZE_GB": "4"}, "unknown variable KVSTORE_CPU_SIZE_GB"),
+        ({"KVSTORE_CPU_SIZE": "lots"}, "--cpu-size 'lots' is not a size"),
+    ],
+)
+def test_bad_environment_variables_are_one_line_errors(tmp_path: Path, environ: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment) as caught:
+        resolve_settings(ServeFlags(data_dir=tmp_path / "d"), MACHINE, environ=environ)
+    assert "\n" not in str(caught.value)
+
+
+def test_variables_that_are_not_server_settings_are_left_alone(tmp_path: Path) -> None:
+    environ = {"KVSTORE_CACHE_DIR": "/tmp/models", "KVSTORE_CONNECTOR_TRACE": "/tmp/trace.jsonl"}
+    assert resolve_settings(ServeFlags(data_dir=tmp_path / "d"), MACHINE, environ=environ).loop.port == 5555
 
 
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ("cpu_size = 1\n", "unknown key 'cpu_size'"),
-        ("port = '5555'\n", "must be a int"),
+        ("cpu_size_gb = 1\n", "unknown key 'cpu_size_gb'"),
+        ("port = '5555'\n", "must be int"),
+        ("cpu_size = 1.5\n", "must be a size string"),
         ("tiers = [1]\n", "list of strings"),
         ("this is not toml", "is not TOML"),
     ],
@@ -111,37 +168,37 @@ def test_bad_config_files_are_one_line_errors(tmp_path: Path, text: str, fragmen
         (ServeFlags(tiers="gpu,cpu"), ConfigError, "no CUDA"),
         (ServeFlags(tiers="disk,cpu"), ConfigError, "out of order"),
         (ServeFlags(tiers=""), ConfigError, "no tiers"),
-        (ServeFlags(cpu_size_gb=64.0), ConfigError, "--cpu-size-gb 64.00 GiB does not fit"),
-        (ServeFlags(disk_size_gb=1e9), ConfigError, "--disk-size-gb"),
-        (ServeFlags(cpu_size_gb=-1.0), ConfigError, "non-negative"),
+        (ServeFlags(cpu_size="64GiB"), ConfigError, "--cpu-size 64.00GiB does not fit"),
+        (ServeFlags(disk_size="1000000GiB"), ConfigError, "--disk-size"),
+        (ServeFlags(cpu_size="-1GiB"), ConfigError, "--cpu-size '-1GiB' is not a size"),
         (ServeFlags(port=70000), ConfigError, "not a TCP port"),
         (ServeFlags(workers=0), ConfigError, "between 1 and 64"),
         (ServeFlags(enable_dedup_content=True), ConfigError, "needs enable_blend"),
         (ServeFlags(layout="gpt-17"), ConfigError, "neither a preset"),
-        (ServeFlags(tiers="cpu,disk", cpu_size_gb=0.0), ConfigError, "leaves the cpu tier no room for any chunk"),
-        (ServeFlags(tiers="cpu", cpu_size_gb=1e-6, layout="llama3.1-8b"), ConfigError, "no room for one chunk"),
+        (ServeFlags(tiers="cpu,disk", cpu_size="0"), ConfigError, "leaves the cpu tier no room for any chunk"),
+        (ServeFlags(tiers="cpu", cpu_size="1KiB", layout="llama3.1-8b"), ConfigError, "no room for one chunk"),
     ],
 )
 def test_invalid_settings_fail_before_start_up(
     tmp_path: Path, flags: ServeFlags, error: type[Exception], fragment: str
 ) -> None:
-    flags = ServeFlags(**{name: getattr(flags, name) for name in ServeFlags.__slots__} | {"disk_path": tmp_path})
+    flags = ServeFlags(**{name: getattr(flags, name) for name in ServeFlags.__slots__} | {"data_dir": tmp_path})
     with pytest.raises(error, match=fragment):
-        resolve_settings(flags, MACHINE)
+        resolve_settings(flags, MACHINE, environ={})
 
 
 def test_the_data_dir_decides_chunk_size_and_layout(tmp_path: Path) -> None:
     from kvstore import StoreConfig, TieredStore
 
     data = tmp_path / "data"
-    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, disk_path=data, disk_capacity_bytes=1 << 26)
+    config = StoreConfig(tiers=(TierName.DISK,), chunk_size=CHUNK_SIZE, data_dir=data, disk_capacity_bytes=1 << 26)
     TieredStore(SERVER_LAYOUT, config).close()
-    settings = resolve_settings(ServeFlags(disk_path=data), MACHINE)
+    settings = resolve_settings(ServeFlags(data_dir=data), MACHINE)
     assert settings.store.chunk_size == CHUNK_SIZE and settings.layout == SERVER_LAYOUT
     with pytest.raises(LayoutMismatchError, match="--chunk-size 256 disagrees"):
-        resolve_settings(ServeFlags(disk_path=data, chunk_size=256), MACHINE)
-    with pytest.raises(LayoutMismatchError, match="use another --disk-path"):
-        resolve_settings(ServeFlags(disk_path=data, layout="smollm2-135m"), MACHINE)
+        resolve_settings(ServeFlags(data_dir=data, chunk_size=256), MACHINE)
+    with pytest.raises(LayoutMismatchError, match="use another --data-dir"):
+        resolve_settings(ServeFlags(data_dir=data, layout="smollm2-135m"), MACHINE)
 
 
 # -- the process ---------------------------------------------------------------------------------------------------
@@ -151,7 +208,7 @@ def test_the_data_dir_decides_chunk_size_and_layout(tmp_path: Path) -> None:
     ("argv", "code", "fragment"),
     [
         (["--tiers", "gpu,cpu"], 1, "no CUDA"),
-        (["--cpu-size-gb", "100000"], 1, "does not fit"),
+        (["--cpu-size", "100000GiB"], 1, "does not fit"),
         (["--port", "many"], 2, "--port"),
         (["--config", "/nonexistent.toml"], 1, "cannot read --config"),
     ],
@@ -160,7 +217,7 @@ def test_bad_flags_exit_with_one_line_before_start_up(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, fragment: str
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        main(["serve", "--disk-path", str(tmp_path / "data"), *argv])
+        main(["serve", "--data-dir", str(tmp_path / "data"), *argv])
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert exited.value.code == code and len(lines) == 1 and fragment in lines[0], captured.err
@@ -172,12 +229,12 @@ def test_a_data_dir_that_cannot_be_one_is_a_one_line_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
 ) -> None:
     if where == "a_regular_file":
-        disk_path, fragment = tmp_path / "file", "is not a directory"
-        disk_path.write_text("not a data dir")
+        data_dir, fragment = tmp_path / "file", "is not a directory"
+        data_dir.write_text("not a data dir")
     else:
-        disk_path, fragment = Path("/proc/kv"), "cannot create data dir /proc/kv"
+        data_dir, fragment = Path("/proc/kv"), "cannot create data dir /proc/kv"
     with pytest.raises(SystemExit) as exited:
-        main(["serve", "--disk-path", str(disk_path), "--tiers", "cpu,disk", "--layout", "smollm2-135m"])
+        main(["serve", "--data-dir", str(data_dir), "--tiers", "cpu,disk", "--layout", "smollm2-135m"])
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert exited.value.code == 1 and len(lines) == 1 and fragment in lines[0], captured.err
@@ -248,7 +305,7 @@ def test_the_first_client_sets_the_layout_of_a_fresh_server(tmp_path: Path) -> N
         with pytest.raises(LayoutMismatchError, match="start another server"):
             Client(server.url, KVLayout(model_id="second", num_layers=2, num_kv_heads=2, head_dim=16))
         assert server.stop() == 0
-    assert resolve_settings(ServeFlags(disk_path=data), MACHINE).layout == SERVER_LAYOUT, "the data dir recorded it"
+    assert resolve_settings(ServeFlags(data_dir=data), MACHINE).layout == SERVER_LAYOUT, "the data dir recorded it"
 
 
 def test_serve_help_has_examples_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:

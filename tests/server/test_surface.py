@@ -64,7 +64,7 @@ def _round_trip(surface: StoreSurface, tokens: list[int], kv: torch.Tensor) -> t
 def test_a_store_and_a_client_answer_alike_through_the_surface(tmp_path: Path, server: ServerProcess) -> None:
     tokens = [int(t) for t in make_tokens(3 * CHUNK_SIZE, seed=41)]
     kv = make_kv(SERVER_LAYOUT, len(tokens), seed=42)
-    config = StoreConfig(tiers=(TierName.CPU, TierName.DISK), disk_path=tmp_path / "data", chunk_size=CHUNK_SIZE)
+    config = StoreConfig(tiers=(TierName.CPU, TierName.DISK), data_dir=tmp_path / "data", chunk_size=CHUNK_SIZE)
     with TieredStore(SERVER_LAYOUT, config) as store, Client(server.url, SERVER_LAYOUT) as client:
         answers = [_round_trip(surface, tokens, kv) for surface in surfaces_of(store, client)]
         for surface in surfaces_of(store, client):

@@ -69,7 +69,7 @@ def data_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def shared_server(data_dir: Path) -> Iterator[ServerProcess]:
-    flags = ("--tiers", "cpu,disk", "--cpu-size-gb", "0.5", "--disk-size-gb", "2", "--chunk-size", "256")
+    flags = ("--tiers", "cpu,disk", "--cpu-size", "512MiB", "--disk-size", "2GiB", "--chunk-size", "256")
     with running_server(data_dir, *flags, layout=None) as server:
         yield server
 
@@ -128,7 +128,7 @@ def test_engines_store_share_survive_a_killed_server_and_restart_from_disk_with_
     assert after_kill.num_cached_tokens == after_kill.kvstore_loaded_tokens == 0, "the store is gone: all computed"
     assert after_kill.token_ids == cold["third"]
 
-    embedded = {"kvstore.disk_path": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size_gb": 0.5}
+    embedded = {"kvstore.data_dir": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size": "512MiB"}
     (restarted,) = run_engine(connector_spec(vllm_model_dir, vllm_env, [prompts["first"]], embedded))
     assert restarted.num_cached_tokens == FULL_HIT_TOKENS, "the cache survived the kill and the restart on disk"
     assert restarted.kvstore_loaded_tokens == FULL_HIT_TOKENS, "loaded from disk, not recomputed after a failed load"

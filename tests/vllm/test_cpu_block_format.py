@@ -33,7 +33,7 @@ def test_gather_and_scatter_agree_with_the_cpu_kernel(isa: str, dtype: torch.dty
     cache = torch.zeros(BLOCKS, HEADS, SLOTS, 2 * DIM, dtype=dtype)
     write = kernel_writer(cache, isa)
     block_format = probe_block_format(cache, block_size=SLOTS, num_kv_heads=HEADS, head_dim=DIM, write=write)
-    if isa == "vec":  # the layout ../shared/vllm-connector.md documents: K transposed in each head, then V
+    if isa == "vec":  # the layout vLLM documents for its CPU backend: K transposed in each head, then V
         assert (block_format.key.token_stride, block_format.key.dim_stride) == (1, SLOTS)
         assert (block_format.value.offset, block_format.value.token_stride) == (SLOTS * DIM, DIM)
 

@@ -53,7 +53,7 @@ CHUNK_SIZE = 32
 MAX_MODEL_LEN = 1024
 SAMPLED_TOKEN = 7
 LOOKUP_TIMEOUT_S = 0.5
-STORE_FLAGS = ("--chunk-size", str(CHUNK_SIZE), "--cpu-size-gb", "0.5")
+STORE_FLAGS = ("--chunk-size", str(CHUNK_SIZE), "--cpu-size", "512MiB")
 """``serve_args`` defaults, overridden: 45 KiB of float32 KV a token for SmolLM2 (30 layers, 3 kv heads, 64 dims)."""
 
 

@@ -9,7 +9,7 @@ Loaded the way vLLM loads any out-of-tree connector::
 vLLM builds one instance per role: ``SCHEDULER`` in the EngineCore process (``SchedulerSide``) and ``WORKER`` in
 each worker process (``WorkerSide``); this class only checks the engine, links each half to the store and forwards
 vLLM's calls. Without ``kvstore.url`` the first instance starts a private ``kvstore serve`` on
-``kvstore.disk_path`` (``embedded_server``) and the other finds it there.
+``kvstore.data_dir`` (``embedded_server``) and the other finds it there.
 
 ``kv_role``: ``kv_both`` loads and stores, ``kv_consumer`` only loads, ``kv_producer`` only stores.
 """
@@ -97,7 +97,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             "KVStoreConnector (%s): layout %s, store %s",
             role.name.lower(),
             layout.describe(),
-            settings.url or settings.embedded.disk_path,
+            settings.url or settings.embedded.data_dir,
         )
 
     # -- worker side ------------------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ its last commit would be a SIGBUS at the first touch of the map, so it is refuse
 cannot open one environment twice in one process, so a read-only open next to a writable one must come from
 another process.
 
-LMDB settings follow ../shared/limits.md: ``writemap=False`` (faster for multi-MiB values, and the file grows
-only as pages are written), ``sync=False, metasync=False`` (commits go to the page cache; ``sync()`` makes
-them durable at batch boundaries), ``readahead=True`` (cold reads collapse without it; measured:
-docs/design-notes.md#tiers-disk-environment).
+LMDB settings follow the measured pitfalls (docs/design-notes.md): ``writemap=False`` (faster for multi-MiB
+values, and the file grows only as pages are written), ``sync=False, metasync=False`` (commits go to the page
+cache; ``sync()`` makes them durable at batch boundaries), ``readahead=True`` (cold reads collapse without it;
+measured: docs/design-notes.md#tiers-disk-environment).
 
 Every lmdb error is translated here (or by callers through ``storage_error``) into ``StorageError``; only
 ``MapFullError`` leaves ``write()`` as it is, for the writer to handle. ``start_writeback`` asks the kernel to
@@ -79,9 +79,9 @@ def tune_malloc_for_large_values() -> bool:
 
     With ``writemap=False`` LMDB mallocs one buffer per large value it writes and frees them all at commit;
     glibc then trims the heap (or unmaps), so the next group commit page-faults fresh memory and LMDB writes
-    slow down several-fold (limits.md pitfall 1; measured: docs/design-notes.md#tiers-disk-environment).
+    slow down several-fold (measured: docs/design-notes.md#tiers-disk-environment).
     Fixing the mmap threshold at 32 MiB and the trim threshold at 256 MiB keeps that memory for reuse. This
-    changes the process's allocator settings (it is what limits.md recommends doing at start-up);
+    changes the process's allocator settings (what the measured pitfalls recommend doing at start-up);
     ``DiskTuning.tune_malloc`` turns it off.
 
     Returns:
@@ -179,7 +179,7 @@ class DiskEnvironment:
         self._sync_file_range: Callable[[int, int, int, int], int] | None = None
         if read_only:
             if not (self.path / DATA_FILE).is_file():
-                raise StorageError(f"no kvstore data dir at {self.path} (no {DATA_FILE}); check the --path")
+                raise StorageError(f"no kvstore data dir at {self.path} (no {DATA_FILE}); check the --data-dir")
             check_data_file(self.path / DATA_FILE)
         else:
             _make_data_dir(self.path)
@@ -220,7 +220,7 @@ class DiskEnvironment:
         except lmdb.Error as exc:
             self.close()
             raise StorageError(
-                f"{self.path} is not a kvstore data dir (missing sub-databases: {exc}); check the --path"
+                f"{self.path} is not a kvstore data dir (missing sub-databases: {exc}); check the --data-dir"
             ) from exc
 
     # -- the layout record -----------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ class DiskEnvironment:
                 f"data dir {self.path} holds KV of {info.layout.describe()} "
                 f"with chunk_size={info.chunk_size}, "
                 f"but it was opened for {layout.describe()} with chunk_size={chunk_size}; open it with the "
-                "model and --chunk-size it was created with, or use another --disk-path (or delete this dir)"
+                "model and --chunk-size it was created with, or use another --data-dir (or delete this dir)"
             )
         if not self.read_only and info.capacity_bytes != capacity_bytes:
             with self.write() as txn:
@@ -378,8 +378,8 @@ def _make_data_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise StorageError(f"data dir {path} exists and is not a directory; choose another --disk-path") from None
+        raise StorageError(f"data dir {path} exists and is not a directory; choose another --data-dir") from None
     except OSError as exc:
-        raise StorageError(f"cannot create data dir {path}: {exc.strerror}; choose a writable --disk-path") from None
+        raise StorageError(f"cannot create data dir {path}: {exc.strerror}; choose a writable --data-dir") from None
     if not path.is_dir():
-        raise StorageError(f"data dir {path} is not a directory; choose another --disk-path")
+        raise StorageError(f"data dir {path} is not a directory; choose another --data-dir")

@@ -2,8 +2,8 @@
 
 ``DiskTier.put`` copies the caller's tensor (any device, any strides) into a staging buffer and returns; the
 disk writer releases the buffer after the chunk is committed. Buffers are reused: a fresh 32 MiB allocation
-copies several times slower than a reused one (limits.md), and a bounded pool keeps a burst of puts from growing
-memory -- when every buffer is in flight, ``acquire`` blocks until the writer frees one.
+copies several times slower than a reused one (docs/design-notes.md), and a bounded pool keeps a burst of puts
+from growing memory -- when every buffer is in flight, ``acquire`` blocks until the writer frees one.
 
 With ``preallocate`` every buffer is allocated and each of its pages written once when the pool is made, so
 no put pays for first touches (page faults, and on a VM whose host backs guest memory lazily a host fault

@@ -1,7 +1,7 @@
 """The disk tier: chunks in one LMDB environment per data dir, compressed per frame, kept across restarts.
 
 A chunk's KV bytes (``[num_layers, 2, num_tokens, num_kv_heads, head_dim]``, row-major) are cut into frames of
-``frame_bytes`` (4 MiB: larger LMDB values write much slower, limits.md), each encoded by ``FrameCodec``
+``frame_bytes`` (4 MiB: larger LMDB values write much slower, docs/design-notes.md), each encoded by ``FrameCodec``
 (byte-plane shuffle + zstd + checksum) and stored under ``key | frame index``; a meta value per chunk keeps
 its sizes, position, last access and tokens (``format``). The parts:
 
@@ -143,7 +143,7 @@ class DiskTier(Tier):
             raise ConfigError(
                 f"disk tier capacity_bytes={capacity_bytes} is below one chunk "
                 f"({self._geometry.stored_bound_bytes(chunk_size) / _MIB:.1f} MiB for {layout.describe()} x "
-                f"{chunk_size} tokens); raise it (StoreConfig.disk_capacity_bytes, kvstore serve --disk-size-gb)"
+                f"{chunk_size} tokens); raise it (StoreConfig.disk_capacity_bytes, kvstore serve --disk-size)"
             )
         self._lifecycle = OwnedLifecycle(f"disk tier {self.path}")
         self._warned_lock = threading.Lock()

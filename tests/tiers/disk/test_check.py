@@ -92,7 +92,7 @@ def test_a_corrupt_meta_record_is_reported_by_inspect_check(
     finally:
         env.close()
     with pytest.raises(SystemExit) as exited:
-        main(["inspect", "--path", str(path), "--check", "--json"])
+        main(["inspect", "--data-dir", str(path), "--check", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert exited.value.code == 1 and report["ok"] is False and report["num_problems"] == 1
     assert report["problems"] == [f"chunk {keys[1].hex()}: meta record unreadable (checksum or format)"]

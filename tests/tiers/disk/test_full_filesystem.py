@@ -71,7 +71,7 @@ def test_a_full_filesystem_warns_once_per_outage_and_heals_when_space_is_freed(
     config = StoreConfig(
         tiers=(TierName.CPU, TierName.DISK),
         chunk_size=256,
-        disk_path=small_filesystem / "data",
+        data_dir=small_filesystem / "data",
         disk_capacity_bytes=256 << 20,  # far above the filesystem: the filesystem fills first
         cpu_capacity_bytes=64 << 20,
     )
@@ -99,5 +99,5 @@ def test_a_full_filesystem_warns_once_per_outage_and_heals_when_space_is_freed(
         assert not [record for record in caplog.records if record.exc_info], "no tracebacks for a full disk"
         assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
         num_on_disk = _disk(store).num_chunks
-    report = check_data_dir(config.disk_path)
+    report = check_data_dir(config.data_dir)
     assert report.ok and report.num_chunks == num_on_disk, report.problems

@@ -1,7 +1,7 @@
 """``DIR/document-hits.msgpack``: a server's document hit counts, kept across restarts and read by offline inspect.
 
 The server writes the file at shutdown and every ``save_interval_s`` (60 s) while the counts change, so a
-``kill -9`` loses at most a minute of counting and offline ``kvstore inspect --path`` shows what the last server
+``kill -9`` loses at most a minute of counting and offline ``kvstore inspect --data-dir`` shows what the last server
 counted. Writes are atomic: a temporary file in the same directory, fsynced, then renamed over the old one, so a
 reader (or a crash) never sees half a file. Layout, one msgpack map::
 
@@ -34,7 +34,7 @@ import numpy as np
 
 from kvstore.errors import KVStoreError, StorageError
 from kvstore.keys import KEY_BYTES, PrefixKey
-from kvstore.server.document_hits import DocumentHits, DocumentSnapshot
+from kvstore.server.usage.documents import DocumentHits, DocumentSnapshot
 from kvstore.wire.documents import NUM_PREVIEW_TOKENS
 from kvstore.wire.error_codes import RequestError
 from kvstore.wire.fields import Fields

@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvstore.keys import PrefixKey
 from kvstore.lookup_counts import LookupCounts
 from kvstore.plan import LookupPlan, Segment
-from kvstore.server.hits import HitCounter, PlanCoverage
+from kvstore.server.usage.chunk_hits import ChunkHitCounter
+from kvstore.server.usage.plan_coverage import PlanCoverage
 from kvstore.tiers.base import TierName, TierStats
 
 
@@ -41,7 +42,7 @@ def test_plan_coverage_counts_exact_blend_gap_tiers_and_misses() -> None:
 
 
 def test_hit_counter_keeps_the_most_hit_half_when_full() -> None:
-    counter = HitCounter(max_keys=4)
+    counter = ChunkHitCounter(max_keys=4)
     keys = [PrefixKey(bytes([index]) * 16) for index in range(5)]
     counter.add([keys[0], keys[0], keys[0], keys[1], keys[1], keys[2], keys[3]])
     counter.add([keys[4]])

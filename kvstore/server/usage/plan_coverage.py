@@ -1,27 +1,18 @@
-"""Lookup hits per chunk (``kvstore inspect --url``'s most planned chunks, ``chunk`` replies), and one plan's
-coverage for the lookup metrics. Hits per tier are the store's (``TierStats``, ``kvstore.lookup_counts``).
+"""How one lookup plan covers its prompt: exact, blend and gap tokens, chunks per tier, missed chunks -- counted in
+one pass over its segments, for the lookup metrics (``kvstore.server.metrics``).
 
-A bounded counter: when it tracks more than ``max_keys`` chunks it keeps the most-hit half, so memory stays
-bounded on a server that sees millions of distinct chunks (the counts of chunks it dropped restart from zero;
-the top of the list is what an operator looks at).
-
-``PlanCoverage`` is one plan counted in one pass over its segments for the lookup metrics (``metrics``).
-
-Threads: any. ``_counts_lock`` guards ``_counts``.
+Pure values; thread-safe.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstore.keys import PrefixKey, num_chunks
+from kvstore.keys import num_chunks
 from kvstore.plan import LookupPlan
 from kvstore.tiers.base import TierName
 
-__all__ = ["HitCounter", "PlanCoverage"]
+__all__ = ["PlanCoverage"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,30 +64,3 @@ class PlanCoverage:
     def num_gap_tokens(self) -> int:
         """Tokens no segment covers (to compute)."""
         return self.num_query_tokens - self.num_exact_tokens - self.num_blend_tokens
-
-
-class HitCounter:
-    """Hits per chunk key, at most ``max_keys`` keys.
-
-    Args:
-        max_keys: keys tracked before the least-hit half is dropped.
-    """
-
-    def __init__(self, max_keys: int = 100_000) -> None:
-        self._max_keys = max_keys
-        self._counts_lock = threading.Lock()
-        self._counts: Counter[PrefixKey] = Counter()
-
-    def add(self, keys: Iterable[PrefixKey]) -> None:
-        with self._counts_lock:
-            self._counts.update(keys)
-            if len(self._counts) > self._max_keys:
-                self._counts = Counter(dict(self._counts.most_common(self._max_keys // 2)))
-
-    def hits(self, key: PrefixKey) -> int:
-        with self._counts_lock:
-            return self._counts.get(key, 0)
-
-    def top(self, num_keys: int) -> list[tuple[PrefixKey, int]]:
-        with self._counts_lock:
-            return self._counts.most_common(num_keys)
