@@ -16,7 +16,7 @@ from kvstore import Client, StoreConfig, StoreSurface, TieredStore
 from kvstore.surface import StoreSurface as SurfaceProtocol
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens
-from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess
+from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, running_server
 
 
 def surfaces_of(store: TieredStore, client: Client) -> tuple[StoreSurface, StoreSurface]:
@@ -61,11 +61,15 @@ def _round_trip(surface: StoreSurface, tokens: list[int], kv: torch.Tensor) -> t
     return plan.num_prefix_tokens, retrieved.clone()
 
 
-def test_a_store_and_a_client_answer_alike_through_the_surface(tmp_path: Path, server: ServerProcess) -> None:
+def test_a_store_and_a_client_answer_alike_through_the_surface(tmp_path: Path) -> None:
     tokens = [int(t) for t in make_tokens(3 * CHUNK_SIZE, seed=41)]
     kv = make_kv(SERVER_LAYOUT, len(tokens), seed=42)
-    config = StoreConfig(tiers=(TierName.CPU, TierName.DISK), data_dir=tmp_path / "data", chunk_size=CHUNK_SIZE)
-    with TieredStore(SERVER_LAYOUT, config) as store, Client(server.url, SERVER_LAYOUT) as client:
+    config = StoreConfig(tiers=(TierName.CPU,), cpu_capacity_bytes=1 << 24, chunk_size=CHUNK_SIZE)
+    with (
+        running_server(tmp_path / "data", "--tiers", "cpu") as server,
+        TieredStore(SERVER_LAYOUT, config) as store,
+        Client(server.url, SERVER_LAYOUT) as client,
+    ):
         answers = [_round_trip(surface, tokens, kv) for surface in surfaces_of(store, client)]
         for surface in surfaces_of(store, client):
             assert surface.stats().tiers[0].num_chunks >= 3
