@@ -60,6 +60,8 @@ class EngineSpec:
             the save. The store is found from ``kvstore.url`` or the data dir's ``serve.json``.
         commands_before: shell-free commands (argv lists) to run before the request of each index, e.g. to kill a
             server mid-session; keyed by the request's index as a string (JSON keys are strings).
+        transfer_params: each request's ``kv_transfer_params`` (e.g. ``{"kvstore": {"blend_ratio": 1.0}}``), keyed
+            like ``commands_before``; a request without an entry sends none.
     """
 
     model_dir: Path
@@ -74,6 +76,7 @@ class EngineSpec:
     ignore_eos: bool = True
     wait_until_stored_s: float | None = None
     commands_before: Mapping[str, Sequence[Sequence[str]]] = field(default_factory=dict)
+    transfer_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompts or any(not prompt for prompt in self.prompts):
@@ -90,6 +93,7 @@ class EngineSpec:
         settings["commands_before"] = {
             str(index): [list(command) for command in commands] for index, commands in self.commands_before.items()
         }
+        settings["transfer_params"] = {str(index): dict(params) for index, params in self.transfer_params.items()}
         return json.dumps(settings)
 
     @classmethod
@@ -177,10 +181,16 @@ def main(argv: Sequence[str]) -> int:
         max_model_len=spec.max_model_len_tokens,
         disable_log_stats=False,  # the request metrics (time to first token) exist only with stats on
     )
-    sampling = vllm.SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
     for index, prompt in enumerate(spec.prompts):
         for command in spec.commands_before.get(str(index), ()):
             subprocess.run(list(command), check=True)
+        params = spec.transfer_params.get(str(index))
+        sampling = vllm.SamplingParams(
+            temperature=0.0,
+            max_tokens=spec.max_tokens,
+            ignore_eos=spec.ignore_eos,
+            extra_args=None if params is None else {"kv_transfer_params": dict(params)},
+        )
         started_at = time.time()
         (output,) = engine.generate([TokensPrompt(prompt_token_ids=list(prompt))], sampling, use_tqdm=False)
         finished_at = time.time()

@@ -41,6 +41,7 @@ Runs on the caller's thread under ``torch.inference_mode``; not thread-safe (one
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
@@ -51,7 +52,8 @@ from typing import TypeVar
 import torch
 
 from kvstore.blend.kv_loading import KVLoader, PendingLoad
-from kvstore.blend.llama_layers import LlamaStack, Projection
+from kvstore.blend.layer_stack import LayerStack
+from kvstore.blend.llama_layers import Projection
 from kvstore.blend.load_cost import DiskPolicy, LoadCostModel, disk_bound_segments, skipped_token_layers
 from kvstore.blend.query_attention import AttentionKernel, QueryMask
 from kvstore.blend.recurring_context import recurring_context_positions
@@ -64,7 +66,7 @@ from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, Segment
 from kvstore.sessions import Session
 
-__all__ = ["BlendConfig", "BlendPassResult", "BlendPlanSummary", "LayerKV", "run_blend_pass"]
+__all__ = ["BlendConfig", "BlendPassResult", "BlendPlanSummary", "LayerKV", "clip_segments", "run_blend_pass"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +118,7 @@ class BlendPassResult:
     num_token_layers: int
     disk_wait_bytes: int
     num_skipped_disk_tokens: int
+    recomputed_positions: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,12 +257,15 @@ class _Pass:
 
     def __init__(
         self,
-        stack: LlamaStack,
+        stack: LayerStack,
         rotator: RopeRotator,
         layout: KVLayout,
         settings: BlendConfig,
         tokens: TokenArray,
         clock: StageClock,
+        *,
+        buffer_tokens: int,
+        need_logits: bool = True,
     ) -> None:
         self.stack = stack
         self.rotator = rotator
@@ -270,13 +276,21 @@ class _Pass:
         self.clock = clock
         self.num_tokens = int(tokens.shape[0])
         self.device = stack.device
-        self.kv = torch.zeros(layout.chunk_shape(self.num_tokens), dtype=layout.dtype.torch_dtype, device=self.device)
+        # The retrieve writes the plan's whole extent (it may run past a span); the pass reads its first tokens.
+        self.buffer = torch.zeros(
+            layout.chunk_shape(max(buffer_tokens, self.num_tokens)), dtype=layout.dtype.torch_dtype, device=self.device
+        )
+        self.kv = self.buffer[:, :, : self.num_tokens]
+        self.need_logits = need_logits
         self.same_dtype = layout.dtype.torch_dtype == stack.dtype
         self.layers: list[LayerKV] = []
         self.load_marks: list[tuple[Mark, Mark]] = []
         self.num_token_layers = 0  # a token through one layer's attention and MLP: the cost model's unit
 
-    def run(self, classes: _TokenClasses, pending: PendingLoad | None) -> tuple[torch.Tensor, int, BlendPlanSummary]:
+    def run(
+        self, classes: _TokenClasses, pending: PendingLoad | None
+    ) -> tuple[torch.Tensor, torch.Tensor, BlendPlanSummary]:
+        """The last layer's hidden states, the positions computed in it, and how the tokens were served."""
         stack, settings, num_tokens = self.stack, self.settings, self.num_tokens
         narrow = _narrow_layer(classes, settings)
         if classes.has_exact or narrow == -1:
@@ -295,7 +309,8 @@ class _Pass:
         for layer_idx in range(stack.num_layers):
             if layer_idx == cache_from:
                 if pending is not None:
-                    classes = _TokenClasses(self._timed(pending.segments), self.tokens, settings)
+                    loaded = clip_segments(self._timed(pending.segments), num_tokens)
+                    classes = _TokenClasses(loaded, self.tokens, settings)
                     narrow = _narrow_layer(classes, settings)
                 for written_idx, written in pending_writes:  # after the retrieve has written that layer
                     if pending is not None:
@@ -336,6 +351,8 @@ class _Pass:
                 selected = self._select(classes, projection, keys, values, blend_in_active)
                 stale = self._stale_rows(classes, selected)
             self._write(layer_idx, keys, values, positions, projection)
+            if not self.need_logits and layer_idx == stack.num_layers - 1:
+                break  # the last layer's KV is final; its attention and MLP would only feed the logits
             if stale is not None and narrow is not None and layer_idx > narrow:
                 keys = self._damped(keys, stale)
             if selected is not None:  # the check layer's K/V are fresh for every active token; from here on
@@ -347,7 +364,7 @@ class _Pass:
             hidden = stack.attend_and_finish(layer_idx, hidden, query, keys, values, mask)
             self.layers.append(LayerKV(keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]))
         assert hidden is not None, "a model has at least one layer (LlamaStack checks)"
-        return hidden, int(positions.numel()), classes.summary()
+        return hidden, positions, classes.summary()
 
     def _timed(self, wait: Callable[[], _Waited]) -> _Waited:
         """Run a wait for loaded KV and count the time the compute stream (or the CPU) spent in it as load."""
@@ -421,7 +438,7 @@ class _Pass:
 
 def run_blend_pass(
     *,
-    stack: LlamaStack,
+    stack: LayerStack,
     rotator: RopeRotator,
     loader: KVLoader,
     owner: Session,
@@ -430,11 +447,21 @@ def run_blend_pass(
     settings: BlendConfig,
     clock: StageClock,
     costs: LoadCostModel,
+    span_end: int | None = None,
+    need_logits: bool = True,
 ) -> BlendPassResult:
     """Look the prompt up, load its cached KV on the loader, run every layer; see the module docstring.
 
     The plan is retrieved or released on every path (an exception included). Chunks only the disk holds are read
     or left to compute as ``settings.disk_policy`` and ``costs`` say (the caller feeds ``costs`` the result).
+
+    Args:
+        span_end: compute only the prompt's first ``span_end`` tokens (an engine computes the rest itself, over
+            this KV): the whole prompt is looked up, so chunks that run past the span still match, and their
+            tokens before ``span_end`` are used. ``None``: the whole prompt.
+        need_logits: ``False`` skips the last layer's attention and MLP and the LM head (the result's ``logits``
+            is empty and ``layers`` lacks the last layer): an engine that computes the logits itself needs only
+            the KV.
 
     Raises:
         ConfigError: the store was opened without ``enable_blend`` (from its lookup).
@@ -442,8 +469,13 @@ def run_blend_pass(
     started = clock.mark()
     plan: LookupPlan = owner.lookup(tokens, blend=True)
     looked_up = clock.mark()
-    work = _Pass(stack, rotator, layout, settings, tokens, clock)
-    classes = _TokenClasses(plan.segments, tokens, settings)
+    end = len(tokens) if span_end is None else span_end
+    if not 0 < end <= len(tokens):
+        owner.release(plan)
+        raise ConfigError(f"span_end={span_end} is outside the {len(tokens)}-token prompt")
+    span = tokens[:end]
+    work = _Pass(stack, rotator, layout, settings, span, clock, buffer_tokens=plan.end, need_logits=need_logits)
+    classes = _TokenClasses(clip_segments(plan.segments, end), span, settings)
     needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
     pending: PendingLoad | None = None
     disk_bound: tuple[Segment, ...] = ()
@@ -452,15 +484,15 @@ def run_blend_pass(
         disk_bound = disk_bound_segments(plan)
         memory_only = _skips_disk(settings, costs, disk_bound, stack.num_layers)
         pending = loader.start(
-            lambda out, progress: owner.retrieve(plan, out, progress=progress, memory_only=memory_only), work.kv
+            lambda out, progress: owner.retrieve(plan, out, progress=progress, memory_only=memory_only), work.buffer
         )
     else:
         owner.release(plan)
     try:
         layers_start = clock.mark()
-        hidden, num_recomputed, summary = work.run(classes, pending)
+        hidden, recomputed, summary = work.run(classes, pending)
         layers_end = clock.mark()
-        logits = stack.logits(hidden).cpu()
+        logits = stack.logits(hidden).cpu() if need_logits else torch.empty(0)
     finally:
         if pending is not None:
             pending.settle()
@@ -470,7 +502,8 @@ def run_blend_pass(
         logits=logits,
         kv=work.kv,
         layers=tuple(work.layers),
-        num_recomputed_tokens=num_recomputed,
+        num_recomputed_tokens=int(recomputed.numel()),
+        recomputed_positions=recomputed.cpu(),
         summary=summary,
         lookup_ms=(looked_up.host_s - started.host_s) * 1e3,  # host work only
         load_ms=load_ms,
@@ -479,6 +512,15 @@ def run_blend_pass(
         num_token_layers=work.num_token_layers,
         disk_wait_bytes=0 if memory_only else sum(layout.chunk_bytes(segment.num_tokens) for segment in disk_bound),
         num_skipped_disk_tokens=sum(segment.num_tokens for segment in disk_bound) if memory_only else 0,
+    )
+
+
+def clip_segments(segments: Sequence[Segment], end: int) -> tuple[Segment, ...]:
+    """The segments' parts before token ``end`` (a segment that starts there or later is dropped)."""
+    return tuple(
+        segment if segment.end <= end else dataclasses.replace(segment, num_tokens=end - segment.start)
+        for segment in segments
+        if segment.start < end
     )
 
 

@@ -53,9 +53,13 @@ __all__ = [
     "DEFAULT_PROBE_TOKEN_IDS",
     "DEFAULT_SHIFTS",
     "PositionShift",
+    "ProbedKV",
     "RopeGateReport",
     "check_rope_gate",
+    "gate_report",
     "gate_tolerance",
+    "layout_mismatches",
+    "raise_unless_passed",
     "require_rope_gate",
 ]
 
@@ -210,11 +214,46 @@ def check_rope_gate(
         keys_at_target, values_at_target = _probe(model, input_ids, sources + deltas, layout.model_id)
     finally:
         model.train(was_training)
+    return gate_report(
+        ProbedKV(keys=keys_at_source, values=values_at_source),
+        ProbedKV(keys=keys_at_target, values=values_at_target),
+        deltas=deltas,
+        shifts=shifts,
+        compute_dtype=compute_dtype,
+        layout=layout,
+        config_mismatches=layout_mismatches(config, layout),
+    )
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbedKV:
+    """K and V ``[layers, probes, kv_heads, head_dim]`` a model produced for the gate's probes at one set of
+    positions (V is position-free when the probe isolates the rotation)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def gate_report(
+    at_source: ProbedKV,
+    at_target: ProbedKV,
+    *,
+    deltas: torch.Tensor,
+    shifts: Sequence[PositionShift],
+    compute_dtype: KVDtype,
+    layout: KVLayout,
+    config_mismatches: tuple[str, ...],
+) -> RopeGateReport:
+    """Compare the layout's rotation of K at the probes' sources with K at their targets (probe ``i`` is shift
+    ``i // (probes / shifts)``, moved by ``deltas[i]``); any model's probe feeds this."""
+    keys_at_source, values_at_source = at_source.keys, at_source.values
+    keys_at_target, values_at_target = at_target.keys, at_target.values
+    device = keys_at_source.device
+    probes_per_shift = int(keys_at_source.shape[1]) // len(shifts)
     cache_dtype = layout.dtype.torch_dtype
     rotator = RopeRotator(layout.rope, int(keys_at_source.shape[-1]))
     # keys are [layers, probes, heads, dim]: a token axis of one per probe, each probe with its own delta.
-    rotation = rotator.rotation(deltas[:, None], device=parameter.device)
+    rotation = rotator.rotation(deltas.to(device)[:, None], device=device)
     rotated = rotation.apply(keys_at_source.to(cache_dtype).unsqueeze(2)).squeeze(2)
     key_errors = _relative_errors(rotated, keys_at_target.to(cache_dtype))
     value_errors = _relative_errors(values_at_source.to(cache_dtype), values_at_target.to(cache_dtype))
@@ -234,8 +273,8 @@ def check_rope_gate(
         max_value_error=float(value_errors.max()),
         tolerance=gate_tolerance(compute_dtype=compute_dtype, cache_dtype=layout.dtype, max_angle_rad=max_angle_rad),
         worst_layer_idx=worst_layer_idx,
-        worst_shift=shifts[worst_probe_idx // len(tokens)],
-        config_mismatches=_config_mismatches(config, layout),
+        worst_shift=shifts[worst_probe_idx // probes_per_shift],
+        config_mismatches=config_mismatches,
     )
     logger.info("%s", report.describe())
     return report
@@ -253,7 +292,15 @@ def require_rope_gate(
     Raises:
         ConfigError: "refusing to blend model X: ..." with what differed and what to change.
     """
-    report = check_rope_gate(model, layout, shifts=shifts, token_ids=token_ids)
+    return raise_unless_passed(check_rope_gate(model, layout, shifts=shifts, token_ids=token_ids))
+
+
+def raise_unless_passed(report: RopeGateReport) -> RopeGateReport:
+    """The report of a gate that passed.
+
+    Raises:
+        ConfigError: "refusing to blend model X: ..." with what differed and what to change.
+    """
     if report.passed:
         return report
     reasons = list(report.config_mismatches)
@@ -316,7 +363,8 @@ def _describe_rope(rope: RopeSpec) -> str:
     return text
 
 
-def _config_mismatches(config: object, layout: KVLayout) -> tuple[str, ...]:
+def layout_mismatches(config: object, layout: KVLayout) -> tuple[str, ...]:
+    """How ``layout`` differs from what a Hugging Face ``config`` implies (shape and RoPE), one sentence each."""
     if config is None:
         return ("the model has no config to compare the layout with",)
     try:

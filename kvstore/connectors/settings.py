@@ -23,9 +23,12 @@ from pathlib import Path
 from kvstore.config import DEFAULT_DATA_DIR, parse_size
 from kvstore.errors import ConfigError
 
-__all__ = ["ConnectorSettings", "EmbeddedServerSettings", "parse_connector_settings"]
+__all__ = ["BLEND_DISK_POLICIES", "ConnectorSettings", "EmbeddedServerSettings", "parse_connector_settings"]
 
 _PREFIX = "kvstore."
+
+BLEND_DISK_POLICIES = ("auto", "wait", "recompute")
+"""``kvstore.blend_disk_policy`` values: the layerwise blender's ``DiskPolicy`` (a test keeps them equal)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +43,7 @@ class EmbeddedServerSettings:
         disk_size: disk tier cap in stored bytes, e.g. ``500GiB`` (``None``: the server's default).
         chunk_size: tokens per chunk (``None``: the data dir's, else 256).
         config: a ``kvstore serve --config`` TOML file for everything else.
+        enable_blend: keep the content index (set from ``kvstore.blend``, not a key of its own).
     """
 
     data_dir: Path = DEFAULT_DATA_DIR
@@ -49,10 +53,11 @@ class EmbeddedServerSettings:
     disk_size: str | None = None
     chunk_size: int | None = None
     config: Path | None = None
+    enable_blend: bool = False
 
     def serve_flags(self) -> list[str]:
         """``kvstore serve`` flags for these settings (the data dir included)."""
-        flags = ["--data-dir", str(self.data_dir)]
+        flags = ["--data-dir", str(self.data_dir)] + (["--enable-blend"] if self.enable_blend else [])
         for name in ("tiers", "cpu_size", "gpu_size", "disk_size", "chunk_size", "config"):
             value = getattr(self, name)
             if value is not None:
@@ -74,6 +79,14 @@ class ConnectorSettings:
         retry_s: after a failure, how long the connector serves without the store before trying again.
         async_disk_loads: load hits that must come from the disk tier off the engine's step (vLLM schedules the
             request once they land); ``False`` loads them inside the step.
+        blend: CacheBlend inside the engine: cached chunks found anywhere in a prompt (by content) are re-rotated
+            and blended by a layerwise pass on the engine's model, for every request that does not opt out
+            (``kv_transfer_params``); needs kvstore's vLLM plugin and a server with ``--enable-blend`` (the
+            embedded one gets it).
+        blend_ratio: the share of blended tokens recomputed (CacheBlend's 0.15; 1.0 reproduces a full prefill).
+        blend_check_layer: the layer whose K deviation selects the recomputed tokens.
+        blend_disk_policy: chunks only the disk holds: ``auto`` computes them when that is expected to be faster
+            than reading them, ``wait`` always reads them, ``recompute`` never waits for the disk.
     """
 
     url: str | None = None
@@ -83,9 +96,13 @@ class ConnectorSettings:
     transfer_timeout_s: float = 30.0
     retry_s: float = 5.0
     async_disk_loads: bool = True
+    blend: bool = False
+    blend_ratio: float = 0.15
+    blend_check_layer: int = 1
+    blend_disk_policy: str = "auto"
 
 
-_EMBEDDED_KEYS = {field.name: field.type for field in fields(EmbeddedServerSettings)}
+_EMBEDDED_KEYS = {field.name: field.type for field in fields(EmbeddedServerSettings) if field.name != "enable_blend"}
 _TOP_KEYS = {field.name: field.type for field in fields(ConnectorSettings) if field.name != "embedded"}
 _TIMEOUTS = ("lookup_timeout_s", "transfer_timeout_s", "retry_s")
 _SIZES = ("cpu_size", "gpu_size", "disk_size")
@@ -112,6 +129,7 @@ def parse_connector_settings(extra_config: Mapping[str, object] | None) -> Conne
         raise ConfigError(
             f"{names} configure the embedded server and cannot go with kvstore.url; set them where that server runs"
         )
+    embedded["enable_blend"] = bool(top.get("blend", False))
     return ConnectorSettings(embedded=EmbeddedServerSettings(**embedded), **top)  # type: ignore[arg-type]
 
 
@@ -127,7 +145,19 @@ def _checked(key: str, name: str, value: object) -> object:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key} must be a path string, not {value!r}")
         return Path(value)
-    if name == "async_disk_loads":
+    if name == "blend_ratio":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key} must be a fraction in [0, 1] (0.15 is CacheBlend's default), not {value!r}")
+        return float(value)
+    if name == "blend_check_layer":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{key} must be a layer index >= 0 (default 1), not {value!r}")
+        return value
+    if name == "blend_disk_policy":
+        if value not in BLEND_DISK_POLICIES:
+            raise ConfigError(f"{key} must be one of {', '.join(BLEND_DISK_POLICIES)}, not {value!r}")
+        return value
+    if name in ("async_disk_loads", "blend"):
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, not {value!r}")
         return value

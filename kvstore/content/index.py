@@ -33,6 +33,7 @@ Threads: ``FingerprintIndex`` is safe to share; ``_index_lock`` guards every arr
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -47,7 +48,7 @@ from kvstore.content import fingerprint_table as table
 from kvstore.content.match_scan import scan_and_plan
 from kvstore.content.rolling_hash import block_fingerprints, window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, num_chunks
+from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, num_chunks
 
 __all__ = ["Alias", "ChunkContents", "FingerprintIndex", "Match", "RegistrationResult"]
 
@@ -616,3 +617,23 @@ def _match_at(key_bytes: bytes, position: int, query_start: int, num_tokens: int
     """The match of the ``position``-th planned entry, whose key is the ``position``-th 16 bytes of ``key_bytes``."""
     key = PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)])
     return Match(query_start=query_start, num_tokens=num_tokens, key=key, source_start=source_start)
+
+
+@functools.cache
+def compile_kernels(chunk_size: int) -> None:
+    """(Once per process and chunk size.) Register, match, look up and remove one sequence in a throwaway index, so every numba kernel the content
+    index runs is compiled now. Compiling them takes seconds when numba's on-disk cache is cold (a fresh install,
+    or another numba version's cache in the same tree), and a store that compiles on its first content lookup
+    makes that lookup's client wait past its timeout; a server calls this at start instead."""
+    _check_chunk_size(chunk_size)
+    index = FingerprintIndex()
+    tokens = as_token_array(np.arange(2 * chunk_size + 1) % 50_000)
+    keys: list[PrefixKey] = []
+    previous = b""
+    for start in range(0, len(tokens), chunk_size):
+        keys.append(chained_key(previous, tokens[start : start + chunk_size]))
+        previous = keys[-1]
+    index.register(tokens, keys, chunk_size)
+    index.match(tokens, chunk_size)
+    index.find_contents(tokens, chunk_size)
+    index.remove(keys)

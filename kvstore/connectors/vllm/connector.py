@@ -85,14 +85,23 @@ class KVStoreConnector(KVConnectorBase_V1):
                 load=transfer.is_kv_consumer,
                 save=transfer.is_kv_producer,
                 async_disk_loads=settings.async_disk_loads,
+                settings=settings,
             )
+            if settings.blend:
+                _require_blend_server(link)
         else:
             links = (  # each connected now: a link's first call must not be the one that finds the server
                 _connected_link(settings, layout, f"{name} load", settings.transfer_timeout_s),
                 _connected_link(settings, layout, f"{name} async-load", settings.transfer_timeout_s),
                 _connected_link(settings, layout, f"{name} save", settings.transfer_timeout_s),
             )
-            self._worker = WorkerSide(vllm_config, layout, links, block_size=block_size)
+            blend_link = None
+            if settings.blend:
+                blend_link = _connected_link(settings, layout, f"{name} blend", settings.transfer_timeout_s)
+                _require_blend_server(blend_link)
+            self._worker = WorkerSide(
+                vllm_config, layout, links, block_size=block_size, blend_link=blend_link, settings=settings
+            )
         logger.info(
             "KVStoreConnector (%s): layout %s, store %s",
             role.name.lower(),
@@ -203,6 +212,18 @@ def _log_through_vllm() -> None:
         kvstore_logger.addHandler(handler)
     kvstore_logger.setLevel(vllm_logger.level)
     kvstore_logger.propagate = False
+
+
+def _require_blend_server(link: StoreLink) -> None:
+    """Refuse to start a blending engine on a server without the content index (a store that is down now is
+    checked by its first lookup instead: a content lookup it refuses is then an outage, logged once)."""
+    blend = link.call("features", lambda client: client.server.features.blend)
+    if blend is False:
+        link.close()
+        raise ValueError(
+            f"KVStoreConnector: kvstore.blend needs a server started with --enable-blend; {link.url} was not "
+            "(restart it with --enable-blend, or turn kvstore.blend off)"
+        )
 
 
 def _connected_link(settings: ConnectorSettings, layout: KVLayout, name: str, timeout_s: float) -> StoreLink:

@@ -12,7 +12,16 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["KVStoreConnectorMetadata", "KVStoreConnectorStats", "KVStoreWorkerMetadata", "LoadSpec", "SaveSpec"]
+from kvstore.connectors.blend_hook import BlendOutcome
+
+__all__ = [
+    "BlendSpec",
+    "KVStoreConnectorMetadata",
+    "KVStoreConnectorStats",
+    "KVStoreWorkerMetadata",
+    "LoadSpec",
+    "SaveSpec",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,12 +65,37 @@ class SaveSpec:
     end: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendSpec:
+    """Blend tokens ``[0, end)`` of a request's prompt and write ``[local_end, end)`` into its blocks, before the
+    step's forward computes ``[end, T)`` (``blend_span``).
+
+    Args:
+        request_id: vLLM's request id.
+        token_ids: the whole prompt (looked up whole, so chunks running past ``end`` still match).
+        block_ids: the blocks that receive tokens ``[local_end, end)``, in order.
+        local_end: vLLM's own prefix-cache hit (block-aligned); its blocks may be shared and are never written.
+        end: one past the last token the pass computes (block-aligned).
+        ratio: the request's recompute ratio.
+        report_selection: return the recomputed positions.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    local_end: int
+    end: int
+    ratio: float
+    report_selection: bool = False
+
+
 @dataclass(slots=True)
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     """One step's work for the workers."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    blends: list[BlendSpec] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -72,20 +106,31 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
 
     Args:
         finished_loads: request id -> tokens its load put into the blocks (fewer than planned: the rest failed).
+        finished_blends: request id -> how its blend pass served it (``None``: the pass failed and vLLM recomputes
+            its blocks).
     """
 
     finished_loads: dict[str, int] = field(default_factory=dict)
+    finished_blends: dict[str, BlendOutcome | None] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Merge two workers' reports: a load counts only as far as every worker got."""
+        """Merge two workers' reports: a load counts only as far as every worker got, a blend only if every
+        worker's pass succeeded (one worker today: tensor parallelism is refused)."""
         assert isinstance(other, KVStoreWorkerMetadata), f"cannot aggregate {type(other).__name__}"
         merged = dict(self.finished_loads)
         for request_id, num_tokens in other.finished_loads.items():
             merged[request_id] = min(num_tokens, merged.get(request_id, num_tokens))
-        return KVStoreWorkerMetadata(finished_loads=merged)
+        blends = dict(self.finished_blends)
+        for request_id, outcome in other.finished_blends.items():
+            blends[request_id] = outcome if blends.get(request_id, outcome) is not None else None
+        return KVStoreWorkerMetadata(finished_loads=merged, finished_blends=blends)
 
 
 _COUNTERS = (
+    "blends",
+    "blended_tokens",
+    "blend_recomputed_tokens",
+    "blend_failed",
     "loads",
     "loaded_tokens",
     "loaded_bytes",
@@ -94,7 +139,7 @@ _COUNTERS = (
     "saved_tokens",
     "saved_bytes",
 )
-_SECONDS = ("load_seconds", "save_seconds", "on_path_seconds")
+_SECONDS = ("load_seconds", "save_seconds", "blend_seconds", "on_path_seconds")
 
 
 @dataclass
@@ -123,8 +168,9 @@ class KVStoreConnectorStats(KVConnectorStats):
         reduced: dict[str, int | float] = {name: data.get(name, 0) for name in _COUNTERS}
         reduced["load_ms_mean"] = round(1000 * data.get("load_seconds", 0.0) / max(data.get("loads", 0), 1), 2)
         reduced["save_ms_mean"] = round(1000 * data.get("save_seconds", 0.0) / max(data.get("saves", 0), 1), 2)
+        reduced["blend_ms_mean"] = round(1000 * data.get("blend_seconds", 0.0) / max(data.get("blends", 0), 1), 2)
         reduced["on_path_ms"] = round(1000 * data.get("on_path_seconds", 0.0), 2)
         return reduced
 
     def is_empty(self) -> bool:
-        return not self.data.get("loads") and not self.data.get("saves")
+        return not any(self.data.get(name) for name in ("loads", "saves", "blends", "blend_failed"))

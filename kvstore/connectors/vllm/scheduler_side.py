@@ -22,6 +22,15 @@ the server, only its gap-free start counts), cut down to a block boundary and ne
 compute at least the last token). A hit that must come from the disk tier is loaded asynchronously (the request
 waits in ``WAITING_FOR_REMOTE_KVS`` while other requests run), unless ``kvstore.async_disk_loads`` is off.
 
+Blending (``kvstore.blend``, per request ``blend_request``): the probe is a content lookup (``lookup(blend=True)``),
+and when the prompt holds cached chunks past its exact prefix the whole span up to the last cached block
+(``blend_span``) is reported as external tokens, loaded synchronously: the worker's blend pass computes it (gaps
+included) before the step's forward. No pin is taken: the pass looks the prompt up itself, and a chunk evicted in
+between is one more gap it computes. The response's ``kv_transfer_params["kvstore"]["blend"]`` says how the span was
+served (``reused_tokens``, ``recomputed_tokens``, ...). A request that finishes in its blend step (one new token)
+is answered before the worker's report comes back in the same scheduler update, so its report is filled into the
+answer's parameters then (vLLM sends the answer after the update).
+
 Single-threaded, as vLLM's scheduler is.
 """
 
@@ -35,9 +44,19 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import RequestStatus
 
 from kvstore.client import Client
+from kvstore.connectors.blend_hook import BlendOutcome
+from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
-from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
-from kvstore.plan import LookupPlan
+from kvstore.connectors.vllm.blend_request import BlendChoice, blend_choice
+from kvstore.connectors.vllm.blend_span import blend_span_end
+from kvstore.connectors.vllm.metadata import (
+    BlendSpec,
+    KVStoreConnectorMetadata,
+    KVStoreWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+from kvstore.plan import LookupPlan, Segment
 from kvstore.tiers.base import TierName
 
 if TYPE_CHECKING:
@@ -58,6 +77,9 @@ class _Probe:
     prefix_tokens: int
     first_disk_token: int | None
     load_async: bool = False
+    segments: tuple[Segment, ...] = ()
+    blend_end: int | None = None  # the end of a blend span worth a pass (None: the exact path)
+    choice: BlendChoice | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,10 +94,44 @@ class _Tracked:
     planned_load_tokens: int = 0  # the load queued or in flight (0: none)
     loaded_tokens: int = 0
     load_failed_tokens: int = 0
+    choice: BlendChoice | None = None
+    planned_blend: BlendSpec | None = None  # queued or in the worker, until its outcome comes back
+    blend: dict[str, object] | None = None
 
     def transfer_params(self) -> dict[str, object]:
         """What the response's ``kv_transfer_params`` say about this request."""
-        return {"kvstore": {"loaded_tokens": self.loaded_tokens, "load_failed_tokens": self.load_failed_tokens}}
+        report: dict[str, object] = {"loaded_tokens": self.loaded_tokens, "load_failed_tokens": self.load_failed_tokens}
+        if self.blend is not None:
+            report["blend"] = self.blend
+        if self.choice is not None and self.choice.notes:
+            report["notes"] = list(self.choice.notes)
+        return {"kvstore": report}
+
+    def record_blend(self, spec: BlendSpec, outcome: BlendOutcome | None) -> None:
+        """The worker's report of the request's blend pass (``None``: it failed and vLLM recomputed the span)."""
+        self.planned_blend = None
+        span_tokens = spec.end - spec.local_end
+        if outcome is None:
+            self.load_failed_tokens += span_tokens
+            self.blend = {"failed": True, "span_tokens": span_tokens, "local_tokens": spec.local_end}
+            return
+        self.loaded_tokens += span_tokens
+        cached = outcome.exact_tokens + outcome.blend_tokens
+        self.blend = {
+            "span_tokens": spec.end,
+            "local_tokens": spec.local_end,
+            "reused_tokens": max(0, cached - outcome.recomputed_tokens),
+            "exact_tokens": outcome.exact_tokens,
+            "blended_tokens": outcome.blend_tokens,
+            "gap_tokens": outcome.gap_tokens,
+            "recomputed_tokens": outcome.recomputed_tokens,
+            "skipped_disk_tokens": outcome.skipped_disk_tokens,
+            "computed_by_vllm": len(self.prompt) - spec.end,
+            "ratio": spec.ratio,
+            "blend_ms": round(outcome.blend_ms, 2),
+        }
+        if outcome.selected is not None:
+            self.blend["selected"] = list(outcome.selected)
 
 
 class SchedulerSide:
@@ -87,10 +143,21 @@ class SchedulerSide:
         load: whether this engine loads from the store (role ``kv_consumer`` or ``kv_both``).
         save: whether this engine stores prompts (role ``kv_producer`` or ``kv_both``).
         async_disk_loads: load disk hits asynchronously.
+        settings: the connector's settings (blending and its defaults); the default blends nothing.
     """
 
-    def __init__(self, link: StoreLink, *, block_size: int, load: bool, save: bool, async_disk_loads: bool) -> None:
+    def __init__(
+        self,
+        link: StoreLink,
+        *,
+        block_size: int,
+        load: bool,
+        save: bool,
+        async_disk_loads: bool,
+        settings: ConnectorSettings | None = None,
+    ) -> None:
         self._link = link
+        self._settings = settings or ConnectorSettings()
         self._block_size = block_size
         self._load = load
         self._save = save
@@ -98,6 +165,8 @@ class SchedulerSide:
         self._probes: dict[str, _Probe] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._queued_loads: dict[str, LoadSpec] = {}
+        self._queued_blends: dict[str, BlendSpec] = {}
+        self._answered: dict[str, dict[str, object]] = {}  # finished before their blend report came back
         self._chunk_size: int | None = None
 
     # -- vLLM's scheduler hooks ---------------------------------------------------------------------------------
@@ -109,11 +178,21 @@ class SchedulerSide:
         tracked = self._tracked.get(request.request_id)
         if tracked is not None and tracked.load_failed_tokens:
             return 0, False  # its load fell short once: vLLM recomputes rather than retry a store that failed it
-        probe = self._link.call("lookup", lambda client: _probe(client, prompt))
+        choice = blend_choice(self._settings, request.kv_transfer_params) if self._settings.blend else None
+        blend = choice is not None and choice.enabled
+        probe = self._link.call("lookup", lambda client: _probe(client, prompt, blend=blend))
         if probe is None:
             self._probes.pop(request.request_id, None)
             return 0, False
         end = self._loadable_end(probe.prefix_tokens, len(prompt))
+        if blend:
+            blend_end = blend_span_end(
+                probe.segments, num_tokens=len(prompt), block_size=self._block_size, exact_end=end
+            )
+            if blend_end is not None and blend_end > num_computed_tokens:
+                self._probes[request.request_id] = dataclasses.replace(probe, blend_end=blend_end, choice=choice)
+                return blend_end - num_computed_tokens, False
+        probe = dataclasses.replace(probe, choice=choice)
         from_disk = probe.first_disk_token is not None and probe.first_disk_token < end
         load_async = self._async_disk_loads and from_disk and end > num_computed_tokens
         self._probes[request.request_id] = dataclasses.replace(probe, load_async=load_async)
@@ -129,9 +208,13 @@ class SchedulerSide:
             tracked = self._tracked[request_id] = _Tracked(prompt=tuple(request.prompt_token_ids or ()))
         if probe is not None:
             tracked.store_prefix_tokens = probe.prefix_tokens
+            tracked.choice = probe.choice
         if num_external_tokens <= 0 or probe is None:
             if probe is not None:  # a (re)admission without a load: any older pin has no load left to serve
                 self._release_pin(tracked)
+            return
+        if probe.blend_end is not None and probe.choice is not None:
+            self._queue_blend(tracked, request_id, blocks, probe.blend_end, num_external_tokens, probe.choice)
             return
         end = self._loadable_end(probe.prefix_tokens, len(tracked.prompt))
         start = end - num_external_tokens
@@ -151,8 +234,11 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
-        metadata = KVStoreConnectorMetadata(loads=list(self._queued_loads.values()))
+        metadata = KVStoreConnectorMetadata(
+            loads=list(self._queued_loads.values()), blends=list(self._queued_blends.values())
+        )
         self._queued_loads.clear()
+        self._queued_blends.clear()
         cached = scheduler_output.scheduled_cached_reqs
         readmitted = {request.req_id for request in scheduler_output.scheduled_new_reqs} | set(cached.resumed_req_ids)
         for preempted in set(scheduler_output.preempted_req_ids or ()) - readmitted:
@@ -181,6 +267,9 @@ class SchedulerSide:
         finished = set(connector_output.finished_recving or ())
         worker_meta = connector_output.kv_connector_worker_meta
         loaded = worker_meta.finished_loads if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
+        blended = worker_meta.finished_blends if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
+        for request_id, outcome in blended.items():
+            self._record_blend(request_id, outcome)
         for request_id in finished | loaded.keys():
             tracked = self._tracked.get(request_id)
             if tracked is None:
@@ -197,10 +286,16 @@ class SchedulerSide:
         step that computes them, so nothing here ever holds a block); returns its ``kv_transfer_params``."""
         self._probes.pop(request.request_id, None)
         self._queued_loads.pop(request.request_id, None)
+        self._queued_blends.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:
             return None
         self._release_pin(tracked)
+        if tracked.planned_blend is not None and request.status is not RequestStatus.FINISHED_ABORTED:
+            params = tracked.transfer_params()
+            self._answered[request.request_id] = params  # the worker's report fills it in this same update
+            self._tracked[request.request_id] = tracked
+            return params
         if tracked.planned_load_tokens and request.status is not RequestStatus.FINISHED_ABORTED:
             # Finished in the step of its (sync) load, whose report vLLM hands over after finishing requests: the
             # load filled every block, or vLLM, which reads failed blocks first, would have rescheduled the request.
@@ -222,6 +317,41 @@ class SchedulerSide:
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
+    def _queue_blend(
+        self,
+        tracked: _Tracked,
+        request_id: str,
+        blocks: KVCacheBlocks,
+        end: int,
+        num_external_tokens: int,
+        choice: BlendChoice,
+    ) -> None:
+        start = end - num_external_tokens
+        assert start >= 0 and start % self._block_size == 0, f"vLLM asked to blend from token {start}"
+        block_ids = blocks.get_block_ids()[0]
+        self._release_pin(tracked)
+        spec = BlendSpec(
+            request_id=request_id,
+            token_ids=tracked.prompt,
+            block_ids=tuple(block_ids[start // self._block_size : end // self._block_size]),
+            local_end=start,
+            end=end,
+            ratio=choice.ratio,
+            report_selection=choice.report_selection,
+        )
+        tracked.planned_blend = spec
+        self._queued_blends[request_id] = spec
+
+    def _record_blend(self, request_id: str, outcome: BlendOutcome | None) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.planned_blend is None:
+            return
+        tracked.record_blend(tracked.planned_blend, outcome)
+        answered = self._answered.pop(request_id, None)
+        if answered is not None:  # finished in its blend step: complete the answer vLLM has not sent yet
+            answered.update(tracked.transfer_params())
+            self._tracked.pop(request_id, None)
+
     def _loadable_end(self, prefix_tokens: int, prompt_tokens: int) -> int:
         """The store's hit cut to a block boundary, leaving at least one prompt token for vLLM to compute."""
         end = min(prefix_tokens, prompt_tokens - 1)
@@ -231,8 +361,10 @@ class SchedulerSide:
         """A preempted request lost its blocks: its queued load is void and its pins go (it is looked up again
         when it is rescheduled)."""
         self._queued_loads.pop(request_id, None)
+        self._queued_blends.pop(request_id, None)
         tracked = self._tracked.get(request_id)
         if tracked is not None:
+            tracked.planned_blend = None  # a late report of its pass is dropped: its blocks are gone
             tracked.block_ids = []
             tracked.planned_load_tokens = 0  # a late report of its load counts what arrived, fails nothing
             self._release_pin(tracked)
@@ -282,12 +414,13 @@ class SchedulerSide:
             self._link.call("release", lambda client: client.release(plan))
 
 
-def _probe(client: Client, prompt: tuple[int, ...]) -> _Probe:
-    """An unpinned look at the prompt's exact prefix in the store."""
-    plan = client.lookup(prompt, blend=False)
+def _probe(client: Client, prompt: tuple[int, ...], *, blend: bool = False) -> _Probe:
+    """An unpinned look at the prompt in the store: its exact prefix, and with ``blend`` its cached chunks
+    anywhere (by content)."""
+    plan = client.lookup(prompt, blend=blend)
     client.release(plan)
     prefix_tokens = plan.num_prefix_tokens
     first_disk = next(
         (segment.start for segment in plan.segments if segment.exact and segment.tier is TierName.DISK), None
     )
-    return _Probe(prefix_tokens=prefix_tokens, first_disk_token=first_disk)
+    return _Probe(prefix_tokens=prefix_tokens, first_disk_token=first_disk, segments=plan.segments)

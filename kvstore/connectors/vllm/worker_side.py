@@ -19,6 +19,11 @@ loads what it has and reports the other blocks through ``get_block_ids_with_load
 output. A save that fails is logged and dropped (a later prompt misses, nothing else). A store that is down costs
 nothing per request (``StoreLink``).
 
+Blends (``kvstore.blend``). A request's blend span runs whole in ``start_load_kv``, before the step's forward: the
+blend engine (registered by kvstore's vLLM plugin, ``kvstore.connectors.blend_hook``) looks the prompt up, runs the
+layerwise pass on the engine's own model and writes the span's KV into the request's blocks; vLLM's forward then
+computes the rest of the prompt over it. A pass that fails reports its blocks as failed, and vLLM recomputes them.
+
 Copies between blocks and chunks use the block format read from the backend at ``register_kv_caches``
 (``kvstore.connectors.paged``): one ``index_select`` / ``index_copy_`` per K/V plane and layer.
 
@@ -38,10 +43,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.client import Client
+from kvstore.connectors.blend_hook import BlendEngine, BlendEngineContext, BlendOutcome, blend_engine_factory
 from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.connectors.paged import BlockFormat, PagedLayer, PlaneMap, probe_block_format
+from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.metadata import (
+    BlendSpec,
     KVStoreConnectorMetadata,
     KVStoreConnectorStats,
     KVStoreWorkerMetadata,
@@ -86,6 +94,8 @@ class WorkerSide:
         layout: the model's KV layout.
         links: ``(sync loads, async loads, saves)`` links to the store.
         block_size: vLLM's block size.
+        blend_link: the link blend passes use (``None``: blending is off).
+        settings: the connector's settings (the blend check layer and disk policy).
     """
 
     def __init__(
@@ -95,8 +105,14 @@ class WorkerSide:
         links: tuple[StoreLink, StoreLink, StoreLink],
         *,
         block_size: int,
+        blend_link: StoreLink | None = None,
+        settings: ConnectorSettings | None = None,
     ) -> None:
         self._vllm_config = vllm_config
+        self._settings = settings or ConnectorSettings()
+        self._blend_link = blend_link
+        self._blend_engine: BlendEngine | None = None
+        self._finished_blends: dict[str, BlendOutcome | None] = {}
         self._layout = layout
         self._sync_link, self._async_link, self._save_link = links
         self._block_size = block_size
@@ -149,6 +165,32 @@ class WorkerSide:
         block_format = self._read_block_format(names[0], first)
         self._layers = [PagedLayer(cache, block_format) for cache in self._caches]
         logger.info("kvstore: %d layers of paged KV, %s", len(names), block_format.describe())
+        if self._blend_link is not None:
+            self._blend_engine = self._build_blend_engine(tuple(names))
+
+    def _build_blend_engine(self, layer_names: tuple[str, ...]) -> BlendEngine:
+        """The plugin's blend engine on this worker's model (it checks the model and its RoPE, one line if not).
+
+        Raises:
+            ConfigError: no plugin registered an engine, or the engine refused the model.
+        """
+        factory = blend_engine_factory()
+        if factory is None:
+            raise ConfigError(
+                "kvstore.blend needs kvstore's vLLM plugin (the vllm.general_plugins entry point kvstore_blend), which "
+                "did not load in this worker: reinstall kvstore in this environment, and keep kvstore_blend in "
+                "VLLM_PLUGINS if you set it"
+            )
+        settings = self._settings
+        context = BlendEngineContext(
+            engine_config=self._vllm_config,
+            layout=self._layout,
+            paged_layers=tuple(self._layers),
+            layer_names=layer_names,
+            check_layer=settings.blend_check_layer,
+            disk_policy=settings.blend_disk_policy,
+        )
+        return factory(context)
 
     def _read_block_format(self, name: str, cache: torch.Tensor) -> BlockFormat:
         from vllm.config import get_layers_from_vllm_config
@@ -181,6 +223,8 @@ class WorkerSide:
         metadata = self._metadata
         if metadata is None:
             return
+        for blend in metadata.blends:
+            self._blend(blend)
         for spec in metadata.loads:
             if spec.is_async:
                 self._async_loads[spec.request_id] = self._pools[1].submit(self._load_whole, spec)
@@ -246,10 +290,11 @@ class WorkerSide:
         return failed
 
     def take_worker_metadata(self) -> KVStoreWorkerMetadata | None:
-        if not self._finished_loads:
+        if not self._finished_loads and not self._finished_blends:
             return None
         finished, self._finished_loads = self._finished_loads, {}
-        return KVStoreWorkerMetadata(finished_loads=finished)
+        blends, self._finished_blends = self._finished_blends, {}
+        return KVStoreWorkerMetadata(finished_loads=finished, finished_blends=blends)
 
     def record_on_path(self, seconds: float) -> None:
         """Count the time the engine's thread spent in this step's hooks (``HookClock``)."""
@@ -268,8 +313,51 @@ class WorkerSide:
         """Finish pending saves and loads, then close the links."""
         for pool in self._pools:
             pool.shutdown(wait=True)
-        for link in (self._sync_link, self._async_link, self._save_link):
-            link.close()
+        if self._blend_engine is not None:
+            self._blend_engine.close()
+        for link in (self._sync_link, self._async_link, self._save_link, self._blend_link):
+            if link is not None:
+                link.close()
+
+    # -- blends ---------------------------------------------------------------------------------------------------
+
+    def _blend(self, spec: BlendSpec) -> None:
+        """Run one request's blend pass on the engine's thread; a pass that fails leaves its blocks to vLLM."""
+        engine, link = self._blend_engine, self._blend_link
+        started = time.perf_counter()
+        outcome: BlendOutcome | None = None
+        if engine is not None and link is not None:
+            try:
+                outcome = link.call(
+                    "blend",
+                    lambda client: engine.run(
+                        client,
+                        token_ids=spec.token_ids,
+                        block_ids=spec.block_ids,
+                        local_end=spec.local_end,
+                        end=spec.end,
+                        ratio=spec.ratio,
+                        report_selection=spec.report_selection,
+                    ),
+                )
+            except Exception:  # the pass's boundary: vLLM recomputes the span, the engine goes on
+                logger.exception("request %s: the blend pass failed; vLLM recomputes its blocks", spec.request_id)
+        seconds = time.perf_counter() - started
+        if outcome is None:
+            logger.warning("request %s: not blended; vLLM recomputes tokens [%d, %d)", spec.request_id,
+                           spec.local_end, spec.end)  # fmt: skip
+            self._failed_blocks |= set(spec.block_ids)
+        self._finished_blends[spec.request_id] = outcome
+        with self._stats_lock:
+            if outcome is None:
+                self._stats.record(blend_failed=1)
+            else:
+                self._stats.record(
+                    blends=1,
+                    blended_tokens=spec.end - spec.local_end,
+                    blend_recomputed_tokens=outcome.recomputed_tokens,
+                    blend_seconds=seconds,
+                )
 
     # -- loads ----------------------------------------------------------------------------------------------------
 

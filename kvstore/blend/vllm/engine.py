@@ -1,0 +1,137 @@
+"""``VllmBlendEngine``: CacheBlend passes on the model a vLLM worker loaded, written into the engine's paged blocks.
+
+Built once per worker, at ``register_kv_caches``, by the factory kvstore's plugin registers
+(``kvstore.connectors.blend_hook``): it finds the loaded model (``model_lookup``), wraps its layers
+(``VllmLlamaStack``), runs the RoPE gate on vLLM's own rotary embedding and refuses, with one line, anything the
+pass cannot run exactly. Each ``run`` is one request's blended span ``[0, end)``: the layerwise pass
+(``run_blend_pass``, the same code as the standalone ``LayerwiseBlender``) looks the whole prompt up by content,
+loads its cached KV while it computes, re-rotates, selects at the check layer and recomputes; then every layer's
+tokens ``[local_end, end)`` go into the request's blocks (``PagedLayer.scatter``). Tokens below ``local_end`` are
+vLLM's own prefix-cache blocks, possibly shared with other requests: read by nobody here and never written. The
+pass attends over the store's KV for them (the same tokens after the same prefix; a gap is computed).
+
+The load-or-recompute choice learns from this engine's own passes (``LoadCostModel``): the compute rate from every
+pass, the disk rate from every pass that waited for the disk, so ``disk_policy="auto"`` never waits for a disk that
+is slower than recomputing.
+
+Runs on vLLM's model-runner thread (under ``torch.inference_mode``); the retrieve runs on the loader's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.blend.kv_loading import KVLoader
+from kvstore.blend.layerwise import BlendConfig, run_blend_pass
+from kvstore.blend.load_cost import DiskPolicy, LoadCostModel
+from kvstore.blend.rope import RopeRotator
+from kvstore.blend.stage_clock import StageClock
+from kvstore.blend.vllm.llama_stack import VllmLlamaStack
+from kvstore.blend.vllm.model_lookup import find_loaded_model
+from kvstore.blend.vllm.rope_gate import require_vllm_rope_gate
+from kvstore.connectors.blend_hook import BlendEngineContext, BlendOutcome
+from kvstore.connectors.paged import PagedLayer
+from kvstore.errors import ConfigError
+from kvstore.keys import as_token_array
+
+if TYPE_CHECKING:
+    from kvstore.client import Client
+
+__all__ = ["VllmBlendEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class VllmBlendEngine:
+    """Blend passes on a vLLM worker's model (see the module docstring).
+
+    Raises:
+        ConfigError: the model or the engine is one the pass cannot run, the check layer is beyond the model, or
+            the RoPE gate failed.
+    """
+
+    def __init__(self, context: BlendEngineContext) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        vllm_config = context.engine_config
+        registered = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+        attention = {name: registered[name] for name in context.layer_names}
+        self._stack = VllmLlamaStack(find_loaded_model(vllm_config, attention))
+        num_layers = self._stack.num_layers
+        if context.check_layer >= num_layers:
+            raise ConfigError(
+                f"kvstore.blend_check_layer={context.check_layer} is beyond the model's {num_layers} layers; use a "
+                f"layer in [0, {num_layers - 1}] (default 1)"
+            )
+        self._layout = context.layout
+        self.rope_gate = require_vllm_rope_gate(self._stack, self._layout, vllm_config.model_config.hf_config)
+        self._paged: tuple[PagedLayer, ...] = tuple(context.paged_layers)
+        self._check_layer = context.check_layer
+        self._disk_policy = context.disk_policy
+        device = self._stack.device
+        self._rotator = RopeRotator(self._layout.rope, self._layout.head_dim)
+        self._loader = KVLoader(device)
+        self._clock = StageClock(device)
+        self._costs = LoadCostModel(self._layout)
+
+    def run(
+        self,
+        client: Client,
+        *,
+        token_ids: tuple[int, ...],
+        block_ids: tuple[int, ...],
+        local_end: int,
+        end: int,
+        ratio: float,
+        report_selection: bool,
+    ) -> BlendOutcome:
+        started = time.perf_counter()
+        settings = BlendConfig(
+            recompute_ratio=ratio, check_layer=self._check_layer, disk_policy=DiskPolicy(self._disk_policy)
+        )
+        with client.session() as session, torch.inference_mode():
+            result = run_blend_pass(
+                stack=self._stack,
+                rotator=self._rotator,
+                loader=self._loader,
+                owner=session,
+                layout=self._layout,
+                tokens=as_token_array(token_ids),
+                settings=settings,
+                clock=self._clock,
+                costs=self._costs,
+                span_end=end,
+                need_logits=False,
+            )
+            self._write_blocks(result.kv, block_ids, local_end, end)
+        self._costs.observe_disk_wait(result.disk_wait_bytes, result.load_ms)
+        self._costs.observe_compute(result.num_token_layers, result.recompute_ms)
+        summary = result.summary
+        selected = tuple(int(position) for position in result.recomputed_positions) if report_selection else None
+        return BlendOutcome(
+            exact_tokens=summary.num_exact_tokens,
+            blend_tokens=summary.num_blend_tokens,
+            gap_tokens=summary.num_gap_tokens,
+            recomputed_tokens=result.num_recomputed_tokens,
+            skipped_disk_tokens=result.num_skipped_disk_tokens,
+            selected=selected,
+            blend_ms=(time.perf_counter() - started) * 1e3,
+        )
+
+    def _write_blocks(self, kv: torch.Tensor, block_ids: tuple[int, ...], local_end: int, end: int) -> None:
+        """Every layer's tokens ``[local_end, end)`` into the request's blocks (whole blocks, in order)."""
+        if end <= local_end:
+            return
+        device = self._paged[0].cache.device
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        for layer, paged in enumerate(self._paged):
+            paged.scatter(ids, kv[layer, :, local_end:end].to(device))
+
+    def close(self) -> None:
+        """Join the loader thread. Idempotent."""
+        self._loader.close()

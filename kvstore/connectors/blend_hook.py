@@ -1,0 +1,117 @@
+"""Where a connector finds the blend engine: a registry the blend side fills, so connectors never import it.
+
+Blending inside an engine needs the model's layers and kvstore's layerwise pass (``kvstore.blend``), which the
+connector layer may not import (the layer rules in ``tests/test_layering.py``: blend builds on connectors, not the
+other way round). The composition root is kvstore's vLLM plugin (``kvstore.blend.vllm.plugin``, the
+``vllm.general_plugins`` entry point): vLLM loads it in every engine process and it registers a factory here; the
+worker-side connector asks for it when a deployment turns blending on, and refuses to start without one.
+
+No torch or engine imports: the plugin runs in every vLLM process of every user with kvstore installed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvstore.client import Client
+    from kvstore.layout import KVLayout
+
+__all__ = [
+    "BlendEngine",
+    "BlendEngineContext",
+    "BlendEngineFactory",
+    "BlendOutcome",
+    "blend_engine_factory",
+    "register_blend_engine",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendEngineContext:
+    """What a blend engine is built from, in the worker, once its KV caches are registered.
+
+    Args:
+        engine_config: the engine's own config object (vLLM's ``VllmConfig``).
+        layout: the model's KV layout.
+        paged_layers: one ``kvstore.connectors.paged.PagedLayer`` per layer, in model order.
+        layer_names: the engine's attention layer names, in the same order.
+        check_layer: the deployment's check layer (validated against the model when the engine is built).
+        disk_policy: the deployment's disk policy (``auto``, ``wait`` or ``recompute``).
+    """
+
+    engine_config: Any
+    layout: KVLayout
+    paged_layers: tuple[Any, ...]
+    layer_names: tuple[str, ...]
+    check_layer: int
+    disk_policy: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendOutcome:
+    """How one blend pass served tokens ``[0, end)`` of a prompt (tokens ``[local_end, end)`` written to blocks).
+
+    Args:
+        exact_tokens: reused as cached.
+        blend_tokens: cached at other positions, re-rotated and blended.
+        gap_tokens: no cached KV (or skipped), computed in every layer.
+        recomputed_tokens: tokens computed in the last layer (the selection, the gaps and the span's last token).
+        skipped_disk_tokens: cached tokens computed instead of waiting for the disk (the disk policy).
+        selected: the recomputed positions, when the request asked for them (``blend_report_selection``).
+        blend_ms: the pass's wall time, the blocks' writes included.
+    """
+
+    exact_tokens: int
+    blend_tokens: int
+    gap_tokens: int
+    recomputed_tokens: int
+    skipped_disk_tokens: int
+    selected: tuple[int, ...] | None = None
+    blend_ms: float = 0.0
+
+
+class BlendEngine(Protocol):
+    """Runs blend passes on the engine's model and writes their KV into the engine's blocks."""
+
+    def run(
+        self,
+        client: Client,
+        *,
+        token_ids: tuple[int, ...],
+        block_ids: tuple[int, ...],
+        local_end: int,
+        end: int,
+        ratio: float,
+        report_selection: bool,
+    ) -> BlendOutcome:
+        """Blend tokens ``[0, end)`` of the prompt ``token_ids`` and write ``[local_end, end)`` into ``block_ids``.
+
+        Raises:
+            KVStoreError: the store failed the lookup or the retrieve (the caller's link treats it as an outage).
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+BlendEngineFactory = Callable[[BlendEngineContext], BlendEngine]
+
+_lock = threading.Lock()
+_factory: BlendEngineFactory | None = None
+
+
+def register_blend_engine(factory: BlendEngineFactory) -> None:
+    """Make ``factory`` the blend engine of this process (idempotent: the last registration wins)."""
+    global _factory
+    with _lock:
+        _factory = factory
+
+
+def blend_engine_factory() -> BlendEngineFactory | None:
+    """The registered factory, or ``None`` when no plugin registered one in this process."""
+    with _lock:
+        return _factory
