@@ -621,10 +621,10 @@ def _match_at(key_bytes: bytes, position: int, query_start: int, num_tokens: int
 
 @functools.cache
 def compile_kernels(chunk_size: int) -> None:
-    """(Once per process and chunk size.) Register, match, look up and remove one sequence in a throwaway index, so every numba kernel the content
-    index runs is compiled now. Compiling them takes seconds when numba's on-disk cache is cold (a fresh install,
-    or another numba version's cache in the same tree), and a store that compiles on its first content lookup
-    makes that lookup's client wait past its timeout; a server calls this at start instead."""
+    """Register, match, look up and remove one sequence in a throwaway index (once per process and chunk size),
+    so every numba kernel the content index runs is compiled now. Compiling them takes seconds when numba's
+    on-disk cache is cold (a fresh install, or another numba version's cache in the same tree), and a store that
+    compiles on its first content lookup makes that lookup's client wait past its timeout."""
     _check_chunk_size(chunk_size)
     index = FingerprintIndex()
     tokens = as_token_array(np.arange(2 * chunk_size + 1) % 50_000)
