@@ -51,7 +51,14 @@ from kvstore.bench.vllm_engine import EngineSpec, RequestResult, engine_command
 from kvstore.connectors.hook_clock import TRACE_ENV
 from kvstore.errors import ConfigError
 
-__all__ = ["VllmBenchOptions", "VllmBenchRow", "prose_prompts", "run_vllm_benchmark", "with_connector_time"]
+__all__ = [
+    "VllmBenchOptions",
+    "VllmBenchRow",
+    "prose_prompts",
+    "run_engine_session",
+    "run_vllm_benchmark",
+    "with_connector_time",
+]
 
 _CONNECTOR = {
     "kv_connector": "KVStoreConnector",
@@ -179,7 +186,7 @@ def run_vllm_benchmark(
                 env={**env, TRACE_ENV: str(trace)},
                 **spec,  # type: ignore[arg-type]
             )
-            results = _run_engine(engine, options.engine_timeout_s)
+            results = run_engine_session(engine, options.engine_timeout_s)
             return with_connector_time(results, trace)
 
         cold = session("cold", prompts)
@@ -245,7 +252,7 @@ def _ttft_ms(results: Sequence[RequestResult]) -> list[float]:
     return samples
 
 
-def _run_engine(spec: EngineSpec, timeout_s: float) -> list[RequestResult]:
+def run_engine_session(spec: EngineSpec, timeout_s: float) -> list[RequestResult]:
     """One engine session in a subprocess; its log goes to this process's stderr only when it fails."""
     with tempfile.TemporaryFile() as log:
         completed = subprocess.run(

@@ -101,6 +101,8 @@ class BlendOutput:
         timings: stage timings.
         num_skipped_disk_tokens: cached tokens a blend computed instead of waiting for the disk
             (``BlendConfig.disk_policy``); they count as gaps in ``plan``.
+        recomputed_positions: for ``blend``, the prompt positions computed in the last layer (the selection, the
+            gaps and the last token), ascending; ``None`` for the other modes.
     """
 
     mode: PrefillMode
@@ -111,6 +113,7 @@ class BlendOutput:
     plan: BlendPlanSummary
     timings: PrefillTimings
     num_skipped_disk_tokens: int = 0
+    recomputed_positions: torch.Tensor | None = None
 
 
 class LayerwiseBlender:
@@ -339,6 +342,7 @@ class LayerwiseBlender:
             num_recomputed_tokens=result.num_recomputed_tokens,
             plan=result.summary,
             num_skipped_disk_tokens=result.num_skipped_disk_tokens,
+            recomputed_positions=result.recomputed_positions,
             timings=_timings(
                 total_ms=total_ms,
                 lookup_ms=result.lookup_ms,

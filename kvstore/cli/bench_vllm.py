@@ -1,4 +1,5 @@
-"""``kvstore bench vllm``: TTFT of a long prompt in a real vLLM engine: cold, vLLM's prefix cache, kvstore hits."""
+"""``kvstore bench vllm``: TTFT of a long prompt in a real vLLM engine: cold, vLLM's prefix cache, kvstore hits;
+with ``--blend``, CacheBlend inside vLLM on the multi-document QA workload."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvstore.bench.vllm_ttft import VllmBenchOptions, VllmBenchRow, prose_prompts, run_vllm_benchmark
+from kvstore.bench.vllm_blend import VllmBlendOptions, VllmBlendRow, run_vllm_blend_benchmark
+from kvstore.bench.vllm_ttft import (
+    VllmBenchOptions,
+    VllmBenchRow,
+    prose_prompts,
+    run_engine_session,
+    run_vllm_benchmark,
+)
 from kvstore.errors import ConfigError
 
 __all__ = ["bench_vllm_command"]
 
 _DEFAULTS = VllmBenchOptions(model_dir=Path("."))
+_BLEND_DEFAULTS = VllmBlendOptions(model_dir=Path("."))
 
 
 def bench_vllm_command(
@@ -27,6 +36,17 @@ def bench_vllm_command(
     prompts: int = typer.Option(_DEFAULTS.num_prompts, "--prompts", help="Distinct prompts (samples per mode)."),
     dtype: str = typer.Option(_DEFAULTS.dtype, "--dtype", help="The model's dtype in vLLM."),
     data_dir: Path | None = typer.Option(None, "--data-dir", help="kvstore data dir (default: a temporary one)."),
+    blend: bool = typer.Option(
+        False, "--blend", help="CacheBlend inside vLLM: cold vs blended vs the standalone blender on multi-doc QA."
+    ),
+    documents: int = typer.Option(_BLEND_DEFAULTS.num_documents, "--documents", help="--blend: documents cached."),
+    document_tokens: int = typer.Option(
+        _BLEND_DEFAULTS.document_tokens, "--document-tokens", help="--blend: tokens per document."
+    ),
+    docs_per_query: int = typer.Option(
+        _BLEND_DEFAULTS.docs_per_query, "--docs-per-query", help="--blend: documents in each query."
+    ),
+    ratio: float = typer.Option(_BLEND_DEFAULTS.ratio, "--ratio", help="--blend: the recompute ratio."),
 ) -> None:
     """Time to first token of long prompts in vLLM: cold, vLLM's own prefix-cache hit, and kvstore hits from the
     cpu tier and (after an engine restart) from disk, each as a speedup over cold in the same run. Needs vLLM (on a
@@ -37,6 +57,8 @@ def bench_vllm_command(
         .venv-vllm/bin/kvstore bench vllm --json
 
         .venv-vllm/bin/kvstore bench vllm --prompt-tokens 2000 --prompts 2
+
+        .venv-vllm/bin/kvstore bench vllm --blend --json --prompts 3   # 5 documents x 1,000 tokens per query
     """
     from transformers import AutoTokenizer
 
@@ -48,6 +70,22 @@ def bench_vllm_command(
         model_dir = model or export_smollm2_for_vllm(default_model_cache_dir(os.environ))
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory")
+        if blend:
+            blend_options = VllmBlendOptions(
+                model_dir=model_dir,
+                num_documents=documents,
+                document_tokens=document_tokens,
+                docs_per_query=docs_per_query,
+                num_queries=prompts,
+                ratio=ratio,
+            )
+            blend_rows = run_vllm_blend_benchmark(
+                blend_options,
+                lambda spec: run_engine_session(spec, blend_options.engine_timeout_s),
+                lambda message: status.update(message),
+            )
+            _print_blend(blend_rows, as_json)
+            return
         options = VllmBenchOptions(
             model_dir=model_dir, prompt_tokens=prompt_tokens, num_prompts=prompts, dtype=dtype, data_dir=data_dir
         )
@@ -74,5 +112,22 @@ def _render(rows: list[VllmBenchRow]) -> None:
         table.add_row(
             row.mode, f"{row.prompt_tokens:,}", f"{row.num_cached_tokens_p50:,.0f}", loaded, f"{row.ttft_ms_p50:,.1f}",
             f"{row.speedup_vs_cold:.2f}x", "-" if row.connector_ms_p50 is None else f"{row.connector_ms_p50:,.1f}",
+        )  # fmt: skip
+    Console(width=120).print(table)
+
+
+def _print_blend(rows: list[VllmBlendRow], as_json: bool) -> None:
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(row.to_json_dict()))
+        return
+    table = Table(title="kvstore bench vllm --blend (TTFT vs cold in the same run; quality on SmolLM2-135M)")
+    for column in ("mode", "prompt tokens", "TTFT p50 ms", "vs cold", "fact accuracy", "agreement", "selection"):
+        table.add_column(column)
+    for row in rows:
+        overlap = "-" if row.selection_overlap_p50 is None else f"{row.selection_overlap_p50:.3f}"
+        table.add_row(
+            row.mode, f"{row.prompt_tokens:,}", f"{row.ttft_ms_p50:,.1f}", f"{row.ttft_vs_cold:.3f}x",
+            f"{row.fact_accuracy:.2f}", f"{row.first_token_agreement:.2f}", overlap,
         )  # fmt: skip
     Console(width=120).print(table)
