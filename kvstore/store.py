@@ -41,7 +41,7 @@ import torch
 
 from kvstore.config import StoreConfig, check_byte_count, tier_name
 from kvstore.content.catalog import ContentCatalog, Residency
-from kvstore.content.index import Match, compile_kernels
+from kvstore.content.index import Match
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
 from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, checked_keys, prefix_keys
 from kvstore.layout import KVLayout
@@ -176,10 +176,6 @@ class TieredStore:
     def _open_content(self) -> None:
         if not self.config.enable_blend:
             return
-        # Compiled off the caller's thread now, not in the first lookup, whose client waits with a timeout.
-        threading.Thread(
-            target=compile_kernels, args=(self.config.chunk_size,), name="kvstore-compile", daemon=True
-        ).start()
         residency = Residency(is_resident=self._is_resident, in_transit=self._in_transit)
         self._catalog = ContentCatalog(
             self.config.chunk_size, residency, dedup_content=self.config.enable_dedup_content

@@ -624,7 +624,8 @@ def compile_kernels(chunk_size: int) -> None:
     """Register, match, look up and remove one sequence in a throwaway index (once per process and chunk size),
     so every numba kernel the content index runs is compiled now. Compiling them takes seconds when numba's
     on-disk cache is cold (a fresh install, or another numba version's cache in the same tree), and a store that
-    compiles on its first content lookup makes that lookup's client wait past its timeout."""
+    compiles on its first content lookup makes that lookup's client wait past its timeout. Called on the caller's
+    thread: compiling on another thread can deadlock with an import that compiles eagerly (``relink``)."""
     _check_chunk_size(chunk_size)
     index = FingerprintIndex()
     tokens = as_token_array(np.arange(2 * chunk_size + 1) % 50_000)

@@ -20,6 +20,7 @@ import logging
 import threading
 
 from kvstore.config import StoreConfig
+from kvstore.content.index import compile_kernels
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.layout import KVLayout
 from kvstore.store import TieredStore
@@ -43,6 +44,8 @@ class StoreHost:
         self.config = config
         self._open_lock = threading.Lock()
         self._store: TieredStore | None = None
+        if config.enable_blend:  # before the server answers anyone: a client's first content lookup has a timeout
+            compile_kernels(config.chunk_size)
         if layout is not None:
             self._store = TieredStore(layout, config)
 

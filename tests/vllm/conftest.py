@@ -32,6 +32,7 @@ from typing import IO
 import pytest
 from transformers import AutoTokenizer
 
+from kvstore.bench.vllm_blend import BlendWorkload, blend_workload
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult, engine_command
 from kvstore.bench.vllm_ttft import prose_prompts
 from kvstore.models import default_model_cache_dir
@@ -71,8 +72,12 @@ of one core here: they are as short as the cases they test allow)."""
 SHARED_PREFIX_TOKENS = 512
 """``shared_prefix`` starts with ``first``'s first two chunks."""
 BASELINE_PROMPT_TOKENS = 300
-REFERENCE_NEW_TOKENS = 8
-"""Greedy tokens the cold reference generates per prompt; the connector tests compare their first few."""
+REFERENCE_NEW_TOKENS = 12
+"""Greedy tokens the cold reference generates per prompt: enough for a query's answer (a 4-digit code); the
+connector tests compare the first few."""
+BLEND_QUERIES = 4
+"""Multi-document QA queries (three 256-token documents each, in new orders): ``query0`` is blended at ratio 1.0,
+the others at the default ratio."""
 _COVERAGE_ENV = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
 """How coverage's ``patch = subprocess`` reaches child processes (tests/vllm/coverage.toml)."""
 
@@ -82,11 +87,13 @@ class ColdReference:
     """Every prompt the tests use, and what an engine with no connector and no prefix cache answers to it.
 
     Prompts: ``first``, ``second``, ``third`` (700 tokens each of real prose, disjoint), ``shared_prefix``
-    (``first``'s first 512 tokens, then ``third``'s), and ``baseline`` (300 tokens of ``os.walk``'s docstring).
+    (``first``'s first 512 tokens, then ``third``'s), ``baseline`` (300 tokens of ``os.walk``'s docstring), and the
+    blend workload's queries ``query0``... (``workload``: its documents are not run cold).
     """
 
     prompts: Mapping[str, tuple[int, ...]]
     outputs: Mapping[str, RequestResult]
+    workload: BlendWorkload
 
 
 @pytest.fixture(scope="session")
@@ -109,20 +116,23 @@ def cold_reference(vllm_model_dir: Path, vllm_env: Mapping[str, str]) -> ColdRef
     text = inspect.cleandoc(os.walk.__doc__ or "")  # real English prose on every Python (absent only under -OO)
     baseline = tuple(tokenizer(text).input_ids[:BASELINE_PROMPT_TOKENS])
     assert len(baseline) == BASELINE_PROMPT_TOKENS, f"os.walk's docstring gave only {len(baseline)} tokens"
+    workload = blend_workload(
+        tokenizer, num_documents=3, document_tokens=256, num_queries=BLEND_QUERIES, docs_per_query=3
+    )
     prompts = {
         "first": first,
         "second": second,
         "third": third,
         "shared_prefix": first[:SHARED_PREFIX_TOKENS] + third[: E2E_PROMPT_TOKENS - SHARED_PREFIX_TOKENS],
         "baseline": baseline,
-    }
+    } | {f"query{index}": query.tokens for index, query in enumerate(workload.queries)}
     results = run_engine_driver(
         EngineSpec(
             model_dir=vllm_model_dir, prompts=list(prompts.values()), max_tokens=REFERENCE_NEW_TOKENS, env=vllm_env
         ),
         measure_coverage=False,  # it runs no connector code, and tracing vLLM's Python costs it about a minute
     )
-    return ColdReference(prompts=prompts, outputs=dict(zip(prompts, results, strict=True)))
+    return ColdReference(prompts=prompts, outputs=dict(zip(prompts, results, strict=True)), workload=workload)
 
 
 @pytest.fixture(scope="session")

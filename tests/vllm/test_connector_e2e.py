@@ -10,9 +10,15 @@ the hit is cut to vLLM's 128-token block, and vLLM computes at least the prompt'
 Engines are slow to start (about 20-30 s on two cores, 10 s to stop), so one test runs three engines on one data
 dir, each step building on the last:
 
-    engine 1  shared kvstore serve   first (stored), first (cpu-tier hit), shared_prefix (partial hit), second
-    engine 2  the same server        second (hits what engine 1 stored), third, [no pins left; server killed], third
+    engine 1  shared kvstore serve   first (stored), first (cpu-tier hit), shared_prefix (partial hit), second,
+                                     the blend workload's three documents, each alone
+    engine 2  the same server,       second (hits what engine 1 stored), query0 at ratio 1.0, query1-3 at the
+              kvstore.blend on       default ratio (CacheBlend inside vLLM over engine 1's documents), third (opted
+                                     out), [no pins left; server killed], third
     engine 3  embedded default       first (a new engine and a new private server on the data dir: a disk hit)
+
+The blended queries are also run through the standalone ``LayerwiseBlender`` (Hugging Face modules, its own store
+holding the same documents), which must recompute the same positions and answer the planted facts as often.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
-from kvstore.bench.vllm_engine import EngineSpec
+from kvstore.bench.multidoc_stats import paired_facts
+from kvstore.bench.vllm_blend import BlendWorkload, answered, run_standalone_blender, selection_overlap
+from kvstore.bench.vllm_engine import EngineSpec, RequestResult
 from kvstore.bench.vllm_ttft import with_connector_time
 from kvstore.connectors.hook_clock import TRACE_ENV
 from tests.server.conftest import ServerProcess, running_server
-from tests.vllm.conftest import SHARED_PREFIX_TOKENS, ColdReference, EngineRunner
+from tests.vllm.conftest import REFERENCE_NEW_TOKENS, SHARED_PREFIX_TOKENS, ColdReference, EngineRunner
 
 FULL_HIT_TOKENS = 640  # 700 cut to a 128-token block, leaving the last token to compute
 MAX_TOKENS = 4
@@ -49,12 +58,13 @@ def connector_spec(
     env: Mapping[str, str],
     prompts: Sequence[Sequence[int]],
     extra: Mapping[str, object],
+    max_tokens: int = MAX_TOKENS,
     **more: object,
 ) -> EngineSpec:
     return EngineSpec(
         model_dir=model_dir,
         prompts=prompts,
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         env=env,
         kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": dict(extra)},
         wait_until_stored_s=SAVE_WAIT_S,
@@ -70,6 +80,7 @@ def data_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def shared_server(data_dir: Path) -> Iterator[ServerProcess]:
     flags = ("--tiers", "cpu,disk", "--cpu-size", "512MiB", "--disk-size", "2GiB", "--chunk-size", "256")
+    flags += ("--enable-blend",)
     with running_server(data_dir, *flags, layout=None) as server:
         yield server
 
@@ -82,18 +93,20 @@ def test_engines_store_share_survive_a_killed_server_and_restart_from_disk_with_
     cold_reference: ColdReference,
     shared_server: ServerProcess,
     data_dir: Path,
+    tmp_path: Path,
 ) -> None:
     prompts = cold_reference.prompts
     cold = {name: result.token_ids[:MAX_TOKENS] for name, result in cold_reference.outputs.items()}
     extra = {"kvstore.url": shared_server.url, "kvstore.retry_s": 1.0}
     trace = data_dir.parent / "connector-trace.jsonl"
 
-    first, again, partial, stored = with_connector_time(
+    documents = list(cold_reference.workload.documents)
+    first, again, partial, stored, *_ = with_connector_time(
         run_engine(
             connector_spec(
                 vllm_model_dir,
                 {**vllm_env, TRACE_ENV: str(trace)},
-                [prompts["first"], prompts["first"], prompts["shared_prefix"], prompts["second"]],
+                [prompts["first"], prompts["first"], prompts["shared_prefix"], prompts["second"], *documents],
                 extra,
             )
         ),
@@ -113,20 +126,28 @@ def test_engines_store_share_survive_a_killed_server_and_restart_from_disk_with_
 
     no_pins = [sys.executable, "-c", NO_PINS_CHECK, shared_server.url]
     kill = [sys.executable, "-c", f"import os; os.kill({shared_server.pid}, {int(signal.SIGKILL)})"]
-    shared, fresh, after_kill = run_engine(
+    queries = [prompts[f"query{index}"] for index in range(len(cold_reference.workload.queries))]
+    opt_out = {"kvstore": {"blend": False}}
+    blend_params = {"1": {"kvstore": {"blend_ratio": 1.0}}} | {
+        str(2 + index): {"kvstore": {"blend_report_selection": True}} for index in range(len(queries) - 1)
+    }
+    shared, *blended, fresh, after_kill = run_engine(
         connector_spec(
             vllm_model_dir,
             vllm_env,
-            [prompts["second"], prompts["third"], prompts["third"]],
-            extra,
-            commands_before={"2": [no_pins, kill]},  # the driver fails if the check does
+            [prompts["second"], *queries, prompts["third"], prompts["third"]],
+            extra | {"kvstore.blend": True},
+            max_tokens=REFERENCE_NEW_TOKENS,
+            commands_before={str(len(queries) + 2): [no_pins, kill]},  # the driver fails if the check does
+            transfer_params=blend_params | {str(len(queries) + 1): opt_out, str(len(queries) + 2): opt_out},
         )
     )
     assert shared.num_cached_tokens == shared.kvstore_loaded_tokens == FULL_HIT_TOKENS, "it hits engine 1's prompt"
-    assert shared.token_ids == cold["second"]
-    assert fresh.num_cached_tokens == 0 and fresh.token_ids == cold["third"]
+    assert shared.token_ids[:MAX_TOKENS] == cold["second"]
+    check_blends(cold_reference, blended, vllm_model_dir, tmp_path / "standalone-data")
+    assert fresh.num_cached_tokens == 0 and fresh.token_ids[:MAX_TOKENS] == cold["third"]
     assert after_kill.num_cached_tokens == after_kill.kvstore_loaded_tokens == 0, "the store is gone: all computed"
-    assert after_kill.token_ids == cold["third"]
+    assert after_kill.token_ids[:MAX_TOKENS] == cold["third"]
 
     embedded = {"kvstore.data_dir": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size": "512MiB"}
     (restarted,) = run_engine(connector_spec(vllm_model_dir, vllm_env, [prompts["first"]], embedded))
@@ -134,6 +155,40 @@ def test_engines_store_share_survive_a_killed_server_and_restart_from_disk_with_
     assert restarted.kvstore_loaded_tokens == FULL_HIT_TOKENS, "loaded from disk, not recomputed after a failed load"
     assert restarted.token_ids == cold["first"]
     assert not (data_dir / "serve.json").exists(), "the private server stopped with its engine"
+
+
+def check_blends(
+    cold_reference: ColdReference, blended: Sequence[RequestResult], model_dir: Path, standalone_dir: Path
+) -> None:
+    """query0 at ratio 1.0 answers exactly as the cold engine; the others reuse most of their documents, agree with
+    the cold engine on the next token, and select and answer as the standalone blender does on the same queries."""
+    workload = cold_reference.workload
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reports = [(result.kv_transfer_params or {})["kvstore"]["blend"] for result in blended]
+    for index, (result, report) in enumerate(zip(blended, reports, strict=True)):
+        cold = cold_reference.outputs[f"query{index}"]
+        assert report["exact_tokens"] == 0, "documents cached alone: the preamble is no one's prefix"
+        assert report["blended_tokens"] > 0.8 * report["span_tokens"], report
+        prompt_tokens = len(workload.queries[index].tokens)
+        assert result.num_cached_tokens == report["span_tokens"] == prompt_tokens - report["computed_by_vllm"]
+        if index == 0:
+            assert result.token_ids == cold.token_ids, "ratio 1.0 recomputes every token: a full prefill"
+            assert report["recomputed_tokens"] == report["span_tokens"]
+        else:
+            assert 0 < report["recomputed_tokens"] < 0.4 * report["span_tokens"], report
+    later = range(1, len(blended))
+    agreement = sum(blended[i].token_ids[0] == cold_reference.outputs[f"query{i}"].token_ids[0] for i in later)
+    assert agreement / len(later) >= 0.95, "next-token agreement with a cold engine"
+    rest = BlendWorkload(documents=workload.documents, queries=workload.queries[1:])
+    standalone = run_standalone_blender(rest, chunk_size=256, ratio=0.15, answer_tokens=12, data_dir=standalone_dir)
+    for index, answer in zip(later, standalone, strict=True):
+        overlap = selection_overlap(reports[index]["selected"], answer.selected, reports[index]["span_tokens"])
+        assert overlap >= 0.9, f"query{index}: {overlap:.3f} of vLLM's recomputed positions are the standalone's"
+    codes = [query.code for query in rest.queries]
+    vllm_right = [answered(tokenizer, blended[i].token_ids, code) for i, code in zip(later, codes, strict=True)]
+    standalone_right = [answered(tokenizer, a.token_ids, code) for a, code in zip(standalone, codes, strict=True)]
+    interval = paired_facts(standalone_right, vllm_right).difference_ci95
+    assert interval.low <= 0.0 <= interval.high, (vllm_right, standalone_right)
 
 
 NO_PINS_CHECK = """
