@@ -18,8 +18,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from kvstore.data_dir.server_record import ServerRecord, remove_server_record, write_server_record
+from kvstore.data_dir.server_record import (
+    ServerRecord,
+    live_server_record,
+    remove_server_record,
+    write_server_record,
+)
 from kvstore.errors import KVStoreError, ServerUnavailableError
 from kvstore.server.clients import ClientRegistry
 from kvstore.server.handlers import RequestHandler, ServerIdentity
@@ -107,10 +113,11 @@ def _serve(
     address = ServerAddress(
         url=server.url, metrics_url=metrics_url, disk_chunks=disk.num_chunks if disk is not None else None
     )
+    record_dir = _record_dir(config.data_dir, data_dir)
     try:
         metrics_server.start()
-        if data_dir is not None:
-            write_server_record(data_dir, ServerRecord(pid=os.getpid(), url=server.url, metrics_url=metrics_url))
+        if record_dir is not None:
+            write_server_record(record_dir, ServerRecord(pid=os.getpid(), url=server.url, metrics_url=metrics_url))
         serving.set()
         logger.info("serving on %s (metrics %s)", server.url, metrics_url)
         on_ready(address)
@@ -125,8 +132,19 @@ def _serve(
             handler.save_document_hits()
         except KVStoreError as exc:  # shutdown must complete; the counts of the last minute are what is lost
             logger.error("document hit counts not saved at shutdown: %s", exc)
-        if data_dir is not None:
-            remove_server_record(data_dir)
+        if record_dir is not None:
+            remove_server_record(record_dir)
+
+
+def _record_dir(configured: Path, held: Path | None) -> Path | None:
+    """Where this server records itself (``serve.json``): the data dir it holds (disk tier), else its configured
+    data dir when that exists and no live server recorded itself there (the connector's embedded server, cpu
+    tier only, is found there; a bare ``kvstore serve --tiers cpu`` creates no dir)."""
+    if held is not None:
+        return held
+    if configured.is_dir() and live_server_record(configured) is None:
+        return configured
+    return None
 
 
 @contextlib.contextmanager

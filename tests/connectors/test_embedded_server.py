@@ -265,3 +265,17 @@ def test_a_server_started_by_a_pinned_process_runs_on_the_cpus_it_left_free(
     environment = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
     assert not [entry for entry in environment if entry.startswith((b"GOMP_CPU_AFFINITY=", b"OMP_NUM_THREADS="))]
     server.stop()
+
+
+def test_a_memory_only_server_is_found_in_its_data_dir_and_forgets_it_when_it_stops(
+    data_dir: Path, children: list[subprocess.Popen[str]]
+) -> None:
+    """A server with no disk tier holds no data dir, but the connector still finds its embedded one there."""
+    server = ensure_embedded_server(embedded_settings(data_dir, tiers="cpu"), start_timeout_s=START_TIMEOUT_S)
+    assert server.process is not None
+    children.append(server.process)  # type: ignore[arg-type]
+    record = live_server_record(data_dir)
+    assert record is not None and (record.url, record.pid) == (server.url, server.pid)
+    store_and_check(server.url, tokens_seed=3)
+    server.stop()
+    assert live_server_record(data_dir) is None and not (data_dir / "data.mdb").exists()
