@@ -5,6 +5,8 @@
 - ``selection``, ``recurring_context``, ``query_attention``: which tokens are recomputed, and their attention;
 - ``kv_loading``, ``load_cost``, ``stage_clock``: loading a plan's KV while the model computes, the disk-or-recompute
   choice, and timing the stages.
+- ``layer_stack``: what the pass needs from a model (``LlamaStack`` for Hugging Face models);
+- ``vllm``: the same pass inside vLLM, on the modules of the model a vLLM worker loaded (kvstore's vLLM plugin).
 
 Finding cached chunks by content is the store's job (``kvstore.content``, below the store).
 """
