@@ -38,6 +38,7 @@ from kvstore.bench.blend_quality import first_number
 from kvstore.bench.multidoc_stats import paired_facts
 from kvstore.bench.multidoc_workload import PromptFormat, pick_combinations, prose_documents
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult
+from kvstore.bench.vllm_ttft import CONNECTOR_CONFIG, CPU_ENGINE_ENV
 from kvstore.errors import ConfigError
 
 __all__ = [
@@ -52,15 +53,6 @@ __all__ = [
     "run_vllm_blend_benchmark",
     "selection_overlap",
 ]
-
-BLEND_CONNECTOR = {
-    "kv_connector": "KVStoreConnector",
-    "kv_connector_module_path": "kvstore.connectors.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
-_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1"}
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlendQuery:
@@ -123,9 +115,11 @@ class StandaloneAnswer:
 
 
 def run_standalone_blender(
-    workload: BlendWorkload, *, chunk_size: int, ratio: float, answer_tokens: int, data_dir: Path
+    workload: BlendWorkload, *, chunk_size: int, ratios: Sequence[float], answer_tokens: int, data_dir: Path
 ) -> list[StandaloneAnswer]:
-    """Cache each document alone, then blend each query with ``LayerwiseBlender`` on SmolLM2 (float32, cpu)."""
+    """Cache each document alone, then blend each query (at its ratio) with ``LayerwiseBlender`` on SmolLM2 (float32,
+    cpu), storing each blended prompt afterwards as the connector stores every prompt an engine computed: a later
+    query that starts like an earlier one then has the same exact prefix in both."""
     import os
 
     import torch
@@ -141,12 +135,11 @@ def run_standalone_blender(
     loaded = load_smollm2(cache_dir=default_model_cache_dir(os.environ), dtype=torch.float32)
     config = StoreConfig(tiers=(TierName.CPU,), enable_blend=True, data_dir=data_dir, chunk_size=chunk_size)
     answers = []
-    blend = BlendConfig(recompute_ratio=ratio)
-    with TieredStore(loaded.layout, config) as store, LayerwiseBlender(loaded.model, store, blend) as blender:
+    with TieredStore(loaded.layout, config) as store, LayerwiseBlender(loaded.model, store) as blender:
         for document in workload.documents:
             blender.prefill(document, mode="full")
-        for query in workload.queries:
-            output = blender.prefill(query.tokens, mode="blend", store_result=False)
+        for query, ratio in zip(workload.queries, ratios, strict=True):
+            output = blender.prefill(query.tokens, mode="blend", config=BlendConfig(recompute_ratio=ratio))
             continuation = greedy_continuation(loaded.model, output, answer_tokens, None)
             positions = output.recomputed_positions
             answers.append(
@@ -241,9 +234,8 @@ def run_vllm_blend_benchmark(
     queries = [query.tokens for query in workload.queries]
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-vllm-blend-") as scratch:
         progress(f"vLLM session: cold ({len(queries)} queries)")
-        cold = run_engine(
-            EngineSpec(model_dir=options.model_dir, prompts=queries, max_tokens=options.answer_tokens, env=_CPU_ENV)
-        )
+        model_dir, answers = options.model_dir, options.answer_tokens
+        cold = run_engine(EngineSpec(model_dir=model_dir, prompts=queries, max_tokens=answers, env=CPU_ENGINE_ENV))
         progress(f"vLLM session: kvstore blend ({len(workload.documents)} documents, {len(queries)} queries)")
         extra = {
             "kvstore.data_dir": str(Path(scratch) / "engine-data"),
@@ -260,8 +252,8 @@ def run_vllm_blend_benchmark(
                 model_dir=options.model_dir,
                 prompts=[*workload.documents, *queries],
                 max_tokens=options.answer_tokens,
-                env=_CPU_ENV,
-                kv_transfer_config={**BLEND_CONNECTOR, "kv_connector_extra_config": extra},
+                env=CPU_ENGINE_ENV,
+                kv_transfer_config={**CONNECTOR_CONFIG, "kv_connector_extra_config": extra},
                 wait_until_stored_s=120.0,
                 transfer_params={str(first_query + index): report for index in range(len(queries))},
             )
@@ -270,7 +262,7 @@ def run_vllm_blend_benchmark(
         standalone = run_standalone_blender(
             workload,
             chunk_size=options.chunk_size,
-            ratio=options.ratio,
+            ratios=[options.ratio] * len(queries),
             answer_tokens=options.answer_tokens,
             data_dir=Path(scratch) / "standalone-data",
         )

@@ -52,6 +52,8 @@ from kvstore.connectors.hook_clock import TRACE_ENV
 from kvstore.errors import ConfigError
 
 __all__ = [
+    "CONNECTOR_CONFIG",
+    "CPU_ENGINE_ENV",
     "VllmBenchOptions",
     "VllmBenchRow",
     "prose_prompts",
@@ -60,13 +62,13 @@ __all__ = [
     "with_connector_time",
 ]
 
-_CONNECTOR = {
+CONNECTOR_CONFIG = {
     "kv_connector": "KVStoreConnector",
     "kv_connector_module_path": "kvstore.connectors.vllm",
     "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",
 }
-_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1"}
+CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "HF_HUB_OFFLINE": "1"}
 """vLLM on a CPU host: a KV cache (GiB) for 8K-token prompts, one core kept for the engine-core process."""
 
 
@@ -169,7 +171,7 @@ def run_vllm_benchmark(
     """
     if len(prompts) < 2:
         raise ConfigError("the vLLM benchmark needs a warm-up prompt and at least one measured prompt")
-    env = {**_CPU_ENV, **(options.env or {})}
+    env = {**CPU_ENGINE_ENV, **(options.env or {})}
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-vllm-") as scratch:
         data_dir = options.data_dir or Path(scratch) / "kvstore-data"
         extra = {"kvstore.data_dir": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size": "2GiB"}
@@ -191,7 +193,7 @@ def run_vllm_benchmark(
 
         cold = session("cold", prompts)
         prefix = session("vllm prefix cache", pairs, enable_prefix_caching=True)
-        connector = {"kv_transfer_config": {**_CONNECTOR, "kv_connector_extra_config": extra}}
+        connector = {"kv_transfer_config": {**CONNECTOR_CONFIG, "kv_connector_extra_config": extra}}
         kvstore = session("kvstore", pairs, wait_until_stored_s=120.0, **connector)
         restarted = session("kvstore restarted", prompts, **connector)
     measured = {

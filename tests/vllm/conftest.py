@@ -66,17 +66,22 @@ VLLM_CPU_ENV = MappingProxyType(
 
 EngineRunner = Callable[[EngineSpec], list[RequestResult]]
 
-E2E_PROMPT_TOKENS = 700
-"""The connector tests' prompts: two whole 256-token chunks and a partial one (each prompt computed costs about 10 s
+E2E_CHUNK_TOKENS = 128
+"""The chunk size of the connector tests' servers (vLLM's CPU block size: a chunk is a block)."""
+E2E_PROMPT_TOKENS = 400
+"""The connector tests' prompts: three whole 128-token chunks and a partial one (each prompt computed costs seconds
 of one core here: they are as short as the cases they test allow)."""
-SHARED_PREFIX_TOKENS = 512
+SHARED_PREFIX_TOKENS = 256
 """``shared_prefix`` starts with ``first``'s first two chunks."""
 BASELINE_PROMPT_TOKENS = 300
 REFERENCE_NEW_TOKENS = 12
 """Greedy tokens the cold reference generates per prompt: enough for a query's answer (a 4-digit code); the
 connector tests compare the first few."""
 BLEND_QUERIES = 4
-"""Multi-document QA queries (three 256-token documents each, in new orders): ``query0`` is blended at ratio 1.0,
+BLEND_DOCUMENT_TOKENS = 150
+"""Each blend document: one whole chunk and a partial one (a chunk is found at a new position by content; the rest of
+its document follows it)."""
+"""Multi-document QA queries (three 150-token documents each, in new orders): ``query0`` is blended at ratio 1.0,
 the others at the default ratio."""
 _COVERAGE_ENV = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
 """How coverage's ``patch = subprocess`` reaches child processes (tests/vllm/coverage.toml)."""
@@ -86,8 +91,8 @@ _COVERAGE_ENV = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
 class ColdReference:
     """Every prompt the tests use, and what an engine with no connector and no prefix cache answers to it.
 
-    Prompts: ``first``, ``second``, ``third`` (700 tokens each of real prose, disjoint), ``shared_prefix``
-    (``first``'s first 512 tokens, then ``third``'s), ``baseline`` (300 tokens of ``os.walk``'s docstring), and the
+    Prompts: ``first``, ``second``, ``third`` (400 tokens each of real prose, disjoint), ``shared_prefix``
+    (``first``'s first 256 tokens, then ``third``'s), ``baseline`` (300 tokens of ``os.walk``'s docstring), and the
     blend workload's queries ``query0``... (``workload``: its documents are not run cold).
     """
 
@@ -117,8 +122,13 @@ def cold_reference(vllm_model_dir: Path, vllm_env: Mapping[str, str]) -> ColdRef
     baseline = tuple(tokenizer(text).input_ids[:BASELINE_PROMPT_TOKENS])
     assert len(baseline) == BASELINE_PROMPT_TOKENS, f"os.walk's docstring gave only {len(baseline)} tokens"
     workload = blend_workload(
-        tokenizer, num_documents=3, document_tokens=256, num_queries=BLEND_QUERIES, docs_per_query=3
-    )
+        tokenizer,
+        num_documents=3,
+        document_tokens=BLEND_DOCUMENT_TOKENS,
+        num_queries=BLEND_QUERIES,
+        docs_per_query=3,
+        seed=4,
+    )  # seed 4: no two queries start with the same two documents (a blended query is stored whole afterwards)
     prompts = {
         "first": first,
         "second": second,

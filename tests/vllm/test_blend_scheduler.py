@@ -16,18 +16,18 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from kvstore import KVLayout
 from kvstore.connectors.blend_hook import BlendOutcome
-from kvstore.connectors.vllm.metadata import BlendSpec, KVStoreWorkerMetadata
+from kvstore.connectors.vllm.metadata import BlendSpec
 from tests.server.conftest import ServerProcess, running_server
 from tests.vllm.test_scheduler_side import (  # noqa: F401  (fixtures)
     STORE_FLAGS,
     SchedulerFactory,
     _frozen_heap,
     _none_hash,
+    finish_step,
     layout,
     make_scheduler,
     metadata_of,
@@ -64,28 +64,6 @@ def add_request(
     return request
 
 
-def finish_step(
-    scheduler: Scheduler, output: Any, blends: dict[str, BlendOutcome | None], invalid: set[int] | None = None
-) -> dict[str, Any]:
-    """A step whose worker ran ``blends``; returns the finished requests' ``kv_transfer_params``."""
-    request_ids = list(output.num_scheduled_tokens)
-    runner_output = ModelRunnerOutput(
-        req_ids=request_ids,
-        req_id_to_index={request_id: index for index, request_id in enumerate(request_ids)},
-        sampled_token_ids=[[7] for _ in request_ids],
-        kv_connector_output=KVConnectorOutput(
-            kv_connector_worker_meta=KVStoreWorkerMetadata(finished_blends=blends), invalid_block_ids=invalid or set()
-        ),
-    )
-    engine_outputs = scheduler.update_from_output(output, runner_output)
-    return {
-        engine_output.request_id: engine_output.kv_transfer_params
-        for outputs in engine_outputs.values()
-        for engine_output in outputs.outputs
-        if engine_output.finish_reason is not None
-    }
-
-
 @pytest.fixture
 def documents(blend_store: ServerProcess, layout: KVLayout, request: pytest.FixtureRequest) -> tuple[list[int], ...]:  # noqa: F811
     """Two 64-token documents stored alone (two chunks each), distinct per test."""
@@ -119,7 +97,8 @@ def test_a_prompt_with_a_document_at_a_new_position_is_one_blend_span_without_a_
     ]
     assert open_plans(blend_store.url) == 0, "no pin: the worker's pass looks the prompt up itself"
 
-    params = finish_step(scheduler, output, {"blend": OUTCOME})  # one new token: it finishes in its blend step
+    # one new token: it finishes in its blend step
+    params = finish_step(scheduler, output, finished_blends={"blend": OUTCOME})
 
     report = params["blend"]["kvstore"]
     assert report["loaded_tokens"] == 128
@@ -160,7 +139,7 @@ def test_a_bad_ratio_is_ignored_and_named_and_a_good_one_is_used(
 
     ratios = {spec.request_id: (spec.ratio, spec.report_selection) for spec in metadata_of(output).blends}
     assert ratios == {"bad": (0.3, False), "good": (1.0, True)}
-    params = finish_step(scheduler, output, {"bad": OUTCOME, "good": OUTCOME})
+    params = finish_step(scheduler, output, finished_blends={"bad": OUTCOME, "good": OUTCOME})
     assert params["bad"]["kvstore"]["notes"] == ["ignored blend_ratio=7: not a valid value"]
     assert "notes" not in params["good"]["kvstore"]
 
@@ -175,10 +154,10 @@ def test_a_failed_pass_is_recomputed_by_vllm_and_never_blended_again(
     output = scheduler.schedule()
     (spec,) = metadata_of(output).blends
 
-    params = finish_step(scheduler, output, {"fails": None}, invalid=set(spec.block_ids))
+    params = finish_step(scheduler, output, finished_blends={"fails": None}, invalid_block_ids=spec.block_ids)
     assert params == {}, "vLLM reschedules it to recompute the failed blocks"
     again = scheduler.schedule()
     assert metadata_of(again).blends == [] and again.num_scheduled_tokens == {"fails": len(tokens)}
-    params = finish_step(scheduler, again, {})
+    params = finish_step(scheduler, again)
     assert params["fails"]["kvstore"]["blend"] == {"failed": True, "span_tokens": 128, "local_tokens": 0}
     assert params["fails"]["kvstore"]["load_failed_tokens"] == 128

@@ -40,6 +40,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvstore import Client, KVLayout
+from kvstore.connectors.blend_hook import BlendOutcome
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.vllm.engine_facts import engine_layout
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
@@ -226,11 +227,13 @@ def finish_step(
     short_loads: Mapping[str, int] | None = None,
     finished_recving: Iterable[str] = (),
     invalid_block_ids: Iterable[int] = (),
+    finished_blends: Mapping[str, BlendOutcome | None] | None = None,
 ) -> dict[str, dict[str, Any] | None]:
     """What the model runner returns for ``output``: a token for each request whose prefill (or decode) the step
     completed, none for a partial prefill chunk, and the worker connector's reports: ``finished_loads`` loaded
     whole (a worker reports at most what was planned; the scheduler side counts at most that), ``short_loads``
-    with the tokens they did load. Returns the ``kv_transfer_params`` of each request the step finished."""
+    with the tokens they did load, ``finished_blends`` with how their blend pass went. Returns the
+    ``kv_transfer_params`` of each request the step finished."""
     request_ids = list(output.num_scheduled_tokens)
     sampled = []
     for request_id in request_ids:
@@ -239,7 +242,11 @@ def finish_step(
     loads = dict.fromkeys(finished_loads, MAX_MODEL_LEN) | dict(short_loads or {})
     connector_output = KVConnectorOutput(
         finished_recving=set(finished_recving) or None,
-        kv_connector_worker_meta=KVStoreWorkerMetadata(finished_loads=loads) if loads else None,
+        kv_connector_worker_meta=(
+            KVStoreWorkerMetadata(finished_loads=loads, finished_blends=dict(finished_blends or {}))
+            if loads or finished_blends
+            else None
+        ),
         invalid_block_ids=set(invalid_block_ids),
     )
     runner_output = ModelRunnerOutput(
