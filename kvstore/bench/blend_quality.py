@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvstore.blend import BlendOutput
+from kvstore.models.cache_argument import cache_argument
 
 __all__ = ["Continuation", "first_number", "greedy_continuation", "kl_divergence"]
 
@@ -45,7 +46,8 @@ def greedy_continuation(model: Any, output: BlendOutput, num_tokens: int, tokeni
     device = next(model.parameters()).device
     with torch.inference_mode():
         for _ in range(num_tokens - 1):
-            step = model(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=cache, use_cache=True)
+            token = torch.tensor([[tokens[-1]]], device=device)
+            step = model(input_ids=token, **cache_argument(model, cache), use_cache=True)
             tokens.append(int(step.logits[0, -1].argmax()))
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else ""
     return Continuation(tokens=tuple(tokens), text=text)

@@ -50,6 +50,7 @@ from kvstore.blend.rope_gate import RopeGateReport, require_rope_gate
 from kvstore.blend.stage_clock import StageClock
 from kvstore.errors import ConfigError, InvalidInputError, LayoutMismatchError
 from kvstore.keys import TokenArray, as_token_array
+from kvstore.models.cache_argument import cache_argument
 from kvstore.models.hf_config import layout_from_hf_config
 from kvstore.sessions import Session
 
@@ -279,7 +280,7 @@ class LayerwiseBlender:
         outputs = self.model(
             input_ids=token_ids[None, num_prefix:],
             position_ids=torch.arange(num_prefix, len(tokens), device=self._stack.device)[None],
-            cache=cache,
+            **cache_argument(self.model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
