@@ -101,3 +101,25 @@ def test_without_a_registered_engine_the_hook_has_none() -> None:
         assert blend_hook.blend_engine_factory() is None
     finally:
         blend_hook.register_blend_engine(saved)  # type: ignore[arg-type]
+
+
+def test_a_blending_worker_without_the_plugin_refuses_to_start_with_one_line() -> None:
+    """``VLLM_PLUGINS`` without ``kvstore_blend`` (or a broken install) leaves the hook empty in the worker."""
+    from kvstore.connectors.store_link import StoreLink
+    from kvstore.connectors.vllm.worker_side import WorkerSide
+    from kvstore.errors import ConfigError
+    from kvstore.layout import KVLayout
+
+    settings = parse_connector_settings({"kvstore.url": "tcp://127.0.0.1:9", "kvstore.blend": True})
+    layout = KVLayout(model_id="m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+    links = tuple(StoreLink(settings, layout, name=name, timeout_s=1.0) for name in ("load", "async", "save", "blend"))
+    worker = WorkerSide(None, layout, links[:3], block_size=16, blend_link=links[3], settings=settings)  # type: ignore[arg-type]
+    saved = blend_hook.blend_engine_factory()
+    blend_hook.register_blend_engine(None)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ConfigError, match=r"kvstore\.blend needs kvstore's vLLM plugin .* VLLM_PLUGINS") as refused:
+            worker._build_blend_engine(("model.layers.0.self_attn.attn",))
+        assert "\n" not in str(refused.value)
+    finally:
+        blend_hook.register_blend_engine(saved)  # type: ignore[arg-type]
+        worker.close()
