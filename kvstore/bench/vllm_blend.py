@@ -118,8 +118,7 @@ def run_standalone_blender(
     workload: BlendWorkload, *, chunk_size: int, ratios: Sequence[float], answer_tokens: int, data_dir: Path
 ) -> list[StandaloneAnswer]:
     """Cache each document alone, then blend each query (at its ratio) with ``LayerwiseBlender`` on SmolLM2 (float32,
-    cpu), storing each blended prompt afterwards as the connector stores every prompt an engine computed: a later
-    query that starts like an earlier one then has the same exact prefix in both."""
+    cpu); a blended prompt is not stored, as the connector does not store one."""
     import os
 
     import torch
@@ -139,7 +138,8 @@ def run_standalone_blender(
         for document in workload.documents:
             blender.prefill(document, mode="full")
         for query, ratio in zip(workload.queries, ratios, strict=True):
-            output = blender.prefill(query.tokens, mode="blend", config=BlendConfig(recompute_ratio=ratio))
+            blend = BlendConfig(recompute_ratio=ratio)
+            output = blender.prefill(query.tokens, mode="blend", config=blend, store_result=False)
             continuation = greedy_continuation(loaded.model, output, answer_tokens, None)
             positions = output.recomputed_positions
             answers.append(

@@ -266,6 +266,7 @@ class _Pass:
         *,
         buffer_tokens: int,
         need_logits: bool = True,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         self.stack = stack
         self.rotator = rotator
@@ -277,9 +278,11 @@ class _Pass:
         self.num_tokens = int(tokens.shape[0])
         self.device = stack.device
         # The retrieve writes the plan's whole extent (it may run past a span); the pass reads its first tokens.
-        self.buffer = torch.zeros(
-            layout.chunk_shape(max(buffer_tokens, self.num_tokens)), dtype=layout.dtype.torch_dtype, device=self.device
-        )
+        # Every position of the span is loaded or computed in every layer, so a reused buffer needs no clearing.
+        needed = max(buffer_tokens, self.num_tokens)
+        if buffer is None:
+            buffer = torch.zeros(layout.chunk_shape(needed), dtype=layout.dtype.torch_dtype, device=self.device)
+        self.buffer = buffer[:, :, :needed]
         self.kv = self.buffer[:, :, : self.num_tokens]
         self.need_logits = need_logits
         self.same_dtype = layout.dtype.torch_dtype == stack.dtype
@@ -449,6 +452,7 @@ def run_blend_pass(
     costs: LoadCostModel,
     span_end: int | None = None,
     need_logits: bool = True,
+    make_buffer: Callable[[int], torch.Tensor | None] | None = None,
 ) -> BlendPassResult:
     """Look the prompt up, load its cached KV on the loader, run every layer; see the module docstring.
 
@@ -462,6 +466,9 @@ def run_blend_pass(
         need_logits: ``False`` skips the last layer's attention and MLP and the LM head (the result's ``logits``
             is empty and ``layers`` lacks the last layer): an engine that computes the logits itself needs only
             the KV.
+        make_buffer: ``make_buffer(num_tokens)`` gives the KV buffer the retrieve writes and the pass works in
+            (layout shape and dtype, on the model device, at least that many tokens; e.g. shared memory the server
+            writes directly), or ``None`` for a new one; the caller gets it back as the result's ``kv``.
 
     Raises:
         ConfigError: the store was opened without ``enable_blend`` (from its lookup).
@@ -474,7 +481,10 @@ def run_blend_pass(
         owner.release(plan)
         raise ConfigError(f"span_end={span_end} is outside the {len(tokens)}-token prompt")
     span = tokens[:end]
-    work = _Pass(stack, rotator, layout, settings, span, clock, buffer_tokens=plan.end, need_logits=need_logits)
+    buffer = make_buffer(max(end, plan.end)) if make_buffer is not None else None
+    work = _Pass(
+        stack, rotator, layout, settings, span, clock, buffer_tokens=plan.end, need_logits=need_logits, buffer=buffer
+    )
     classes = _TokenClasses(clip_segments(plan.segments, end), span, settings)
     needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
     pending: PendingLoad | None = None

@@ -63,6 +63,8 @@ class BlendOutcome:
         skipped_disk_tokens: cached tokens computed instead of waiting for the disk (the disk policy).
         selected: the recomputed positions, when the request asked for them (``blend_report_selection``).
         blend_ms: the pass's wall time, the blocks' writes included.
+        load_wait_ms: of it, the time the pass waited for cached KV to arrive.
+        write_ms: of it, the time writing the span's KV into the blocks took.
     """
 
     exact_tokens: int
@@ -72,6 +74,8 @@ class BlendOutcome:
     skipped_disk_tokens: int
     selected: tuple[int, ...] | None = None
     blend_ms: float = 0.0
+    load_wait_ms: float = 0.0
+    write_ms: float = 0.0
 
 
 class BlendEngine(Protocol):

@@ -128,7 +128,7 @@ def cold_reference(vllm_model_dir: Path, vllm_env: Mapping[str, str]) -> ColdRef
         num_queries=BLEND_QUERIES,
         docs_per_query=3,
         seed=4,
-    )  # seed 4: no two queries start with the same two documents (a blended query is stored whole afterwards)
+    )  # seed 4: no two queries start with the same two documents
     prompts = {
         "first": first,
         "second": second,

@@ -89,7 +89,7 @@ def test_a_prompt_with_a_document_at_a_new_position_is_one_blend_span_without_a_
     assert output.has_sync_kv_loads
     blocks = new_request_blocks(output, "blend")
     metadata = metadata_of(output)
-    assert metadata.loads == []
+    assert metadata.loads == [] and metadata.saves == [], "a blended prompt is not stored (approximate KV)"
     assert metadata.blends == [
         BlendSpec(
             request_id="blend", token_ids=tuple(tokens), block_ids=tuple(blocks[:8]), local_end=0, end=128, ratio=0.15

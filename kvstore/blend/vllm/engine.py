@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.blend.kv_loading import KVLoader
-from kvstore.blend.layerwise import BlendConfig, run_blend_pass
+from kvstore.blend.layerwise import BlendConfig, BlendPassResult, run_blend_pass
 from kvstore.blend.load_cost import DiskPolicy, LoadCostModel
 from kvstore.blend.rope import RopeRotator
 from kvstore.blend.stage_clock import StageClock
@@ -34,12 +34,16 @@ from kvstore.blend.vllm.llama_stack import VllmLlamaStack
 from kvstore.blend.vllm.model_lookup import find_loaded_model
 from kvstore.blend.vllm.rope_gate import require_vllm_rope_gate
 from kvstore.connectors.blend_hook import BlendEngineContext, BlendOutcome
+from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.connectors.paged import PagedLayer
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvstore.client import Client
+    from kvstore.sessions import Session
 
 __all__ = ["VllmBlendEngine"]
 
@@ -76,6 +80,7 @@ class VllmBlendEngine:
         device = self._stack.device
         self._rotator = RopeRotator(self._layout.rope, self._layout.head_dim)
         self._loader = KVLoader(device)
+        self._buffers = LoadBuffers()  # shared memory the server retrieves into, kept between passes (cpu engines)
         self._clock = StageClock(device)
         self._costs = LoadCostModel(self._layout)
 
@@ -94,21 +99,23 @@ class VllmBlendEngine:
         settings = BlendConfig(
             recompute_ratio=ratio, check_layer=self._check_layer, disk_policy=DiskPolicy(self._disk_policy)
         )
+        on_cpu = self._stack.device.type == "cpu"
+        taken: list[torch.Tensor] = []
+
+        def make_buffer(num_tokens: int) -> torch.Tensor | None:
+            buffer = self._buffers.take(client, num_tokens) if on_cpu else None
+            taken.extend([buffer] if buffer is not None else [])
+            return buffer
+
         with client.session() as session, torch.inference_mode():
-            result = run_blend_pass(
-                stack=self._stack,
-                rotator=self._rotator,
-                loader=self._loader,
-                owner=session,
-                layout=self._layout,
-                tokens=as_token_array(token_ids),
-                settings=settings,
-                clock=self._clock,
-                costs=self._costs,
-                span_end=end,
-                need_logits=False,
-            )
-            self._write_blocks(result.kv, block_ids, local_end, end)
+            try:
+                result = self._pass(session, token_ids, end, settings, make_buffer)
+                written = time.perf_counter()
+                self._write_blocks(result.kv, block_ids, local_end, end)
+                write_ms = (time.perf_counter() - written) * 1e3
+            finally:
+                for buffer in taken:
+                    self._buffers.give_back(buffer)
         self._costs.observe_disk_wait(result.disk_wait_bytes, result.load_ms)
         self._costs.observe_compute(result.num_token_layers, result.recompute_ms)
         summary = result.summary
@@ -121,6 +128,31 @@ class VllmBlendEngine:
             skipped_disk_tokens=result.num_skipped_disk_tokens,
             selected=selected,
             blend_ms=(time.perf_counter() - started) * 1e3,
+            load_wait_ms=result.load_ms,
+            write_ms=write_ms,
+        )
+
+    def _pass(
+        self,
+        session: Session,
+        token_ids: tuple[int, ...],
+        end: int,
+        settings: BlendConfig,
+        make_buffer: Callable[[int], torch.Tensor | None],
+    ) -> BlendPassResult:
+        return run_blend_pass(
+            stack=self._stack,
+            rotator=self._rotator,
+            loader=self._loader,
+            owner=session,
+            layout=self._layout,
+            tokens=as_token_array(token_ids),
+            settings=settings,
+            clock=self._clock,
+            costs=self._costs,
+            span_end=end,
+            need_logits=False,
+            make_buffer=make_buffer,
         )
 
     def _write_blocks(self, kv: torch.Tensor, block_ids: tuple[int, ...], local_end: int, end: int) -> None:

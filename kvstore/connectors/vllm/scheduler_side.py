@@ -27,7 +27,10 @@ and when the prompt holds cached chunks past its exact prefix the whole span up 
 (``blend_span``) is reported as external tokens, loaded synchronously: the worker's blend pass computes it (gaps
 included) before the step's forward. No pin is taken: the pass looks the prompt up itself, and a chunk evicted in
 between is one more gap it computes. The response's ``kv_transfer_params["kvstore"]["blend"]`` says how the span was
-served (``reused_tokens``, ``recomputed_tokens``, ...). A request that finishes in its blend step (one new token)
+served (``reused_tokens``, ``recomputed_tokens``, ...). A blended prompt is not stored: its KV is approximate (a
+later prompt with the same prefix would take it as exact) and its documents are stored already (storing it would
+keep a near-copy of every document it holds under a new prefix). A request that finishes in its blend step (one new
+token)
 is answered before the worker's report comes back in the same scheduler update, so its report is filled into the
 answer's parameters then (vLLM sends the answer after the update).
 
@@ -96,6 +99,7 @@ class _Tracked:
     load_failed_tokens: int = 0
     choice: BlendChoice | None = None
     planned_blend: BlendSpec | None = None  # queued or in the worker, until its outcome comes back
+    blended: bool = False  # a blend pass was planned for it: its prompt is not stored (approximate KV)
     blend: dict[str, object] | None = None
 
     def transfer_params(self) -> dict[str, object]:
@@ -129,6 +133,8 @@ class _Tracked:
             "computed_by_vllm": len(self.prompt) - spec.end,
             "ratio": spec.ratio,
             "blend_ms": round(outcome.blend_ms, 2),
+            "load_wait_ms": round(outcome.load_wait_ms, 2),
+            "write_ms": round(outcome.write_ms, 2),
         }
         if outcome.selected is not None:
             self.blend["selected"] = list(outcome.selected)
@@ -340,6 +346,7 @@ class SchedulerSide:
             report_selection=choice.report_selection,
         )
         tracked.planned_blend = spec
+        tracked.blended = True
         self._queued_blends[request_id] = spec
 
     def _record_blend(self, request_id: str, outcome: BlendOutcome | None) -> None:
@@ -375,6 +382,9 @@ class SchedulerSide:
         """Queue the store of a prompt whose prefill completes in this step, from the first chunk the store lacks."""
         prompt_tokens = len(tracked.prompt)
         if not self._save or tracked.saved or num_done < prompt_tokens or not prompt_tokens:
+            return
+        if tracked.blended:  # its KV is approximate, and its documents are stored already
+            tracked.saved = True
             return
         tracked.saved = True
         chunk_size = self._store_chunk_size()
