@@ -57,7 +57,8 @@ class EngineSpec:
         ignore_eos: generate ``max_tokens`` even past an end-of-sequence token.
         wait_until_stored_s: with kvstore's connector, after each request wait (at most this long) until the store
             holds the whole prompt: the connector saves asynchronously, and a test's next request would otherwise race
-            the save. The store is found from ``kvstore.url`` or the data dir's ``serve.json``.
+            the save. Blended requests are not waited for (the connector does not store them). The store is found
+            from ``kvstore.url`` or the data dir's ``serve.json``.
         commands_before: shell-free commands (argv lists) to run before the request of each index, e.g. to kill a
             server mid-session; keyed by the request's index as a string (JSON keys are strings).
         transfer_params: each request's ``kv_transfer_params`` (e.g. ``{"kvstore": {"blend_ratio": 1.0}}``), keyed
@@ -130,6 +131,11 @@ class RequestResult:
     started_at: float = 0.0
     finished_at: float = 0.0
     connector_ms: float | None = None
+
+    @property
+    def kvstore_blended(self) -> bool:
+        """Whether kvstore's connector blended the request (a blended prompt is not stored)."""
+        return "blend" in ((self.kv_transfer_params or {}).get("kvstore") or {})
 
     @property
     def kvstore_loaded_tokens(self) -> int | None:
@@ -205,7 +211,7 @@ def main(argv: Sequence[str]) -> int:
         )
         results.write(result.to_json() + "\n")
         results.flush()
-        if spec.wait_until_stored_s:
+        if spec.wait_until_stored_s and not result.kvstore_blended:  # kvstore stores no blended prompt
             wait_until_stored(spec, prompt, spec.wait_until_stored_s)
     results.close()
     engine.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
