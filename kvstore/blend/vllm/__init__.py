@@ -8,3 +8,5 @@
 
 Only ``plugin`` may be imported outside a vLLM worker without vLLM installed.
 """
+
+__all__: list[str] = []
