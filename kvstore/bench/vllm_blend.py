@@ -13,8 +13,8 @@ hold several documents in a new order and ask about one of them::
                                                         (Hugging Face modules, in this process, no engine)
 
 Every row gives TTFT (vLLM's own measurement for the engines; for the standalone blender its prefill time, which
-leaves out request handling; it runs on the CPUs vLLM's worker gets, one torch thread each, so both blends have the
-same compute), the ratio to cold, planted-fact accuracy (the first number of ``answer_tokens``
+leaves out request handling; it runs in a fresh process on the CPUs vLLM's worker gets, one torch thread each, so
+both blends have the same compute), the ratio to cold, planted-fact accuracy (the first number of ``answer_tokens``
 greedy tokens equals the fact's code), the share of queries whose first generated token equals the cold engine's
 (next-token agreement) and, for ``vllm_blend``, the share of its recomputed positions the standalone blender also
 recomputed on the same query. The queries' documents are the same tokens wherever they land, so a query's chunks
@@ -26,11 +26,12 @@ numbers are reported, not gated.
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
+import multiprocessing
 import os
 import statistics
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,37 +261,30 @@ def run_vllm_blend_benchmark(
             )
         )[first_query:]
         progress(f"standalone blender ({len(queries)} queries)")
-        with _engine_worker_cpus():
-            standalone = run_standalone_blender(
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn, initializer=_pin_to_worker_cpus) as pool:
+            standalone = pool.submit(
+                run_standalone_blender,
                 workload,
                 chunk_size=options.chunk_size,
                 ratios=[options.ratio] * len(queries),
                 answer_tokens=options.answer_tokens,
                 data_dir=Path(scratch) / "standalone-data",
-            )
+            ).result()
     return blend_rows(tokenizer, workload, cold, blended, standalone)
 
 
-@contextlib.contextmanager
-def _engine_worker_cpus() -> Iterator[None]:
-    """Run the standalone blender on the CPUs vLLM's CPU worker gets (all but ``VLLM_CPU_NUM_OF_RESERVED_CPU``, the
-    engine core's), one torch thread per CPU, so the two blends compare on the same compute."""
+def _pin_to_worker_cpus() -> None:
+    """In a fresh process for the standalone blender: the CPUs vLLM's CPU worker gets (all but
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU``, the engine core's) and one torch thread per CPU, so the two blends compare on
+    the same compute."""
     import torch
 
-    if not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    reserved = int(CPU_ENGINE_ENV["VLLM_CPU_NUM_OF_RESERVED_CPU"])
-    allowed = sorted(os.sched_getaffinity(0))
-    worker = set(allowed[: max(1, len(allowed) - reserved)])
-    threads = torch.get_num_threads()
-    os.sched_setaffinity(0, worker)
-    torch.set_num_threads(len(worker))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        os.sched_setaffinity(0, set(allowed))
+    if hasattr(os, "sched_setaffinity"):
+        reserved = int(CPU_ENGINE_ENV["VLLM_CPU_NUM_OF_RESERVED_CPU"])
+        allowed = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, set(allowed[: max(1, len(allowed) - reserved)]))
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
 
 def blend_rows(
