@@ -17,7 +17,7 @@ __all__ = ["DEFAULT_DATA_DIR", "StoreConfig", "check_byte_count", "parse_size", 
 GIB = 1024**3
 MAX_INDEXED_CHUNK_TOKENS = 2**16 - 1  # the content index keeps chunk lengths in 16 bits
 DEFAULT_DATA_DIR = Path("kvstore-data")
-_TIER_ORDER = (TierName.GPU, TierName.CPU, TierName.DISK)
+_TIER_ORDER = (TierName.GPU, TierName.CPU, TierName.DISK, TierName.REMOTE)
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
@@ -56,7 +56,7 @@ def parse_tiers(text: str) -> tuple[TierName, ...]:
         tiers = tuple(TierName(name) for name in names)
     except ValueError:
         raise ConfigError(
-            f"--tiers {text!r}: each tier must be one of gpu, cpu, disk (e.g. gpu,cpu,disk)"
+            f"--tiers {text!r}: each tier must be one of gpu, cpu, disk, remote (e.g. gpu,cpu,disk)"
         ) from None
     _check_tiers(tiers)
     return tiers
@@ -72,23 +72,25 @@ def tier_name(value: TierName | str) -> TierName:
     """One tier by name (``"cpu"`` or ``TierName.CPU``).
 
     Raises:
-        ConfigError: not one of gpu, cpu, disk.
+        ConfigError: not one of gpu, cpu, disk, remote.
     """
     try:
         return TierName(value)
     except ValueError:
-        raise ConfigError(f"tier {value!r} is not one of gpu, cpu, disk") from None
+        raise ConfigError(f"tier {value!r} is not one of gpu, cpu, disk, remote") from None
 
 
 def _check_tiers(tiers: tuple[TierName, ...]) -> None:
     if not tiers:
         raise ConfigError("no tiers given; name at least one of gpu, cpu, disk (e.g. --tiers cpu,disk)")
+    if tiers == (TierName.REMOTE,):
+        raise ConfigError("the remote tier needs a local tier above it; add one (e.g. --tiers cpu,disk,remote)")
     if len(set(tiers)) != len(tiers):
         raise ConfigError(f"tiers {[t.value for t in tiers]} name a tier twice; list each once")
     positions = [_TIER_ORDER.index(tier) for tier in tiers]
     if positions != sorted(positions):
         raise ConfigError(
-            f"tiers {','.join(t.value for t in tiers)} are out of order; list them fastest first (gpu,cpu,disk)"
+            f"tiers {','.join(t.value for t in tiers)} are out of order; list them fastest first (gpu,cpu,disk,remote)"
         )
 
 
@@ -97,7 +99,8 @@ class StoreConfig:
     """How a ``TieredStore`` is built.
 
     Args:
-        tiers: storage levels, fastest first; any non-empty ordered subset of gpu, cpu, disk.
+        tiers: storage levels, fastest first; any non-empty ordered subset of gpu, cpu, disk, remote (remote needs a
+            local tier above it and ``remote_url``).
         chunk_size: tokens per chunk (prefix keys depend on it; a data dir keeps the one it was created with).
         gpu_capacity_bytes: device memory for the gpu tier.
         gpu_device: CUDA device of the gpu tier (``"cpu"`` runs the gpu-tier logic without a GPU, for tests).
@@ -114,6 +117,11 @@ class StoreConfig:
             chunks after it are kept (without it the prefix is cut at the gap).
         enable_dedup_content: a chunk whose content is already stored under another prefix is recorded as an alias
             of that copy instead of a second payload (needs ``enable_blend``).
+        remote_url: the Valkey/Redis of the remote tier (``kvstore.tiers.remote.address``), single node or cluster.
+        remote_password: replaces the URL's password (keeps it off command lines).
+        remote_namespace: prefix of every key this deployment writes; deployments sharing a Valkey differ here.
+        remote_timeout_ms: bound on every round trip to the remote; past it the request goes on without it.
+        remote_max_queued_bytes: chunks waiting to be written to the remote before new ones are not sent.
     """
 
     tiers: tuple[TierName, ...] = (TierName.CPU, TierName.DISK)
@@ -129,6 +137,11 @@ class StoreConfig:
     enable_blend: bool = False
     enable_segmented_prefix: bool = False
     enable_dedup_content: bool = False
+    remote_url: str | None = None
+    remote_password: str | None = field(default=None, repr=False)
+    remote_namespace: str = "kvstore"
+    remote_timeout_ms: int = 250
+    remote_max_queued_bytes: int = 512 * 2**20
 
     def __post_init__(self) -> None:
         try:
@@ -158,5 +171,21 @@ class StoreConfig:
             raise ConfigError(
                 "enable_dedup_content needs enable_blend: deduplicated chunks are found through the content index"
             )
+        self._check_remote()
         if self.disk_codec_threads < 1:
             raise ConfigError(f"disk_codec_threads={self.disk_codec_threads} must be at least 1")
+
+    def _check_remote(self) -> None:
+        has_tier = TierName.REMOTE in self.tiers
+        if has_tier and not self.remote_url:
+            raise ConfigError("the remote tier needs remote_url (--remote-url valkey://HOST:PORT)")
+        if self.remote_url and not has_tier:
+            raise ConfigError(f"remote_url is set but the tiers {_names(self.tiers)} have no remote; add it last")
+        for name in ("remote_timeout_ms", "remote_max_queued_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive whole number")
+
+
+def _names(tiers: tuple[TierName, ...]) -> str:
+    return ",".join(tier.value for tier in tiers)

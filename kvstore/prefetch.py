@@ -1,13 +1,14 @@
-"""Background copies of disk-resident chunks into the cpu tier, started by a lookup, awaited by its retrieve.
+"""Background copies of disk- or remote-resident chunks into the cpu tier, started by a lookup, awaited by its retrieve.
 
 Reading a chunk from disk costs milliseconds of zstd and I/O; a lookup should not. For every segment of a plan
 that only the disk holds, the lookup starts a prefetch: a pool thread decodes the chunk straight into a cpu slot
 (``ArenaTier.put_with``), pins it there and hands the pin to the plan (``PinLedger.add_pin``). The lookup returns
-at once with one future per prefetch; the caller may poll ``plan.ready`` or let ``retrieve`` wait.
+at once with one future per prefetch; the caller may poll ``plan.ready`` or let ``retrieve`` wait. Chunks only the
+remote tier holds are fetched in groups (``start_remote``: one round trip per group), then decoded the same way.
 
-A prefetch that cannot land (the cpu tier is pinned full, the chunk failed its checksum) resolves to ``False``:
-the retrieve then reads the disk directly, or finds the chunk gone. A plan released before its prefetch lands
-gets nothing: the prefetcher drops its own pin.
+A prefetch that cannot land (the cpu tier is pinned full, the chunk failed its checksum, the remote lost it or is
+down) resolves to ``False``: the retrieve then reads the disk or the remote directly, or finds the chunk
+gone. A plan released before its prefetch lands gets nothing: the prefetcher drops its own pin.
 
 Threads: ``Prefetcher`` is shared; its pool runs copies in parallel with each other and with the caller.
 """
@@ -15,14 +16,17 @@ Threads: ``Prefetcher`` is shared; its pool runs copies in parallel with each ot
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
+from collections.abc import Sequence
 
 from kvstore.keys import PrefixKey
 from kvstore.sessions import PinLedger
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk.tier import DiskTier
+from kvstore.tiers.remote.tier import RemoteTier
 
-__all__ = ["DEFAULT_PREFETCH_THREADS", "Prefetcher"]
+__all__ = ["DEFAULT_PREFETCH_THREADS", "REMOTE_FETCH_GROUP", "Prefetcher"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,21 +36,33 @@ alone leaves the disk idle during its decode). ``kvstore bench tiers`` measures 
 many (``get_cold_prefetch``): faster on the 16-core H200 host, no faster on 2 cores (measured:
 docs/design-notes.md#prefetch)."""
 
+REMOTE_FETCH_GROUP = 8
+"""Chunks fetched from the remote in one round trip: few enough that a group's values (compressed KV, up to tens of
+MiB each on a large model) stay a bounded amount of memory, enough that a round trip carries several chunks."""
+
 
 class Prefetcher:
     """Copies disk chunks into the cpu tier on a small thread pool.
 
     Args:
-        disk: where the chunks are.
-        cpu: where they land.
+        cpu: where chunks land.
         ledger: the pins of open plans (a landed chunk's cpu pin is added to its plan).
+        disk: the disk tier, when there is one.
+        remote: the remote tier, when there is one.
         num_threads: parallel copies (each decodes with the disk tier's codec threads too).
     """
 
     def __init__(
-        self, disk: DiskTier, cpu: CpuTier, ledger: PinLedger, *, num_threads: int = DEFAULT_PREFETCH_THREADS
+        self,
+        cpu: CpuTier,
+        ledger: PinLedger,
+        *,
+        disk: DiskTier | None = None,
+        remote: RemoteTier | None = None,
+        num_threads: int = DEFAULT_PREFETCH_THREADS,
     ) -> None:
         self._disk = disk
+        self._remote = remote
         self._cpu = cpu
         self._ledger = ledger
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="kvstore-prefetch")
@@ -55,12 +71,38 @@ class Prefetcher:
         """Begin landing ``key`` in the cpu tier for plan ``plan_id``; the future says whether it landed."""
         return self._pool.submit(self._land, plan_id, key)
 
+    def start_remote(self, plan_id: int, keys: Sequence[PrefixKey]) -> list[concurrent.futures.Future[bool]]:
+        """Begin landing remote chunks in the cpu tier, ``REMOTE_FETCH_GROUP`` per round trip; one future per
+        group says whether all of its chunks landed."""
+        return [
+            self._pool.submit(self._land_remote, plan_id, keys[start : start + REMOTE_FETCH_GROUP])
+            for start in range(0, len(keys), REMOTE_FETCH_GROUP)
+        ]
+
     def _land(self, plan_id: int, key: PrefixKey) -> bool:
-        record = self._disk.record(key)
+        disk = self._disk
+        assert disk is not None, "Prefetcher.start without a disk tier: the store's wiring"
+        record = disk.record(key)
         if record is None:
             return False
-        disk = self._disk
-        if not self._cpu.put_with(record, lambda view: disk.get_into(key, view)) or not self._cpu.pin(key):
+        if not self._cpu.put_with(record, lambda view: disk.get_into(key, view)):
+            return False
+        return self._hand_to_plan(plan_id, key)
+
+    def _land_remote(self, plan_id: int, keys: Sequence[PrefixKey]) -> bool:
+        remote = self._remote
+        assert remote is not None, "Prefetcher.start_remote without a remote tier: the store's wiring"
+        landed = 0
+        for chunk in remote.fetch(keys):
+            if chunk is None:
+                continue
+            if self._cpu.put_with(chunk.record, functools.partial(remote.decode_into, chunk)):
+                landed += self._hand_to_plan(plan_id, chunk.record.key)
+        return landed == len(keys)
+
+    def _hand_to_plan(self, plan_id: int, key: PrefixKey) -> bool:
+        """Pin a landed chunk for the plan (dropping the pin again if the plan is gone)."""
+        if not self._cpu.pin(key):
             return False
         if not self._ledger.add_pin(plan_id, (self._cpu, key)):
             self._cpu.unpin(key)  # the plan was released while we copied

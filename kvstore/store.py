@@ -31,6 +31,7 @@ import contextlib
 import enum
 import gc
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -41,13 +42,15 @@ import torch
 
 from kvstore.config import StoreConfig, check_byte_count, tier_name
 from kvstore.content.catalog import ContentCatalog, Residency
-from kvstore.content.index import Match
+from kvstore.content.index import Match, hash_chunks
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
+from kvstore.fleet_sync import DEFAULT_SYNC_INTERVAL_S, DirectorySync
 from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, checked_keys, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.lookup_counts import LookupCounts
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
 from kvstore.prefetch import Prefetcher
+from kvstore.remote_reads import RemoteReads
 from kvstore.sessions import Pin, PinLedger, Session
 from kvstore.stats import StoreStats
 from kvstore.tiers.arena import ArenaTier
@@ -56,6 +59,7 @@ from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk.tier import DiskTier
 from kvstore.tiers.disk.tuning import DiskTuning
 from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.remote import DirectoryRun, RemoteLink, RemoteNames, RemoteTier, parse_remote_url
 
 __all__ = ["TieredStore"]
 
@@ -117,7 +121,9 @@ class TieredStore:
         self._gpu: GpuTier | None = None
         self._cpu: CpuTier | None = None
         self._disk: DiskTier | None = None
-        self._tiers: list[Tier] = []
+        self._remote: RemoteTier | None = None
+        self._directory_sync: DirectorySync | None = None
+        self._tiers: list[Tier] = []  # the local tiers, fastest first (the remote is not one: it cannot pin)
         self._ledger = PinLedger()
         self._lookup_counts = LookupCounts(self.config.chunk_size)
         self._catalog: ContentCatalog | None = None
@@ -135,7 +141,7 @@ class TieredStore:
         logger.info(
             "store open: %s, tiers %s, chunk %d tokens%s",
             layout.describe(),
-            ",".join(t.name.value for t in self._tiers),
+            ",".join(t.value for t in self.config.tiers),
             self.config.chunk_size,
             ", blend" if self._catalog is not None else "",
         )
@@ -170,8 +176,28 @@ class TieredStore:
                 spill=self._spill_to_cpu,
             )
         self._tiers = [tier for tier in (self._gpu, self._cpu, self._disk) if tier is not None]
-        if self._disk is not None and self._cpu is not None and config.promote_on_hit:
-            self._prefetcher = Prefetcher(self._disk, self._cpu, self._ledger)
+        if TierName.REMOTE in config.tiers:
+            self._open_remote()
+        if self._cpu is not None and config.promote_on_hit and (self._disk or self._remote):
+            self._prefetcher = Prefetcher(self._cpu, self._ledger, disk=self._disk, remote=self._remote)
+
+    def _open_remote(self) -> None:
+        config = self.config
+        assert config.remote_url is not None, "StoreConfig checks that the remote tier has a URL"
+        link = RemoteLink(
+            parse_remote_url(config.remote_url, password=config.remote_password),
+            timeout_s=config.remote_timeout_ms / 1000,
+        )
+        self._remote = RemoteTier(
+            link,
+            RemoteNames.for_layout(config.remote_namespace, self.layout, config.chunk_size),
+            self.layout,
+            config.chunk_size,
+            host_id=int.from_bytes(os.urandom(8), "little"),
+            zstd_level=config.disk_zstd_level,
+            max_queued_bytes=config.remote_max_queued_bytes,
+        )
+        self._directory_sync = DirectorySync(self._remote, self._catalog, interval_s=DEFAULT_SYNC_INTERVAL_S)
 
     def _open_content(self) -> None:
         if not self.config.enable_blend:
@@ -247,9 +273,10 @@ class TieredStore:
                 committed[index] = self._is_resident(keys[index])
         shields: list[Pin] = []
         num_new = num_rejected = num_aliased = 0
+        new_indexes: list[int] = []
         for index in range(first_index, len(keys)):
             key = keys[index]
-            if self._is_resident(key):
+            if self._is_local(key):
                 committed[index] = True
                 continue
             if catalog is not None and catalog.is_alias(key):
@@ -271,6 +298,7 @@ class TieredStore:
                 num_rejected += 1
                 continue
             num_new += 1
+            new_indexes.append(index)
             committed[index] = True
             if catalog is not None and tier.pin(key):
                 shields.append((tier, key))  # shielded from eviction until its registration has run
@@ -279,6 +307,8 @@ class TieredStore:
             logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, num_chunks)
         if catalog is not None:
             self._register_runs(catalog, token_array, keys, committed, shields)
+        if self._remote is not None and new_indexes:
+            self._publish_runs(self._remote, token_array, keys, new_indexes)
         return StoreResult(
             num_chunks=num_chunks,
             num_new_chunks=num_new,
@@ -306,8 +336,49 @@ class TieredStore:
                 continue
             if self._disk is not None and tier is not self._disk:
                 self._write_through(tier, record, kv)
+            if self._remote is not None:
+                self._write_remote(self._remote, tier, record, kv)
             return tier
         return None
+
+    def _write_remote(self, remote: RemoteTier, tier: Tier, record: ChunkRecord, kv: torch.Tensor) -> None:
+        """Write a new chunk through to the remote, off the caller's path (borrowing its cpu slot when it has one)."""
+        if remote.knows(record.key):
+            return
+        if isinstance(tier, ArenaTier) and tier.device.type == "cpu" and tier.pin(record.key):
+
+            def unpin() -> None:
+                tier.unpin(record.key)
+
+            remote.put_borrowed(record, tier.view(record.key), on_done=unpin)
+        else:
+            remote.put(record, kv)
+
+    def _publish_runs(
+        self, remote: RemoteTier, tokens: TokenArray, keys: Sequence[PrefixKey], new_indexes: Sequence[int]
+    ) -> None:
+        """Publish each run of consecutive new chunks to the fleet directory, behind the chunks' own writes."""
+        chunk_size = self.config.chunk_size
+        bits = self._catalog.index.fingerprint_bits if self._catalog is not None else 64
+        run_start = 0
+        for position in range(1, len(new_indexes) + 1):
+            if position < len(new_indexes) and new_indexes[position] == new_indexes[position - 1] + 1:
+                continue
+            indexes = np.asarray(new_indexes[run_start:position], dtype=np.int64)
+            starts = indexes * chunk_size
+            ends = np.minimum(starts + chunk_size, len(tokens))
+            contents = hash_chunks(tokens, starts, ends, bits)
+            remote.publish(
+                DirectoryRun(
+                    keys=tuple(keys[index] for index in indexes.tolist()),
+                    source_start=int(starts[0]),
+                    fingerprint_bits=bits,
+                    fingerprints=contents.fingerprints,
+                    verifications=contents.verifications,
+                    lengths=contents.lengths,
+                )
+            )
+            run_start = position
 
     def _write_through(self, tier: Tier, record: ChunkRecord, kv: torch.Tensor) -> None:
         assert self._disk is not None
@@ -394,6 +465,9 @@ class TieredStore:
             prefetches = tuple(
                 prefetcher.start(plan_id, segment.key) for segment in segments if segment.tier is TierName.DISK
             )
+            remote_keys = [segment.key for segment in segments if segment.tier is TierName.REMOTE]
+            if remote_keys:
+                prefetches += tuple(prefetcher.start_remote(plan_id, remote_keys))
         return LookupPlan(
             plan_id=plan_id,
             session_id=session_id,
@@ -485,14 +559,20 @@ class TieredStore:
         return segments
 
     def _pin_fastest(self, key: PrefixKey, pins: list[Pin]) -> TierName | None:
+        """Pin the chunk in the fastest local tier holding it; a chunk only the remote holds is planned unpinned."""
         for tier in self._tiers:
             if tier.pin(key):
                 pins.append((tier, key))
                 return tier.name
+        if self._remote is not None and self._remote.knows(key):
+            return TierName.REMOTE
         return None
 
-    def _is_resident(self, key: PrefixKey) -> bool:
+    def _is_local(self, key: PrefixKey) -> bool:
         return any(tier.contains(key) for tier in self._tiers)
+
+    def _is_resident(self, key: PrefixKey) -> bool:
+        return self._is_local(key) or (self._remote is not None and self._remote.knows(key))
 
     def _in_transit(self, key: PrefixKey) -> bool:
         return any(isinstance(tier, ArenaTier) and tier.in_transit(key) for tier in self._tiers)
@@ -566,11 +646,12 @@ class TieredStore:
         landed = {key for tier, key in pins if tier is self._cpu}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         prefix_cut = False
+        remote_reads = self._remote_reads(plan, landed)
         for segment in plan.segments:
             if segment.exact and prefix_cut:
                 continue
             place = out[:, :, segment.start : segment.end]
-            tier = self._cpu if segment.key in landed else self._tier(segment.tier)
+            tier = self._cpu if segment.key in landed else self._local_tier(segment.tier)
             if isinstance(tier, ArenaTier):
                 copies.append((tier.view(segment.key), place))
                 loaded.append(segment)
@@ -578,13 +659,32 @@ class TieredStore:
             if memory_only:  # left to the caller to compute, as a failed load is
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 continue
-            if self._load_from_disk(segment.key, segment.num_tokens, place):
+            if remote_reads is not None and segment.tier is TierName.REMOTE:
+                record = remote_reads.load_into(segment.key, place)
+                if record is not None:
+                    loaded.append(segment)
+                    if self.config.promote_on_hit:
+                        self._put_new_chunk(record, place)  # into the local tiers (the remote knows it)
+                    continue
+            elif self._load_from_disk(segment.key, segment.num_tokens, place):
                 loaded.append(segment)
                 continue
-            logger.warning("retrieve: chunk %s failed to load; tokens %d-%d become a gap",
-                           segment.key.hex(), segment.start, segment.end)  # fmt: skip
+            # A remote chunk Valkey evicted is an ordinary miss (the remote tier logs outages and corruption).
+            logger.log(logging.DEBUG if segment.tier is TierName.REMOTE else logging.WARNING,
+                       "retrieve: chunk %s failed to load from the %s tier; tokens %d-%d become a gap",
+                       segment.key.hex(), segment.tier.value, segment.start, segment.end)  # fmt: skip
             prefix_cut = segment.exact and not self.config.enable_segmented_prefix
         return copies
+
+    def _remote_reads(self, plan: LookupPlan, landed: set[PrefixKey]) -> RemoteReads | None:
+        """The reads of the plan's remote segments that no prefetch landed, in plan order."""
+        if self._remote is None:
+            return None
+        keys = [s.key for s in plan.segments if s.tier is TierName.REMOTE and s.key not in landed]
+        return RemoteReads(self._remote, keys) if keys else None
+
+    def _local_tier(self, name: TierName) -> Tier | None:
+        return None if name is TierName.REMOTE else self._tier(name)
 
     def _copy_from_memory(
         self,
@@ -678,11 +778,13 @@ class TieredStore:
     # -- admin --------------------------------------------------------------------------------------------------
 
     def contains(self, key: PrefixKey) -> list[TierName]:
-        """Tiers that hold a chunk, fastest first."""
-        return [tier.name for tier in self._tiers if tier.contains(key)]
+        """Tiers that hold a chunk, fastest first (the remote: as far as this host knows)."""
+        held = [tier.name for tier in self._tiers if tier.contains(key)]
+        return [*held, TierName.REMOTE] if self._remote is not None and self._remote.knows(key) else held
 
     def evict(self, keys: Sequence[PrefixKey]) -> int:
-        """Drop chunks from every tier (pinned copies stay). Returns how many chunk copies were dropped.
+        """Drop chunks from every local tier (pinned copies stay; the remote is the fleet's, and Valkey evicts
+        there). Returns how many chunk copies were dropped.
 
         Raises:
             InvalidInputError: a key is not a 16-byte chunk key.
@@ -703,20 +805,32 @@ class TieredStore:
         return self._tier(tier_name(tier)).evict_bytes(num_bytes)
 
     def flush(self) -> None:
-        """Block until every pending disk write is committed and synced and every registration has run."""
+        """Block until every pending disk write is committed and synced, every registration has run, and every
+        chunk and directory record queued for the remote was sent (or dropped: the remote is down)."""
         self._check_open()
         if self._disk is not None:
             self._disk.flush()
         if self._catalog is not None:
             self._catalog.sync()
+        if self._remote is not None:
+            self._remote.flush()
 
     def stats(self) -> StoreStats:
         return StoreStats(
-            tiers=tuple(self._lookup_counts.apply(tier.stats()) for tier in self._tiers),
+            tiers=tuple(self._lookup_counts.apply(tier.stats()) for tier in self._all_tiers()),
             num_open_plans=self._ledger.num_open_plans,
             num_sessions=self._ledger.num_sessions,
             catalog=self._catalog.stats() if self._catalog is not None else None,
         )
+
+    def sync_directory(self) -> int:
+        """Read the fleet directory now instead of waiting for the background reader; returns the runs read (0
+        without a remote tier)."""
+        self._check_open()
+        return self._directory_sync.sync_now() if self._directory_sync is not None else 0
+
+    def _all_tiers(self) -> list[Tier | RemoteTier]:
+        return [*self._tiers, self._remote] if self._remote is not None else list(self._tiers)
 
     def _tier(self, name: TierName) -> Tier:
         for tier in self._tiers:
@@ -737,9 +851,13 @@ class TieredStore:
     def _shutdown(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.shutdown()
+        if self._directory_sync is not None:
+            self._directory_sync.stop()
         if self._catalog is not None:
             self._catalog.close()  # its last completions drop shields: tiers must still be open
         self._unpin(self._ledger.take_all())
+        if self._remote is not None:
+            self._remote.close()  # before the cpu tier: its writer may still read borrowed cpu slots
         # Disk first: closing it drains write-throughs that still read pinned memory slots.
         for tier in (self._disk, self._gpu, self._cpu):
             if tier is not None:

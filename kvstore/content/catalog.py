@@ -24,9 +24,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+import numpy.typing as npt
+
 from kvstore.content.aliases import AliasTable, AliasTarget
 from kvstore.content.catalog_rebuild import ContentRebuild, SequenceBatch
-from kvstore.content.index import FingerprintIndex, Match, RegistrationResult
+from kvstore.content.index import ChunkContents, FingerprintIndex, Match, RegistrationResult
 from kvstore.content.registration import RegistrationJob, RegistrationWorker
 from kvstore.content.strikes import StrikeBook, Verdict
 from kvstore.keys import PrefixKey, TokenArray
@@ -171,6 +174,30 @@ class ContentCatalog:
             pending=self._worker.is_pending(key),
             in_transit=not resident and self._residency.in_transit(key),
         )
+
+    def add_published(
+        self,
+        contents: ChunkContents,
+        keys: Sequence[PrefixKey],
+        source_starts: npt.NDArray[np.int64],
+        run_offsets: npt.NDArray[np.int64],
+    ) -> int:
+        """Index runs other hosts published to the fleet directory (``FingerprintIndex.register_runs``' arguments).
+
+        Their chunks are resident in the remote tier, so they are found by content like local ones; a run whose
+        content this index already holds under another key is not indexed twice (first writer wins). Returns the
+        chunks newly indexed; contents of other fingerprint bits are refused with one warning and return 0.
+        """
+        if contents.fingerprint_bits != self.index.fingerprint_bits:
+            logger.warning(
+                "fleet directory: runs hashed with %d-bit fingerprints cannot join this %d-bit index; skipped",
+                contents.fingerprint_bits,
+                self.index.fingerprint_bits,
+            )
+            return 0
+        for key in keys:
+            self._strikes.clear(key)
+        return self.index.register_runs(contents, keys, source_starts, run_offsets, self.chunk_size).num_added
 
     def strikes(self, key: PrefixKey) -> int:
         return self._strikes.strikes(key)

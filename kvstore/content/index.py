@@ -50,7 +50,7 @@ from kvstore.content.rolling_hash import block_fingerprints, window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, num_chunks
 
-__all__ = ["Alias", "ChunkContents", "FingerprintIndex", "Match", "RegistrationResult"]
+__all__ = ["Alias", "ChunkContents", "FingerprintIndex", "Match", "RegistrationResult", "hash_chunks"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,63 @@ class ChunkContents:
         )
 
 
+def hash_chunks(
+    tokens: TokenArray,
+    chunk_starts: npt.NDArray[np.int64],
+    chunk_ends: npt.NDArray[np.int64],
+    fingerprint_bits: int = 64,
+) -> ChunkContents:
+    """Hash many chunks at once: chunk ``i`` is ``tokens[chunk_starts[i]:chunk_ends[i]]``.
+
+    The spans may lie anywhere in ``tokens`` (in any order, with gaps), so a caller can hash chunks where they
+    already are, e.g. in a buffer of disk records between their headers.
+
+    Args:
+        tokens: token ids holding every chunk.
+        chunk_starts: each chunk's first token position.
+        chunk_ends: each chunk's end position; every chunk has 1 to 65535 tokens.
+        fingerprint_bits: bits kept of each fingerprint (an index registers only contents of its own bits).
+
+    Raises:
+        InvalidInputError: spans outside ``tokens``, empty or too long, or arrays of different lengths.
+    """
+    tokens = as_token_array(tokens)
+    starts = np.asarray(chunk_starts, dtype=np.int64)
+    ends = np.asarray(chunk_ends, dtype=np.int64)
+    lengths = ends - starts
+    if (
+        starts.ndim != 1
+        or starts.shape != ends.shape
+        or (
+            starts.size
+            and (
+                int(starts.min()) < 0
+                or int(ends.max()) > tokens.shape[0]
+                or int(lengths.min()) < 1
+                or int(lengths.max()) > _MAX_CHUNK_TOKENS
+            )
+        )
+    ):
+        raise InvalidInputError(
+            f"chunk spans must lie in [0, len(tokens)={tokens.shape[0]}] and hold 1 to {_MAX_CHUNK_TOKENS} "
+            "tokens each, one start and one end per chunk"
+        )
+    fingerprints = np.empty(starts.shape[0], dtype=np.uint64)
+    table.span_fingerprints(tokens, starts, ends, np.uint64((1 << fingerprint_bits) - 1), fingerprints)
+    spans = map(slice, (4 * starts).tolist(), (4 * ends).tolist())
+    verifications = np.fromiter(  # maps, not a generator: less per chunk (a rebuild hashes millions)
+        map(xxhash.xxh3_64_intdigest, map(memoryview(tokens.data).cast("B").__getitem__, spans)),
+        dtype=np.uint64,
+        count=starts.shape[0],
+    )
+    return ChunkContents(
+        fingerprints=fingerprints,
+        verifications=verifications,
+        lengths=lengths.astype(np.uint16),
+        fingerprint_bits=fingerprint_bits,
+    )
+
+
 class FingerprintIndex:
     """Index of stored chunks by content, probed at every token offset of a query.
 
@@ -231,54 +288,8 @@ class FingerprintIndex:
     def chunk_contents(
         self, tokens: TokenArray, chunk_starts: npt.NDArray[np.int64], chunk_ends: npt.NDArray[np.int64]
     ) -> ChunkContents:
-        """Hash many chunks at once: chunk ``i`` is ``tokens[chunk_starts[i]:chunk_ends[i]]``.
-
-        The spans may lie anywhere in ``tokens`` (in any order, with gaps), so a caller can hash chunks where they
-        already are, e.g. in a buffer of disk records between their headers.
-
-        Args:
-            tokens: token ids holding every chunk.
-            chunk_starts: each chunk's first token position.
-            chunk_ends: each chunk's end position; every chunk has 1 to 65535 tokens.
-
-        Raises:
-            InvalidInputError: spans outside ``tokens``, empty or too long, or arrays of different lengths.
-        """
-        tokens = as_token_array(tokens)
-        starts = np.asarray(chunk_starts, dtype=np.int64)
-        ends = np.asarray(chunk_ends, dtype=np.int64)
-        lengths = ends - starts
-        if (
-            starts.ndim != 1
-            or starts.shape != ends.shape
-            or (
-                starts.size
-                and (
-                    int(starts.min()) < 0
-                    or int(ends.max()) > tokens.shape[0]
-                    or int(lengths.min()) < 1
-                    or int(lengths.max()) > _MAX_CHUNK_TOKENS
-                )
-            )
-        ):
-            raise InvalidInputError(
-                f"chunk spans must lie in [0, len(tokens)={tokens.shape[0]}] and hold 1 to {_MAX_CHUNK_TOKENS} "
-                "tokens each, one start and one end per chunk"
-            )
-        fingerprints = np.empty(starts.shape[0], dtype=np.uint64)
-        table.span_fingerprints(tokens, starts, ends, self._fingerprint_mask, fingerprints)
-        spans = map(slice, (4 * starts).tolist(), (4 * ends).tolist())
-        verifications = np.fromiter(  # maps, not a generator: less per chunk (a rebuild hashes millions)
-            map(xxhash.xxh3_64_intdigest, map(memoryview(tokens.data).cast("B").__getitem__, spans)),
-            dtype=np.uint64,
-            count=starts.shape[0],
-        )
-        return ChunkContents(
-            fingerprints=fingerprints,
-            verifications=verifications,
-            lengths=lengths.astype(np.uint16),
-            fingerprint_bits=self.fingerprint_bits,
-        )
+        """``hash_chunks`` with this index's fingerprint bits: what ``register_runs`` of this index accepts."""
+        return hash_chunks(tokens, chunk_starts, chunk_ends, self.fingerprint_bits)
 
     def register_runs(
         self,

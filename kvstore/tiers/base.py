@@ -34,6 +34,7 @@ class TierName(enum.StrEnum):
     GPU = "gpu"
     CPU = "cpu"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -60,7 +60,8 @@ _MAX_SEGMENTS = 1 << 22
 _MAX_POSITION = 2**40
 _MAX_COUNT = 2**63 - 1
 _SEGMENT_ROW = struct.Struct(f"<QIQBB{KEY_BYTES}s")  # start, num_tokens, source_start, exact, tier, key
-_TIER_BY_CODE = (TierName.GPU, TierName.CPU, TierName.DISK)  # the row's tier byte indexes this: never reorder
+# The row's tier byte indexes this: never reorder.
+_TIER_BY_CODE = (TierName.GPU, TierName.CPU, TierName.DISK, TierName.REMOTE)
 _CODE_OF_TIER = {tier: code for code, tier in enumerate(_TIER_BY_CODE)}
 _SEGMENT_SLOT_SETTERS = tuple(
     getattr(Segment, name).__set__ for name in ("start", "num_tokens", "key", "source_start", "exact", "tier")

@@ -1,0 +1,110 @@
+"""Keeping a store's view of the fleet directory fresh: a background reader and the glue into the content catalog.
+
+The remote tier's ``read_directory`` returns the runs other hosts published since the last call and learns their
+keys (prefix lookups find them from then on). ``DirectorySync`` calls it every ``interval_s`` on its own thread and
+hands the runs to the content catalog (``ContentCatalog.add_published``), so blend lookups find other hosts'
+chunks by content too. A lookup never waits for it: what was published in the last interval is simply not known yet
+(``sync_now`` reads at once, for tests and benchmarks). During an outage the reads fail fast and the cursors stay,
+so the runs published meanwhile arrive once the remote is back.
+
+Threads: one reader thread per store; ``_sync_lock`` serialises it with ``sync_now``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.content.catalog import ContentCatalog
+from kvstore.content.index import ChunkContents
+from kvstore.tiers.remote.directory import DirectoryRun
+from kvstore.tiers.remote.tier import RemoteTier
+
+__all__ = ["DEFAULT_SYNC_INTERVAL_S", "DirectorySync"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SYNC_INTERVAL_S = 0.05
+
+
+class DirectorySync:
+    """Reads the fleet directory into a store.
+
+    Args:
+        remote: the store's remote tier.
+        catalog: the store's content catalog (``None`` without blending: only keys are learnt).
+        interval_s: pause between reads.
+    """
+
+    def __init__(self, remote: RemoteTier, catalog: ContentCatalog | None, *, interval_s: float) -> None:
+        self._remote = remote
+        self._catalog = catalog
+        self._interval_s = interval_s
+        self._sync_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.num_runs = 0
+        self.num_indexed = 0
+        self._thread = threading.Thread(target=self._loop, name="kvstore-directory-sync", daemon=True)
+        self._thread.start()
+
+    def sync_now(self) -> int:
+        """Read and apply what was published since the last read; returns the runs read."""
+        with self._sync_lock:
+            runs = self._remote.read_directory()
+            if not runs:
+                return 0
+            self.num_runs += len(runs)
+            if self._catalog is not None:
+                self.num_indexed += _index_runs(self._catalog, runs)
+            return len(runs)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                while self.sync_now() and not self._stop.is_set():
+                    pass  # a host catching up reads until the directory is drained
+            except Exception:  # keep syncing: one bad batch must not blind the host for good
+                logger.exception("fleet directory sync failed; retrying")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _index_runs(catalog: ContentCatalog, runs: Sequence[DirectoryRun]) -> int:
+    """Register the runs that carry content hashes of the catalog's bits in one ``add_published`` per bit width."""
+    by_bits: dict[int, list[DirectoryRun]] = {}
+    chunk_size = catalog.chunk_size
+    for run in runs:
+        if run.has_contents and _well_formed(run, chunk_size):
+            by_bits.setdefault(run.fingerprint_bits, []).append(run)
+    indexed = 0
+    for bits, group in by_bits.items():
+        lengths = np.concatenate([run.lengths for run in group])
+        contents = ChunkContents(
+            fingerprints=np.concatenate([run.fingerprints for run in group]),
+            verifications=np.concatenate([run.verifications for run in group]),
+            lengths=lengths,
+            fingerprint_bits=bits,
+        )
+        keys = [key for run in group for key in run.keys]
+        source_starts = np.concatenate(
+            [run.source_start + chunk_size * np.arange(len(run.keys), dtype=np.int64) for run in group]
+        )
+        run_offsets = np.concatenate(([0], np.cumsum([len(run.keys) for run in group]))).astype(np.int64)
+        indexed += catalog.add_published(contents, keys, source_starts, run_offsets)
+    return indexed
+
+
+def _well_formed(run: DirectoryRun, chunk_size: int) -> bool:
+    """A run the index can take: full chunks but the last, none empty, positions within the index's 32 bits."""
+    lengths = run.lengths
+    return (
+        len(lengths) == len(run.keys)
+        and bool((lengths[:-1] == chunk_size).all())
+        and 0 < int(lengths[-1]) <= chunk_size
+        and run.source_start + chunk_size * len(run.keys) < 2**32
+    )

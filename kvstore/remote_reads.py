@@ -1,0 +1,52 @@
+"""A retrieve's reads from the remote tier: a group of chunks per round trip, fetched as the retrieve reaches them.
+
+``retrieve`` walks a plan's segments in order; the chunks only the remote holds (not landed by a prefetch) are
+fetched ``REMOTE_FETCH_GROUP`` at a time, starting at the first one not fetched yet, and each is decoded straight
+into its place in the caller's buffer. Fetching lazily bounds the memory a long prompt's values take to one group,
+and a retrieve that stops early (a cut prefix) fetches nothing past it.
+
+Threads: one ``RemoteReads`` per retrieve, used by its thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.keys import PrefixKey
+from kvstore.prefetch import REMOTE_FETCH_GROUP
+from kvstore.tiers.base import ChunkRecord
+from kvstore.tiers.remote.remote_value import RemoteChunk
+from kvstore.tiers.remote.tier import RemoteTier
+
+__all__ = ["RemoteReads"]
+
+
+class RemoteReads:
+    """Fetches and decodes one retrieve's remote chunks.
+
+    Args:
+        remote: the store's remote tier.
+        keys: the keys the retrieve will read from the remote, in plan order.
+    """
+
+    def __init__(self, remote: RemoteTier, keys: Sequence[PrefixKey]) -> None:
+        self._remote = remote
+        self._keys = list(keys)
+        self._position = {key: index for index, key in enumerate(self._keys)}
+        self._fetched: dict[PrefixKey, RemoteChunk | None] = {}
+
+    def load_into(self, key: PrefixKey, place: torch.Tensor) -> ChunkRecord | None:
+        """Decode chunk ``key`` into ``place`` (its shape, any device); its record, or ``None`` when it is gone,
+        corrupt, of another length, or the remote is down."""
+        if key not in self._fetched:
+            start = self._position.get(key)
+            if start is None:
+                return None
+            group = self._keys[start : start + REMOTE_FETCH_GROUP]
+            self._fetched.update(zip(group, self._remote.fetch(group), strict=True))
+        chunk = self._fetched.pop(key, None)
+        if chunk is None or chunk.record.num_tokens != place.shape[2]:
+            return None
+        return chunk.record if self._remote.decode_into(chunk, place) else None

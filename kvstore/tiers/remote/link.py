@@ -1,0 +1,214 @@
+"""The remote tier's connection to Valkey: a single node or a cluster, with short timeouts and outage handling.
+
+The remote is an accelerator, never a dependency: when it is down, slow or refuses a command, every call returns its
+"nothing" answer (a miss, a write not done) and the store goes on with its local tiers. So:
+
+- **Timeouts.** Every socket operation is bounded by ``timeout_s`` (connect included) and the client library never
+  retries on its own: no request waits on the remote longer than that per round trip.
+- **Outages.** The first failed call opens an outage: one warning names the remote and the error; for
+  ``retry_interval_s`` afterwards calls fail fast without touching the network (a dead host would otherwise cost
+  every request one timeout); then one call probes. The first call that succeeds closes the outage with one line
+  saying how long it lasted and how many calls it failed. A command the server refuses (out of memory under
+  ``noeviction``, an ACL without the permission) is a failed call too, counted, but not an outage.
+- **Single node or cluster.** At the first successful connection the link asks the server (``INFO cluster``) and
+  builds a ``redis.Redis`` or a slot-aware ``redis.cluster.RedisCluster``; pipelines on a cluster are split per node
+  by the library. Keys are named by ``RemoteNames`` so that what must share a slot does.
+
+Threads: safe to share. The client library's pools are thread-safe; ``_state_lock`` guards the outage state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvstore.tiers.remote.address import RemoteAddress
+
+__all__ = ["RemoteLink", "RemoteLinkStats"]
+
+logger = logging.getLogger(__name__)
+
+_Answer = TypeVar("_Answer")
+
+_NETWORK_ERRORS: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterDownError,  # before the refusals: it is a ResponseError too
+    redis.exceptions.ClusterError,
+    redis.exceptions.SlotNotCoveredError,
+    OSError,
+)
+# Refused by a working server: ``ResponseError`` covers OOM, NOPERM, WRONGTYPE. Authentication failures are
+# ``AuthenticationError`` (a ConnectionError): an outage, since nothing will work until the operator fixes it.
+_REFUSALS: tuple[type[BaseException], ...] = (redis.ResponseError, redis.exceptions.DataError)
+
+
+class RemoteLinkStats:
+    """Counters of one link (read without a lock: each is a single int, written under ``_state_lock``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.failed_calls = 0
+        self.skipped_calls = 0  # failed fast during an outage, without a network round trip
+        self.refused_calls = 0
+        self.outages = 0
+
+
+class RemoteLink:
+    """One client of a Valkey deployment, shared by the remote tier's readers, writers and directory.
+
+    Args:
+        address: the parsed URL.
+        timeout_s: bound on every connect, read and write (seconds).
+        retry_interval_s: during an outage, how long calls fail fast before one probes the remote again.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        address: RemoteAddress,
+        *,
+        timeout_s: float,
+        retry_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._state_lock = threading.Lock()
+        self._client: redis.Redis | redis.cluster.RedisCluster | None = None
+        self._is_cluster = False
+        self._down_since: float | None = None
+        self._next_probe = 0.0
+        self._failed_in_outage = 0
+        self.stats = RemoteLinkStats()
+        self._closed = False
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether the remote is a Valkey Cluster (known after the first successful call)."""
+        return self._is_cluster
+
+    @property
+    def available(self) -> bool:
+        """No outage is open."""
+        return self._down_since is None
+
+    def call(self, operation: Callable[[Any], _Answer], *, default: _Answer, what: str) -> _Answer:
+        """Run ``operation(client)``; on any remote failure return ``default`` instead (see the module docstring).
+
+        Args:
+            operation: uses the client (a ``redis.Redis`` or ``redis.cluster.RedisCluster``); may pipeline.
+            default: the answer when the remote cannot give one (a miss, ``False``, an empty list).
+            what: a few words for the log ("get 12 chunks").
+        """
+        with self._state_lock:
+            if self._closed:
+                return default
+            self.stats.calls += 1
+            if self._down_since is not None and self._clock() < self._next_probe:
+                self.stats.skipped_calls += 1
+                self._failed_in_outage += 1
+                return default
+        try:
+            client = self._client or self._connect()
+            answer = operation(client)
+        except _NETWORK_ERRORS as exc:
+            self._fail(exc, what)
+            return default
+        except _REFUSALS as exc:
+            with self._state_lock:
+                self.stats.refused_calls += 1
+                self.stats.failed_calls += 1
+            logger.warning("remote tier %s refused %s: %s", self.address.describe(), what, _one_line(exc))
+            return default
+        self._succeed()
+        return answer
+
+    def _connect(self) -> redis.Redis | redis.cluster.RedisCluster:
+        """Build the client: ask the node whether it is part of a cluster, then make the right kind."""
+        options: dict[str, Any] = {
+            "socket_timeout": self.timeout_s,
+            "socket_connect_timeout": self.timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+            "health_check_interval": 0,
+        }
+        url = self.address.client_url()
+        probe = redis.Redis.from_url(url, **options)
+        try:
+            info = probe.info("cluster")
+        finally:
+            probe.close()
+        client: redis.Redis | redis.cluster.RedisCluster
+        if info.get("cluster_enabled"):
+            if self.address.db:
+                raise redis.exceptions.DataError("a Valkey Cluster has only database 0; drop the /N of the URL")
+            client = redis.cluster.RedisCluster.from_url(url, **options, cluster_error_retry_attempts=0)
+        else:
+            client = redis.Redis.from_url(url, **options)
+        with self._state_lock:
+            if self._client is None:
+                self._client, self._is_cluster = client, bool(info.get("cluster_enabled"))
+                logger.info(
+                    "remote tier connected to %s (%s)",
+                    self.address.describe(),
+                    "cluster" if self._is_cluster else "single node",
+                )
+                return client
+        client.close()
+        return self._client
+
+    def _fail(self, exc: BaseException, what: str) -> None:
+        with self._state_lock:
+            self.stats.failed_calls += 1
+            self._failed_in_outage += 1
+            self._next_probe = self._clock() + self.retry_interval_s
+            if self._down_since is not None:
+                return
+            self._down_since = self._clock()
+            self.stats.outages += 1
+        logger.warning(
+            "remote tier %s unreachable (%s: %s, during %s): serving from the local tiers, retrying every %.1f s",
+            self.address.describe(),
+            type(exc).__name__,
+            _one_line(exc),
+            what,
+            self.retry_interval_s,
+        )
+
+    def _succeed(self) -> None:
+        with self._state_lock:
+            if self._down_since is None:
+                return
+            lasted = self._clock() - self._down_since
+            failed = self._failed_in_outage
+            self._down_since = None
+            self._failed_in_outage = 0
+        logger.warning(
+            "remote tier %s reachable again after %.1f s (%d remote calls answered locally meanwhile)",
+            self.address.describe(),
+            lasted,
+            failed,
+        )
+
+    def close(self) -> None:
+        """Close the connections; later calls return their defaults. Idempotent."""
+        with self._state_lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,83 @@
+"""The names of kvstore's keys in Valkey: one namespace per deployment, one slot per chunk, directory shards spread.
+
+::
+
+    <namespace>:kv:<layout>:{<chunk key, 32 hex>}        a chunk's value (remote_value.py)
+    <namespace>:dir:<layout>:{d<NN>}                      a shard of the content directory (a stream, directory.py)
+
+``<layout>`` is 16 hex digits of a hash of the model's KV layout and the chunk size: deployments of different models
+or chunk sizes sharing one Valkey never see each other's chunks (their prefix keys differ anyway; the tag also keeps
+an operator's ``SCAN`` readable). The ``{...}`` hash tag puts everything named after one chunk in one cluster slot
+(what a chunk may gain later, such as a lease, lands beside its value), and spreads chunks over all slots, since
+chunk keys are uniformly random. The directory's shards carry tags ``{d00}``, ``{d01}``, ... so they spread over the
+masters of a cluster too.
+
+Pure functions and immutable values; thread-safe.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.errors import ConfigError
+from kvstore.keys import PrefixKey
+from kvstore.layout import KVLayout
+
+__all__ = ["DEFAULT_NAMESPACE", "RemoteNames", "check_namespace"]
+
+DEFAULT_NAMESPACE = "kvstore"
+_NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def check_namespace(namespace: str) -> str:
+    """``namespace`` if it is 1-64 letters, digits, dots, dashes or underscores (no braces: they would move the
+    cluster hash tag)."""
+    if not isinstance(namespace, str) or _NAMESPACE_PATTERN.fullmatch(namespace) is None:
+        raise ConfigError(
+            f"remote namespace {namespace!r} must be 1-64 letters, digits, '.', '-' or '_' (e.g. kvstore-prod)"
+        )
+    return namespace
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteNames:
+    """Key names of one deployment and model layout.
+
+    Args:
+        namespace: the deployment's prefix (``check_namespace``).
+        layout_tag: 16 hex digits identifying the layout and chunk size (``for_layout``).
+        num_directory_shards: streams the content directory is spread over.
+    """
+
+    namespace: str
+    layout_tag: str
+    num_directory_shards: int = 16
+
+    @classmethod
+    def for_layout(
+        cls, namespace: str, layout: KVLayout, chunk_size: int, *, num_directory_shards: int = 16
+    ) -> RemoteNames:
+        tag = xxhash.xxh3_64_hexdigest(bytes(layout.namespace) + chunk_size.to_bytes(4, "little"))
+        return cls(check_namespace(namespace), tag, num_directory_shards)
+
+    def chunk(self, key: PrefixKey) -> bytes:
+        """The key of a chunk's value."""
+        return f"{self.namespace}:kv:{self.layout_tag}:{{{key.hex()}}}".encode()
+
+    def chunk_pattern(self) -> bytes:
+        """A ``SCAN MATCH`` pattern for every chunk of this layout."""
+        return f"{self.namespace}:kv:{self.layout_tag}:*".encode()
+
+    def directory_shard(self, shard: int) -> bytes:
+        """The key of one directory shard."""
+        return f"{self.namespace}:dir:{self.layout_tag}:{{d{shard:02d}}}".encode()
+
+    def directory_shards(self) -> list[bytes]:
+        return [self.directory_shard(shard) for shard in range(self.num_directory_shards)]
+
+    def shard_of(self, key: PrefixKey) -> int:
+        """The directory shard a run starting with chunk ``key`` is published to (keys are uniformly random)."""
+        return key[0] % self.num_directory_shards

@@ -1,0 +1,423 @@
+"""``RemoteTier``: chunks in a Valkey (or Redis) deployment that every host of a fleet shares.
+
+It sits below the local tiers and is not one of them: it cannot pin (Valkey's own eviction decides what leaves), it
+is never on a lookup's path, and it may vanish at any moment. So it keeps the ``Tier`` vocabulary (``put``,
+``put_borrowed``, ``stats``) but answers lookups from a local set of the keys it believes the remote holds:
+``knows`` costs a set probe, no round trip. The set is filled by this host's own writes and by the content
+directory (``directory.py``), and a fetch that finds a key gone removes it (the store's lazy two-strike rule then
+retires the index entry).
+
+Writes leave the caller's path: ``put`` copies the chunk (``put_borrowed`` borrows it until ``on_done``) and queues
+it; one writer thread encodes chunks with the disk tier's codec (the same frames, ``remote_value.py``), sends a
+batch of ``SET``\\ s in one pipeline, then the directory records of the runs that batch completed. A chunk already
+known to be remote is not sent again. When the queue holds ``max_queued_bytes`` further puts are dropped and
+counted (the remote is slower than the store is fed); during an outage the writer's calls fail fast and their
+chunks are dropped and counted too. Nothing is retried: the chunks stay in the local tiers.
+
+Reads: ``fetch`` gets many values in one round trip (``MGET``; per node on a cluster) and checks their headers;
+``decode_into`` decodes one. A defective value is counted, deleted in the background and reported as a miss.
+
+Threads: safe to share; ``_state_lock`` guards the key set, the queue and the counters.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvstore.keys import PrefixKey
+from kvstore.layout import KVLayout
+from kvstore.tiers.base import ChunkRecord, TierName, TierStats
+from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
+from kvstore.tiers.disk.format import balanced_frame_bytes
+from kvstore.tiers.disk.host_copy import copy_tensor
+from kvstore.tiers.remote.directory import DirectoryFeed, DirectoryRun, publish_command
+from kvstore.tiers.remote.link import RemoteLink
+from kvstore.tiers.remote.names import RemoteNames
+from kvstore.tiers.remote.remote_value import (
+    RemoteChunk,
+    decode_remote_value,
+    decode_remote_value_into,
+    encode_remote_value,
+)
+
+__all__ = ["DEFAULT_MAX_QUEUED_BYTES", "RemoteTier"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUED_BYTES = 512 * 2**20
+_BATCH_BYTES = 32 * 2**20  # raw bytes of chunks encoded and sent in one pipeline
+_DEFAULT_MAX_RUNS_PER_SHARD = 1 << 20
+
+
+@dataclass(slots=True)
+class _ChunkWrite:
+    record: ChunkRecord
+    data: npt.NDArray[np.uint8]
+    release: Callable[[], None]
+
+
+@dataclass(slots=True)
+class _RunPublish:
+    run: DirectoryRun
+
+
+@dataclass(slots=True)
+class _Delete:
+    keys: list[PrefixKey]
+
+
+@dataclass(slots=True)
+class _Flush:
+    done: threading.Event
+
+
+_Job = _ChunkWrite | _RunPublish | _Delete | _Flush
+
+
+class RemoteTier:
+    """The remote tier of one store.
+
+    Args:
+        link: the connection (shared with nothing else).
+        names: key names of the deployment and layout.
+        layout: the model's KV layout.
+        chunk_size: tokens per full chunk.
+        host_id: this store's id in the directory (random per open).
+        zstd_level: of the frames (the disk tier's default).
+        max_queued_bytes: raw bytes of chunks waiting to be sent before puts are dropped.
+        max_runs_per_shard: directory records each shard keeps (``XADD MAXLEN ~``).
+    """
+
+    name = TierName.REMOTE
+
+    def __init__(
+        self,
+        link: RemoteLink,
+        names: RemoteNames,
+        layout: KVLayout,
+        chunk_size: int,
+        *,
+        host_id: int,
+        zstd_level: int = 1,
+        max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
+        max_runs_per_shard: int = _DEFAULT_MAX_RUNS_PER_SHARD,
+    ) -> None:
+        self.link = link
+        self.names = names
+        self.layout = layout
+        self.host_id = host_id
+        self._chunk_size = chunk_size
+        self._codec = FrameCodec(layout.dtype.element_size_bytes, zstd_level=zstd_level)
+        self._frame_bytes = balanced_frame_bytes(
+            layout.chunk_bytes(chunk_size), layout.dtype.element_size_bytes, num_codec_threads=1
+        )
+        self._max_queued_bytes = max_queued_bytes
+        self._max_runs_per_shard = max_runs_per_shard
+        self._feed = DirectoryFeed(link, names, host_id)
+        self._state_lock = threading.Lock()
+        self._work = threading.Condition(self._state_lock)
+        self._known: set[PrefixKey] = set()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._queued_bytes = 0
+        self._closed = False
+        self._puts = self._dropped_puts = self._failed_puts = 0
+        self._raw_bytes_put = self._stored_bytes_put = 0
+        self._hits = self._misses = self._corrupt_reads = self._forgotten = 0
+        self._warned_full_queue = False
+        self._writer = threading.Thread(target=self._write_loop, name="kvstore-remote-writer", daemon=True)
+        self._writer.start()
+
+    # -- what the remote holds ----------------------------------------------------------------------------------
+
+    def knows(self, key: PrefixKey) -> bool:
+        """Whether the remote is believed to hold the chunk (this host wrote it, or the directory says so)."""
+        return key in self._known
+
+    def learn(self, keys: Iterable[PrefixKey]) -> None:
+        with self._state_lock:
+            self._known.update(keys)
+
+    def forget(self, keys: Iterable[PrefixKey]) -> None:
+        """The remote no longer holds these (a fetch missed): lookups stop planning them."""
+        with self._state_lock:
+            for key in keys:
+                if key in self._known:
+                    self._known.discard(key)
+                    self._forgotten += 1
+
+    def read_directory(self) -> list[DirectoryRun] | None:
+        """Runs other hosts published since the last call (``None`` during an outage); their keys are learnt."""
+        runs = self._feed.read_new()
+        if runs:
+            self.learn(key for run in runs for key in run.keys)
+        return runs
+
+    # -- writes -------------------------------------------------------------------------------------------------
+
+    def put(self, record: ChunkRecord, kv: torch.Tensor) -> bool:
+        """Copy a chunk and queue it; ``False`` when dropped (queue full, closed, or already remote)."""
+        if self.knows(record.key):
+            return False
+        staged = torch.empty(kv.shape, dtype=kv.dtype)
+        copy_tensor(staged, kv)
+        return self._enqueue(record, staged.reshape(-1).view(torch.uint8).numpy(), _nothing)
+
+    def put_borrowed(self, record: ChunkRecord, kv: torch.Tensor, on_done: Callable[[], None]) -> bool:
+        """Queue a chunk without copying: ``kv`` (a contiguous cpu tensor) is read in place until ``on_done``,
+        which is called exactly once (at once when the chunk is not queued)."""
+        if self.knows(record.key):
+            on_done()
+            return False
+        if kv.device.type != "cpu" or not kv.is_contiguous():
+            on_done()
+            return self.put(record, kv)
+        return self._enqueue(record, kv.detach().reshape(-1).view(torch.uint8).numpy(), on_done)
+
+    def _enqueue(self, record: ChunkRecord, data: npt.NDArray[np.uint8], release: Callable[[], None]) -> bool:
+        with self._state_lock:
+            admitted = not self._closed and self._queued_bytes + data.shape[0] <= self._max_queued_bytes
+            if admitted:
+                self._queue.append(_ChunkWrite(record, data, release))
+                self._queued_bytes += data.shape[0]
+                self._work.notify()
+            else:
+                self._dropped_puts += 1
+                warn = not self._closed and not self._warned_full_queue
+                self._warned_full_queue |= warn
+        if not admitted:
+            release()
+            if warn:
+                logger.warning(
+                    "remote tier %s: %d MiB of chunks already wait to be sent; new chunks are not written to the "
+                    "remote until the queue drains (counted in rejected_puts; logged once)",
+                    self.link.address.describe(),
+                    self._max_queued_bytes >> 20,
+                )
+        return admitted
+
+    def publish(self, run: DirectoryRun) -> None:
+        """Queue a run's directory record behind its chunks (only the chunks that reach the remote are published)."""
+        self._submit(_RunPublish(run))
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued so far was sent (or dropped); ``False`` on timeout."""
+        done = threading.Event()
+        if not self._submit(_Flush(done)):
+            return True
+        return done.wait(timeout_s)
+
+    def _submit(self, job: _Job) -> bool:
+        with self._state_lock:
+            if self._closed:
+                return False
+            self._queue.append(job)
+            self._work.notify()
+            return True
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._state_lock:
+                while not self._queue and not self._closed:
+                    self._work.wait()
+                if not self._queue:
+                    return
+                batch = self._take_batch()
+            try:
+                self._send(batch)
+            except Exception:  # a bug must not kill the writer: the store would silently stop writing
+                logger.exception("remote tier writer: a batch failed; its chunks stay local only")
+            finally:
+                for job in batch:
+                    if isinstance(job, _ChunkWrite):
+                        job.release()
+                    elif isinstance(job, _Flush):
+                        job.done.set()
+
+    def _take_batch(self) -> list[_Job]:
+        """Jobs in queue order up to ``_BATCH_BYTES`` of chunks (called under the lock)."""
+        batch: list[_Job] = []
+        batch_bytes = 0
+        while self._queue and batch_bytes < _BATCH_BYTES:
+            job = self._queue.popleft()
+            if isinstance(job, _ChunkWrite):
+                self._queued_bytes -= job.data.shape[0]
+                batch_bytes += job.data.shape[0]
+            batch.append(job)
+        return batch
+
+    def _send(self, batch: Sequence[_Job]) -> None:
+        now_ns = time.time_ns()
+        writes = [job for job in batch if isinstance(job, _ChunkWrite)]
+        values = [
+            (job.record.key, encode_remote_value(job.record, job.data, self._codec, self._frame_bytes, now_ns=now_ns))
+            for job in writes
+        ]
+        deletes = [key for job in batch if isinstance(job, _Delete) for key in job.keys]
+        if values or deletes:
+            sent = self.link.call(
+                lambda client: self._set_all(client, values, deletes),
+                default=None,
+                what=f"write {len(values)} chunks",
+            )
+            with self._state_lock:
+                if sent is None:
+                    self._failed_puts += len(values)
+                else:
+                    self._known.update(key for key, _ in values)
+                    self._puts += len(values)
+                    self._raw_bytes_put += sum(job.data.shape[0] for job in writes)
+                    self._stored_bytes_put += sum(len(value) for _, value in values)
+        runs = [piece for job in batch if isinstance(job, _RunPublish) for piece in self._held_pieces(job.run)]
+        if runs:
+            self.link.call(lambda client: self._publish_all(client, runs), default=None, what="publish directory")
+
+    def _set_all(self, client: Any, values: Sequence[tuple[PrefixKey, bytes]], deletes: Sequence[PrefixKey]) -> bool:
+        pipe = client.pipeline(transaction=False)
+        for key, value in values:
+            pipe.set(self.names.chunk(key), value)
+        for key in deletes:
+            pipe.delete(self.names.chunk(key))
+        pipe.execute()
+        return True
+
+    def _publish_all(self, client: Any, runs: Sequence[DirectoryRun]) -> bool:
+        pipe = client.pipeline(transaction=False)
+        for run in runs:
+            publish_command(pipe, self.names, run, self.host_id, self._max_runs_per_shard)
+        pipe.execute()
+        return True
+
+    def _held_pieces(self, run: DirectoryRun) -> list[DirectoryRun]:
+        """The parts of ``run`` whose chunks the remote holds (chunks that failed or were dropped cut it)."""
+        held = [self.knows(key) for key in run.keys]
+        pieces: list[DirectoryRun] = []
+        start = 0
+        while start < len(held):
+            if not held[start]:
+                start += 1
+                continue
+            end = start
+            while end < len(held) and held[end]:
+                end += 1
+            pieces.append(_slice_run(run, start, end, self._chunk_size))
+            start = end
+        return pieces
+
+    # -- reads --------------------------------------------------------------------------------------------------
+
+    def fetch(self, keys: Sequence[PrefixKey]) -> list[RemoteChunk | None]:
+        """Get many chunks' values in one round trip; ``None`` for a miss, a defective value or an outage.
+
+        Misses of known keys are forgotten; defective values are counted and deleted in the background.
+        """
+        if not keys:
+            return []
+        names = [self.names.chunk(key) for key in keys]
+
+        def get_all(client: Any) -> list[bytes | None]:
+            return list(client.mget_nonatomic(names) if self.link.is_cluster else client.mget(names))
+
+        values = self.link.call(get_all, default=None, what=f"get {len(keys)} chunks")
+        if values is None:
+            return [None] * len(keys)
+        chunks = [decode_remote_value(key, value) for key, value in zip(keys, values, strict=True)]
+        missing = [key for key, value in zip(keys, values, strict=True) if value is None]
+        corrupt = [
+            key for key, value, chunk in zip(keys, values, chunks, strict=True) if value is not None and chunk is None
+        ]
+        with self._state_lock:
+            self._hits += len(keys) - len(missing) - len(corrupt)
+            self._misses += len(missing) + len(corrupt)
+        self.forget(missing)
+        if corrupt:
+            self._drop_corrupt(corrupt, "a bad header or meta record")
+        return chunks
+
+    def decode_into(self, chunk: RemoteChunk, out: torch.Tensor) -> bool:
+        """Decode a fetched chunk into ``out`` (any device and strides, the chunk's shape); ``False`` if corrupt."""
+        if out.device.type == "cpu" and out.is_contiguous():
+            status = decode_remote_value_into(chunk, self._codec, out.detach().reshape(-1).view(torch.uint8).numpy())
+        else:
+            staged = torch.empty(out.shape, dtype=out.dtype)
+            status = decode_remote_value_into(chunk, self._codec, staged.reshape(-1).view(torch.uint8).numpy())
+            if status is FrameStatus.OK:
+                out.copy_(staged)
+        if status is FrameStatus.OK:
+            return True
+        self._drop_corrupt([chunk.record.key], status.value)
+        return False
+
+    def _drop_corrupt(self, keys: list[PrefixKey], cause: str) -> None:
+        with self._state_lock:
+            self._corrupt_reads += len(keys)
+        self.forget(keys)
+        logger.warning(
+            "remote tier %s: %d chunk value(s) failed their checks (%s), e.g. %s; deleted, read as misses",
+            self.link.address.describe(),
+            len(keys),
+            cause,
+            keys[0].hex(),
+        )
+        self._submit(_Delete(keys))
+
+    # -- admin --------------------------------------------------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        """Counters of this host's use of the remote (``num_chunks``: keys this host believes it holds)."""
+        with self._state_lock:
+            return TierStats(
+                tier=TierName.REMOTE,
+                capacity_bytes=0,
+                used_bytes=self._raw_bytes_put,
+                stored_bytes=self._stored_bytes_put,
+                num_chunks=len(self._known),
+                num_pinned=0,
+                puts=self._puts,
+                rejected_puts=self._dropped_puts + self._failed_puts,
+                evictions=self._forgotten,
+                corrupt_reads=self._corrupt_reads,
+            )
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (bounded by ``timeout_s``), stop the writer, close the link. Idempotent."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._work.notify_all()
+        self._writer.join(timeout_s)
+        with self._state_lock:
+            left = list(self._queue)
+            self._queue.clear()
+        for job in left:  # the writer did not finish in time: release what it still borrowed
+            if isinstance(job, _ChunkWrite):
+                job.release()
+        self.link.close()
+
+
+def _slice_run(run: DirectoryRun, start: int, end: int, chunk_tokens: int) -> DirectoryRun:
+    """Chunks ``[start, end)`` of a run (every chunk before its last holds ``chunk_tokens``)."""
+    if start == 0 and end == len(run.keys):
+        return run
+    return DirectoryRun(
+        keys=run.keys[start:end],
+        source_start=run.source_start + start * chunk_tokens,
+        fingerprint_bits=run.fingerprint_bits,
+        fingerprints=run.fingerprints[start:end],
+        verifications=run.verifications[start:end],
+        lengths=run.lengths[start:end],
+    )
+
+
+def _nothing() -> None:
+    pass
