@@ -11,6 +11,8 @@ from pathlib import Path
 
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.tiers.base import TierName
+from kvstore.tiers.remote.address import parse_remote_url
+from kvstore.tiers.remote.names import DEFAULT_NAMESPACE, check_namespace
 
 __all__ = ["DEFAULT_DATA_DIR", "StoreConfig", "check_byte_count", "parse_size", "parse_tiers", "tier_name"]
 
@@ -139,7 +141,7 @@ class StoreConfig:
     enable_dedup_content: bool = False
     remote_url: str | None = None
     remote_password: str | None = field(default=None, repr=False)
-    remote_namespace: str = "kvstore"
+    remote_namespace: str = DEFAULT_NAMESPACE
     remote_timeout_ms: int = 250
     remote_max_queued_bytes: int = 512 * 2**20
 
@@ -181,6 +183,9 @@ class StoreConfig:
             raise ConfigError("the remote tier needs remote_url (--remote-url valkey://HOST:PORT)")
         if self.remote_url and not has_tier:
             raise ConfigError(f"remote_url is set but the tiers {_names(self.tiers)} have no remote; add it last")
+        if self.remote_url is not None:
+            parse_remote_url(self.remote_url)
+        check_namespace(self.remote_namespace)
         for name in ("remote_timeout_ms", "remote_max_queued_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

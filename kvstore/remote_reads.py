@@ -44,7 +44,9 @@ class RemoteReads:
             start = self._position.get(key)
             if start is None:
                 return None
-            group = self._keys[start : start + REMOTE_FETCH_GROUP]
+            # A key the remote tier forgot since the lookup (its prefetch missed, or found the value damaged) is a
+            # miss already: not fetched again.
+            group = [k for k in self._keys[start : start + REMOTE_FETCH_GROUP] if self._remote.knows(k)]
             self._fetched.update(zip(group, self._remote.fetch(group), strict=True))
         chunk = self._fetched.pop(key, None)
         if chunk is None or chunk.record.num_tokens != place.shape[2]:

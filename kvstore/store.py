@@ -59,7 +59,11 @@ from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk.tier import DiskTier
 from kvstore.tiers.disk.tuning import DiskTuning
 from kvstore.tiers.gpu import GpuTier
-from kvstore.tiers.remote import DirectoryRun, RemoteLink, RemoteNames, RemoteTier, parse_remote_url
+from kvstore.tiers.remote.address import parse_remote_url
+from kvstore.tiers.remote.directory import DirectoryRun
+from kvstore.tiers.remote.link import RemoteLink
+from kvstore.tiers.remote.names import RemoteNames
+from kvstore.tiers.remote.tier import RemoteTier
 
 __all__ = ["TieredStore"]
 

@@ -17,6 +17,7 @@ from kvstore.server.app import ServerAddress, run_server
 from kvstore.server.host_facts import probe_host
 from kvstore.server.settings import ServeFlags, ServerSettings, flag_name, resolve_settings
 from kvstore.tiers.base import TierName
+from kvstore.tiers.remote.address import parse_remote_url
 
 __all__ = ["serve_command"]
 
@@ -27,7 +28,9 @@ _OWNER_POLL_S = 0.5
 
 def serve_command(
     tiers: str | None = typer.Option(
-        None, "--tiers", help="Tiers, fastest first, of gpu,cpu,disk (default: gpu,cpu,disk with CUDA, else cpu,disk)."
+        None,
+        "--tiers",
+        help="Tiers, fastest first, of gpu,cpu,disk,remote (default: gpu,cpu,disk with CUDA, else cpu,disk).",
     ),
     chunk_size: int | None = typer.Option(
         None, "--chunk-size", help="Tokens per chunk (default: the data dir's, else 256)."
@@ -66,6 +69,18 @@ def serve_command(
     plan_ttl_s: float | None = typer.Option(
         None, "--plan-ttl-s", help="Release plans not retrieved within this many seconds (default: 600)."
     ),
+    remote_url: str | None = typer.Option(
+        None,
+        "--remote-url",
+        help="The remote tier's Valkey/Redis, one node or a cluster: valkey://HOST:PORT, valkeys:// for TLS "
+        "(password: KVSTORE_REMOTE_PASSWORD).",
+    ),
+    remote_namespace: str | None = typer.Option(
+        None, "--remote-namespace", help="Prefix of this deployment's keys in the remote (default: kvstore)."
+    ),
+    remote_timeout_ms: int | None = typer.Option(
+        None, "--remote-timeout-ms", help="Longest a request waits on the remote per round trip (default: 250)."
+    ),
     config: Path | None = typer.Option(
         None, "--config", help='TOML file; keys are the flags\' names (cpu_size = "8GiB"). Flags > KVSTORE_* > file.'
     ),
@@ -91,6 +106,8 @@ def serve_command(
         kvstore serve --layout llama3.1-8b --port 5555 --metrics-port 5556 --data-dir /nvme/kvstore
 
         kvstore serve --config kvstore.toml --port 6000
+
+        kvstore serve --tiers cpu,disk,remote --remote-url valkey://cache.internal:6379 --enable-blend
     """
     flags = ServeFlags(
         tiers=tiers,
@@ -108,6 +125,9 @@ def serve_command(
         layout=layout,
         workers=workers,
         plan_ttl_s=plan_ttl_s,
+        remote_url=remote_url,
+        remote_namespace=remote_namespace,
+        remote_timeout_ms=remote_timeout_ms,
     )
     settings = resolve_settings(flags, probe_host(), config)
     stop = threading.Event()
@@ -154,6 +174,13 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
         TierName.DISK: store.disk_capacity_bytes,
     }
     for tier in store.tiers:
+        if tier is TierName.REMOTE:
+            assert store.remote_url is not None, "StoreConfig checks that the remote tier has a URL"
+            lines.append(
+                f"remote tier: {parse_remote_url(store.remote_url).describe()}, namespace {store.remote_namespace}, "
+                f"{store.remote_timeout_ms} ms per round trip at most"
+            )
+            continue
         where, setting, default = defaults[tier]
         given_by = settings.given_by.get(setting)
         origin = f"set by {given_by}" if given_by else f"the default: {default}; {flag_name(setting)} to change"

@@ -7,7 +7,8 @@ Sizes are strings everywhere (``4GiB``, ``512MiB``, ``2GB``; a config file may a
 the environment are ``1/true/yes/on`` or ``0/false/no/off``. Precedence: flag > environment > config file > default.
 
 Checked before start-up, each failure one line (``ConfigError`` / ``LayoutMismatchError``):
-- tiers: a non-empty, fastest-first subset of gpu, cpu, disk; gpu only with CUDA;
+- tiers: a non-empty, fastest-first subset of gpu, cpu, disk, remote; gpu only with CUDA; remote with
+  ``--remote-url`` (its password from ``KVSTORE_REMOTE_PASSWORD`` or the URL);
 - the data dir: a ``--chunk-size`` or ``--layout`` that disagrees with what it recorded; held by another server;
 - sizes: a cpu tier larger than the available RAM, a gpu tier larger than the free device memory, a disk tier
   larger than the free disk (plus what the data dir already holds);
@@ -39,6 +40,7 @@ from kvstore.server.host_facts import HostFacts, free_disk_bytes
 from kvstore.server.loop import LoopOptions
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk.environment import DiskEnvironment
+from kvstore.tiers.remote.names import DEFAULT_NAMESPACE
 
 __all__ = [
     "ENV_PREFIX",
@@ -83,6 +85,9 @@ class ServeFlags:
     layout: str | None = None
     workers: int | None = None
     plan_ttl_s: float | None = None
+    remote_url: str | None = None
+    remote_namespace: str | None = None
+    remote_timeout_ms: int | None = None
 
 
 def flag_name(setting: str) -> str:
@@ -163,8 +168,11 @@ def read_environment(environ: Mapping[str, str]) -> ServeFlags:
     return ServeFlags(**values)  # type: ignore[arg-type]
 
 
-_OTHER_ENV = frozenset({"KVSTORE_CACHE_DIR", "KVSTORE_CONNECTOR_TRACE"})
-"""``KVSTORE_*`` variables that are not server settings (the model cache, the connector's trace)."""
+REMOTE_PASSWORD_ENV = "KVSTORE_REMOTE_PASSWORD"
+"""The remote tier's password, read only from the environment: a flag would show it in ``ps``."""
+
+_OTHER_ENV = frozenset({"KVSTORE_CACHE_DIR", "KVSTORE_CONNECTOR_TRACE", REMOTE_PASSWORD_ENV})
+"""``KVSTORE_*`` variables that are not server settings (the model cache, the connector's trace, a secret)."""
 
 
 def _from_text(where: str, kind: type, text: str) -> object:
@@ -273,10 +281,11 @@ def resolve_settings(
         StorageError: a live server already holds the data dir.
     """
     from_file = load_config_file(config_file) if config_file is not None else ServeFlags()
+    environ = os.environ if environ is None else environ
     merged, given_by = _merge(
         [
             (flags, flag_name),
-            (read_environment(os.environ if environ is None else environ), env_name),
+            (read_environment(environ), env_name),
             (from_file, lambda setting: f"{config_file} {setting}"),
         ]
     )
@@ -319,6 +328,10 @@ def resolve_settings(
         enable_blend=bool(merged.enable_blend),
         enable_segmented_prefix=bool(merged.enable_segmented_prefix),
         enable_dedup_content=bool(merged.enable_dedup_content),
+        remote_url=merged.remote_url,
+        remote_password=environ.get(REMOTE_PASSWORD_ENV),
+        remote_namespace=merged.remote_namespace or DEFAULT_NAMESPACE,
+        remote_timeout_ms=merged.remote_timeout_ms if merged.remote_timeout_ms is not None else 250,
     )
     _check_room_for_a_chunk(store, layout)
     return ServerSettings(
@@ -354,6 +367,8 @@ def _check_room_for_a_chunk(store: StoreConfig, layout: KVLayout | None) -> None
         TierName.DISK: ("--disk-size", store.disk_capacity_bytes),
     }
     for tier in store.tiers:
+        if tier not in sizes:
+            continue  # the remote's room is Valkey's maxmemory
         flag, size = sizes[tier]
         if size < chunk_bytes:
             one_chunk = f"one chunk ({chunk_bytes / _MIB:.2f} MiB of {layout.describe()})" if layout else "any chunk"

@@ -100,6 +100,7 @@ class StoreHost:
             TierName.GPU: self.config.gpu_capacity_bytes,
             TierName.CPU: self.config.cpu_capacity_bytes,
             TierName.DISK: self.config.disk_capacity_bytes,
+            TierName.REMOTE: 0,  # Valkey's maxmemory, not ours
         }
         return tuple(TierCapacity(tier=tier, capacity_bytes=configured[tier]) for tier in self.config.tiers)
 

@@ -126,10 +126,10 @@ class RemoteLink:
             self._fail(exc, what)
             return default
         except _REFUSALS as exc:
-            with self._state_lock:
-                self.stats.refused_calls += 1
-                self.stats.failed_calls += 1
-            logger.warning("remote tier %s refused %s: %s", self.address.describe(), what, _one_line(exc))
+            self._refused(exc, what)
+            return default
+        except Exception as exc:  # a reply the client library could not handle: a failed call, never a crash
+            self._refused(exc, what)
             return default
         self._succeed()
         return answer
@@ -152,7 +152,7 @@ class RemoteLink:
         if info.get("cluster_enabled"):
             if self.address.db:
                 raise redis.exceptions.DataError("a Valkey Cluster has only database 0; drop the /N of the URL")
-            client = redis.cluster.RedisCluster.from_url(url, **options, cluster_error_retry_attempts=0)
+            client = redis.cluster.RedisCluster.from_url(url, **options)
         else:
             client = redis.Redis.from_url(url, **options)
         with self._state_lock:
@@ -166,6 +166,14 @@ class RemoteLink:
                 return client
         client.close()
         return self._client
+
+    def _refused(self, exc: BaseException, what: str) -> None:
+        with self._state_lock:
+            self.stats.refused_calls += 1
+            self.stats.failed_calls += 1
+        logger.warning(
+            "remote tier %s: %s failed (%s: %s)", self.address.describe(), what, type(exc).__name__, _one_line(exc)
+        )
 
     def _fail(self, exc: BaseException, what: str) -> None:
         with self._state_lock:
