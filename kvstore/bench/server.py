@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstore.bench.serve_process import ServeProcess, start_serve_process
 from kvstore.client import Client
 from kvstore.config import GIB, StoreConfig
 from kvstore.errors import ConfigError
@@ -50,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 _TARGET_LOOKUP_P50_MS = 1.0
 _TARGET_BANDWIDTH_RATIO = 0.5
-_READY = re.compile(r"listening on (tcp://\S+) ")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,42 +114,8 @@ class ServerBenchRow:
         return values
 
 
-@dataclass(slots=True)
-class _ServerProcess:
-    process: subprocess.Popen[str]
-    url: str
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-
-
-def _start_server(layout: KVLayout, chunk_size: int, cpu_bytes: int, directory: Path) -> _ServerProcess:
-    layout_file = directory / "layout.json"
-    layout_file.write_text(layout.to_json())
-    command = [
-        sys.executable, "-m", "kvstore.cli.main", "serve", "--tiers", "cpu", "--port", "0", "--metrics-port", "0",
-        "--cpu-size", str(cpu_bytes), "--chunk-size", str(chunk_size), "--layout", str(layout_file),
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert process.stdout is not None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if match := _READY.search(line):
-            return _ServerProcess(process=process, url=match.group(1))
-    process.kill()
-    process.wait()
-    raise ConfigError("the benchmark's kvstore serve did not start (run `kvstore serve --tiers cpu` to see why)")
+def _start_server(layout: KVLayout, chunk_size: int, cpu_bytes: int, directory: Path) -> ServeProcess:
+    return start_serve_process(layout, chunk_size, directory, ["--tiers", "cpu", "--cpu-size", str(cpu_bytes)])
 
 
 def _percentiles(samples_ms: list[float]) -> tuple[float, float, float, float]:

@@ -14,6 +14,7 @@ from kvstore.bench.index import run_index_benchmark
 from kvstore.bench.rebuild import RebuildBenchOptions, default_data_dir, run_rebuild_benchmark
 from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
 from kvstore.cli.bench_blend import multi_doc_qa_command, shuffle_command
+from kvstore.cli.bench_remote import bench_remote_command
 from kvstore.cli.bench_server import bench_server_command
 from kvstore.cli.bench_vllm import bench_vllm_command
 from kvstore.config import parse_size, parse_tiers
@@ -202,4 +203,5 @@ def bench_rebuild_command(
 bench_app.command("multi-doc-qa")(multi_doc_qa_command)
 bench_app.command("shuffle")(shuffle_command)
 bench_app.command("server")(bench_server_command)
+bench_app.command("remote")(bench_remote_command)
 bench_app.command("vllm")(bench_vllm_command)

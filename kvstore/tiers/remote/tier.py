@@ -258,28 +258,38 @@ class RemoteTier:
     def _send(self, batch: Sequence[_Job]) -> None:
         now_ns = time.time_ns()
         writes = [job for job in batch if isinstance(job, _ChunkWrite)]
-        values = [
-            (job.record.key, encode_remote_value(job.record, job.data, self._codec, self._frame_bytes, now_ns=now_ns))
-            for job in writes
-        ]
+        values = [(job.record.key, self.encode(job.record, job.data, now_ns=now_ns)) for job in writes]
         deletes = [key for job in batch if isinstance(job, _Delete) for key in job.keys]
         if values or deletes:
-            sent = self.link.call(
-                lambda client: self._set_all(client, values, deletes),
-                default=None,
-                what=f"write {len(values)} chunks",
-            )
-            with self._state_lock:
-                if sent is None:
-                    self._failed_puts += len(values)
-                else:
-                    self._known.update(key for key, _ in values)
-                    self._puts += len(values)
-                    self._raw_bytes_put += sum(job.data.shape[0] for job in writes)
-                    self._stored_bytes_put += sum(len(value) for _, value in values)
+            self.put_values(values, raw_bytes=sum(job.data.shape[0] for job in writes), deletes=deletes)
         runs = [piece for job in batch if isinstance(job, _RunPublish) for piece in self._held_pieces(job.run)]
         if runs:
             self.link.call(lambda client: self._publish_all(client, runs), default=None, what="publish directory")
+
+    def encode(self, record: ChunkRecord, data: npt.NDArray[np.uint8], *, now_ns: int) -> bytes:
+        """A chunk's raw KV bytes as one remote value (the writer's first step, on its thread)."""
+        return encode_remote_value(record, data, self._codec, self._frame_bytes, now_ns=now_ns)
+
+    def put_values(
+        self, values: Sequence[tuple[PrefixKey, bytes]], *, raw_bytes: int, deletes: Sequence[PrefixKey] = ()
+    ) -> bool:
+        """Send encoded chunk values (``encode_remote_value``) in one pipeline, now, on the calling thread.
+
+        The writer's last step, public for a caller that already holds frames (and for ``kvstore bench remote``,
+        which measures it against raw ``SET`` commands). Returns ``False`` when the remote could not take them.
+        """
+        sent = self.link.call(
+            lambda client: self._set_all(client, values, deletes), default=None, what=f"write {len(values)} chunks"
+        )
+        with self._state_lock:
+            if sent is None:
+                self._failed_puts += len(values)
+                return False
+            self._known.update(key for key, _ in values)
+            self._puts += len(values)
+            self._raw_bytes_put += raw_bytes
+            self._stored_bytes_put += sum(len(value) for _, value in values)
+        return True
 
     def _set_all(self, client: Any, values: Sequence[tuple[PrefixKey, bytes]], deletes: Sequence[PrefixKey]) -> bool:
         pipe = client.pipeline(transaction=False)
