@@ -14,11 +14,20 @@ from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.address import parse_remote_url
 from kvstore.tiers.remote.names import DEFAULT_NAMESPACE, check_namespace
 
-__all__ = ["DEFAULT_DATA_DIR", "StoreConfig", "check_byte_count", "parse_size", "parse_tiers", "tier_name"]
+__all__ = [
+    "DEFAULT_DATA_DIR",
+    "REMOTE_WRITE_POLICIES",
+    "StoreConfig",
+    "check_byte_count",
+    "parse_size",
+    "parse_tiers",
+    "tier_name",
+]
 
 GIB = 1024**3
 MAX_INDEXED_CHUNK_TOKENS = 2**16 - 1  # the content index keeps chunk lengths in 16 bits
 DEFAULT_DATA_DIR = Path("kvstore-data")
+REMOTE_WRITE_POLICIES = ("through", "evict")
 _TIER_ORDER = (TierName.GPU, TierName.CPU, TierName.DISK, TierName.REMOTE)
 _SIZE_UNITS = {
     "": 1,
@@ -124,6 +133,10 @@ class StoreConfig:
         remote_namespace: prefix of every key this deployment writes; deployments sharing a Valkey differ here.
         remote_timeout_ms: bound on every round trip to the remote; past it the request goes on without it.
         remote_max_queued_bytes: chunks waiting to be written to the remote before new ones are not sent.
+        remote_write: ``"through"``: every new chunk is written to the remote too (other hosts find it at once);
+            ``"evict"``: a chunk goes to the remote only when it leaves the last local tier (the disk's capacity
+            victims, as the disk stored them; the cpu tier's without a disk), sparing Valkey's memory for what no
+            host keeps locally.
     """
 
     tiers: tuple[TierName, ...] = (TierName.CPU, TierName.DISK)
@@ -144,6 +157,7 @@ class StoreConfig:
     remote_namespace: str = DEFAULT_NAMESPACE
     remote_timeout_ms: int = 250
     remote_max_queued_bytes: int = 512 * 2**20
+    remote_write: str = "through"
 
     def __post_init__(self) -> None:
         try:
@@ -186,6 +200,8 @@ class StoreConfig:
         if self.remote_url is not None:
             parse_remote_url(self.remote_url)
         check_namespace(self.remote_namespace)
+        if self.remote_write not in REMOTE_WRITE_POLICIES:
+            raise ConfigError(f"remote_write={self.remote_write!r} must be one of {', '.join(REMOTE_WRITE_POLICIES)}")
         for name in ("remote_timeout_ms", "remote_max_queued_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -6,15 +6,21 @@ Data flows one way: engine -> ``TieredStore`` -> tiers (and -> the content catal
   asynchronously (the disk writer reads the pinned cpu slot directly, or a staging copy), so the cache survives a
   restart without the caller waiting for zstd or LMDB. With blending on, the committed chunks are then registered
   by content on a worker thread; they stay pinned (shielded from eviction) until that is done. A caller that
-  knows the first chunks are held passes ``start=`` and only the KV of the rest.
+  knows the first chunks are held passes ``start=`` and only the KV of the rest. With a remote tier new chunks are
+  written through to it too (``remote_write="through"``), and each run of them is published to the fleet directory.
 - **eviction demotes**: a tier that needs room spills its least recently used chunk into the next slower tier
-  (gpu -> cpu -> disk); a chunk the disk already holds is simply dropped from memory.
+  (gpu -> cpu -> disk); a chunk the disk already holds is simply dropped from memory. Under
+  ``remote_write="evict"`` what leaves the last local tier goes to the remote (the disk hands over its victims'
+  stored frames).
+- **the fleet**: a background reader (``fleet_sync``) brings other hosts' published runs into the content index and
+  the remote tier's key set; lookups plan such chunks as ``remote`` segments without asking Valkey.
 - **lookup** builds a plan (``kvstore.plan``): the prefix leg walks the prompt's prefix keys (exact segments; a
   missing chunk cuts the prefix, or becomes a gap with segmented prefix; a dedup alias gives a blend segment);
   the match leg finds stored chunks anywhere else in the prompt by content (blend segments). Every planned chunk
   is pinned in the fastest tier holding it; disk-only chunks are prefetched into the cpu tier in the background.
 - **retrieve** waits for the plan's prefetches, copies each segment's KV to its place in the caller's buffer (or
-  a new tensor), drops the plan's pins and promotes cpu hits into the gpu tier.
+  a new tensor), drops the plan's pins and promotes cpu hits into the gpu tier; remote segments no prefetch landed
+  are fetched a group per round trip (``remote_reads``) and put into the local tiers.
 - **sessions**: a plan belongs to the session that asked for it; ``end_session`` (or a ``Session`` leaving its
   ``with`` block, or being garbage-collected) drops the pins of every plan it did not retrieve.
 
@@ -42,8 +48,9 @@ import torch
 
 from kvstore.config import StoreConfig, check_byte_count, tier_name
 from kvstore.content.catalog import ContentCatalog, Residency
-from kvstore.content.index import Match, hash_chunks
+from kvstore.content.index import DEFAULT_FINGERPRINT_BITS, Match
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
+from kvstore.fleet_publish import RecentRuns, publish_records, publish_span, records_in_runs
 from kvstore.fleet_sync import DEFAULT_SYNC_INTERVAL_S, DirectorySync
 from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, checked_keys, prefix_keys
 from kvstore.layout import KVLayout
@@ -56,11 +63,11 @@ from kvstore.stats import StoreStats
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import ChunkRecord, Tier, TierName
 from kvstore.tiers.cpu import CpuTier
+from kvstore.tiers.disk.evicted import EvictedChunk
 from kvstore.tiers.disk.tier import DiskTier
 from kvstore.tiers.disk.tuning import DiskTuning
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.remote.address import parse_remote_url
-from kvstore.tiers.remote.directory import DirectoryRun
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames
 from kvstore.tiers.remote.tier import RemoteTier
@@ -127,6 +134,7 @@ class TieredStore:
         self._disk: DiskTier | None = None
         self._remote: RemoteTier | None = None
         self._directory_sync: DirectorySync | None = None
+        self._recent_runs = RecentRuns()  # the evict policy's runs, to continue them (fleet_publish)
         self._tiers: list[Tier] = []  # the local tiers, fastest first (the remote is not one: it cannot pin)
         self._ledger = PinLedger()
         self._lookup_counts = LookupCounts(self.config.chunk_size)
@@ -164,6 +172,7 @@ class TieredStore:
                 # with a cpu tier, writes borrow its slots (put_borrowed): staging serves only rare spills
                 tuning=DiskTuning(preallocate_staging=TierName.CPU not in config.tiers),
                 content_records=None if rebuild is None else rebuild.add,  # one pass over the meta records
+                on_evict=self._evicted_to_remote if self._writes_on_eviction() else None,
             )
             if rebuild is not None:
                 num_indexed = rebuild.finish()
@@ -221,9 +230,29 @@ class TieredStore:
             self._spill_to_disk(record, kv)
 
     def _spill_to_disk(self, record: ChunkRecord, kv: torch.Tensor) -> None:
-        """Memory victim -> disk, unless the write-through already put it there."""
-        if self._disk is not None and not self._disk.contains(record.key):
-            self._disk.put(record, kv)
+        """Memory victim -> disk, unless the write-through already put it there (without a disk tier, under the
+        remote's ``evict`` policy: -> the remote)."""
+        if self._disk is not None:
+            if not self._disk.contains(record.key):
+                self._disk.put(record, kv)
+        elif self._remote is not None and self._writes_on_eviction() and self._remote.put(record, kv):
+            self._publish_records(self._remote, [record])
+
+    def _writes_on_eviction(self) -> bool:
+        return TierName.REMOTE in self.config.tiers and self.config.remote_write == "evict"
+
+    def _evicted_to_remote(self, chunks: Sequence[EvictedChunk]) -> None:
+        """The disk's capacity victims -> the remote (on the disk writer thread: only queues work)."""
+        if self._remote is not None:
+            self._publish_records(self._remote, self._remote.put_evicted(chunks))
+
+    def _publish_records(self, remote: RemoteTier, records: Sequence[ChunkRecord]) -> None:
+        """Publish chunks that reached the remote one by one (evicted), as runs wherever parent links join them."""
+        for run in records_in_runs(records, self.config.chunk_size):
+            publish_records(remote, run, self._fingerprint_bits(), self._recent_runs, self.config.chunk_size)
+
+    def _fingerprint_bits(self) -> int:
+        return self._catalog.index.fingerprint_bits if self._catalog is not None else DEFAULT_FINGERPRINT_BITS
 
     # -- store ------------------------------------------------------------------------------------------------
 
@@ -311,7 +340,7 @@ class TieredStore:
             logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, num_chunks)
         if catalog is not None:
             self._register_runs(catalog, token_array, keys, committed, shields)
-        if self._remote is not None and new_indexes:
+        if self._remote is not None and new_indexes and not self._writes_on_eviction():
             self._publish_runs(self._remote, token_array, keys, new_indexes)
         return StoreResult(
             num_chunks=num_chunks,
@@ -340,7 +369,7 @@ class TieredStore:
                 continue
             if self._disk is not None and tier is not self._disk:
                 self._write_through(tier, record, kv)
-            if self._remote is not None:
+            if self._remote is not None and not self._writes_on_eviction():
                 self._write_remote(self._remote, tier, record, kv)
             return tier
         return None
@@ -362,26 +391,13 @@ class TieredStore:
         self, remote: RemoteTier, tokens: TokenArray, keys: Sequence[PrefixKey], new_indexes: Sequence[int]
     ) -> None:
         """Publish each run of consecutive new chunks to the fleet directory, behind the chunks' own writes."""
-        chunk_size = self.config.chunk_size
-        bits = self._catalog.index.fingerprint_bits if self._catalog is not None else 64
+        chunk_size, bits = self.config.chunk_size, self._fingerprint_bits()
         run_start = 0
         for position in range(1, len(new_indexes) + 1):
             if position < len(new_indexes) and new_indexes[position] == new_indexes[position - 1] + 1:
                 continue
-            indexes = np.asarray(new_indexes[run_start:position], dtype=np.int64)
-            starts = indexes * chunk_size
-            ends = np.minimum(starts + chunk_size, len(tokens))
-            contents = hash_chunks(tokens, starts, ends, bits)
-            remote.publish(
-                DirectoryRun(
-                    keys=tuple(keys[index] for index in indexes.tolist()),
-                    source_start=int(starts[0]),
-                    fingerprint_bits=bits,
-                    fingerprints=contents.fingerprints,
-                    verifications=contents.verifications,
-                    lengths=contents.lengths,
-                )
-            )
+            first, last = new_indexes[run_start], new_indexes[position - 1]
+            publish_span(remote, tokens, keys[first : last + 1], first * chunk_size, chunk_size, bits)
             run_start = position
 
     def _write_through(self, tier: Tier, record: ChunkRecord, kv: torch.Tensor) -> None:

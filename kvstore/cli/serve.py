@@ -81,6 +81,11 @@ def serve_command(
     remote_timeout_ms: int | None = typer.Option(
         None, "--remote-timeout-ms", help="Longest a request waits on the remote per round trip (default: 250)."
     ),
+    remote_write: str | None = typer.Option(
+        None,
+        "--remote-write",
+        help="through: new chunks go to the remote at once; evict: only when they leave the disk (default: through).",
+    ),
     config: Path | None = typer.Option(
         None, "--config", help='TOML file; keys are the flags\' names (cpu_size = "8GiB"). Flags > KVSTORE_* > file.'
     ),
@@ -128,6 +133,7 @@ def serve_command(
         remote_url=remote_url,
         remote_namespace=remote_namespace,
         remote_timeout_ms=remote_timeout_ms,
+        remote_write=remote_write,
     )
     settings = resolve_settings(flags, probe_host(), config)
     stop = threading.Event()
@@ -178,7 +184,7 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
             assert store.remote_url is not None, "StoreConfig checks that the remote tier has a URL"
             lines.append(
                 f"remote tier: {parse_remote_url(store.remote_url).describe()}, namespace {store.remote_namespace}, "
-                f"{store.remote_timeout_ms} ms per round trip at most"
+                f"{store.remote_timeout_ms} ms per round trip at most, chunks written {store.remote_write}"
             )
             continue
         where, setting, default = defaults[tier]

@@ -50,10 +50,20 @@ from kvstore.content.rolling_hash import block_fingerprints, window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, num_chunks
 
-__all__ = ["Alias", "ChunkContents", "FingerprintIndex", "Match", "RegistrationResult", "hash_chunks"]
+__all__ = [
+    "DEFAULT_FINGERPRINT_BITS",
+    "Alias",
+    "ChunkContents",
+    "FingerprintIndex",
+    "Match",
+    "RegistrationResult",
+    "hash_chunks",
+]
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_FINGERPRINT_BITS = 64
+"""Fingerprint bits of a production index (tests lower them to force collisions)."""
 _MAX_CHUNK_TOKENS = 2**16 - 1  # length is a u16 column
 _MAX_ENTRIES = 2**31 - 1  # entry ids are int32
 _MAX_POSITION = 2**32 - 1  # source_start is a u32 column
@@ -153,7 +163,7 @@ def hash_chunks(
     tokens: TokenArray,
     chunk_starts: npt.NDArray[np.int64],
     chunk_ends: npt.NDArray[np.int64],
-    fingerprint_bits: int = 64,
+    fingerprint_bits: int = DEFAULT_FINGERPRINT_BITS,
 ) -> ChunkContents:
     """Hash many chunks at once: chunk ``i`` is ``tokens[chunk_starts[i]:chunk_ends[i]]``.
 
@@ -214,7 +224,7 @@ class FingerprintIndex:
         fingerprint_bits: bits of the fingerprint kept (64 in production). Tests lower it to force collisions.
     """
 
-    def __init__(self, *, initial_capacity: int = 1024, fingerprint_bits: int = 64) -> None:
+    def __init__(self, *, initial_capacity: int = 1024, fingerprint_bits: int = DEFAULT_FINGERPRINT_BITS) -> None:
         if not 1 <= fingerprint_bits <= 64:
             raise ConfigError(f"fingerprint_bits={fingerprint_bits} must lie in [1, 64]; use 64 outside tests")
         if not 1 <= initial_capacity <= _MAX_ENTRIES:

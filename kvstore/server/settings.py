@@ -88,6 +88,7 @@ class ServeFlags:
     remote_url: str | None = None
     remote_namespace: str | None = None
     remote_timeout_ms: int | None = None
+    remote_write: str | None = None
 
 
 def flag_name(setting: str) -> str:
@@ -332,6 +333,7 @@ def resolve_settings(
         remote_password=environ.get(REMOTE_PASSWORD_ENV),
         remote_namespace=merged.remote_namespace or DEFAULT_NAMESPACE,
         remote_timeout_ms=merged.remote_timeout_ms if merged.remote_timeout_ms is not None else 250,
+        remote_write=merged.remote_write or "through",
     )
     _check_room_for_a_chunk(store, layout)
     return ServerSettings(

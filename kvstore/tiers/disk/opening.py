@@ -26,6 +26,7 @@ from kvstore.tiers.disk.codec import FrameCodec
 from kvstore.tiers.disk.codec_pool import CodecPool
 from kvstore.tiers.disk.commit import remove_unfinished_chunks
 from kvstore.tiers.disk.environment import DiskEnvironment, tune_malloc_for_large_values
+from kvstore.tiers.disk.evicted import EvictionSink
 from kvstore.tiers.disk.format import FrameGeometry
 from kvstore.tiers.disk.meta_batch import ContentRecords
 from kvstore.tiers.disk.records import recover_chunks
@@ -60,9 +61,10 @@ def open_disk_parts(
     read_only: bool,
     tuning: DiskTuning,
     content_records: Callable[[ContentRecords], None] | None = None,
+    on_evict: EvictionSink | None = None,
 ) -> DiskParts:
     """Open (or create) a data dir and start its threads; ``content_records`` is fed recovery's content records
-    (``recover_chunks``).
+    (``recover_chunks``), ``on_evict`` the writer's capacity victims (``evicted``).
 
     Raises:
         LayoutMismatchError: the dir holds another layout or chunk size.
@@ -95,6 +97,7 @@ def open_disk_parts(
         max_map_bytes=tuning.map_limit_bytes(capacity_bytes),
         queue_depth=tuning.queue_depth,
         writeback_bytes=tuning.writeback_bytes,
+        on_evict=on_evict,
     )
     writer = DiskWriter(env, codec, index, pool, options)
     victims, _ = index.take_victims(index.overflow_bytes(0))  # the capacity may have shrunk since last time

@@ -56,6 +56,7 @@ from kvstore.tiers.disk.check import DiskCheckReport, check_data_dir
 from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk.entries import Admission, PendingWrite
 from kvstore.tiers.disk.environment import DiskEnvironment
+from kvstore.tiers.disk.evicted import EvictionSink
 from kvstore.tiers.disk.format import FrameGeometry, StoredChunk, balanced_frame_bytes
 from kvstore.tiers.disk.host_copy import copy_tensor
 from kvstore.tiers.disk.lifecycle import OwnedLifecycle
@@ -98,6 +99,9 @@ class DiskTier(Tier):
             a content index (``ContentCatalog.start_rebuild().add``) then rebuilds from the tier's own pass over
             the meta records instead of a second one. Chunks evicted at once because ``capacity_bytes`` shrank
             since the last open are included. An exception it raises aborts the open.
+        on_evict: called on the writer thread with each batch of chunks evicted for room, their stored bytes
+            read just before the delete (``kvstore.tiers.disk.evicted``): how the remote tier's ``evict`` policy
+            receives what leaves the disk. It must only queue work.
 
     Raises:
         ConfigError: a size is out of range.
@@ -121,6 +125,7 @@ class DiskTier(Tier):
         clock: Callable[[], int] = time.time_ns,
         tuning: DiskTuning | None = None,
         content_records: Callable[[ContentRecords], None] | None = None,
+        on_evict: EvictionSink | None = None,
     ) -> None:
         tuning = tuning or DiskTuning()
         self.path = Path(path)
@@ -163,6 +168,7 @@ class DiskTier(Tier):
             read_only=read_only,
             tuning=tuning,
             content_records=content_records,
+            on_evict=on_evict,
         )
         self._parts = parts
         self._env, self._index, self._pool, self._writer = parts.env, parts.index, parts.pool, parts.writer

@@ -48,6 +48,7 @@ from kvstore.tiers.disk.codec_pool import CodecPool, TaskBatch
 from kvstore.tiers.disk.commit import ChunkFrames, delete_chunks, discard_unfinished, plan_transactions
 from kvstore.tiers.disk.entries import PendingWrite
 from kvstore.tiers.disk.environment import DiskEnvironment, storage_error
+from kvstore.tiers.disk.evicted import EvictionSink, read_evicted
 from kvstore.tiers.disk.format import StoredChunk, encode_meta, meta_bytes, with_last_access
 from kvstore.tiers.disk.outage import DiskOutage
 from kvstore.tiers.disk.state import DiskState
@@ -102,6 +103,7 @@ class WriterOptions:
         writeback_bytes: start the disk's writeback (without waiting) after this many stored bytes were
             committed, so it writes while the next groups encode and a ``flush`` waits only for the tail
             (0: the disk writes at the next ``flush``).
+        on_evict: receives the capacity victims' stored bytes before they are deleted (``evicted``).
     """
 
     frame_bytes: int
@@ -110,6 +112,7 @@ class WriterOptions:
     max_map_bytes: int
     queue_depth: int
     writeback_bytes: int
+    on_evict: EvictionSink | None = None
 
 
 @dataclass(slots=True)
@@ -306,6 +309,7 @@ class DiskWriter:
                 rejected.append(dropped.job)
             if rejected:
                 logger.warning("disk tier full of pinned chunks: %d writes rejected", len(rejected))
+        self._hand_over(victims)
         self._delete_and_touch(victims + deletes)
         if not encoded:
             return [], rejected, []
@@ -331,6 +335,16 @@ class DiskWriter:
             logger.exception("disk writer: the release callback of chunk %s raised", key.hex())
 
     # -- transactions ----------------------------------------------------------------------------------------
+
+    def _hand_over(self, victims: list[PrefixKey]) -> None:
+        """Give capacity victims to ``on_evict`` before their delete commits (a failure there is only logged)."""
+        sink = self._options.on_evict
+        if sink is None or not victims:
+            return
+        try:
+            sink(read_evicted(self._env, victims))
+        except Exception:  # the eviction must go on: the victims' room is needed either way
+            logger.exception("disk writer: handing %d evicted chunks on failed; they are deleted", len(victims))
 
     def _delete_and_touch(self, keys: list[PrefixKey]) -> None:
         """Delete chunks and persist changed last-access times in one transaction."""
@@ -411,6 +425,7 @@ class DiskWriter:
                 victims, _ = self._index.take_victims(max(needed_bytes, 1))
                 if not victims:
                     break
+                self._hand_over(victims)
                 self._delete_and_touch(victims)
         raise StorageError(
             f"disk writer could not {action}: the LMDB map of {env.path} is full at "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,13 @@ from kvstore.tiers.base import ChunkRecord
 from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk.format import StoredChunk, decode_meta, encode_meta
 
-__all__ = ["RemoteChunk", "decode_remote_value", "decode_remote_value_into", "encode_remote_value"]
+__all__ = [
+    "RemoteChunk",
+    "assemble_remote_value",
+    "decode_remote_value",
+    "decode_remote_value_into",
+    "encode_remote_value",
+]
 
 _MAGIC = b"KVR\x01"
 _HEADER = struct.Struct("<4sIII16s")
@@ -78,24 +85,29 @@ def encode_remote_value(
     """
     raw_bytes = int(data.shape[0])
     frames = [codec.encode(data[start : start + frame_bytes]) for start in range(0, raw_bytes, frame_bytes)]
-    frame_table = b"".join(_FRAME_SIZE.pack(len(frame)) for frame in frames)
-    header_bytes = _HEADER.size + len(frame_table)
     stored = StoredChunk(
         key=record.key,
         num_tokens=record.num_tokens,
         source_start=record.source_start,
         raw_bytes=raw_bytes,
-        stored_bytes=0,  # filled below: the meta record's own length is fixed by its token count
+        stored_bytes=0,  # set by assemble_remote_value
         num_frames=len(frames),
         frame_bytes=frame_bytes,
         last_access_ns=now_ns,
         tokens=record.tokens,
         parent_key=record.parent_key,
     )
-    meta_length = len(encode_meta(stored))
-    total = header_bytes + meta_length + sum(len(frame) for frame in frames)
-    meta = encode_meta(dataclasses.replace(stored, stored_bytes=total))
-    header = _HEADER.pack(_MAGIC, len(meta), len(frames), 0, record.key)
+    return assemble_remote_value(stored, frames)
+
+
+def assemble_remote_value(stored: StoredChunk, frames: Sequence[bytes]) -> bytes:
+    """One value from a chunk's meta record and its encoded frames (as the disk tier holds them): the meta's
+    ``stored_bytes`` becomes the value's length, and it is sealed again."""
+    frame_table = b"".join(_FRAME_SIZE.pack(len(frame)) for frame in frames)
+    meta_length = len(encode_meta(stored))  # fixed by the token count
+    total = _HEADER.size + len(frame_table) + meta_length + sum(len(frame) for frame in frames)
+    meta = encode_meta(dataclasses.replace(stored, stored_bytes=total, num_frames=len(frames)))
+    header = _HEADER.pack(_MAGIC, len(meta), len(frames), 0, stored.key)
     return b"".join([header, frame_table, meta, *frames])
 
 

@@ -38,13 +38,15 @@ from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, TierName, TierStats
 from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
-from kvstore.tiers.disk.format import balanced_frame_bytes
+from kvstore.tiers.disk.evicted import EvictedChunk
+from kvstore.tiers.disk.format import balanced_frame_bytes, decode_meta
 from kvstore.tiers.disk.host_copy import copy_tensor
 from kvstore.tiers.remote.directory import DirectoryFeed, DirectoryRun, publish_command
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames
 from kvstore.tiers.remote.remote_value import (
     RemoteChunk,
+    assemble_remote_value,
     decode_remote_value,
     decode_remote_value_into,
     encode_remote_value,
@@ -67,6 +69,13 @@ class _ChunkWrite:
 
 
 @dataclass(slots=True)
+class _ValueWrite:
+    key: PrefixKey
+    value: bytes
+    raw_bytes: int
+
+
+@dataclass(slots=True)
 class _RunPublish:
     run: DirectoryRun
 
@@ -81,7 +90,7 @@ class _Flush:
     done: threading.Event
 
 
-_Job = _ChunkWrite | _RunPublish | _Delete | _Flush
+_Job = _ChunkWrite | _ValueWrite | _RunPublish | _Delete | _Flush
 
 
 class RemoteTier:
@@ -184,26 +193,48 @@ class RemoteTier:
         return self._enqueue(record, kv.detach().reshape(-1).view(torch.uint8).numpy(), on_done)
 
     def _enqueue(self, record: ChunkRecord, data: npt.NDArray[np.uint8], release: Callable[[], None]) -> bool:
+        admitted = self._admit(_ChunkWrite(record, data, release), data.shape[0])
+        if not admitted:
+            release()
+        return admitted
+
+    def _admit(self, job: _ChunkWrite | _ValueWrite, num_bytes: int) -> bool:
+        """Queue a write unless the queue holds ``max_queued_bytes`` (then count it dropped, warn once)."""
         with self._state_lock:
-            admitted = not self._closed and self._queued_bytes + data.shape[0] <= self._max_queued_bytes
+            admitted = not self._closed and self._queued_bytes + num_bytes <= self._max_queued_bytes
             if admitted:
-                self._queue.append(_ChunkWrite(record, data, release))
-                self._queued_bytes += data.shape[0]
+                self._queue.append(job)
+                self._queued_bytes += num_bytes
                 self._work.notify()
             else:
                 self._dropped_puts += 1
                 warn = not self._closed and not self._warned_full_queue
                 self._warned_full_queue |= warn
-        if not admitted:
-            release()
-            if warn:
-                logger.warning(
-                    "remote tier %s: %d MiB of chunks already wait to be sent; new chunks are not written to the "
-                    "remote until the queue drains (counted in rejected_puts; logged once)",
-                    self.link.address.describe(),
-                    self._max_queued_bytes >> 20,
-                )
+        if not admitted and warn:
+            logger.warning(
+                "remote tier %s: %d MiB of chunks already wait to be sent; new chunks are not written to the "
+                "remote until the queue drains (counted in rejected_puts; logged once)",
+                self.link.address.describe(),
+                self._max_queued_bytes >> 20,
+            )
         return admitted
+
+    def put_evicted(self, chunks: Sequence[EvictedChunk]) -> list[ChunkRecord]:
+        """Queue chunks the disk tier evicted, as it stored them (no decode, no re-encode); returns the records of
+        those queued, for their directory runs. Chunks already remote, damaged or over the queue's bound are
+        skipped (the latter counted)."""
+        queued: list[ChunkRecord] = []
+        for chunk in chunks:
+            stored = decode_meta(chunk.key, chunk.meta)
+            if stored is None or self.knows(chunk.key):
+                continue
+            value = assemble_remote_value(stored, chunk.frames)
+            record = ChunkRecord(
+                key=stored.key, source_start=stored.source_start, tokens=stored.tokens, parent_key=stored.parent_key
+            )
+            if self._admit(_ValueWrite(chunk.key, value, stored.raw_bytes), len(value)):
+                queued.append(record)
+        return queued
 
     def publish(self, run: DirectoryRun) -> None:
         """Queue a run's directory record behind its chunks (only the chunks that reach the remote are published)."""
@@ -249,9 +280,10 @@ class RemoteTier:
         batch_bytes = 0
         while self._queue and batch_bytes < _BATCH_BYTES:
             job = self._queue.popleft()
-            if isinstance(job, _ChunkWrite):
-                self._queued_bytes -= job.data.shape[0]
-                batch_bytes += job.data.shape[0]
+            if isinstance(job, _ChunkWrite | _ValueWrite):
+                size = job.data.shape[0] if isinstance(job, _ChunkWrite) else len(job.value)
+                self._queued_bytes -= size
+                batch_bytes += size
             batch.append(job)
         return batch
 
@@ -259,9 +291,12 @@ class RemoteTier:
         now_ns = time.time_ns()
         writes = [job for job in batch if isinstance(job, _ChunkWrite)]
         values = [(job.record.key, self.encode(job.record, job.data, now_ns=now_ns)) for job in writes]
+        ready = [job for job in batch if isinstance(job, _ValueWrite)]
+        values += [(job.key, job.value) for job in ready]
+        raw_bytes = sum(job.data.shape[0] for job in writes) + sum(job.raw_bytes for job in ready)
         deletes = [key for job in batch if isinstance(job, _Delete) for key in job.keys]
         if values or deletes:
-            self.put_values(values, raw_bytes=sum(job.data.shape[0] for job in writes), deletes=deletes)
+            self.put_values(values, raw_bytes=raw_bytes, deletes=deletes)
         runs = [piece for job in batch if isinstance(job, _RunPublish) for piece in self._held_pieces(job.run)]
         if runs:
             self.link.call(lambda client: self._publish_all(client, runs), default=None, what="publish directory")
