@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvstore.tiers.base import TierName, TierStats
 
-__all__ = ["CatalogStats", "RegistrationStats", "StoreStats"]
+__all__ = ["CatalogStats", "RegistrationStats", "RemoteStats", "StoreStats"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,13 +36,38 @@ class CatalogStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteStats:
+    """The remote tier's link and fleet directory (its chunk counters are its ``TierStats``).
+
+    Attributes:
+        available: no outage is open.
+        outages: outages since the store opened (each logged once, with its recovery).
+        failed_calls: remote calls that failed (network, timeout, refused), skipped ones included.
+        skipped_calls: calls answered locally without a round trip during an outage.
+        queued_bytes: chunk bytes waiting for the writer.
+        directory_records: directory records read from other hosts.
+        directory_bad_records: records that failed their checks (skipped).
+    """
+
+    available: bool
+    outages: int
+    failed_calls: int
+    skipped_calls: int
+    queued_bytes: int
+    directory_records: int
+    directory_bad_records: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoreStats:
-    """Counters of the store, each of its tiers (fastest first) and, with blending on, its content catalog."""
+    """Counters of the store, each of its tiers (fastest first), with blending on its content catalog, and with a
+    remote tier its link and directory."""
 
     tiers: tuple[TierStats, ...]
     num_open_plans: int
     num_sessions: int
     catalog: CatalogStats | None = None
+    remote: RemoteStats | None = None
 
     def tier(self, name: TierName) -> TierStats | None:
         return next((stats for stats in self.tiers if stats.tier is name), None)

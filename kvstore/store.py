@@ -59,7 +59,7 @@ from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, 
 from kvstore.prefetch import Prefetcher
 from kvstore.remote_reads import RemoteReads
 from kvstore.sessions import Pin, PinLedger, Session
-from kvstore.stats import StoreStats
+from kvstore.stats import RemoteStats, StoreStats
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import ChunkRecord, Tier, TierName
 from kvstore.tiers.cpu import CpuTier
@@ -841,6 +841,21 @@ class TieredStore:
             num_open_plans=self._ledger.num_open_plans,
             num_sessions=self._ledger.num_sessions,
             catalog=self._catalog.stats() if self._catalog is not None else None,
+            remote=self._remote_stats(),
+        )
+
+    def _remote_stats(self) -> RemoteStats | None:
+        if self._remote is None:
+            return None
+        available, outages, failed, skipped, queued, records, bad = self._remote.link_stats()
+        return RemoteStats(
+            available=available,
+            outages=outages,
+            failed_calls=failed,
+            skipped_calls=skipped,
+            queued_bytes=queued,
+            directory_records=records,
+            directory_bad_records=bad,
         )
 
     def sync_directory(self) -> int:

@@ -13,8 +13,9 @@ Three kinds of figures:
   restarting engines with fresh names cannot grow the exposition without bound;
 - read from ``TieredStore.stats()`` at scrape time (``_StoreCollector``), so they never drift from the store:
   per tier hits, misses, puts, rejected puts, evictions, corrupt reads (counters), capacity, used and stored
-  bytes, chunks and pinned chunks (gauges); the content index's entries, aliases and strikes; open plans,
-  sessions and connected clients.
+  bytes, chunks and pinned chunks (gauges); the content index's entries, aliases and strikes; with a remote tier
+  its availability, outages, failed and skipped calls, queued bytes and fleet directory records
+  (``kvstore_remote_*``); open plans, sessions and connected clients.
 
 Threads: the HTTP server runs ``ThreadingHTTPServer`` threads (named ``kvstore-metrics``); prometheus-client's
 metrics are thread-safe; the collector calls ``stats()``, which is. Request workers resolve engines concurrently:
@@ -37,7 +38,7 @@ from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError
 from kvstore.server.usage.plan_coverage import PlanCoverage
-from kvstore.stats import StoreStats
+from kvstore.stats import RemoteStats, StoreStats
 from kvstore.tiers.base import TierName
 from kvstore.wire.values import ServerHealth
 
@@ -119,6 +120,29 @@ class _StoreCollector(Collector):
             aliases = GaugeMetricFamily("kvstore_blend_aliases", "Dedup-content aliases.")
             aliases.add_metric([], catalog.num_aliases)
             yield aliases
+        if stats.remote is not None:
+            yield from _remote_metrics(stats.remote)
+
+
+def _remote_metrics(remote: RemoteStats) -> Iterator[Metric]:
+    """The remote tier's link and fleet directory (its chunk counters are the ``tier="remote"`` series)."""
+    available = GaugeMetricFamily("kvstore_remote_available", "1 while the remote answers, 0 during an outage.")
+    available.add_metric([], int(remote.available))
+    yield available
+    counters = {
+        "outages": "Outages of the remote (each logged once, with its recovery).",
+        "failed_calls": "Remote calls that failed (network, timeout, refused), skipped ones included.",
+        "skipped_calls": "Remote calls answered locally during an outage, without a round trip.",
+        "directory_records": "Fleet directory records read from other hosts.",
+        "directory_bad_records": "Fleet directory records that failed their checks (skipped).",
+    }
+    for name, help_text in counters.items():
+        family = CounterMetricFamily(f"kvstore_remote_{name}", help_text)
+        family.add_metric([], getattr(remote, name))
+        yield family
+    queued = GaugeMetricFamily("kvstore_remote_queued_bytes", "Chunk bytes waiting to be written to the remote.")
+    queued.add_metric([], remote.queued_bytes)
+    yield queued
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

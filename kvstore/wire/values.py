@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, RetrieveResult, Segment, StoreResult
-from kvstore.stats import CatalogStats, StoreStats
+from kvstore.stats import CatalogStats, RemoteStats, StoreStats
 from kvstore.tiers.base import TierName, TierStats
 from kvstore.wire.error_codes import ErrorCode, RequestError
 from kvstore.wire.fields import Fields
@@ -198,6 +198,8 @@ def _decode_record(cls: type[typing.Any], fields: Fields) -> typing.Any:
             values[field.name] = TierName(fields.required_str(field.name, 8))
         elif hint is float:
             values[field.name] = fields.float_(field.name, 0.0, float(_MAX_COUNT))
+        elif hint is bool:
+            values[field.name] = fields.required_bool(field.name)
         else:
             values[field.name] = fields.required_int(field.name, 0, _MAX_COUNT)
     fields.finish()
@@ -210,20 +212,25 @@ def encode_stats(stats: StoreStats) -> dict[str, object]:
         "num_open_plans": stats.num_open_plans,
         "num_sessions": stats.num_sessions,
         "catalog": _encode_record(stats.catalog) if stats.catalog is not None else None,
+        "remote": _encode_record(stats.remote) if stats.remote is not None else None,
     }
 
 
 def decode_stats(fields: Fields) -> StoreStats:
     tiers = tuple(
         _decode_record(TierStats, Fields(raw, f"stats.tiers[{index}]"))
-        for index, raw in enumerate(fields.list_("tiers", 3))
+        for index, raw in enumerate(fields.list_("tiers", len(TierName)))
     )
     num_open_plans = fields.required_int("num_open_plans", 0, _MAX_COUNT)
     num_sessions = fields.required_int("num_sessions", 0, _MAX_COUNT)
     catalog_fields = fields.optional_map("catalog")
     catalog = _decode_record(CatalogStats, catalog_fields) if catalog_fields is not None else None
+    remote_fields = fields.optional_map("remote")
+    remote = _decode_record(RemoteStats, remote_fields) if remote_fields is not None else None
     fields.finish()
-    return StoreStats(tiers=tiers, num_open_plans=num_open_plans, num_sessions=num_sessions, catalog=catalog)
+    return StoreStats(
+        tiers=tiers, num_open_plans=num_open_plans, num_sessions=num_sessions, catalog=catalog, remote=remote
+    )
 
 
 # -- descriptions of the server ---------------------------------------------------------------------------------

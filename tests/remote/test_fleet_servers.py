@@ -5,6 +5,7 @@ request still succeeds."""
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,3 +73,23 @@ def test_a_document_stored_through_one_server_is_served_by_another(
         assert server.process.poll() is None
         log = server.stderr()
         assert log.count("unreachable") == 1 and "Traceback" not in log
+
+
+def test_the_remote_is_reported_in_stats_and_metrics(fleet: list[ServerProcess], valkey: ValkeyServer) -> None:
+    with Client(fleet[0].url, SERVER_LAYOUT) as client:
+        tokens = make_tokens(2 * CHUNK_SIZE, seed=30)
+        client.store(tokens, make_kv(SERVER_LAYOUT, len(tokens), seed=30))
+        client.flush()
+        stats = client.stats()
+        remote = stats.remote
+        assert remote is not None and remote.available and remote.outages == 0
+        assert stats.tier(TierName.REMOTE) is not None and stats.tier(TierName.REMOTE).puts == 2
+        valkey.kill()
+        client.store(make_tokens(CHUNK_SIZE, seed=31), make_kv(SERVER_LAYOUT, CHUNK_SIZE, seed=31))
+        client.flush()
+        down = client.stats().remote
+        assert down is not None and not down.available and down.outages == 1 and down.failed_calls >= 1
+    with urllib.request.urlopen(fleet[0].metrics_url, timeout=10) as response:
+        exposition = response.read().decode()
+    assert "kvstore_remote_available 0.0" in exposition and "kvstore_remote_outages_total 1.0" in exposition
+    assert 'kvstore_tier_puts_total{tier="remote"} 2.0' in exposition

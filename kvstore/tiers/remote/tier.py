@@ -433,6 +433,15 @@ class RemoteTier:
                 corrupt_reads=self._corrupt_reads,
             )
 
+    def link_stats(self) -> tuple[bool, int, int, int, int, int, int]:
+        """``(available, outages, failed calls, skipped calls, queued bytes, directory records, bad records)``."""
+        link = self.link.stats
+        with self._state_lock:
+            queued = self._queued_bytes
+        feed = self._feed
+        return (self.link.available, link.outages, link.failed_calls, link.skipped_calls, queued, feed.num_records,
+                feed.num_bad_records)  # fmt: skip
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued (bounded by ``timeout_s``), stop the writer, close the link. Idempotent."""
         with self._state_lock:
