@@ -28,6 +28,9 @@ FORBIDDEN = {
     # What the store is built from must not reach back up into it.
     "kvstore.sessions": (*_ABOVE_THE_STORE, *_TOOLS),
     "kvstore.prefetch": (*_ABOVE_THE_STORE, *_TOOLS),
+    "kvstore.remote_reads": (*_ABOVE_THE_STORE, *_TOOLS),
+    "kvstore.fleet_sync": (*_ABOVE_THE_STORE, *_TOOLS),
+    "kvstore.fleet_publish": (*_ABOVE_THE_STORE, *_TOOLS),
     "kvstore.store": (
         *_TOOLS,
         "kvstore.server",

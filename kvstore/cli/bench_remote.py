@@ -36,6 +36,7 @@ def bench_remote_command(
     throughput_chunks: int = typer.Option(24, "--throughput-chunks", help="Chunks per throughput repeat."),
     repeats: int = typer.Option(6, "--repeats", help="Throughput repeats (median)."),
     hosts: int = typer.Option(4, "--hosts", help="kvstore serve hosts of the fleet part."),
+    run_s: float = typer.Option(9.0, "--run-s", help="Seconds of the fleet part's load (Valkey down for a third)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the token ids and KV."),
 ) -> None:
     """Remote tier put/get vs raw SET/GET, fleet lookup at 1M chunks, and kvstore serve hosts sharing one Valkey
@@ -53,6 +54,8 @@ def bench_remote_command(
         raise ConfigError(f"--parts {parts!r}: choose from {','.join(_PARTS)}")
     if remote_url is not None and "fleet" in wanted:
         raise ConfigError("the fleet part kills and restarts its Valkey: run it without --remote-url")
+    if hosts < 2 or run_s <= 0 or chunks < 60 or throughput_chunks < 1 or repeats < 1:
+        raise ConfigError("--hosts needs 2 or more, --run-s a positive time, --chunks 60 or more, --repeats 1 or more")
     names = [name.strip() for name in layouts.split(",") if name.strip()]
     for name in names:
         if name not in PRESET_NAMES:
@@ -86,7 +89,8 @@ def bench_remote_command(
             if "fleet" in wanted:
                 assert isinstance(valkey, ValkeyServer)
                 with console.status(f"fleet: {hosts} kvstore serve hosts"):
-                    emit(run_fleet(valkey, preset_layout("smollm2-135m"), 256, directory, num_hosts=hosts, seed=seed))
+                    layout = preset_layout("smollm2-135m")
+                    emit(run_fleet(valkey, layout, 256, directory, num_hosts=hosts, run_s=run_s, seed=seed))
     if not as_json:
         for row in rows:
             typer.echo(", ".join(f"{key}={value}" for key, value in dataclasses.asdict(row).items()))

@@ -43,6 +43,9 @@ class EmbeddedServerSettings:
         disk_size: disk tier cap in stored bytes, e.g. ``500GiB`` (``None``: the server's default).
         chunk_size: tokens per chunk (``None``: the data dir's, else 256).
         config: a ``kvstore serve --config`` TOML file for everything else.
+        remote_url: ``kvstore serve --remote-url``: the fleet's Valkey (``tiers`` must end in ``remote``; the
+            password comes from the engine's ``KVSTORE_REMOTE_PASSWORD``, which the server inherits).
+        remote_namespace: ``kvstore serve --remote-namespace``.
         enable_blend: keep the content index (set from ``kvstore.blend``, not a key of its own).
     """
 
@@ -53,12 +56,15 @@ class EmbeddedServerSettings:
     disk_size: str | None = None
     chunk_size: int | None = None
     config: Path | None = None
+    remote_url: str | None = None
+    remote_namespace: str | None = None
     enable_blend: bool = False
 
     def serve_flags(self) -> list[str]:
         """``kvstore serve`` flags for these settings (the data dir included)."""
         flags = ["--data-dir", str(self.data_dir)] + (["--enable-blend"] if self.enable_blend else [])
-        for name in ("tiers", "cpu_size", "gpu_size", "disk_size", "chunk_size", "config"):
+        names = ("tiers", "cpu_size", "gpu_size", "disk_size", "chunk_size", "config", "remote_url", "remote_namespace")
+        for name in names:
             value = getattr(self, name)
             if value is not None:
                 flags += ["--" + name.replace("_", "-"), str(value)]
@@ -135,7 +141,7 @@ def parse_connector_settings(extra_config: Mapping[str, object] | None) -> Conne
 
 def _checked(key: str, name: str, value: object) -> object:
     """The value converted to the setting's type, or one line saying what is wrong."""
-    if name in ("url", "model_id", "tiers"):
+    if name in ("url", "model_id", "tiers", "remote_url", "remote_namespace"):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key} must be a non-empty string, not {value!r}")
         if name == "url" and not value.startswith(("tcp://", "ipc://")):

@@ -7,6 +7,7 @@
   them are dropped when the worker is done);
 - **lookup**: ``sync`` (see every registration submitted before the lookup), ``match`` (the match leg, with the
   strike rules applied to what the tiers report) and ``resolve_alias`` (the prefix leg's dedup aliases);
+- **fleet**: ``add_published`` (runs other hosts published to the fleet directory, read by ``fleet_sync``);
 - **open**: ``start_rebuild`` (fed batches of the disk's chunk records by the disk tier's own recovery pass), so
   a restart keeps the content index: sequences are relinked through their parent keys (``relink``) and registered
   in one call (``catalog_rebuild``).

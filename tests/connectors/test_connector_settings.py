@@ -31,12 +31,14 @@ KNOWN_NAMES = (
 )
 EMBEDDED_VALUES: dict[str, object] = {
     "data_dir": "/nvme/kv",
-    "tiers": "cpu,disk",
+    "tiers": "cpu,disk,remote",
     "cpu_size": "8GiB",
     "gpu_size": "1.5GiB",
     "disk_size": 500 * 2**30,
     "chunk_size": 16,
     "config": "kvstore.toml",
+    "remote_url": "valkey://cache:6379",
+    "remote_namespace": "fleet-a",
 }
 
 
@@ -68,12 +70,14 @@ def test_every_embedded_key_is_parsed_into_its_type() -> None:
         url=None,
         embedded=EmbeddedServerSettings(
             data_dir=Path("/nvme/kv"),
-            tiers="cpu,disk",
+            tiers="cpu,disk,remote",
             cpu_size="8GiB",
             gpu_size="1.5GiB",
             disk_size=str(500 * 2**30),
             chunk_size=16,
             config=Path("kvstore.toml"),
+            remote_url="valkey://cache:6379",
+            remote_namespace="fleet-a",
         ),
         model_id="org/model",
         lookup_timeout_s=1.0,
@@ -100,12 +104,14 @@ def test_serve_flags_name_every_given_setting() -> None:
     settings = parse_connector_settings({f"kvstore.{name}": value for name, value in EMBEDDED_VALUES.items()})
     assert settings.embedded.serve_flags() == [
         "--data-dir", "/nvme/kv",
-        "--tiers", "cpu,disk",
+        "--tiers", "cpu,disk,remote",
         "--cpu-size", "8GiB",
         "--gpu-size", "1.5GiB",
         "--disk-size", str(500 * 2**30),
         "--chunk-size", "16",
         "--config", "kvstore.toml",
+        "--remote-url", "valkey://cache:6379",
+        "--remote-namespace", "fleet-a",
     ]  # fmt: skip
 
 

@@ -75,8 +75,9 @@ def test_a_document_stored_through_one_server_is_served_by_another(
         assert log.count("unreachable") == 1 and "Traceback" not in log
 
 
-def test_the_remote_is_reported_in_stats_and_metrics(fleet: list[ServerProcess], valkey: ValkeyServer) -> None:
-    with Client(fleet[0].url, SERVER_LAYOUT) as client:
+def test_the_remote_is_reported_in_stats_and_metrics(tmp_path: Path, valkey: ValkeyServer) -> None:
+    remote = ("--tiers", "cpu,disk,remote", "--remote-url", valkey.url, "--remote-timeout-ms", "200")
+    with running_server(tmp_path / "host", *remote) as server, Client(server.url, SERVER_LAYOUT) as client:
         tokens = make_tokens(2 * CHUNK_SIZE, seed=30)
         client.store(tokens, make_kv(SERVER_LAYOUT, len(tokens), seed=30))
         client.flush()
@@ -89,7 +90,7 @@ def test_the_remote_is_reported_in_stats_and_metrics(fleet: list[ServerProcess],
         client.flush()
         down = client.stats().remote
         assert down is not None and not down.available and down.outages == 1 and down.failed_calls >= 1
-    with urllib.request.urlopen(fleet[0].metrics_url, timeout=10) as response:
-        exposition = response.read().decode()
+        with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+            exposition = response.read().decode()
     assert "kvstore_remote_available 0.0" in exposition and "kvstore_remote_outages_total 1.0" in exposition
     assert 'kvstore_tier_puts_total{tier="remote"} 2.0' in exposition
