@@ -26,17 +26,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.bench.rag_workload import (
+    CHUNK_TOKENS,
+    CHUNKS_PER_DOCUMENT,
+    DOCUMENT_TOKENS,
+    DOCUMENTS_PER_QUERY,
+    document_keys,
+    make_documents,
+    make_queries,
+)
 from kvstore.content import FingerprintIndex
 from kvstore.content.rolling_hash import rolling_fingerprints
 from kvstore.keys import PrefixKey
 
 __all__ = ["IndexBenchRow", "run_index_benchmark"]
-
-CHUNK_TOKENS = 256
-DOCUMENT_TOKENS = 3000
-CHUNKS_PER_DOCUMENT = -(-DOCUMENT_TOKENS // CHUNK_TOKENS)
-DOCUMENTS_PER_QUERY = 5
-VOCAB = 128_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,34 +75,19 @@ def _percentile(samples: list[float], ratio: float) -> float:
 def run_index_benchmark(num_chunks: int, num_queries: int = 200, seed: int = 0) -> IndexBenchRow:
     """Build an index of about ``num_chunks`` chunks and measure it (see the module docstring for each field)."""
     rng = np.random.default_rng(seed)
-    num_documents = max(DOCUMENTS_PER_QUERY, num_chunks // CHUNKS_PER_DOCUMENT)
-    documents = rng.integers(0, VOCAB, size=(num_documents, DOCUMENT_TOKENS)).astype(np.uint32)
-    raw_keys = rng.bytes(16 * num_documents * CHUNKS_PER_DOCUMENT)
-    keys = [
-        [PrefixKey(raw_keys[16 * (d * CHUNKS_PER_DOCUMENT + c) : 16 * (d * CHUNKS_PER_DOCUMENT + c + 1)])
-         for c in range(CHUNKS_PER_DOCUMENT)]
-        for d in range(num_documents)
-    ]  # fmt: skip
+    documents, raw_keys = make_documents(rng, num_chunks)
+    num_documents = documents.shape[0]
+    keys = [document_keys(raw_keys, document) for document in range(num_documents)]
     warm_up = FingerprintIndex()  # load the numba kernels outside the timings
     warm_up.register(documents[0], keys[0], CHUNK_TOKENS)
     warm_up.match(documents[0], CHUNK_TOKENS)
     index = FingerprintIndex()
     started = time.perf_counter()
-    for document, document_keys in zip(documents, keys, strict=True):
-        index.register(document, document_keys, CHUNK_TOKENS)
+    for document, its_keys in zip(documents, keys, strict=True):
+        index.register(document, its_keys, CHUNK_TOKENS)
     register_s = time.perf_counter() - started
 
-    queries = []
-    for _ in range(num_queries):
-        chosen = rng.choice(num_documents, size=DOCUMENTS_PER_QUERY, replace=False).tolist()
-        parts, placed = [rng.integers(0, VOCAB, 30).astype(np.uint32)], []
-        position = 30
-        for document_idx in chosen:
-            placed.append((position, document_idx))
-            parts += [documents[document_idx], rng.integers(0, VOCAB, 4).astype(np.uint32)]
-            position += DOCUMENT_TOKENS + 4
-        parts[-1] = rng.integers(0, VOCAB, 20).astype(np.uint32)
-        queries.append((np.concatenate(parts), placed))
+    queries = make_queries(rng, documents, num_queries)
 
     def score(removed: set[PrefixKey]) -> tuple[float, int, float, list[float]]:
         latencies_ms, results = [], []

@@ -53,8 +53,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.bench.index import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
 from kvstore.bench.page_cache import drop_page_cache
+from kvstore.bench.rag_workload import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
 from kvstore.config import StoreConfig
 from kvstore.content.catalog import ContentCatalog, Residency
 from kvstore.errors import ConfigError

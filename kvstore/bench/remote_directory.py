@@ -29,10 +29,17 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.bench.rag_workload import (
+    CHUNK_TOKENS,
+    CHUNKS_PER_DOCUMENT,
+    DOCUMENT_TOKENS,
+    document_keys,
+    make_documents,
+    make_queries,
+)
 from kvstore.config import StoreConfig
 from kvstore.content.index import hash_chunks
 from kvstore.errors import StorageError
-from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
@@ -43,11 +50,6 @@ from kvstore.tiers.remote.names import RemoteNames
 
 __all__ = ["DirectoryRow", "run_directory"]
 
-CHUNK_TOKENS = 256
-DOCUMENT_TOKENS = 3000
-CHUNKS_PER_DOCUMENT = -(-DOCUMENT_TOKENS // CHUNK_TOKENS)
-DOCUMENTS_PER_QUERY = 5
-VOCAB = 128_000
 LMCACHE_COORDINATOR_MS = 1.2
 LMCACHE_BYTES_PER_CHUNK = 2048
 P50_TARGET_MS = 1.0
@@ -97,15 +99,10 @@ def run_directory(
     namespace = f"kvstore-bench-dir-{os.getpid()}"
     names = RemoteNames.for_layout(namespace, layout, CHUNK_TOKENS)
     link = RemoteLink(parse_remote_url(url), timeout_s=60.0)
-    num_documents = max(DOCUMENTS_PER_QUERY, num_chunks // CHUNKS_PER_DOCUMENT)
-    documents = rng.integers(0, VOCAB, size=(num_documents, DOCUMENT_TOKENS)).astype(np.uint32)
-    raw_keys = rng.bytes(16 * num_documents * CHUNKS_PER_DOCUMENT)
+    documents, raw_keys = make_documents(rng, num_chunks)
+    num_documents = documents.shape[0]
     starts = np.arange(0, DOCUMENT_TOKENS, CHUNK_TOKENS, dtype=np.int64)
     ends = np.minimum(starts + CHUNK_TOKENS, DOCUMENT_TOKENS)
-
-    def document_keys(document: int) -> tuple[PrefixKey, ...]:
-        first = document * CHUNKS_PER_DOCUMENT
-        return tuple(PrefixKey(raw_keys[16 * (first + c) : 16 * (first + c + 1)]) for c in range(CHUNKS_PER_DOCUMENT))
 
     try:
         started = time.perf_counter()
@@ -115,7 +112,7 @@ def run_directory(
                 contents = hash_chunks(documents[document], starts, ends)
                 runs.append(
                     DirectoryRun(
-                        keys=document_keys(document),
+                        keys=tuple(document_keys(raw_keys, document)),
                         source_start=0,
                         fingerprint_bits=contents.fingerprint_bits,
                         fingerprints=contents.fingerprints,
@@ -146,7 +143,7 @@ def run_directory(
             while _indexed(host) < total_chunks and time.perf_counter() < deadline:
                 time.sleep(0.01)
             sync_s = time.perf_counter() - opened
-            queries = _queries(rng, documents, num_queries)
+            queries = make_queries(rng, documents, num_queries)
             host.release(host.lookup(queries[0][0]))  # warm: first-call costs stay out of the timings
             latencies_ms, found, expected = [], 0, 0
             for query, placed in queries:
@@ -156,7 +153,7 @@ def run_directory(
                 host.release(plan)
                 at = {(s.start, s.key) for s in plan.segments if s.tier is TierName.REMOTE}
                 for position, document in placed:
-                    for chunk, key in enumerate(document_keys(document)):
+                    for chunk, key in enumerate(document_keys(raw_keys, document)):
                         expected += 1
                         found += (position + chunk * CHUNK_TOKENS, key) in at
         pings_ms = []
@@ -191,24 +188,6 @@ def run_directory(
         lookup_to_lmcache=round(p50 / LMCACHE_COORDINATOR_MS, 3),
         met=p50 <= P50_TARGET_MS and p99 <= P99_TARGET_MS and recall == 1.0,
     )
-
-
-def _queries(
-    rng: np.random.Generator, documents: np.ndarray, count: int
-) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
-    """Prompts of a system prompt, 5 documents in random order with separators and a question, and where each
-    document lies."""
-    queries = []
-    for _ in range(count):
-        chosen = rng.choice(documents.shape[0], size=DOCUMENTS_PER_QUERY, replace=False).tolist()
-        parts, placed, position = [rng.integers(0, VOCAB, 30).astype(np.uint32)], [], 30
-        for document in chosen:
-            placed.append((position, document))
-            parts += [documents[document], rng.integers(0, VOCAB, 4).astype(np.uint32)]
-            position += DOCUMENT_TOKENS + 4
-        parts[-1] = rng.integers(0, VOCAB, 20).astype(np.uint32)
-        queries.append((np.concatenate(parts), placed))
-    return queries
 
 
 def _indexed(host: TieredStore) -> int:

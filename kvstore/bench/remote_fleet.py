@@ -34,7 +34,7 @@ from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, Segment
 from kvstore.tiers.base import TierName
 
-__all__ = ["FleetRow", "run_fleet"]
+__all__ = ["FleetRow", "lookup_when_known", "run_fleet"]
 
 _MOVED_BY = 37
 _KNOWN_DEADLINE_S = 10.0
@@ -86,7 +86,7 @@ def run_fleet(
             first.flush()
             published = time.perf_counter()
             moved_prompt = np.concatenate([rng.integers(0, 100_000, _MOVED_BY), document_b])
-            moved_plan = _when_known(last, moved_prompt, num_tokens)
+            moved_plan = lookup_when_known(last, moved_prompt, num_tokens)
             lag_ms = (time.perf_counter() - published) * 1e3
             moved_identical = _from_remote(moved_plan) and _moved_equal(last, moved_plan, kv_b, num_tokens)
             prefix_plan = last.lookup(document_a)
@@ -138,8 +138,9 @@ def _kv(layout: KVLayout, num_tokens: int, seed: int) -> torch.Tensor:
     return torch.randn(layout.chunk_shape(num_tokens), generator=generator).to(layout.dtype.torch_dtype)
 
 
-def _when_known(client: Client, prompt: np.ndarray, num_tokens: int) -> LookupPlan:
-    """Look up until the plan covers ``num_tokens`` (another host's directory reader runs every 50 ms)."""
+def lookup_when_known(client: Client, prompt: np.ndarray, num_tokens: int) -> LookupPlan:
+    """Look up until the plan covers ``num_tokens``, for up to 10 s: another host's directory reader runs every 50 ms,
+    so what one host stored reaches another's plans within about that."""
     deadline = time.monotonic() + _KNOWN_DEADLINE_S
     while True:
         plan = client.lookup(prompt)

@@ -4,7 +4,6 @@ request still succeeds."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.bench.remote_fleet import lookup_when_known
 from kvstore.bench.valkey_servers import ValkeyServer
 from kvstore.client import Client
-from kvstore.plan import LookupPlan
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess, running_server
@@ -28,17 +27,6 @@ def fleet(tmp_path: Path, valkey: ValkeyServer) -> Iterator[list[ServerProcess]]
         yield [first, second]
 
 
-def _lookup_when_known(client: Client, tokens: np.ndarray, num_tokens: int) -> LookupPlan:
-    """The directory reaches another host within its reader's interval: look up until the plan covers the tokens."""
-    deadline = time.monotonic() + 10
-    while True:
-        plan = client.lookup(tokens)
-        if sum(segment.num_tokens for segment in plan.segments) >= num_tokens or time.monotonic() > deadline:
-            return plan
-        client.release(plan)
-        time.sleep(0.02)
-
-
 def test_a_document_stored_through_one_server_is_served_by_another(
     fleet: list[ServerProcess], valkey: ValkeyServer
 ) -> None:
@@ -47,7 +35,7 @@ def test_a_document_stored_through_one_server_is_served_by_another(
     with Client(fleet[0].url, SERVER_LAYOUT) as first, Client(fleet[1].url, SERVER_LAYOUT) as second:
         first.store(document, kv)
         first.flush()
-        plan = _lookup_when_known(second, document, len(document))
+        plan = lookup_when_known(second, document, len(document))
         assert [segment.tier for segment in plan.segments] == [TierName.REMOTE] * 7
         assert torch.equal(second.retrieve(plan).kv, kv)
 
