@@ -172,8 +172,9 @@ def read_environment(environ: Mapping[str, str]) -> ServeFlags:
 REMOTE_PASSWORD_ENV = "KVSTORE_REMOTE_PASSWORD"
 """The remote tier's password, read only from the environment: a flag would show it in ``ps``."""
 
-_OTHER_ENV = frozenset({"KVSTORE_CACHE_DIR", "KVSTORE_CONNECTOR_TRACE", REMOTE_PASSWORD_ENV})
-"""``KVSTORE_*`` variables that are not server settings (the model cache, the connector's trace, a secret)."""
+_OTHER_ENV = frozenset({"KVSTORE_CACHE_DIR", "KVSTORE_CONNECTOR_TRACE", "KVSTORE_VALKEY_SERVER", REMOTE_PASSWORD_ENV})
+"""``KVSTORE_*`` variables that are not server settings (the model cache, the connector's trace, the benchmarks'
+and tests' valkey-server, a secret)."""
 
 
 def _from_text(where: str, kind: type, text: str) -> object:

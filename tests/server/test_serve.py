@@ -141,8 +141,16 @@ def test_bad_environment_variables_are_one_line_errors(tmp_path: Path, environ: 
 
 
 def test_variables_that_are_not_server_settings_are_left_alone(tmp_path: Path) -> None:
-    environ = {"KVSTORE_CACHE_DIR": "/tmp/models", "KVSTORE_CONNECTOR_TRACE": "/tmp/trace.jsonl"}
+    environ = {"KVSTORE_CACHE_DIR": "/tmp/models", "KVSTORE_CONNECTOR_TRACE": "/tmp/trace.jsonl",
+               "KVSTORE_VALKEY_SERVER": "/opt/valkey-server"}  # fmt: skip
     assert resolve_settings(ServeFlags(data_dir=tmp_path / "d"), MACHINE, environ=environ).loop.port == 5555
+
+
+def test_the_remote_password_comes_from_the_environment_only(tmp_path: Path) -> None:
+    flags = ServeFlags(data_dir=tmp_path / "d", tiers="cpu,disk,remote", remote_url="valkey://cache:6379")
+    settings = resolve_settings(flags, MACHINE, environ={"KVSTORE_REMOTE_PASSWORD": "s3cret"})
+    assert settings.store.remote_password == "s3cret" and "s3cret" not in repr(settings)
+    assert settings.store.remote_url == "valkey://cache:6379" and settings.store.remote_write == "through"
 
 
 @pytest.mark.parametrize(
