@@ -64,6 +64,7 @@ def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, ob
         "num_open_plans": stats.num_open_plans,
         "num_sessions": stats.num_sessions,
         "catalog": asdict(stats.catalog) if stats.catalog is not None else None,
+        "remote": asdict(stats.remote) if stats.remote is not None else None,
         "clients": [asdict(client) for client in info.clients],
         "top_chunks": [asdict(chunk) for chunk in info.top_chunks],
     }
@@ -130,6 +131,13 @@ def _render(console: Console, report: dict[str, object]) -> None:
             ("content index", f"{catalog['num_entries']:,} chunks, {catalog['num_aliases']:,} aliases, "
              f"{catalog['num_strikes']:,} strikes, {catalog['num_struck_out']:,} struck out")
         )  # fmt: skip
+    remote = report.get("remote")
+    if isinstance(remote, dict):
+        rows.append(
+            ("remote", f"{'reachable' if remote['available'] else '[red]unreachable[/red]'}, {remote['outages']:,} "
+             f"outages, {remote['failed_calls']:,} failed calls, {remote['directory_records']:,} directory records "
+             "read")
+        )  # fmt: skip
     for name, value in rows:
         summary.add_row(name, value)
     console.print(summary)
@@ -138,7 +146,8 @@ def _render(console: Console, report: dict[str, object]) -> None:
         tiers.add_column(column)
     for row in report["tiers"]:  # type: ignore[attr-defined]
         tiers.add_row(
-            row["tier"], _mib(row["capacity_bytes"]), _mib(row["used_bytes"]), _mib(row["stored_bytes"]),
+            row["tier"], "Valkey's" if row["tier"] == "remote" else _mib(row["capacity_bytes"]),
+            _mib(row["used_bytes"]), _mib(row["stored_bytes"]),
             f"{row['num_chunks']:,}", f"{row['num_pinned']:,}", f"{row['hit_ratio']:.1%}",
             f"{row['evictions']:,}", f"{row['corrupt_reads']:,}",
         )  # fmt: skip

@@ -4,6 +4,9 @@ request still succeeds."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +76,12 @@ def test_the_remote_is_reported_in_stats_and_metrics(tmp_path: Path, valkey: Val
         remote = stats.remote
         assert remote is not None and remote.available and remote.outages == 0
         assert stats.tier(TierName.REMOTE) is not None and stats.tier(TierName.REMOTE).puts == 2
+        inspected = subprocess.run(
+            [sys.executable, "-m", "kvstore.cli.main", "inspect", "--url", server.url],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
+        )  # fmt: skip
+        assert inspected.returncode == 0 and "reachable, 0 outages" in inspected.stdout
+        assert "Valkey's" in inspected.stdout
         valkey.kill()
         client.store(make_tokens(CHUNK_SIZE, seed=31), make_kv(SERVER_LAYOUT, CHUNK_SIZE, seed=31))
         client.flush()
