@@ -7,9 +7,11 @@ The remote is an accelerator, never a dependency: when it is down, slow or refus
   retries on its own: no request waits on the remote longer than that per round trip.
 - **Outages.** The first failed call opens an outage: one warning names the remote and the error; for
   ``retry_interval_s`` afterwards calls fail fast without touching the network (a dead host would otherwise cost
-  every request one timeout); then one call probes. The first call that succeeds closes the outage with one line
-  saying how long it lasted and how many calls it failed. A command the server refuses (out of memory under
-  ``noeviction``, an ACL without the permission) is a failed call too, counted, but not an outage.
+  every request one timeout); then one call probes. Once calls have succeeded for ``retry_interval_s`` without a
+  failure the outage closes with one line saying how long it lasted and how many calls it failed; a failure
+  before that (a cluster whose lost node still owns slots answers some calls and fails others) continues the same
+  outage, so a flapping remote logs one line each way, not one per flap. A command the server refuses (out of
+  memory under ``noeviction``, an ACL without the permission) is a failed call too, counted, but not an outage.
 - **Single node or cluster.** At the first successful connection the link asks the server (``INFO cluster``) and
   builds a ``redis.Redis`` or a slot-aware ``redis.cluster.RedisCluster``; pipelines on a cluster are split per node
   by the library. Keys are named by ``RemoteNames`` so that what must share a slot does.
@@ -88,6 +90,7 @@ class RemoteLink:
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._is_cluster = False
         self._down_since: float | None = None
+        self._up_since: float | None = None  # the first success of a closing outage
         self._next_probe = 0.0
         self._failed_in_outage = 0
         self.stats = RemoteLinkStats()
@@ -115,7 +118,7 @@ class RemoteLink:
             if self._closed:
                 return default
             self.stats.calls += 1
-            if self._down_since is not None and self._clock() < self._next_probe:
+            if self._down_since is not None and self._up_since is None and self._clock() < self._next_probe:
                 self.stats.skipped_calls += 1
                 self._failed_in_outage += 1
                 return default
@@ -180,6 +183,7 @@ class RemoteLink:
             self.stats.failed_calls += 1
             self._failed_in_outage += 1
             self._next_probe = self._clock() + self.retry_interval_s
+            self._up_since = None
             if self._down_since is not None:
                 return
             self._down_since = self._clock()
@@ -197,9 +201,14 @@ class RemoteLink:
         with self._state_lock:
             if self._down_since is None:
                 return
-            lasted = self._clock() - self._down_since
+            now = self._clock()
+            if self._up_since is None:
+                self._up_since = now
+            if now - self._up_since < self.retry_interval_s:
+                return  # closing: a failure now would continue this outage
+            lasted = self._up_since - self._down_since
             failed = self._failed_in_outage
-            self._down_since = None
+            self._down_since = self._up_since = None
             self._failed_in_outage = 0
         logger.warning(
             "remote tier %s reachable again after %.1f s (%d remote calls answered locally meanwhile)",
