@@ -16,10 +16,11 @@ import torch
 
 from kvstore.bench.valkey_servers import ValkeyCluster, ValkeyServer
 from kvstore.config import StoreConfig
-from kvstore.keys import prefix_keys
+from kvstore.keys import PrefixKey, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
+from kvstore.tiers.remote.directory import DirectoryRun, encode_run
 from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens
 
@@ -318,3 +319,34 @@ def test_under_the_evict_policy_only_what_leaves_the_disk_reaches_the_remote(
             source = slice(segment.source_start, segment.source_start + segment.num_tokens)
             assert torch.equal(moved.kv[:, :, segment.start : segment.end], kvs[1][:, :, source])
         assert b.lookup(documents[-1]).segments == ()
+
+
+def test_garbage_in_the_directory_is_skipped_and_counted(tmp_path: Path, valkey: ValkeyServer) -> None:
+    """Another writer's records in the directory's streams -- not ours, damaged, or well-sealed but impossible (a
+    chunk longer than the chunk size, a short chunk mid-run) -- never reach the index or break the reader."""
+    names = RemoteNames.for_layout("kvstore", LAYOUT, CHUNK)
+    bad_lengths = DirectoryRun(
+        keys=(PrefixKey(bytes(16)), PrefixKey(bytes([1] * 16))),
+        source_start=0,
+        fingerprint_bits=64,
+        fingerprints=np.array([1, 2], dtype=np.uint64),
+        verifications=np.array([3, 4], dtype=np.uint64),
+        lengths=np.array([5, CHUNK], dtype=np.uint16),  # a short chunk before the run's end
+    )
+    with valkey.client() as client:
+        shard = names.directory_shard(0)
+        client.xadd(shard, {b"r": b"not a record"})
+        client.xadd(shard, {b"x": b"another field"})
+        client.xadd(shard, {b"r": encode_run(bad_lengths, host_id=7)})
+    with two_hosts(tmp_path, valkey.url) as (a, b):
+        tokens = make_tokens(3 * CHUNK, seed=110)
+        kv = make_kv(LAYOUT, len(tokens), seed=110)
+        a.store(tokens, kv)
+        a.flush()
+        b.sync_directory()
+        remote = b.stats().remote
+        assert remote is not None and remote.directory_bad_records == 2 and remote.directory_records == 4
+        catalog = b.stats().catalog
+        assert catalog is not None and catalog.num_entries == 3  # a's run only
+        moved = b.retrieve(b.lookup(np.concatenate([make_tokens(2, seed=111), tokens])))
+        assert len(moved.segments) == 3
