@@ -53,6 +53,7 @@ class DirectorySync:
     def sync_now(self) -> int:
         """Read and apply what was published since the last read; returns the runs read."""
         with self._sync_lock:
+            self._remote.check_epoch()
             runs = self._remote.read_directory()
             if not runs:
                 return 0

@@ -42,6 +42,7 @@ class RemoteStats:
     Attributes:
         available: no outage is open.
         outages: outages since the store opened (each logged once, with its recovery).
+        resets: times the remote was found emptied (restarted without persistence, flushed) and forgotten.
         failed_calls: remote calls that failed (network, timeout, refused), skipped ones included.
         skipped_calls: calls answered locally without a round trip during an outage.
         queued_bytes: chunk bytes waiting for the writer.
@@ -51,6 +52,7 @@ class RemoteStats:
 
     available: bool
     outages: int
+    resets: int
     failed_calls: int
     skipped_calls: int
     queued_bytes: int

@@ -847,10 +847,11 @@ class TieredStore:
     def _remote_stats(self) -> RemoteStats | None:
         if self._remote is None:
             return None
-        available, outages, failed, skipped, queued, records, bad = self._remote.link_stats()
+        available, outages, resets, failed, skipped, queued, records, bad = self._remote.link_stats()
         return RemoteStats(
             available=available,
             outages=outages,
+            resets=resets,
             failed_calls=failed,
             skipped_calls=skipped,
             queued_bytes=queued,

@@ -131,6 +131,7 @@ def _remote_metrics(remote: RemoteStats) -> Iterator[Metric]:
     yield available
     counters = {
         "outages": "Outages of the remote (each logged once, with its recovery).",
+        "resets": "Times the remote was found emptied (restarted without persistence, flushed) and forgotten.",
         "failed_calls": "Remote calls that failed (network, timeout, refused), skipped ones included.",
         "skipped_calls": "Remote calls answered locally during an outage, without a round trip.",
         "directory_records": "Fleet directory records read from other hosts.",

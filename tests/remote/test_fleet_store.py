@@ -350,3 +350,43 @@ def test_garbage_in_the_directory_is_skipped_and_counted(tmp_path: Path, valkey:
         assert catalog is not None and catalog.num_entries == 3  # a's run only
         moved = b.retrieve(b.lookup(np.concatenate([make_tokens(2, seed=111), tokens])))
         assert len(moved.segments) == 3
+
+
+def test_a_remote_restarted_empty_is_forgotten_and_filled_again(
+    tmp_path: Path, valkey: ValkeyServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvstore.tiers.remote.tier")
+    with two_hosts(tmp_path, valkey.url) as (a, b):
+        before = make_tokens(3 * CHUNK, seed=120)
+        a.store(before, make_kv(LAYOUT, len(before), seed=120))
+        a.flush()
+        b.sync_directory()
+        keys = prefix_keys(LAYOUT.namespace, before, CHUNK)
+        assert [b.contains(key) for key in keys] == [[TierName.REMOTE]] * 3
+        epoch = RemoteNames.for_layout("kvstore", LAYOUT, CHUNK).epoch()
+        with valkey.client() as client:  # the epoch key alone goes (as Valkey's LRU may evict it): not a reset
+            value = client.get(epoch)
+            assert value is not None and client.delete(epoch) == 1
+            b.sync_directory()
+            assert client.get(epoch) == value
+        assert [_resets(host) for host in (a, b)] == [0, 0]
+        valkey.restart()  # no persistence: everything is gone
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(_resets(host) for host in (a, b)):
+            time.sleep(0.05)
+        assert [_resets(host) for host in (a, b)] == [1, 1]
+        assert sum("was reset" in record.getMessage() for record in caplog.records) == 2
+        assert [b.contains(key) for key in keys] == [[]] * 3  # not planned from a remote that lost them
+        after = make_tokens(3 * CHUNK, seed=121)
+        kv = make_kv(LAYOUT, len(after), seed=121)
+        a.store(after, kv)
+        a.flush()
+        b.sync_directory()
+        result = b.retrieve(b.lookup(after))
+        assert [segment.tier for segment in result.segments] == [TierName.REMOTE] * 3
+        assert torch.equal(result.kv, kv)
+
+
+def _resets(host: TieredStore) -> int:
+    remote = host.stats().remote
+    return remote.resets if remote is not None else 0

@@ -148,6 +148,10 @@ class DirectoryFeed:
         self.num_records = 0
         self.num_bad_records = 0
 
+    def rewind(self) -> None:
+        """Read every shard from its start again (the remote lost its data: the old positions mean nothing)."""
+        self._cursors = dict.fromkeys(self._cursors, b"0-0")
+
     def read_new(self) -> list[DirectoryRun] | None:
         """Every record published since the last call (up to a bound per call), oldest first per shard.
 

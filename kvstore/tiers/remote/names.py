@@ -4,6 +4,7 @@
 
     <namespace>:kv:<layout>:{<chunk key, 32 hex>}        a chunk's value (remote_value.py)
     <namespace>:dir:<layout>:{d<NN>}                      a shard of the content directory (a stream, directory.py)
+    <namespace>:epoch:<layout>                            a random value the first host sets (tier.py: resets)
 
 ``<layout>`` is 16 hex digits of a hash of the model's KV layout and the chunk size: deployments of different models
 or chunk sizes sharing one Valkey never see each other's chunks (their prefix keys differ anyway; the tag also keeps
@@ -70,6 +71,10 @@ class RemoteNames:
     def chunk_pattern(self) -> bytes:
         """A ``SCAN MATCH`` pattern for every chunk of this layout."""
         return f"{self.namespace}:kv:{self.layout_tag}:*".encode()
+
+    def epoch(self) -> bytes:
+        """The key whose value changes when the remote lost its data (restarted empty, flushed)."""
+        return f"{self.namespace}:epoch:{self.layout_tag}".encode()
 
     def directory_shard(self, shard: int) -> bytes:
         """The key of one directory shard."""

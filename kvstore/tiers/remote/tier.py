@@ -14,6 +14,14 @@ known to be remote is not sent again. When the queue holds ``max_queued_bytes`` 
 counted (the remote is slower than the store is fed); during an outage the writer's calls fail fast and their
 chunks are dropped and counted too. Nothing is retried: the chunks stay in the local tiers.
 
+Resets: a Valkey restarted without persistence (or flushed) holds none of the chunks this host believes it holds,
+and would never get them again (a chunk known to be remote is not sent). So every host keeps an eye on an epoch key
+(``check_epoch``, on the directory reader's thread): the first host sets it to a random value; when it holds another
+value, or is gone together with every directory shard, the remote was reset, and the host forgets every key it
+believed remote (lookups stop planning them, new stores write them again) and reads the directory from its start.
+One warning says so. An epoch key gone while the directory is still there was evicted (Valkey's LRU counts in
+seconds, so a burst of writes can take it): it is put back with its old value, and nothing is forgotten.
+
 Reads: ``fetch`` gets many values in one round trip (``MGET``; per node on a cluster) and checks their headers;
 ``decode_into`` decodes one. A defective value is counted, deleted in the background and reported as a miss.
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -143,6 +152,8 @@ class RemoteTier:
         self._raw_bytes_put = self._stored_bytes_put = 0
         self._hits = self._misses = self._corrupt_reads = self._forgotten = 0
         self._warned_full_queue = False
+        self._epoch: bytes | None = None
+        self._resets = 0
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-remote-writer", daemon=True)
         self._writer.start()
 
@@ -163,6 +174,43 @@ class RemoteTier:
                 if key in self._known:
                     self._known.discard(key)
                     self._forgotten += 1
+
+    def check_epoch(self) -> bool:
+        """Detect a reset remote (see the module docstring); ``True`` when this call found one."""
+        current = self.link.call(self._read_epoch, default=None, what="check the remote's epoch")
+        if current is None:
+            return False  # an outage: nothing known
+        with self._state_lock:
+            previous, self._epoch = self._epoch, bytes(current)
+            if previous is None or previous == self._epoch:
+                return False
+            forgotten = len(self._known)
+            self._known.clear()
+            self._resets += 1
+        self._feed.rewind()
+        logger.warning(
+            "remote tier %s was reset (its data is gone: restarted empty or flushed): forgetting the %d chunks "
+            "believed held there; chunks are written to it again as they are stored",
+            self.link.address.describe(),
+            forgotten,
+        )
+        return True
+
+    def _read_epoch(self, client: Any) -> bytes:
+        """The remote's epoch, set or put back as needed (one ``GET`` when it is there, as it almost always is)."""
+        name = self.names.epoch()
+        value: bytes | None = client.get(name)
+        if value is not None:
+            return value
+        known = self._epoch
+        if known is not None:
+            pipe = client.pipeline(transaction=False)
+            for shard in self.names.directory_shards():
+                pipe.exists(shard)
+            if any(pipe.execute()):  # only the epoch key was evicted: put it back as it was
+                return client.set(name, known, nx=True, get=True) or known
+        candidate = os.urandom(8).hex().encode()
+        return client.set(name, candidate, nx=True, get=True) or candidate
 
     def read_directory(self) -> list[DirectoryRun] | None:
         """Runs other hosts published since the last call (``None`` during an outage); their keys are learnt."""
@@ -433,14 +481,15 @@ class RemoteTier:
                 corrupt_reads=self._corrupt_reads,
             )
 
-    def link_stats(self) -> tuple[bool, int, int, int, int, int, int]:
-        """``(available, outages, failed calls, skipped calls, queued bytes, directory records, bad records)``."""
+    def link_stats(self) -> tuple[bool, int, int, int, int, int, int, int]:
+        """``(available, outages, resets, failed calls, skipped calls, queued bytes, directory records, bad
+        records)``."""
         link = self.link.stats
         with self._state_lock:
-            queued = self._queued_bytes
+            queued, resets = self._queued_bytes, self._resets
         feed = self._feed
-        return (self.link.available, link.outages, link.failed_calls, link.skipped_calls, queued, feed.num_records,
-                feed.num_bad_records)  # fmt: skip
+        return (self.link.available, link.outages, resets, link.failed_calls, link.skipped_calls, queued,
+                feed.num_records, feed.num_bad_records)  # fmt: skip
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Send what is queued (bounded by ``timeout_s``), stop the writer, close the link. Idempotent."""
