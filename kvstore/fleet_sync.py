@@ -65,8 +65,9 @@ class DirectorySync:
     def _loop(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
-                while self.sync_now() and not self._stop.is_set():
-                    pass  # a host catching up reads until the directory is drained
+                drained = False
+                while not drained and not self._stop.is_set():  # a host catching up reads until nothing is left
+                    drained = self.sync_now() == 0
             except Exception:  # keep syncing: one bad batch must not blind the host for good
                 logger.exception("fleet directory sync failed; retrying")
 
