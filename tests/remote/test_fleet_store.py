@@ -23,6 +23,7 @@ from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.directory import DirectoryRun, encode_run
 from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens
+from tests.remote.tls_proxy import TlsProxy, self_signed_certificate
 
 CHUNK = 16
 LAYOUT = KVLayout(model_id="test/fleet", num_layers=2, num_kv_heads=2, head_dim=16)
@@ -390,3 +391,26 @@ def test_a_remote_restarted_empty_is_forgotten_and_filled_again(
 def _resets(host: TieredStore) -> int:
     remote = host.stats().remote
     return remote.resets if remote is not None else 0
+
+
+def test_tls_with_the_url_naming_the_ca(tmp_path: Path, valkey: ValkeyServer) -> None:
+    certificate, key = self_signed_certificate(tmp_path)
+    proxy = TlsProxy(valkey.port, certificate, key)
+    try:
+        trusted = f"valkeys://127.0.0.1:{proxy.port}?ssl_ca_certs={certificate}"
+        with TieredStore(LAYOUT, host_config(tmp_path, "a", trusted)) as store:
+            tokens = make_tokens(2 * CHUNK, seed=130)
+            store.store(tokens, make_kv(LAYOUT, len(tokens), seed=130))
+            store.flush()
+            assert store.stats().tier(TierName.REMOTE).puts == 2  # type: ignore[union-attr]
+        names = RemoteNames.for_layout("kvstore", LAYOUT, CHUNK)
+        with valkey.client() as client:
+            assert all(client.exists(names.chunk(k)) for k in prefix_keys(LAYOUT.namespace, tokens, CHUNK))
+        untrusted = f"valkeys://127.0.0.1:{proxy.port}"  # the system's CAs do not know this certificate
+        with TieredStore(LAYOUT, host_config(tmp_path, "b", untrusted)) as store:
+            assert store.store(tokens, make_kv(LAYOUT, len(tokens), seed=130)).num_new_chunks == 2  # locally
+            store.flush()
+            remote = store.stats().remote
+            assert remote is not None and not remote.available and remote.outages == 1
+    finally:
+        proxy.close()
