@@ -3,6 +3,7 @@ without TLS): it terminates TLS with a throwaway self-signed certificate and rel
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import subprocess
@@ -58,14 +59,10 @@ class TlsProxy:
 
 
 def _pump(source: socket.socket, destination: socket.socket) -> None:
-    try:
+    """Relay one direction until either side goes away, then close both (the other direction ends with them)."""
+    with contextlib.suppress(OSError):
         while data := source.recv(1 << 16):
             destination.sendall(data)
-    except OSError:
-        pass  # either side went away: the relay ends with it
-    finally:
-        for end in (source, destination):
-            try:
-                end.close()
-            except OSError:
-                pass  # already closed by the other direction
+    for end in (source, destination):
+        with contextlib.suppress(OSError):
+            end.close()
