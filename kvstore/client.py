@@ -341,8 +341,11 @@ class Client:
             except StorageError as exc:
                 logger.warning("shared memory unavailable (%s); retrieving KV inline", exc)
             else:
-                staged.append(scratch)
-                return _shm(segment_id, layout.chunk_bytes(needed))
+                # The server lays the scratch out for the plan's length, layer-major; the reply may serve fewer
+                # tokens, and those are the first tokens of every layer in this shape, not the first bytes.
+                nbytes = layout.chunk_bytes(needed)
+                staged.append(scratch[:nbytes].view(layout.dtype.torch_dtype).view(layout.chunk_shape(needed)))
+                return _shm(segment_id, nbytes)
         return InlineBulk()
 
     def _landed_kv(
@@ -355,8 +358,8 @@ class Client:
     ) -> torch.Tensor:
         """The retrieved KV as the caller wants it: a view of ``out``, or a new tensor on ``device``."""
         layout = self._require_layout()
-        if staged:  # the server wrote into the scratch segment
-            source = staged[0][: layout.chunk_bytes(end)].view(layout.dtype.torch_dtype).view(layout.chunk_shape(end))
+        if staged:  # the server wrote into the scratch segment, laid out for the plan's length
+            source = staged[0][:, :, :end]
         elif payload is not None:  # inline
             if len(payload) != layout.chunk_bytes(end):
                 raise InvalidInputError(f"inline reply has {len(payload)} bytes for {end} tokens")
