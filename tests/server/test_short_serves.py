@@ -143,8 +143,10 @@ def _retrieve(
     if transport == "shm_region":
         out = client.buffer(plan.end + 5)  # a region longer than the plan, as a caller's buffer may be
         out.fill_(UNWRITTEN)
-    elif transport == "caller_out":
-        out = torch.full(SERVER_LAYOUT.chunk_shape(plan.end + 3), UNWRITTEN, dtype=SERVER_LAYOUT.dtype.torch_dtype)
+    elif transport in ("caller_out", "cuda_ipc"):
+        device = "cuda" if transport == "cuda_ipc" else "cpu"
+        shape, dtype = SERVER_LAYOUT.chunk_shape(plan.end + 3), SERVER_LAYOUT.dtype.torch_dtype
+        out = torch.full(shape, UNWRITTEN, dtype=dtype, device=device)
     else:  # the connector's kept buffers: not refilled, so an earlier load's KV lies past what this one writes
         kept = load_buffers.take(client, plan.end)
         assert kept is not None, "the server is on this host: the connector gets a shared buffer"
@@ -153,7 +155,7 @@ def _retrieve(
         result = client.retrieve(plan, out)
         assert result.kv.numel() == 0 or result.kv.data_ptr() == out.data_ptr(), "the KV lands in the caller's buffer"
         usable = exact_prefix_tokens(result.segments) if transport == "connector_buffer" else result.kv.shape[2]
-        return list(result.segments), result.kv.clone(), usable
+        return list(result.segments), result.kv.cpu().clone(), usable
     finally:
         if transport == "connector_buffer":
             load_buffers.give_back(out)
@@ -194,17 +196,36 @@ def _expected_served(plan: LookupPlan, failed: set[bytes], segmented: bool) -> l
     return served
 
 
+DISK_CASES = {
+    "shortfall": st.sampled_from(DISK_SHORTFALLS),
+    "segmented": st.booleans(),
+    "shape": st.sampled_from(("alone", "behind", "moved")),
+    "num_chunks": st.integers(2, 6),
+    "tail": st.integers(0, CHUNK_SIZE - 1),
+    "victims": st.lists(st.integers(0, 7), min_size=1, max_size=2, unique=True),
+}
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    transport=st.sampled_from(TRANSPORTS),
-    shortfall=st.sampled_from(DISK_SHORTFALLS),
-    segmented=st.booleans(),
-    shape=st.sampled_from(("alone", "behind", "moved")),
-    num_chunks=st.integers(2, 6),
-    tail=st.integers(0, CHUNK_SIZE - 1),
-    victims=st.lists(st.integers(0, 7), min_size=1, max_size=2, unique=True),
-)
+@given(transport=st.sampled_from(TRANSPORTS), **DISK_CASES)
 def test_disk_shortfalls_serve_only_what_was_stored(
+    hosts: Hosts, clients: dict[tuple[str, str], Client], load_buffers: LoadBuffers, transport: str, **case: object
+) -> None:
+    _check_disk_shortfall(hosts, clients, load_buffers, transport, **case)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the shared-memory twin runs everywhere)")
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**DISK_CASES)
+def test_disk_shortfalls_through_cuda_ipc_serve_only_what_was_stored(
+    hosts: Hosts, clients: dict[tuple[str, str], Client], load_buffers: LoadBuffers, **case: object
+) -> None:
+    assert clients["disk_cut", "shm"].server.features.cuda_ipc
+    _check_disk_shortfall(hosts, clients, load_buffers, "cuda_ipc", **case)  # type: ignore[arg-type]
+
+
+def _check_disk_shortfall(
     hosts: Hosts,
     clients: dict[tuple[str, str], Client],
     load_buffers: LoadBuffers,
@@ -247,15 +268,33 @@ def test_disk_shortfalls_serve_only_what_was_stored(
     assert server.process.poll() is None
 
 
+REMOTE_CASES = {
+    "shortfall": st.sampled_from(REMOTE_SHORTFALLS),
+    "shape": st.sampled_from(("alone", "moved")),
+    "num_chunks": st.integers(2, 6),
+    "victim": st.integers(0, 7),
+}
+
+
 @settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    transport=st.sampled_from(TRANSPORTS),
-    shortfall=st.sampled_from(REMOTE_SHORTFALLS),
-    shape=st.sampled_from(("alone", "moved")),
-    num_chunks=st.integers(2, 6),
-    victim=st.integers(0, 7),
-)
+@given(transport=st.sampled_from(TRANSPORTS), **REMOTE_CASES)
 def test_remote_shortfalls_serve_only_what_was_stored(
+    hosts: Hosts, clients: dict[tuple[str, str], Client], load_buffers: LoadBuffers, transport: str, **case: object
+) -> None:
+    _check_remote_shortfall(hosts, clients, load_buffers, transport, **case)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the shared-memory twin runs everywhere)")
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**REMOTE_CASES)
+def test_remote_shortfalls_through_cuda_ipc_serve_only_what_was_stored(
+    hosts: Hosts, clients: dict[tuple[str, str], Client], load_buffers: LoadBuffers, **case: object
+) -> None:
+    _check_remote_shortfall(hosts, clients, load_buffers, "cuda_ipc", **case)  # type: ignore[arg-type]
+
+
+def _check_remote_shortfall(
     hosts: Hosts,
     clients: dict[tuple[str, str], Client],
     load_buffers: LoadBuffers,
