@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import zmq
 
 from kvstore.errors import ProtocolError, ServerUnavailableError
+from kvstore.wire.address import check_server_url
 from kvstore.wire.error_codes import RequestError
 from kvstore.wire.protocol import Op, Reply, decode_reply, encode_request
 
@@ -37,9 +38,7 @@ class Connection:
     """
 
     def __init__(self, url: str) -> None:
-        if not url.startswith(("tcp://", "ipc://")):
-            raise ServerUnavailableError(f"server URL {url!r} must look like tcp://127.0.0.1:5555")
-        self.url = url
+        self.url = check_server_url(url)
         self._context = zmq.Context()
         self._socket: zmq.Socket[bytes] | None = None
         self._request_ids = itertools.count(1)
