@@ -54,7 +54,7 @@ class OracleSelection:
             if probe.deviation is None:
                 return probe._original(self, classes, fresh, keys, values, blend_in_active)
             positions = classes.blend_positions.to(self.device)
-            return select_tokens(deviation=probe.deviation[positions], cached_positions=positions,
+            return select_tokens(scores=probe.deviation[positions], cached_positions=positions,
                                  forced_positions=classes.forced.to(self.device),
                                  recompute_ratio=self.settings.recompute_ratio)  # fmt: skip
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
         gate_tolerance,
         require_rope_gate,
     )
-    from kvstore.blend.selection import DeviationMetric
+    from kvstore.blend.selection import DeviationMetric, SelectionPolicy
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
@@ -46,6 +46,7 @@ __getattr__, __dir__ = lazy_exports(
             "PlacedRange",
             "RopeRotator",
             "Rotation",
+    "SelectionPolicy",
             "inverse_frequencies",
             "rotate_keys",
             "token_deltas",
@@ -57,7 +58,7 @@ __getattr__, __dir__ = lazy_exports(
             "gate_tolerance",
             "require_rope_gate",
         ),
-        "kvstore.blend.selection": ("DeviationMetric",),
+        "kvstore.blend.selection": ("DeviationMetric", "SelectionPolicy"),
     },
 )
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "RopeGateReport",
     "RopeRotator",
     "Rotation",
+    "SelectionPolicy",
     "check_rope_gate",
     "gate_tolerance",
     "inverse_frequencies",

@@ -58,7 +58,15 @@ from kvstore.blend.load_cost import DiskPolicy, LoadCostModel, disk_bound_segmen
 from kvstore.blend.query_attention import AttentionKernel, QueryMask
 from kvstore.blend.recurring_context import recurring_context_positions
 from kvstore.blend.rope import RopeRotator, Rotation, token_deltas
-from kvstore.blend.selection import DeviationMetric, select_tokens, span_head_positions, token_deviation
+from kvstore.blend.selection import (
+    DeviationMetric,
+    SelectionPolicy,
+    query_attention_mass,
+    select_tokens,
+    span_head_positions,
+    span_start_order,
+    token_deviation,
+)
 from kvstore.blend.stage_clock import Mark, StageClock
 from kvstore.errors import ConfigError
 from kvstore.keys import TokenArray
@@ -130,7 +138,13 @@ class BlendConfig:
             CacheBlend's default 0.15. 1.0 reproduces a full prefill, 0 is plain reuse.
         check_layer: the layer (0-based) whose fresh K/V select the tokens; layers up to it compute every
             non-exact token. LMCache's default 1.
-        deviation: what the selection compares (K alone, or K and V).
+        selection: how the ratio's tokens are chosen (``kvstore.blend.selection.SelectionPolicy``): by K/V
+            deviation (``kv_deviation``, CacheBlend's), by the attention the computed tokens (the question) pay
+            them at the check layer (``query_attention``), the first tokens of every reused span
+            (``chunk_start``), or span starts first and the rest by one of the two scorers.
+        deviation: what ``kv_deviation`` compares (K alone, or K and V).
+        chunk_start_tokens: how many first tokens of every reused span the ``chunk_start`` policies take (within
+            the ratio's budget).
         attention: the kernel that attends a subset of the tokens (``query_attention``; ``auto``: flex attention
             on CUDA, one masked sdpa elsewhere).
         num_head_tokens: the first tokens of every reused span (a run of blend segments continuing one cached
@@ -153,13 +167,15 @@ class BlendConfig:
 
     Raises:
         ConfigError: a ratio outside ``[0, 1]``, a negative check layer (the upper bound is checked against the
-            model by ``LayerwiseBlender``), a negative ``num_head_tokens`` or ``recurring_context_tokens``, or a
-            ``stale_key_scale`` outside ``(0, 1]``.
+            model by ``LayerwiseBlender``), an unknown ``selection``, a ``chunk_start_tokens`` below 1, a negative
+            ``num_head_tokens`` or ``recurring_context_tokens``, or a ``stale_key_scale`` outside ``(0, 1]``.
     """
 
     recompute_ratio: float = 0.15
     check_layer: int = 1
+    selection: SelectionPolicy = SelectionPolicy.KV_DEVIATION
     deviation: DeviationMetric = DeviationMetric.KEY
+    chunk_start_tokens: int = 4
     attention: AttentionKernel = AttentionKernel.AUTO
     num_head_tokens: int = 0
     recurring_context_tokens: int = 0
@@ -178,7 +194,10 @@ class BlendConfig:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise ConfigError(f"check_layer={layer!r} must be a layer index >= 0 (default 1)")
         choices: tuple[tuple[str, type[enum.StrEnum]], ...] = (
-            ("deviation", DeviationMetric), ("attention", AttentionKernel), ("disk_policy", DiskPolicy)
+            ("selection", SelectionPolicy),
+            ("deviation", DeviationMetric),
+            ("attention", AttentionKernel),
+            ("disk_policy", DiskPolicy),
         )
         for name, kind in choices:
             value = getattr(self, name)
@@ -186,6 +205,9 @@ class BlendConfig:
                 object.__setattr__(self, name, kind(value))
             except ValueError:
                 raise ConfigError(f"{name}={value!r} is not one of {', '.join(item.value for item in kind)}") from None
+        starts = self.chunk_start_tokens
+        if isinstance(starts, bool) or not isinstance(starts, int) or starts < 1:
+            raise ConfigError(f"chunk_start_tokens={starts!r} must be a token count >= 1 (default 4)")
         for name in ("num_head_tokens", "recurring_context_tokens"):
             count = getattr(self, name)
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -225,6 +247,11 @@ class _TokenClasses:
         self.active = active.nonzero().flatten()
         self.forced = forced.nonzero().flatten()
         self.blend_positions = (self.blend & ~extras).nonzero().flatten()
+        self.computed = (active & ~self.blend).nonzero().flatten()  # gaps and the last token: the question
+        self.span_starts: torch.Tensor | None = None
+        if settings is not None and settings.selection.takes_chunk_starts:
+            order = span_start_order(segments, settings.chunk_start_tokens, num_tokens)
+            self.span_starts = order[self.blend[order] & ~extras[order]]
 
     @property
     def has_exact(self) -> bool:
@@ -351,7 +378,7 @@ class _Pass:
             query = projection.query
             selected: torch.Tensor | None = None
             if layer_idx == narrow:
-                selected = self._select(classes, projection, keys, values, blend_in_active)
+                selected = self._select(classes, projection, keys, values, blend_in_active, positions)
                 stale = self._stale_rows(classes, selected)
             self._write(layer_idx, keys, values, positions, projection)
             if not self.need_logits and layer_idx == stack.num_layers - 1:
@@ -421,22 +448,44 @@ class _Pass:
         keys: torch.Tensor,
         values: torch.Tensor,
         blend_in_active: torch.Tensor,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """At the check layer: the positions computed from here on (before ``keys`` get the fresh values)."""
+        """At the check layer: the positions computed from here on (before ``keys`` get the fresh values).
+
+        ``positions`` are the active tokens ``fresh`` was projected for."""
         blend_positions = classes.blend_positions.to(self.device)
-        deviation = token_deviation(
-            self.settings.deviation,
-            fresh.token_major_key()[blend_in_active],
-            keys[blend_positions],
-            fresh.token_major_value()[blend_in_active],
-            values[blend_positions],
-        )
+        scorer = self.settings.selection.scorer
+        scores: torch.Tensor | None = None
+        if scorer is SelectionPolicy.KV_DEVIATION:
+            scores = token_deviation(
+                self.settings.deviation,
+                fresh.token_major_key()[blend_in_active],
+                keys[blend_positions],
+                fresh.token_major_value()[blend_in_active],
+                values[blend_positions],
+            )
+        elif scorer is SelectionPolicy.QUERY_ATTENTION:
+            scores = self._question_attention(classes, fresh, keys, positions)[blend_positions]
+        span_starts = classes.span_starts
         return select_tokens(
-            deviation=deviation,
+            scores=scores,
             cached_positions=blend_positions,
             forced_positions=classes.forced.to(self.device),
             recompute_ratio=self.settings.recompute_ratio,
+            first_positions=span_starts.to(self.device) if span_starts is not None else None,
         )
+
+    def _question_attention(
+        self, classes: _TokenClasses, fresh: Projection, keys: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """``[T]``: the attention the computed tokens (gaps, the question, the last token) pay every position at
+        this layer, over the keys a full prefill would have here: fresh for every active token, cached (rotated)
+        for the exact ones."""
+        scored_keys = keys.clone()
+        scored_keys.index_copy_(0, positions, fresh.token_major_key().to(keys.dtype))
+        computed = classes.computed.to(self.device)
+        rows = torch.searchsorted(positions, computed)
+        return query_attention_mass(fresh.query[0][:, rows], computed, scored_keys)
 
 
 def run_blend_pass(
