@@ -57,9 +57,7 @@ from kvstore.bench.multidoc_workload import (
     prose_documents,
     random_documents,
 )
-from kvstore.blend import BlendConfig, BlendOutput, DeviationMetric, LayerwiseBlender
-from kvstore.blend.load_cost import DiskPolicy
-from kvstore.blend.query_attention import AttentionKernel
+from kvstore.blend import BlendConfig, BlendOutput, LayerwiseBlender
 from kvstore.config import GIB, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout
@@ -126,14 +124,7 @@ class MultiDocOptions:
     document_tokens: int = 512
     num_queries: int = 10
     docs_per_query: int = 4
-    recompute_ratio: float = 0.15
-    check_layer: int = 1
-    deviation: DeviationMetric = DeviationMetric.KEY
-    attention: AttentionKernel = AttentionKernel.AUTO
-    num_head_tokens: int = 0
-    recurring_context_tokens: int = 0
-    stale_key_scale: float = 1.0
-    disk_policy: DiskPolicy = DiskPolicy.AUTO
+    blend: BlendConfig = field(default_factory=BlendConfig)  # blend mode's settings; reuse is the same at ratio 0
     modes: tuple[BenchMode, ...] = tuple(BenchMode)
     continuation_tokens: int = 32
     seed: int = 0
@@ -241,16 +232,7 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
     report = progress or (lambda step, done, total: None)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    blend_config = BlendConfig(  # before the model loads: a bad setting fails at once
-        recompute_ratio=options.recompute_ratio,
-        check_layer=options.check_layer,
-        deviation=options.deviation,
-        attention=options.attention,
-        num_head_tokens=options.num_head_tokens,
-        recurring_context_tokens=options.recurring_context_tokens,
-        stale_key_scale=options.stale_key_scale,
-        disk_policy=options.disk_policy,
-    )
+    blend_config = options.blend
     configs = {BenchMode.BLEND: blend_config, BenchMode.REUSE: dataclasses.replace(blend_config, recompute_ratio=0.0)}
     queries = _queries(options)
     model = _load_model(options, device, dtype)
@@ -307,11 +289,13 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
                         report(f"query {index + 1}/{len(prompts)}: {mode.value}", done, total_steps)
     context = RunContext(
         bench=options.workload.value,
-        check_layer=options.check_layer,
-        deviation=options.deviation.value,
-        num_head_tokens=options.num_head_tokens,
-        recurring_context_tokens=options.recurring_context_tokens,
-        stale_key_scale=options.stale_key_scale,
+        selection=blend_config.selection.value,
+        chunk_start_tokens=blend_config.chunk_start_tokens,
+        check_layer=blend_config.check_layer,
+        deviation=blend_config.deviation.value,
+        num_head_tokens=blend_config.num_head_tokens,
+        recurring_context_tokens=blend_config.recurring_context_tokens,
+        stale_key_scale=blend_config.stale_key_scale,
         disk_policy=blend_config.disk_policy.value,
         seed=options.seed,
         model=model.name,

@@ -28,6 +28,8 @@ class RunContext:
     """What every row of one run repeats: the workload, the model and where it ran."""
 
     bench: str
+    selection: str
+    chunk_start_tokens: int
     check_layer: int
     deviation: str
     num_head_tokens: int

@@ -15,7 +15,7 @@ from rich.table import Table
 from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, WarmUp, run_multidoc_benchmark
 from kvstore.bench.multidoc_rows import MultiDocRow
 from kvstore.bench.multidoc_workload import FactStyle
-from kvstore.blend import DeviationMetric
+from kvstore.blend import BlendConfig, DeviationMetric, SelectionPolicy
 from kvstore.blend.query_attention import AttentionKernel
 from kvstore.config import parse_size, parse_tiers
 from kvstore.errors import ConfigError
@@ -153,29 +153,45 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
         docs_per_query: int = typer.Option(
             _DEFAULTS.docs_per_query, "--docs-per-query", help="Documents per query (multi-doc-qa)."
         ),
-        recompute_ratio: float = typer.Option(_DEFAULTS.recompute_ratio, "--recompute-ratio", help="Blend ratio."),
-        check_layer: int = typer.Option(_DEFAULTS.check_layer, "--check-layer", help="Blend check layer."),
-        deviation: str = typer.Option("key", "--deviation", help="Selection by 'key', 'value' or 'key_value'."),
+        recompute_ratio: float = typer.Option(
+            _DEFAULTS.blend.recompute_ratio, "--recompute-ratio", help="Blend ratio."
+        ),
+        check_layer: int = typer.Option(_DEFAULTS.blend.check_layer, "--check-layer", help="Blend check layer."),
+        selection: str = typer.Option(
+            _DEFAULTS.blend.selection.value,
+            "--selection",
+            help="Blend: how the ratio's tokens are chosen: "
+            + ", ".join(policy.value for policy in SelectionPolicy)
+            + ".",
+        ),
+        chunk_start_tokens: int = typer.Option(
+            _DEFAULTS.blend.chunk_start_tokens,
+            "--chunk-start-tokens",
+            help="Blend: first tokens of every reused span the chunk_start policies take (within the ratio).",
+        ),
+        deviation: str = typer.Option(
+            "key", "--deviation", help="What kv_deviation compares: 'key', 'value' or 'key_value'."
+        ),
         attention: str = typer.Option(
             "auto", "--attention", help="Attention of the recomputed tokens: 'sdpa', 'flex' or 'auto' (flex on CUDA)."
         ),
         num_head_tokens: int = typer.Option(
-            _DEFAULTS.num_head_tokens,
+            _DEFAULTS.blend.num_head_tokens,
             "--num-head-tokens",
             help="Blend: also recompute the first N tokens of every reused span (on top of the ratio).",
         ),
         recurring_context_tokens: int = typer.Option(
-            _DEFAULTS.recurring_context_tokens,
+            _DEFAULTS.blend.recurring_context_tokens,
             "--recurring-context-tokens",
             help="Blend: also recompute reused tokens whose last N tokens occur earlier in the prompt (0: off).",
         ),
         stale_key_scale: float = typer.Option(
-            _DEFAULTS.stale_key_scale,
+            _DEFAULTS.blend.stale_key_scale,
             "--stale-key-scale",
             help="Blend: scale the keys of cached tokens kept after the check layer, in (0, 1] (1.0: off).",
         ),
         disk_policy: str = typer.Option(
-            _DEFAULTS.disk_policy.value,
+            _DEFAULTS.blend.disk_policy.value,
             "--disk-policy",
             help="Blend: chunks only the disk holds: 'auto' (recompute when faster), 'wait' or 'recompute'.",
         ),
@@ -212,14 +228,18 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             document_tokens=document_tokens,
             num_queries=num_queries,
             docs_per_query=docs_per_query,
-            recompute_ratio=recompute_ratio,
-            check_layer=check_layer,
-            deviation=deviation_metric,
-            attention=_attention_kernel(attention),
-            num_head_tokens=num_head_tokens,
-            recurring_context_tokens=recurring_context_tokens,
-            stale_key_scale=stale_key_scale,
-            disk_policy=disk_policy,  # type: ignore[arg-type]  # BlendConfig checks it, before the model loads
+            blend=BlendConfig(  # checks every setting before the model loads
+                recompute_ratio=recompute_ratio,
+                check_layer=check_layer,
+                selection=selection,  # type: ignore[arg-type]  # BlendConfig checks it
+                deviation=deviation_metric,
+                chunk_start_tokens=chunk_start_tokens,
+                attention=_attention_kernel(attention),
+                num_head_tokens=num_head_tokens,
+                recurring_context_tokens=recurring_context_tokens,
+                stale_key_scale=stale_key_scale,
+                disk_policy=disk_policy,  # type: ignore[arg-type]  # BlendConfig checks it
+            ),
             modes=_parse_modes(modes),
             continuation_tokens=continuation_tokens,
             seed=seed,

@@ -72,6 +72,16 @@ def test_multi_doc_qa_prints_one_json_row_per_mode(capsys: pytest.CaptureFixture
     assert reuse["recompute_ratio"] == 0.0 and reuse["recomputed_tokens_mean"] == 176 - 58 - 84
 
 
+@pytest.mark.parametrize("selection", ["query_attention", "chunk_start+query_attention"])
+def test_the_selection_policy_is_a_flag_and_a_row_field(selection: str, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--modes", "blend", "--json", "--selection", selection, "--chunk-start-tokens", "2"]
+    code, out, err = run(["bench", "multi-doc-qa", *TINY, *flags], capsys)
+    assert code == 0, err
+    full, blend = (json.loads(line) for line in out.splitlines())
+    assert blend["selection"] == full["selection"] == selection and blend["chunk_start_tokens"] == 2
+    assert blend["recomputed_tokens_mean"] == 34 + 13, "the same budget as kv_deviation's: one ratio of the reused"
+
+
 def test_documents_stored_alone_are_no_prefix_hit_and_blend_in_whole(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["bench", "multi-doc-qa", *TINY, "--warm-up", "alone", "--modes", "prefix,blend", "--json"],
                          capsys)  # fmt: skip
@@ -121,6 +131,8 @@ def test_an_unmet_expected_ttft_gain_exits_non_zero_with_one_line(capsys: pytest
         (["--num-head-tokens", "-1"], "num_head_tokens=-1 must be a token count >= 0"),
         (["--model", "/nonexistent"], "--model and --random-init exclude each other"),
         (["--disk-policy", "never"], "disk_policy='never' is not one of auto, wait, recompute"),
+        (["--selection", "attention"], "selection='attention' is not one of kv_deviation, query_attention"),
+        (["--chunk-start-tokens", "0"], "chunk_start_tokens=0 must be a token count >= 1"),
     ],
 )
 def test_bad_options_are_one_line_errors(flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
