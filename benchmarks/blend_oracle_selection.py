@@ -1,10 +1,16 @@
 """Research probe: would a better choice of tokens to recompute bring a blend's answers back to full prefill's?
 
-The blender picks the tokens to recompute by their K deviation at the check layer (layer 1). This probe replaces
-that choice with an oracle that a real prefill cannot have: each token's deviation in the *deep* layers (2 to the
-last), measured against the query's own full prefill -- the squared K and V differences between full prefill and
-plain reuse, each layer divided by its mean so every layer counts alike. If the oracle's 15% answers like full
-prefill, the method needs a better cheap predictor; if it does not, no selection at that budget will do.
+The blender picks the tokens to recompute at the check layer (layer 1) by a cheap score: K deviation
+(``kv_deviation``) or the attention the question pays them there (``query_attention``). This probe replaces that
+choice with oracles a real prefill cannot have, measured on the query's own full prefill:
+
+- ``deviation`` oracles: each token's deviation in the *deep* layers (2 to the last) -- the squared K and V
+  differences between full prefill and plain reuse, each layer divided by its mean so every layer counts alike;
+- ``attention`` oracles: the attention full prefill's computed tokens (the question, separators, the last token)
+  pay each token, in every layer (each layer's mass divided by its total, then summed).
+
+If an oracle's answers match full prefill at a budget, the method needs a better cheap predictor of that family;
+if they do not, no selection of that family at that budget will do.
 
 It swaps ``kvstore.blend.layerwise._Pass._select`` for one that ranks by the oracle (a probe, not an engine
 feature), on the multi-doc-qa workload of ``kvstore bench multi-doc-qa`` (SmolLM2-135M-Instruct, 32 documents of
@@ -37,7 +43,15 @@ from kvstore.models import default_model_cache_dir, load_smollm2
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
 
-VARIANTS = (("default15", 0.15, False), ("oracle15", 0.15, True), ("oracle30", 0.3, True), ("oracle50", 0.5, True))
+VARIANTS = (
+    ("default15", 0.15, None),
+    ("query_attention15", 0.15, None),
+    ("oracle15", 0.15, "deviation"),
+    ("attention_oracle15", 0.15, "attention"),
+    ("attention_oracle20", 0.2, "attention"),
+    ("oracle30", 0.3, "deviation"),
+)
+"""(name, ratio, oracle): ``None`` runs the blender's own policy (``query_attention`` when the name says so)."""
 
 
 class OracleSelection:
@@ -50,15 +64,34 @@ class OracleSelection:
     def install(self) -> None:
         probe = self
 
-        def select(self: Any, classes: Any, fresh: Any, keys: Any, values: Any, blend_in_active: Any) -> torch.Tensor:
+        def select(
+            self: Any, classes: Any, fresh: Any, keys: Any, values: Any, blend_in_active: Any, positions: Any
+        ) -> torch.Tensor:
             if probe.deviation is None:
-                return probe._original(self, classes, fresh, keys, values, blend_in_active)
+                return probe._original(self, classes, fresh, keys, values, blend_in_active, positions)
             positions = classes.blend_positions.to(self.device)
             return select_tokens(scores=probe.deviation[positions], cached_positions=positions,
                                  forced_positions=classes.forced.to(self.device),
                                  recompute_ratio=self.settings.recompute_ratio)  # fmt: skip
 
         layerwise._Pass._select = select  # type: ignore[method-assign]
+
+
+def attention_oracle(model: Any, prompt: list[int], computed: torch.Tensor) -> torch.Tensor:
+    """Per position: the attention full prefill's ``computed`` tokens pay it, each layer's mass over its total, summed
+    over layers (eager attention, which reports its weights; the model is put back to sdpa after)."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=model.device)
+            attentions = model(ids, output_attentions=True).attentions
+        score = torch.zeros(len(prompt), device=model.device)
+        for layer in attentions:
+            mass = layer[0][:, computed.to(model.device)].float().sum(dim=(0, 1))
+            score += mass / mass.sum()
+        return score
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 def deep_deviation(full_kv: torch.Tensor, reuse_kv: torch.Tensor) -> torch.Tensor:
@@ -110,10 +143,15 @@ def main() -> None:
                                    "full": answers_right(full, asked.fact.code)}  # fmt: skip
             probe.deviation = None
             reuse = blender.prefill(prompt, store_result=False, config=replace(sdpa, recompute_ratio=0.0))
-            oracle = deep_deviation(full.kv, reuse.kv)
-            for name, ratio, use_oracle in VARIANTS:
-                probe.deviation = oracle if use_oracle else None
-                output = blender.prefill(prompt, store_result=False, config=replace(sdpa, recompute_ratio=ratio))
+            oracles = {
+                "deviation": deep_deviation(full.kv, reuse.kv),
+                "attention": attention_oracle(model, list(prompt), reuse.recomputed_positions),  # gaps, last token
+            }
+            for name, ratio, oracle in VARIANTS:
+                probe.deviation = oracles[oracle] if oracle is not None else None
+                policy = "query_attention" if name.startswith("query_attention") else "kv_deviation"
+                config = replace(sdpa, recompute_ratio=ratio, selection=policy)
+                output = blender.prefill(prompt, store_result=False, config=config)
                 row[name] = answers_right(output, asked.fact.code)
             probe.deviation = None
             rows.append(row)

