@@ -225,10 +225,21 @@ class _TokenClasses:
     the extras the settings ask for: the head tokens of every reused span (``num_head_tokens``) and the tokens
     whose context recurs earlier in the prompt (``recurring_context_tokens``); ``blend_positions`` (what the ratio
     chooses among) are the blend tokens that are not forced extras, so extras come on top of the ratio's share.
+
+    With ``span_end`` below the token count, the tokens past it are the prompt's tail an engine computes itself (the
+    question): they take part, as computed tokens, only in the layers up to the check layer, where the
+    ``query_attention`` policies score with them; the span's last token is forced like the prompt's.
     """
 
-    def __init__(self, segments: Sequence[Segment], tokens: TokenArray, settings: BlendConfig | None = None) -> None:
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        tokens: TokenArray,
+        settings: BlendConfig | None = None,
+        span_end: int | None = None,
+    ) -> None:
         num_tokens = int(tokens.shape[0])
+        self.span_end = num_tokens if span_end is None else span_end
         self.exact = torch.zeros(num_tokens, dtype=torch.bool)
         self.blend = torch.zeros(num_tokens, dtype=torch.bool)
         for segment in segments:
@@ -242,8 +253,10 @@ class _TokenClasses:
                 extras[recurring_context_positions(tokens, segments, settings.recurring_context_tokens)] = True
         active = ~self.exact
         active[-1] = True
+        active[self.span_end - 1] = True
         forced = (active & ~self.blend) | extras
         forced[-1] = True
+        forced[self.span_end - 1] = True
         self.active = active.nonzero().flatten()
         self.forced = forced.nonzero().flatten()
         self.blend_positions = (self.blend & ~extras).nonzero().flatten()
@@ -262,8 +275,10 @@ class _TokenClasses:
         return bool(self.blend.any())
 
     def summary(self) -> BlendPlanSummary:
-        num_exact, num_blend = int(self.exact.sum()), int(self.blend.sum())
-        total = int(self.exact.numel())
+        """How the span's tokens were served (tokens past it, scored with, are vLLM's to compute)."""
+        end = self.span_end
+        num_exact, num_blend = int(self.exact[:end].sum()), int(self.blend[:end].sum())
+        total = end
         return BlendPlanSummary(
             num_tokens=total,
             num_exact_tokens=num_exact,
@@ -292,6 +307,7 @@ class _Pass:
         clock: StageClock,
         *,
         buffer_tokens: int,
+        span_end: int | None = None,
         need_logits: bool = True,
         buffer: torch.Tensor | None = None,
     ) -> None:
@@ -303,6 +319,7 @@ class _Pass:
         self.token_ids = torch.as_tensor(tokens.astype("int64"), device=stack.device)
         self.clock = clock
         self.num_tokens = int(tokens.shape[0])
+        self.span_end = self.num_tokens if span_end is None else span_end  # tokens past it: queries for scoring
         self.device = stack.device
         # The retrieve writes the plan's whole extent (it may run past a span); the pass reads its first tokens.
         # Every position of the span is loaded or computed in every layer, so a reused buffer needs no clearing.
@@ -339,8 +356,8 @@ class _Pass:
         for layer_idx in range(stack.num_layers):
             if layer_idx == cache_from:
                 if pending is not None:
-                    loaded = clip_segments(self._timed(pending.segments), num_tokens)
-                    classes = _TokenClasses(loaded, self.tokens, settings)
+                    loaded = clip_segments(self._timed(pending.segments), self.span_end)
+                    classes = _TokenClasses(loaded, self.tokens, settings, self.span_end)
                     narrow = _narrow_layer(classes, settings)
                 for written_idx, written in pending_writes:  # after the retrieve has written that layer
                     if pending is not None:
@@ -368,7 +385,8 @@ class _Pass:
                     self._store_fresh(layer_idx, projection)
                 else:  # the retrieve will still write this layer of the buffer
                     pending_writes.append((layer_idx, projection))
-                self.layers.append(LayerKV(projection.key, projection.value))
+                span = slice(0, self.span_end)  # every token is computed here: positions are 0..T-1
+                self.layers.append(LayerKV(projection.key[:, :, span], projection.value[:, :, span]))
                 continue
             if pending is not None:
                 self._timed(functools.partial(pending.wait_layer, layer_idx))
@@ -379,6 +397,7 @@ class _Pass:
             selected: torch.Tensor | None = None
             if layer_idx == narrow:
                 selected = self._select(classes, projection, keys, values, blend_in_active, positions)
+                selected = selected[selected < self.span_end]  # the tail has done its scoring
                 stale = self._stale_rows(classes, selected)
             self._write(layer_idx, keys, values, positions, projection)
             if not self.need_logits and layer_idx == stack.num_layers - 1:
@@ -392,7 +411,8 @@ class _Pass:
                 rotary = stack.rotary(hidden, positions)
             self.num_token_layers += int(positions.numel())
             hidden = stack.attend_and_finish(layer_idx, hidden, query, keys, values, mask)
-            self.layers.append(LayerKV(keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None]))
+            span_keys, span_values = keys[: self.span_end], values[: self.span_end]
+            self.layers.append(LayerKV(span_keys.permute(1, 0, 2)[None], span_values.permute(1, 0, 2)[None]))
         assert hidden is not None, "a model has at least one layer (LlamaStack checks)"
         return hidden, positions, classes.summary()
 
@@ -511,7 +531,9 @@ def run_blend_pass(
     Args:
         span_end: compute only the prompt's first ``span_end`` tokens (an engine computes the rest itself, over
             this KV): the whole prompt is looked up, so chunks that run past the span still match, and their
-            tokens before ``span_end`` are used. ``None``: the whole prompt.
+            tokens before ``span_end`` are used. ``None``: the whole prompt. With a ``query_attention`` policy the
+            tokens past the span are computed too, up to the check layer only, so the question an engine computes
+            after the pass still chooses what the pass recomputes.
         need_logits: ``False`` skips the last layer's attention and MLP and the LM head (the result's ``logits``
             is empty and ``layers`` lacks the last layer): an engine that computes the logits itself needs only
             the KV.
@@ -529,12 +551,13 @@ def run_blend_pass(
     if not 0 < end <= len(tokens):
         owner.release(plan)
         raise ConfigError(f"span_end={span_end} is outside the {len(tokens)}-token prompt")
-    span = tokens[:end]
-    buffer = make_buffer(max(end, plan.end)) if make_buffer is not None else None
+    computed = tokens if _scores_with_tail(settings) else tokens[:end]
+    buffer = make_buffer(max(len(computed), plan.end)) if make_buffer is not None else None
     work = _Pass(
-        stack, rotator, layout, settings, span, clock, buffer_tokens=plan.end, need_logits=need_logits, buffer=buffer
-    )
-    classes = _TokenClasses(clip_segments(plan.segments, end), span, settings)
+        stack, rotator, layout, settings, computed, clock,
+        buffer_tokens=plan.end, span_end=end, need_logits=need_logits, buffer=buffer,
+    )  # fmt: skip
+    classes = _TokenClasses(clip_segments(plan.segments, end), computed, settings, end)
     needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
     pending: PendingLoad | None = None
     disk_bound: tuple[Segment, ...] = ()
@@ -559,7 +582,7 @@ def run_blend_pass(
     load_ms = sum(clock.between(before, after) for before, after in work.load_marks)
     return BlendPassResult(
         logits=logits,
-        kv=work.kv,
+        kv=work.kv[:, :, :end],
         layers=tuple(work.layers),
         num_recomputed_tokens=int(recomputed.numel()),
         recomputed_positions=recomputed.cpu(),
@@ -581,6 +604,12 @@ def clip_segments(segments: Sequence[Segment], end: int) -> tuple[Segment, ...]:
         for segment in segments
         if segment.start < end
     )
+
+
+def _scores_with_tail(settings: BlendConfig) -> bool:
+    """Whether the tokens past the span (the question an engine computes itself) are computed up to the check
+    layer too: only a query-aware selection reads them, and only when it selects at all."""
+    return settings.selection.scorer is SelectionPolicy.QUERY_ATTENTION and 0.0 < settings.recompute_ratio < 1.0
 
 
 def _skips_disk(settings: BlendConfig, costs: LoadCostModel, disk_bound: Sequence[Segment], num_layers: int) -> bool:

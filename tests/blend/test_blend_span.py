@@ -23,7 +23,9 @@ def blender(tiny_llama: RandomInitModel, tmp_path: Path) -> Iterator[LayerwiseBl
         yield blender
 
 
-def span_pass(blender: LayerwiseBlender, prompt: list[int], end: int, ratio: float) -> BlendPassResult:
+def span_pass(
+    blender: LayerwiseBlender, prompt: list[int], end: int, settings: float | BlendConfig
+) -> BlendPassResult:
     with blender.store.session() as session, torch.inference_mode():
         return run_blend_pass(
             stack=blender._stack,  # the pieces a vLLM engine builds for itself
@@ -32,7 +34,7 @@ def span_pass(blender: LayerwiseBlender, prompt: list[int], end: int, ratio: flo
             owner=session,
             layout=blender.layout,
             tokens=as_token_array(prompt),
-            settings=BlendConfig(recompute_ratio=ratio),
+            settings=settings if isinstance(settings, BlendConfig) else BlendConfig(recompute_ratio=settings),
             clock=blender._clock,
             costs=blender.load_costs,
             span_end=end,
@@ -79,3 +81,24 @@ def test_a_span_outside_the_prompt_is_refused_and_its_plan_released(blender: Lay
     with pytest.raises(ConfigError, match="span_end=500 is outside the 92-token prompt"):
         span_pass(blender, prompt, 500, 0.15)
     assert blender.store.stats().num_open_plans == 0
+
+
+@pytest.mark.parametrize("policy", ["query_attention", "chunk_start+query_attention"])
+def test_a_query_aware_span_is_chosen_by_the_question_past_it(blender: LayerwiseBlender, policy: str) -> None:
+    """vLLM computes the question after the pass; with the tail scored up to the check layer, the span's selection
+    is the one the whole prompt's pass makes, and the span's KV is that pass's first tokens."""
+    docs = documents(3)
+    warm(blender, docs)
+    prompt = [*multi_doc_prompt(docs), 12, 13, 14, 15, 16, 17, 18, 19]  # a longer question, all past the span
+    end = len(prompt) - 11  # the span ends at the last document's end
+    settings = BlendConfig(recompute_ratio=0.2, selection=policy)  # type: ignore[arg-type]
+
+    whole = span_pass(blender, prompt, len(prompt), settings)
+    span = span_pass(blender, prompt, end, settings)
+
+    assert span.kv.shape[2] == end and span.summary.num_tokens == end
+    expected = sorted({p for p in whole.recomputed_positions.tolist() if p < end} | {end - 1})  # its last token
+    assert span.recomputed_positions.tolist() == expected
+    torch.testing.assert_close(span.kv[:, :, : end - 1], whole.kv[:, :, : end - 1], rtol=0, atol=1e-5)
+    blind = span_pass(blender, prompt, end, BlendConfig(recompute_ratio=0.2, selection="kv_deviation"))
+    assert blind.recomputed_positions.tolist() != span.recomputed_positions.tolist(), "another policy, other tokens"
