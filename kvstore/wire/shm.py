@@ -20,12 +20,19 @@ nothing is left behind when a client dies at any point, and no other process can
 Reserving the pages up front matters too: a write to an unbacked page when memory is short is a SIGBUS as well;
 ``posix_fallocate`` fails cleanly (ENOSPC) instead, and the client falls back to inline bytes.
 
+Why only plain memfds (shmem, ``TMPFS_MAGIC``): a memfd made with ``MFD_HUGETLB`` passes every other check, but
+its owner can punch a hole in it and use up the host's free huge pages, and the server's next touch of the hole
+faults with SIGBUS (a huge page cannot be found, while shmem takes an ordinary page). The filesystem the descriptor
+lives on is checked (``fstatfs``), not trusted from the name.
+
 Pure functions over the process's descriptors; thread-safe.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -53,6 +60,9 @@ logger = logging.getLogger(__name__)
 _NAME_PATTERN = re.compile(r"kvstore-([0-9]{1,10})-[0-9a-f]{16}")
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 _ALL_SEALS = _REQUIRED_SEALS | fcntl.F_SEAL_SEAL
+_TMPFS_MAGIC = 0x01021994
+"""``statfs.f_type`` of shmem, where a plain memfd lives (linux/magic.h); hugetlbfs is 0x958458F6."""
+_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type (a long) comes first
 
 
 def shm_available() -> bool:
@@ -162,9 +172,30 @@ def _check_segment(fd: int, name: str, nbytes: int) -> None:
         raise RequestError(
             ErrorCode.INVALID_ARGUMENT, f"segment {name} is {info.st_size} bytes, the client said {nbytes}"
         )
+    filesystem = _filesystem_type(fd)
+    if filesystem != _TMPFS_MAGIC:
+        raise RequestError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"segment {name} is not a plain memfd (filesystem type {filesystem:#x}; hugetlb and other memory the "
+            "server could fault on are refused)",
+        )
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
         raise RequestError(
             ErrorCode.INVALID_ARGUMENT,
             f"segment {name} is not sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW)",
         )
+
+
+def _filesystem_type(fd: int) -> int:
+    """``fstatfs(fd).f_type``: Python's ``os`` has no ``fstatfs``, so libc's, through ctypes."""
+    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _libc().fstatfs(fd, buffer) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    return ctypes.c_ulong.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)

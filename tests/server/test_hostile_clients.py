@@ -8,8 +8,10 @@ gets an error reply, and afterwards the server is alive and serves bit-identical
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import itertools
+import mmap
 import os
 import secrets
 from collections.abc import Iterator
@@ -149,6 +151,64 @@ def test_a_sealed_segment_cannot_shrink_and_works_for_store_and_retrieve(server:
     finally:
         os.close(fd)
     _assert_serving(server, seed=12)
+
+
+HUGE_PAGE_BYTES = 2 << 20
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+@pytest.fixture
+def hugepage_pool() -> Iterator[int]:
+    """Two free 2 MiB huge pages for the test (``vm.nr_hugepages``), the host's setting put back after."""
+    setting = Path("/proc/sys/vm/nr_hugepages")
+    before = setting.read_text()
+    try:
+        setting.write_text(str(int(before) + 2))
+    except OSError as exc:
+        pytest.skip(f"cannot reserve huge pages here ({exc.strerror}): the attack needs a hugepage pool (root)")
+    try:
+        yield 2
+    finally:
+        setting.write_text(before)
+
+
+def _huge_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
+    """A hugetlb memfd of ``nbytes``, every page touched (allocated from the pool), and its mapping."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+    os.ftruncate(fd, nbytes)
+    mapped = mmap.mmap(fd, nbytes)
+    for offset in range(0, nbytes, HUGE_PAGE_BYTES):
+        mapped[offset] = 1
+    return fd, mapped
+
+
+def test_a_hugetlb_memfd_is_refused_and_the_server_lives(
+    server: ServerProcess, raw: RawClient, hugepage_pool: int
+) -> None:
+    """The issue's attack: a sealed hugetlb memfd passes the name, size and seal checks; after the attach its owner
+    punches a hole in it and takes every free huge page, so the server's next touch of the hole finds no page and
+    dies with SIGBUS."""
+    name = _segment_name()
+    fd, mapped = _huge_memfd(name, HUGE_PAGE_BYTES)
+    hog_fd = -1
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        reply = raw.attach(name, HUGE_PAGE_BYTES, fd)
+        segment_id = reply.result.required_int("segment_id", 1, 2**31 - 1) if reply.ok and reply.result else 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        punch = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+        assert libc.fallocate(fd, punch, ctypes.c_long(0), ctypes.c_long(HUGE_PAGE_BYTES)) == 0
+        hog_fd, hog = _huge_memfd(_segment_name(), hugepage_pool * HUGE_PAGE_BYTES)  # the whole pool
+        stored = raw.store_from(segment_id, make_tokens(CHUNK_SIZE, seed=3))
+        hog.close()
+        _assert_refused(reply, "not a plain memfd", "hugetlb")
+        assert not stored.ok and stored.error_code == "unknown_segment", stored.error_message
+    finally:
+        mapped.close()
+        os.close(fd)
+        if hog_fd >= 0:
+            os.close(hog_fd)
+    _assert_serving(server, seed=13)
 
 
 @pytest.mark.parametrize("attack", ["dev_shm_file", "other_descriptor", "size_lie", "grow_only_seal", "other_pid"])
