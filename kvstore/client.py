@@ -34,7 +34,14 @@ import numpy.typing as npt
 import torch
 
 from kvstore.config import check_byte_count, tier_name
-from kvstore.errors import InvalidInputError, KVStoreError, ProtocolError, ServerUnavailableError, StorageError
+from kvstore.errors import (
+    CapacityError,
+    InvalidInputError,
+    KVStoreError,
+    ProtocolError,
+    ServerUnavailableError,
+    StorageError,
+)
 from kvstore.keys import PrefixKey, as_token_array, checked_keys
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
@@ -123,6 +130,7 @@ class Client:
         self._connection = Connection(url)
         self._client_id: str | None = None
         self._segments: ClientSegments | None = None
+        self._inline_noted = False
         try:
             with self._locked():
                 self.server = self._hello(connect_timeout_s)
@@ -229,8 +237,8 @@ class Client:
                 return region, None
             try:
                 scratch, segment_id = self._segments.scratch(layout.chunk_bytes(num_tokens))
-            except StorageError as exc:
-                logger.warning("shared memory unavailable (%s); sending KV inline", exc)
+            except (StorageError, CapacityError) as exc:  # no memfd here, or the server maps as many as it may
+                self._note_inline(exc)
             else:
                 nbytes = layout.chunk_bytes(num_tokens)
                 view = scratch[:nbytes].view(layout.dtype.torch_dtype).view(layout.chunk_shape(num_tokens))
@@ -338,8 +346,8 @@ class Client:
                 return region
             try:
                 scratch, segment_id = self._segments.scratch(layout.chunk_bytes(needed))
-            except StorageError as exc:
-                logger.warning("shared memory unavailable (%s); retrieving KV inline", exc)
+            except (StorageError, CapacityError) as exc:  # no memfd here, or the server maps as many as it may
+                self._note_inline(exc)
             else:
                 # The server lays the scratch out for the plan's length, layer-major; the reply may serve fewer
                 # tokens, and those are the first tokens of every layer in this shape, not the first bytes.
@@ -347,6 +355,12 @@ class Client:
                 staged.append(scratch[:nbytes].view(layout.dtype.torch_dtype).view(layout.chunk_shape(needed)))
                 return _shm(segment_id, nbytes)
         return InlineBulk()
+
+    def _note_inline(self, exc: KVStoreError) -> None:
+        """Say once (then at debug level) that KV goes inline because no shared segment could be had."""
+        level = logging.DEBUG if self._inline_noted else logging.WARNING
+        self._inline_noted = True
+        logger.log(level, "shared memory unavailable (%s); moving KV inline", exc)
 
     def _landed_kv(
         self,

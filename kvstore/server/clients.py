@@ -32,6 +32,11 @@ from kvstore.wire.values import ClientSummary
 __all__ = ["ClientRegistry", "ClientState", "Departure", "OpenPlan", "store_session_id"]
 
 MAX_SEGMENTS_PER_CLIENT = 64
+MAX_SEGMENTS_PER_PROCESS = 256
+"""Over all the client ids one process registers: ids are free, so a cap per id alone bounds nothing."""
+MAX_SEGMENTS_TOTAL = 8192
+"""Every segment is one mapping of the server's; Linux allows a process 65,530 (``vm.max_map_count``), and the
+server needs the rest for LMDB, thread stacks and torch: near the limit it cannot even start a thread."""
 
 
 def store_session_id(client_id: str, session_id: str) -> str:
@@ -81,15 +86,24 @@ class ClientRegistry:
     Args:
         clock: monotonic seconds (tests replace it).
         pid_alive: whether a local client's process still exists (tests replace it).
+        max_segments_per_process: segments all of one process's clients may hold together.
+        max_segments_total: segments all clients may hold together.
     """
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, pid_alive: Callable[[int], bool] = pid_alive
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        pid_alive: Callable[[int], bool] = pid_alive,
+        *,
+        max_segments_per_process: int = MAX_SEGMENTS_PER_PROCESS,
+        max_segments_total: int = MAX_SEGMENTS_TOTAL,
     ) -> None:
         self._clients_lock = threading.Lock()
         self._clients: dict[str, ClientState] = {}
         self._clock = clock
         self._pid_alive = pid_alive
+        self._max_segments_per_process = max_segments_per_process
+        self._max_segments_total = max_segments_total
 
     def register(self, name: str, pid: int, local: bool, has_layout: bool) -> str:
         """A new client; returns its id (the token its requests carry)."""
@@ -190,7 +204,8 @@ class ClientRegistry:
         """Keep a mapped segment for a client; returns its id.
 
         Raises:
-            RequestError: the client has ``MAX_SEGMENTS_PER_CLIENT`` already, or is gone.
+            RequestError: ``capacity`` when the client, its process or the server holds as many segments as it may
+                (the client then moves its KV inline), ``not_registered`` when the client is gone.
         """
         with self._clients_lock:
             state = self._clients.get(client_id)
@@ -198,8 +213,21 @@ class ClientRegistry:
                 raise RequestError(ErrorCode.NOT_REGISTERED, f"unknown client {client_id!r:.40}; say hello")
             if len(state.segments) >= MAX_SEGMENTS_PER_CLIENT:
                 raise RequestError(
-                    ErrorCode.CONFIG,
+                    ErrorCode.CAPACITY,
                     f"a client may attach at most {MAX_SEGMENTS_PER_CLIENT} segments; detach one first",
+                )
+            of_process = sum(len(other.segments) for other in self._clients.values() if other.pid == state.pid)
+            if of_process >= self._max_segments_per_process:
+                raise RequestError(
+                    ErrorCode.CAPACITY,
+                    f"the clients of process {state.pid} hold {of_process} segments, the most one process may; "
+                    "detach some (or send the KV inline)",
+                )
+            total = sum(len(other.segments) for other in self._clients.values())
+            if total >= self._max_segments_total:
+                raise RequestError(
+                    ErrorCode.CAPACITY,
+                    f"the server maps {total} segments, the most it may; send the KV inline until clients detach",
                 )
             segment_id = state.next_segment_id
             state.next_segment_id += 1
