@@ -673,8 +673,15 @@ class TieredStore:
             place = out[:, :, segment.start : segment.end]
             tier = self._cpu if segment.key in landed else self._local_tier(segment.tier)
             if isinstance(tier, ArenaTier):
-                copies.append((tier.view(segment.key), place))
-                loaded.append(segment)
+                view = tier.view(segment.key)
+                if view.shape == place.shape:  # a copy must never broadcast one token's KV over a longer segment
+                    copies.append((view, place))
+                    loaded.append(segment)
+                    continue
+                logger.warning("retrieve: chunk %s holds %d tokens, its plan says %d (a directory or index entry "
+                               "of another length); tokens %d-%d become a gap", segment.key.hex(), view.shape[2],
+                               segment.num_tokens, segment.start, segment.end)  # fmt: skip
+                prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 continue
             if memory_only:  # left to the caller to compute, as a failed load is
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
-from kvstore.keys import PrefixKey, as_token_array
+from kvstore.keys import PrefixKey, as_token_array, chained_key
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord
 from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
@@ -18,7 +18,9 @@ from kvstore.tiers.remote.names import RemoteNames, check_namespace
 from kvstore.tiers.remote.remote_value import decode_remote_value, decode_remote_value_into, encode_remote_value
 
 LAYOUT = KVLayout(model_id="remote-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+LAYOUT_B = KVLayout(model_id="remote-test-b", num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 KEYS = st.binary(min_size=16, max_size=16).map(PrefixKey)
+PARENTS = KEYS.filter(any)  # all zeros is how a record says "no parent" (a real key is never that)
 
 
 # -- URLs -----------------------------------------------------------------------------------------------------------
@@ -99,13 +101,19 @@ def test_layouts_and_chunk_sizes_get_their_own_names() -> None:
 CODEC = FrameCodec(2)
 
 
-def _chunk(key: PrefixKey, num_tokens: int, seed: int) -> tuple[ChunkRecord, np.ndarray]:
+NAMESPACE = LAYOUT.namespace
+
+
+def _chunk(parent: PrefixKey, num_tokens: int, seed: int) -> tuple[ChunkRecord, np.ndarray]:
+    """A chunk after ``parent`` (or first in its sequence, for odd seeds): its key chains from them, as stored."""
     rng = np.random.default_rng(seed)
+    tokens = as_token_array(rng.integers(0, 50_000, num_tokens))
+    parent_key = None if seed % 2 else parent
     record = ChunkRecord(
-        key=key,
+        key=chained_key(parent_key or NAMESPACE, tokens),
         source_start=256 * (seed % 7),
-        tokens=as_token_array(rng.integers(0, 50_000, num_tokens)),
-        parent_key=PrefixKey(bytes(range(16))) if seed % 2 else None,
+        tokens=tokens,
+        parent_key=parent_key,
     )
     data = rng.integers(0, 256, LAYOUT.chunk_bytes(num_tokens), dtype=np.uint8)
     data[1::2] = rng.integers(60, 64, data[1::2].shape[0], dtype=np.uint8)  # bf16-like high bytes: compressible
@@ -113,11 +121,11 @@ def _chunk(key: PrefixKey, num_tokens: int, seed: int) -> tuple[ChunkRecord, np.
 
 
 @settings(max_examples=40, deadline=None)
-@given(key=KEYS, num_tokens=st.integers(1, 64), seed=st.integers(0, 2**16), frame_bytes=st.sampled_from([256, 4096]))
+@given(key=PARENTS, num_tokens=st.integers(1, 64), seed=st.integers(0, 2**16), frame_bytes=st.sampled_from([256, 4096]))
 def test_values_round_trip_bit_identical(key: PrefixKey, num_tokens: int, seed: int, frame_bytes: int) -> None:
     record, data = _chunk(key, num_tokens, seed)
     value = encode_remote_value(record, data, CODEC, frame_bytes, now_ns=1)
-    chunk = decode_remote_value(key, value)
+    chunk = decode_remote_value(record.key, value, NAMESPACE)
     assert chunk is not None
     assert chunk.record.source_start == record.source_start and chunk.record.parent_key == record.parent_key
     assert np.array_equal(chunk.record.tokens, record.tokens) and chunk.stored_bytes == len(value)
@@ -127,27 +135,40 @@ def test_values_round_trip_bit_identical(key: PrefixKey, num_tokens: int, seed: 
 
 
 @settings(max_examples=100, deadline=None)
-@given(key=KEYS, seed=st.integers(0, 2**16), position=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+@given(key=PARENTS, seed=st.integers(0, 2**16), position=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
 def test_any_flipped_bit_is_a_miss_never_wrong_bytes(key: PrefixKey, seed: int, position: float, bit: int) -> None:
     record, data = _chunk(key, 24, seed)
     value = bytearray(encode_remote_value(record, data, CODEC, 1024, now_ns=1))
     value[int(position * len(value))] ^= 1 << bit
-    chunk = decode_remote_value(key, bytes(value))
+    chunk = decode_remote_value(record.key, bytes(value), NAMESPACE)
     if chunk is None:
         return
     out = np.empty(chunk.raw_bytes, dtype=np.uint8)
     assert decode_remote_value_into(chunk, CODEC, out) is not FrameStatus.OK  # every byte is covered by a check
 
 
-@given(key=KEYS, cut=st.integers(0, 400))
+@given(key=PARENTS, cut=st.integers(0, 400))
 def test_truncated_foreign_and_misnamed_values_are_misses(key: PrefixKey, cut: int) -> None:
     record, data = _chunk(key, 16, 3)
     value = encode_remote_value(record, data, CODEC, 512, now_ns=1)
-    assert decode_remote_value(key, value[: min(cut, len(value) - 1)]) is None
-    assert decode_remote_value(key, None) is None
-    assert decode_remote_value(key, b"some other application's value") is None
-    other = PrefixKey(bytes(b ^ 0xFF for b in key))
-    assert decode_remote_value(other, value) is None
+    assert decode_remote_value(record.key, value[: min(cut, len(value) - 1)], NAMESPACE) is None
+    assert decode_remote_value(record.key, None, NAMESPACE) is None
+    assert decode_remote_value(record.key, b"some other application's value", NAMESPACE) is None
+    other = PrefixKey(bytes(b ^ 0xFF for b in record.key))
+    assert decode_remote_value(other, value, NAMESPACE) is None
+    assert decode_remote_value(record.key, value, LAYOUT_B.namespace) is None, "another layout's chain"
+
+
+@settings(max_examples=50, deadline=None)
+@given(parent=PARENTS, seed=st.integers(0, 2**16), num_tokens=st.integers(1, 32))
+def test_a_value_whose_header_names_another_chunk_is_refused(parent: PrefixKey, seed: int, num_tokens: int) -> None:
+    """Another chunk's value under this chunk's name with the header's key rewritten to match: the header is not
+    checksummed, but the record's parent key and tokens must chain to the key asked for."""
+    asked, _ = _chunk(parent, num_tokens, seed)
+    other, data = _chunk(parent, num_tokens, seed + 2)  # same length and shape: its frames would decode cleanly
+    value = bytearray(encode_remote_value(other, data, CODEC, 512, now_ns=1))
+    value[16:32] = asked.key
+    assert decode_remote_value(asked.key, bytes(value), NAMESPACE) is None
 
 
 # -- directory records ----------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@
 So the remote holds exactly what the disk tier holds, and one ``GET`` brings everything a host needs to land the
 chunk in its own tiers (its record included). Nothing in the header is trusted: the meta record and every frame
 carry checksums, sizes are checked against each other before anything is decoded, and any defect (a truncated
-value, a bit flip, a value of another format, the wrong chunk under a key) is reported as ``None`` or a failed
+value, a bit flip, a value of another format, the wrong chunk under a key, checked by chaining the record's parent
+key and tokens back to the key asked for) is reported as ``None`` or a failed
 ``FrameStatus``: a miss, never an exception and never wrong bytes.
 
 Pure functions; thread-safe (the codec keeps per-thread zstd state).
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvstore.keys import PrefixKey
+from kvstore.keys import PrefixKey, chained_key
 from kvstore.tiers.base import ChunkRecord
 from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk.format import StoredChunk, decode_meta, encode_meta
@@ -111,9 +112,15 @@ def assemble_remote_value(stored: StoredChunk, frames: Sequence[bytes]) -> bytes
     return b"".join([header, frame_table, meta, *frames])
 
 
-def decode_remote_value(key: PrefixKey, value: bytes | bytearray | memoryview | None) -> RemoteChunk | None:
+def decode_remote_value(
+    key: PrefixKey, value: bytes | bytearray | memoryview | None, namespace: bytes
+) -> RemoteChunk | None:
     """Check a fetched value's header and meta record; ``None`` for a missing or defective value, or one of
-    another chunk."""
+    another chunk.
+
+    The header's key is not covered by a checksum, so the checksummed meta record must produce it: a chunk's key
+    is ``chained_key(parent key or namespace, tokens)``, and a value whose record chains to another key (another
+    chunk's value under this name, a header rewritten) is refused."""
     if value is None or len(value) < _HEADER.size:
         return None
     view = memoryview(value).cast("B")
@@ -136,12 +143,15 @@ def decode_remote_value(key: PrefixKey, value: bytes | bytearray | memoryview | 
         or -(-stored.raw_bytes // stored.frame_bytes) != num_frames
     ):
         return None
+    tokens = np.array(stored.tokens, dtype="<u4")  # its own copy: the value may be a reused buffer
+    if chained_key(stored.parent_key or namespace, tokens) != key:
+        return None
     offsets = list(itertools.accumulate(sizes, initial=meta_end))
     frames = tuple(view[start:end] for start, end in itertools.pairwise(offsets))
     record = ChunkRecord(
         key=stored.key,
         source_start=stored.source_start,
-        tokens=np.array(stored.tokens, dtype="<u4"),  # its own copy: the value may be a reused buffer
+        tokens=tokens,
         parent_key=stored.parent_key,
     )
     return RemoteChunk(

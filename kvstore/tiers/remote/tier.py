@@ -423,7 +423,8 @@ class RemoteTier:
         values = self.link.call(get_all, default=None, what=f"get {len(keys)} chunks")
         if values is None:
             return [None] * len(keys)
-        chunks = [decode_remote_value(key, value) for key, value in zip(keys, values, strict=True)]
+        namespace = self.layout.namespace
+        chunks = [decode_remote_value(key, value, namespace) for key, value in zip(keys, values, strict=True)]
         missing = [key for key, value in zip(keys, values, strict=True) if value is None]
         corrupt = [
             key for key, value, chunk in zip(keys, values, chunks, strict=True) if value is not None and chunk is None
