@@ -23,6 +23,7 @@ request is sent just before the next request.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -44,6 +45,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import PrefixKey, as_token_array, checked_keys
 from kvstore.layout import KVLayout
+from kvstore.pids import pid_alive
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
 from kvstore.sessions import Session
 from kvstore.stats import StoreStats
@@ -100,6 +102,8 @@ class Client:
         connect_timeout_s: how long the first hello may take.
         transport: ``"auto"`` (shared memory when on the server's host, else inline), ``"shm"`` or ``"inline"``.
         name: shown by ``kvstore inspect --url``.
+        server_pid: the server's process id, when the caller knows it (a server it started, on this host): a
+            request to a server that has exited then fails at once instead of after ``timeout_s``.
 
     Raises:
         ServerUnavailableError: no server answered the hello.
@@ -115,6 +119,7 @@ class Client:
         connect_timeout_s: float = 5.0,
         transport: str = "auto",
         name: str | None = None,
+        server_pid: int | None = None,
     ) -> None:
         if transport not in ("auto", "shm", "inline"):
             raise InvalidInputError(f"transport {transport!r} must be auto, shm or inline")
@@ -127,7 +132,7 @@ class Client:
         self._lock_owner: int | None = None
         self._deferred_sessions: list[str] = []
         self._closed = False
-        self._connection = Connection(url)
+        self._connection = Connection(url, functools.partial(pid_alive, server_pid) if server_pid else None)
         self._client_id: str | None = None
         self._segments: ClientSegments | None = None
         self._inline_noted = False
@@ -141,6 +146,11 @@ class Client:
         if self._shm:
             assert layout is not None, "shared memory is only chosen for a client with a layout"
             self._segments = ClientSegments(layout, self._attach, self._detach)
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether KV moves through shared memory (``buffer()`` works): the server is on this host."""
+        return self._segments is not None
 
     # -- plumbing ----------------------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client import Client
-from kvstore.errors import KVStoreError, ServerUnavailableError
+from kvstore.errors import KVStoreError
 
 __all__ = ["LoadBuffers"]
 
@@ -50,15 +50,27 @@ class LoadBuffers:
         self._free: list[_Kept] = []
         self._in_use: dict[int, _Kept] = {}
 
-    def take(self, client: Client, num_tokens: int) -> torch.Tensor | None:
+    def take(self, client: Client, num_tokens: int, *, create: bool = True) -> torch.Tensor | None:
         """A buffer of ``client``'s with room for ``num_tokens`` (more, when a kept one is larger); ``None`` when the
         server is not on this host (the retrieve then brings the KV in its reply).
 
+        With ``create=False`` only a kept buffer is taken and nothing else happens (``None`` when none fits): no
+        request reaches the server, so an engine thread may call it whatever state the store is in.
+
         Raises:
-            KVStoreError: the server refused to map a new buffer.
+            KVStoreError: the server refused to map a new buffer, or did not answer.
         """
-        too_small: list[_Kept] = []
         chosen: _Kept | None = None
+        if not create:
+            with self._lock:
+                fitting = [kept for kept in self._free if kept.client is client and kept.num_tokens >= num_tokens]
+                if not fitting:
+                    return None
+                chosen = min(fitting, key=lambda kept: kept.num_tokens)
+                self._free.remove(chosen)
+                self._in_use[_key(chosen.buffer)] = chosen
+            return chosen.buffer
+        too_small: list[_Kept] = []
         with self._lock:
             for kept in sorted(self._free, key=lambda kept: kept.num_tokens):
                 if kept.client is not client:
@@ -77,10 +89,9 @@ class LoadBuffers:
             _release(kept)
         if chosen is not None:
             return chosen.buffer
-        try:
-            buffer = client.buffer(num_tokens)
-        except ServerUnavailableError:
+        if not client.shares_memory:
             return None
+        buffer = client.buffer(num_tokens)  # a server that does not answer is an outage for the caller's link
         with self._lock:
             self._in_use[_key(buffer)] = _Kept(client, buffer)
         return buffer
@@ -93,6 +104,12 @@ class LoadBuffers:
             kept = self._in_use.pop(_key(buffer), None)
             if kept is not None:
                 self._free.append(kept)
+
+    def holds(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` is one of the pool's (free or in use)."""
+        key = _key(buffer)
+        with self._lock:
+            return key in self._in_use or any(_key(kept.buffer) == key for kept in self._free)
 
     @property
     def num_kept(self) -> int:

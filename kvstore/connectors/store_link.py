@@ -71,6 +71,14 @@ class StoreLink:
     def url(self) -> str | None:
         return self._client.url if self._client is not None else self._settings.url
 
+    def current_client(self) -> Client | None:
+        """The connected client when the link is up, without any I/O (``None`` when down or not connected yet):
+        for an engine thread, which must not wait on the store."""
+        with self._lock:
+            if self._closed or time.monotonic() < self._down_until:
+                return None
+            return self._client
+
     @property
     def is_up(self) -> bool:
         """Whether the last call reached the store."""
@@ -106,7 +114,7 @@ class StoreLink:
         except KVStoreError as exc:
             self._mark_down(what, exc, client)
             return None
-        self._mark_up()
+        self._mark_up(client)
         return result
 
     def _client_or_none(self, what: str, raise_layout_errors: bool) -> Client | None:
@@ -116,6 +124,7 @@ class StoreLink:
             if self._client is not None:
                 return self._client
             url = self._settings.url
+            server_pid = None
             if url is None:
                 server = self._server
                 if server is None or not server.is_running():
@@ -123,10 +132,15 @@ class StoreLink:
                 if server is None:
                     self._start_in_background_locked()
                     return None
-                url = server.url
+                url, server_pid = server.url, server.pid  # its death then fails a call at once
         try:  # outside the lock: a hello to a dead server must not block the link's other threads
             client = Client(
-                url, self._layout, timeout_s=self._timeout_s, connect_timeout_s=self._timeout_s, name=self._name
+                url,
+                self._layout,
+                timeout_s=self._timeout_s,
+                connect_timeout_s=min(self._timeout_s, self._settings.lookup_timeout_s),  # a hello is quick
+                name=self._name,
+                server_pid=server_pid,
             )
         except LayoutMismatchError as exc:
             if raise_layout_errors:
@@ -204,13 +218,13 @@ class StoreLink:
                 self._settings.retry_s,
             )
 
-    def _mark_up(self) -> None:
+    def _mark_up(self, client: Client) -> None:
         if self._outage_started is None:
             return
         with self._lock:
             if self._outage_started is not None:
                 logger.warning(
-                    "kvstore store at %s is back after %.1f s", self.url, time.monotonic() - self._outage_started
+                    "kvstore store at %s is back after %.1f s", client.url, time.monotonic() - self._outage_started
                 )
                 self._outage_started = None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import zmq
 
@@ -29,16 +29,21 @@ __all__ = ["Connection"]
 
 logger = logging.getLogger(__name__)
 
+_ALIVE_CHECK_MS = 200
+
 
 class Connection:
     """A request/reply channel to one server URL.
 
     Args:
         url: the server's ``tcp://host:port``.
+        server_alive: when the server's process is known (same host), whether it still runs: a request to a
+            server that has exited fails within 200 ms instead of waiting out its timeout.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, server_alive: Callable[[], bool] | None = None) -> None:
         self.url = check_server_url(url)
+        self._server_alive = server_alive
         self._context = zmq.Context()
         self._socket: zmq.Socket[bytes] | None = None
         self._request_ids = itertools.count(1)
@@ -86,8 +91,15 @@ class Connection:
             socket.send_multipart(frames, copy=payload is None)
             while True:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms <= 0 or not socket.poll(remaining_ms, zmq.POLLIN):
+                if remaining_ms <= 0:
                     break
+                if not socket.poll(min(remaining_ms, _ALIVE_CHECK_MS), zmq.POLLIN):
+                    if self._server_alive is not None and not self._server_alive():
+                        self._reset()
+                        raise ServerUnavailableError(
+                            f"the kvstore server at {self.url} has exited ({op.value} got no reply)"
+                        )
+                    continue
                 parts = socket.recv_multipart(copy=False)
                 try:
                     reply = decode_reply([part.buffer for part in parts])

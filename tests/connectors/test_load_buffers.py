@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvstore import Client
+from kvstore import Client, ServerUnavailableError
 from kvstore.connectors.load_buffers import LoadBuffers
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import SERVER_LAYOUT, ServerProcess, running_server
@@ -81,3 +83,27 @@ def test_a_buffer_of_a_client_that_is_gone_is_not_handed_to_another(server: Serv
         tokens, kv = make_tokens(32, seed=13), make_kv(SERVER_LAYOUT, 32, seed=13)
         new.store(tokens, kv)
         assert torch.equal(new.retrieve(new.lookup(tokens), fresh).kv[:, :, :32], kv)
+
+
+def test_taking_without_creating_never_asks_the_server(tmp_path: Path) -> None:
+    """The engine thread stages saves with ``create=False``: a kept buffer or nothing, even with the server hung
+    (SIGSTOP) -- and a buffer asked of a hung server is an error for the caller's link, not a silent ``None``."""
+    with running_server(tmp_path / "data") as hung, Client(hung.url, SERVER_LAYOUT, timeout_s=1.0) as client:
+        buffers = LoadBuffers()
+        kept = buffers.take(client, 32)
+        buffers.give_back(kept)
+        hung.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert storage(buffers.take(client, 16, create=False)) == storage(kept)
+            assert buffers.take(client, 64, create=False) is None, "none fits: nothing is created"
+            assert time.monotonic() - started < 0.1
+            with pytest.raises(ServerUnavailableError):
+                buffers.take(client, 64)
+        finally:
+            hung.process.send_signal(signal.SIGCONT)
+
+
+def test_a_server_on_another_host_gets_no_buffer(server: ServerProcess) -> None:
+    with Client(server.url, SERVER_LAYOUT, transport="inline") as inline:
+        assert not inline.shares_memory and LoadBuffers().take(inline, 16) is None

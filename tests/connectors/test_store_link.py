@@ -310,3 +310,32 @@ def test_close_stops_the_embedded_server_even_after_an_outage(data_dir: Path) ->
     assert wait_until(lambda: process_gone(record.pid), timeout_s=10), (
         "close() left running the embedded server this process started (it forgot it after the outage)"
     )
+
+
+def test_a_killed_embedded_server_fails_a_call_at_once_whatever_the_transfer_timeout(data_dir: Path) -> None:
+    """A worker's links wait up to 30 s for a transfer; a server whose process is gone must not cost that: the
+    link knows its embedded server's pid, and a request to it fails as soon as it has exited."""
+    settings = ConnectorSettings(embedded=embedded_settings(data_dir), retry_s=RETRY_S)
+    link = StoreLink(settings, SERVER_LAYOUT, name="transfer link", timeout_s=30.0)
+    try:
+        assert link.connect() and round_trip(link, seed=8) == 64
+        record = live_server_record(data_dir)
+        assert record is not None
+        os.kill(record.pid, signal.SIGKILL)
+        result, elapsed_s = timed_stats(link)
+        assert result is None and elapsed_s < 2.0, f"a call to a dead server took {elapsed_s:.1f} s"
+    finally:
+        link.close()
+
+
+def test_a_link_connects_within_the_lookup_timeout_not_the_transfer_timeout() -> None:
+    """Engine start tries each of a worker's links once: a store that does not answer costs the lookup timeout
+    per link (2 s by default), not the 30 s transfer timeout (three links: 92 s before)."""
+    settings = ConnectorSettings(url=f"tcp://127.0.0.1:{free_port()}", retry_s=RETRY_S, lookup_timeout_s=0.5)
+    link = StoreLink(settings, SERVER_LAYOUT, name="transfer link", timeout_s=30.0)
+    try:
+        started = time.monotonic()
+        assert link.connect() is False
+        assert time.monotonic() - started < 2.0
+    finally:
+        link.close()

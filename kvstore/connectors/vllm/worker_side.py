@@ -56,7 +56,7 @@ from kvstore.connectors.vllm.metadata import (
     LoadSpec,
     SaveSpec,
 )
-from kvstore.errors import ConfigError, KVStoreError, ServerUnavailableError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.plan import exact_prefix_tokens
 
@@ -130,6 +130,7 @@ class WorkerSide:
         self._saves: list[_PendingSave] = []
         self._save_futures: list[concurrent.futures.Future[None]] = []
         self._sync_buffers, self._async_buffers = LoadBuffers(), LoadBuffers()  # one per load link and thread
+        self._save_buffers = LoadBuffers()  # taken on the engine thread without a request, kept by the save thread
         self._failed_blocks: set[int] = set()
         self._finished_loads: dict[str, int] = {}  # request id -> tokens its load put into the blocks
         self._stats_lock = threading.Lock()
@@ -459,12 +460,15 @@ class WorkerSide:
     # -- saves ----------------------------------------------------------------------------------------------------
 
     def _new_save(self, spec: SaveSpec) -> _PendingSave:
-        """Staging for a save: shared memory the server reads directly when the engine runs on the cpu."""
+        """Staging for a save: on the cpu, a kept shared-memory buffer the server reads directly. On the engine
+        thread (``save_kv_layer``), so it never asks the server anything: without a kept buffer large enough it
+        stages in plain memory, and the save thread keeps a shared one for the next save."""
         num_tokens = spec.end - spec.start
         device = self._caches[0].device
         staging = None
-        if device.type == "cpu":
-            staging = self._save_link.call("buffer", lambda client: _shared_buffer(client, num_tokens))
+        client = self._save_link.current_client() if device.type == "cpu" else None
+        if client is not None:
+            staging = self._save_buffers.take(client, num_tokens, create=False)
         if staging is None:
             staging = torch.empty(
                 self._layout.chunk_shape(num_tokens), dtype=self._layout.dtype.torch_dtype, device=device
@@ -482,9 +486,13 @@ class WorkerSide:
         except Exception:  # the save thread's boundary: a lost save is a later miss, never a failed step
             logger.exception("request %s: storing its prompt failed", spec.request_id)
             stored = None
+        finally:
+            self._save_buffers.give_back(save.staging)  # ignored unless it is a kept buffer
         if stored is None:
             return
         num_tokens = spec.end - spec.start
+        if self._caches[0].device.type == "cpu" and not self._save_buffers.holds(save.staging):
+            self._keep_save_buffer(num_tokens)
         with self._stats_lock:
             self._stats.record(
                 saves=1,
@@ -494,16 +502,17 @@ class WorkerSide:
             )
 
 
+    def _keep_save_buffer(self, num_tokens: int) -> None:
+        """On the save thread: map a shared buffer of ``num_tokens`` for the next save of that size to stage in."""
+
+        def keep(client: Client) -> None:
+            self._save_buffers.give_back(self._save_buffers.take(client, num_tokens))
+
+        self._save_link.call("buffer", keep)
+
+
 def _loaded_tokens(spec: LoadSpec, fetched: _Fetched) -> int:
     return fetched.loaded_end - spec.start
-
-
-def _shared_buffer(client: Client, num_tokens: int) -> torch.Tensor | None:
-    """A shared-memory KV buffer the server writes into directly, or ``None`` for a remote server."""
-    try:
-        return client.buffer(num_tokens)
-    except ServerUnavailableError:
-        return None
 
 
 def _packed_format(cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int) -> BlockFormat:
