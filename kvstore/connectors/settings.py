@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kvstore.config import DEFAULT_DATA_DIR, parse_size
 from kvstore.errors import ConfigError
+from kvstore.wire.address import check_server_url
 
 __all__ = ["BLEND_DISK_POLICIES", "ConnectorSettings", "EmbeddedServerSettings", "parse_connector_settings"]
 
@@ -144,8 +145,11 @@ def _checked(key: str, name: str, value: object) -> object:
     if name in ("url", "model_id", "tiers", "remote_url", "remote_namespace"):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key} must be a non-empty string, not {value!r}")
-        if name == "url" and not value.startswith(("tcp://", "ipc://")):
-            raise ConfigError(f"{key}={value!r} must look like tcp://127.0.0.1:5555")
+        if name == "url":
+            try:
+                check_server_url(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
         return value
     if name in ("data_dir", "config"):
         if not isinstance(value, str) or not value:

@@ -133,6 +133,8 @@ def test_serve_flags_name_every_given_setting() -> None:
         ({"kvstore.retry_s": float("inf")}, ("kvstore.retry_s", "positive, finite number", "inf")),
         ({"kvstore.disk_size": "-1GiB"}, ("kvstore.disk_size", "-1GiB")),
         ({"kvstore.gpu_size": None}, ("kvstore.gpu_size", "None")),
+        ({"kvstore.url": "tcp://127.0.0.1:99999"}, ("kvstore.url", "a port is a number in 1-65535")),
+        ({"kvstore.url": "127.0.0.1:5555"}, ("kvstore.url", "must look like tcp://127.0.0.1:5555")),
         ({"kvstore.chunk_size": True}, ("kvstore.chunk_size", "positive integer")),
         ({"kvstore.chunk_size": 16.0}, ("kvstore.chunk_size", "positive integer", "16.0")),
         ({"kvstore.chunk_size": -16}, ("kvstore.chunk_size", "positive integer", "-16")),

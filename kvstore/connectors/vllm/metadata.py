@@ -142,6 +142,10 @@ _COUNTERS = (
 _SECONDS = ("load_seconds", "save_seconds", "blend_seconds", "on_path_seconds")
 
 
+STALL_REPORT_S = 0.05
+"""Engine-path time in one reporting interval that is worth a stats line even without a transfer."""
+
+
 @dataclass
 class KVStoreConnectorStats(KVConnectorStats):
     """The worker's transfer counters since the last report (vLLM logs ``reduce()`` every logging interval);
@@ -173,4 +177,7 @@ class KVStoreConnectorStats(KVConnectorStats):
         return reduced
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(name) for name in ("loads", "saves", "blends", "blend_failed"))
+        """Nothing to report: no transfer, and no more than ``STALL_REPORT_S`` on the engine's path (a stall on a
+        store in trouble is reported even when nothing was loaded or saved; the hooks' own microseconds are not)."""
+        transfers = any(self.data.get(name) for name in ("loads", "saves", "blends", "blend_failed"))
+        return not transfers and self.data.get("on_path_seconds", 0.0) < STALL_REPORT_S
