@@ -34,7 +34,7 @@ from pathlib import Path
 from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig, parse_size, parse_tiers
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, LayoutMismatchError, StorageError
-from kvstore.layout import KVLayout
+from kvstore.layout import KVDtype, KVLayout
 from kvstore.presets import PRESET_NAMES, preset_layout
 from kvstore.server.host_facts import HostFacts, free_disk_bytes
 from kvstore.server.loop import LoopOptions
@@ -257,13 +257,15 @@ def _check_fits(setting: str, wanted_bytes: int, available_bytes: int, where: st
 
 
 def _recorded(data_dir: Path) -> tuple[KVLayout, int] | None:
-    """The layout and chunk size a data dir recorded, or ``None`` for a fresh dir."""
+    """The layout and chunk size a data dir recorded, or ``None`` for a fresh dir.
+
+    Raises:
+        StorageError: ``data.mdb`` exists but cannot be opened (damaged, not LMDB): the server must not start on
+            it as if the dir were fresh, and must write nothing there.
+    """
     if not (data_dir / "data.mdb").is_file():
         return None
-    try:
-        env = DiskEnvironment(data_dir, read_only=True, map_size_bytes=64 * _MIB)
-    except StorageError:
-        return None
+    env = DiskEnvironment(data_dir, read_only=True, map_size_bytes=64 * _MIB)  # damage: StorageError, one line
     try:
         info = env.read_info()
     finally:
@@ -362,8 +364,11 @@ def _check_data_dir_path(data_dir: Path) -> None:
 
 def _check_room_for_a_chunk(store: StoreConfig, layout: KVLayout | None) -> None:
     """Refuse a tier too small for one chunk before start-up (it would refuse every client later). Without a
-    layout yet (none given, none recorded) only an empty tier can be refused."""
-    chunk_bytes = layout.chunk_bytes(store.chunk_size) if layout is not None else 1
+    layout yet (none given, none recorded) a tier smaller than the smallest chunk of any layout is refused (one
+    layer, one KV head of one dimension, 16-bit: 4 bytes a token); the first client's layout is checked when it
+    registers."""
+    smallest_chunk_bytes = 2 * min(dtype.element_size_bytes for dtype in KVDtype) * store.chunk_size
+    chunk_bytes = layout.chunk_bytes(store.chunk_size) if layout is not None else smallest_chunk_bytes
     sizes = {
         TierName.GPU: ("--gpu-size", store.gpu_capacity_bytes),
         TierName.CPU: ("--cpu-size", store.cpu_capacity_bytes),
@@ -374,7 +379,11 @@ def _check_room_for_a_chunk(store: StoreConfig, layout: KVLayout | None) -> None
             continue  # the remote's room is Valkey's maxmemory
         flag, size = sizes[tier]
         if size < chunk_bytes:
-            one_chunk = f"one chunk ({chunk_bytes / _MIB:.2f} MiB of {layout.describe()})" if layout else "any chunk"
+            one_chunk = (
+                f"one chunk ({chunk_bytes / _MIB:.2f} MiB of {layout.describe()})"
+                if layout
+                else f"a chunk of any model ({store.chunk_size} tokens take at least {chunk_bytes} bytes)"
+            )
             raise ConfigError(
                 f"{flag} {_size_text(size)} leaves the {tier.value} tier no room for {one_chunk}; raise it or drop "
                 f"{tier.value} from --tiers"

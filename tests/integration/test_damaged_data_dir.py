@@ -135,6 +135,22 @@ def test_serve_refuses_to_start_on_it(
     assert _fingerprint(path) == before
 
 
+def test_serve_without_a_layout_refuses_it_too_and_writes_nothing(
+    damaged: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --layout the server reads the data dir's recorded layout first: damage there used to pass for a
+    fresh dir, the server answered /healthz 200, failed every client and wrote its document hits into the dir."""
+    path, word = damaged
+    before = _fingerprint(path)
+    files_before = sorted(entry.name for entry in path.iterdir())
+    code, _, err = _kvstore(
+        capsys, "serve", "--data-dir", str(path), "--port", "0", "--metrics-port", "0", "--tiers", "cpu,disk",
+        "--cpu-size", "10MiB",
+    )  # fmt: skip
+    _assert_one_line_error(code, err, "data.mdb is damaged", word)
+    assert _fingerprint(path) == before and sorted(entry.name for entry in path.iterdir()) == files_before
+
+
 def test_a_whole_data_file_passes_and_every_cut_is_caught(tmp_path: Path, small_layout: KVLayout) -> None:
     path = tmp_path / "data"
     _filled_data_dir(path, small_layout)
