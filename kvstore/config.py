@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from kvstore.errors import ConfigError, InvalidInputError
@@ -44,6 +45,12 @@ _SIZE_UNITS = {
     "t": 1000**4,
     "tb": 1000**4,
     "tib": 1024**4,
+    "p": 1000**5,
+    "pb": 1000**5,
+    "pib": 1024**5,
+    "e": 1000**6,
+    "eb": 1000**6,
+    "eib": 1024**6,
 }
 
 
@@ -57,7 +64,10 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _SIZE_UNITS:
         raise ConfigError(f"size {text!r} is not a size; write e.g. 8GiB, 512MiB, 2GB or a byte count")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    num_bytes = Fraction(match.group(1)) * _SIZE_UNITS[unit]  # exact: 1.5GiB is whole, 0.25 bytes is not
+    if num_bytes.denominator != 1:
+        raise ConfigError(f"size {text!r} is {float(num_bytes):g} bytes, not a whole number of bytes")
+    return int(num_bytes)
 
 
 def parse_tiers(text: str) -> tuple[TierName, ...]:

@@ -17,10 +17,19 @@ from kvstore.tiers.base import TierName
         ("4096", 4096),
         (" 3 kib ", 3072),
         ("0", 0),
+        ("100PiB", 100 * 2**50),
+        ("2EB", 2 * 10**18),
+        ("0.5KiB", 512),
     ],
 )
 def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(("text", "bytes_said"), [("0.25", "0.25 bytes"), ("1.5", "1.5 bytes"), ("0.1KiB", "102.4")])
+def test_a_fractional_byte_count_is_refused_not_rounded_down(text: str, bytes_said: str) -> None:
+    with pytest.raises(ConfigError, match=f"{bytes_said}.*not a whole number of bytes"):
+        parse_size(text)
 
 
 @pytest.mark.parametrize("text", ["", "lots", "-1GiB", "8 parsecs", "1e9"])

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 import typer
-from typer._click.exceptions import ClickException  # typer vendors click; its usage errors derive from this
+from typer._click.exceptions import ClickException, NoSuchOption  # typer vendors click: its usage errors
 
 from kvstore.cli.bench import bench_app
 from kvstore.cli.demo import demo_command
@@ -25,6 +25,9 @@ from kvstore.version import DISTRIBUTION, __version__
 __all__ = ["app", "main"]
 
 logger = logging.getLogger(__name__)
+
+RENAMED_OPTIONS = {"--disk-path": "--data-dir", "--path": "--data-dir"}
+"""Options of earlier releases, and what replaced them: a user with an old command line is told the new name."""
 
 app = typer.Typer(
     name="kvstore",
@@ -66,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         result = command.main(args=list(argv) if argv is not None else None, prog_name="kvstore", standalone_mode=False)
+    except NoSuchOption as exc:
+        renamed = RENAMED_OPTIONS.get(exc.option_name)
+        message = f"{exc.option_name} was renamed {renamed}" if renamed else exc.format_message()
+        _fail(f"kvstore: error: {message}", 2)
     except ClickException as exc:
         _fail(f"kvstore: error: {exc.format_message()}", 2)
     except KVStoreError as exc:

@@ -243,8 +243,8 @@ def _size(setting: str, text: str | None, default_bytes: int) -> int:
         return default_bytes
     try:
         return parse_size(text)
-    except ConfigError:
-        raise ConfigError(f"{flag_name(setting)} {text!r} is not a size; write e.g. 8GiB, 512MiB or 2GB") from None
+    except ConfigError as exc:  # parse_size says why (not a size, or not whole bytes); name the flag
+        raise ConfigError(f"{flag_name(setting)}: {exc}") from None
 
 
 def _check_fits(setting: str, wanted_bytes: int, available_bytes: int, where: str) -> None:

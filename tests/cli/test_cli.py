@@ -102,6 +102,9 @@ def _first_key_of(path: Path) -> str:
         (["bench", "tiers", "--tiers", "disk,cpu"], "out of order", 1),
         (["bench", "tiers", "--layouts", "gpt-9"], "unknown layout preset", 1),
         (["inspect", "--bogus"], "No such option", 2),
+        (["serve", "--disk-path", "/tmp/kv"], "--disk-path was renamed --data-dir", 2),
+        (["inspect", "--path", "/tmp/kv"], "--path was renamed --data-dir", 2),
+        (["serve", "--cpu-size", "0.25"], "0.25 bytes, not a whole number of bytes", 1),
         (["--log-level", "loud", "inspect"], "--log-level", 2),
     ],
 )

@@ -131,7 +131,7 @@ def inspect_parameters(callback: object) -> list[list[str]]:
         ({"KVSTORE_PORT": "many"}, "KVSTORE_PORT=many must be an integer"),
         ({"KVSTORE_ENABLE_BLEND": "maybe"}, "KVSTORE_ENABLE_BLEND=maybe must be one of"),
         ({"KVSTORE_CPU_SIZE_GB": "4"}, "unknown variable KVSTORE_CPU_SIZE_GB"),
-        ({"KVSTORE_CPU_SIZE": "lots"}, "--cpu-size 'lots' is not a size"),
+        ({"KVSTORE_CPU_SIZE": "lots"}, "--cpu-size: size 'lots' is not a size"),
     ],
 )
 def test_bad_environment_variables_are_one_line_errors(tmp_path: Path, environ: dict[str, str], fragment: str) -> None:
@@ -178,7 +178,7 @@ def test_bad_config_files_are_one_line_errors(tmp_path: Path, text: str, fragmen
         (ServeFlags(tiers=""), ConfigError, "no tiers"),
         (ServeFlags(cpu_size="64GiB"), ConfigError, "--cpu-size 64.00GiB does not fit"),
         (ServeFlags(disk_size="1000000GiB"), ConfigError, "--disk-size"),
-        (ServeFlags(cpu_size="-1GiB"), ConfigError, "--cpu-size '-1GiB' is not a size"),
+        (ServeFlags(cpu_size="-1GiB"), ConfigError, "--cpu-size: size '-1GiB' is not a size"),
         (ServeFlags(port=70000), ConfigError, "not a TCP port"),
         (ServeFlags(workers=0), ConfigError, "between 1 and 64"),
         (ServeFlags(enable_dedup_content=True), ConfigError, "needs enable_blend"),
