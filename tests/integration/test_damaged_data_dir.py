@@ -11,12 +11,14 @@ import hashlib
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import lmdb
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +27,7 @@ from kvstore.cli.main import main
 from kvstore.errors import StorageError
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk.data_file_check import data_file_damage
+from kvstore.tiers.disk.format import frame_key
 from tests.factories import make_kv, make_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -176,3 +179,88 @@ def test_a_file_that_is_not_lmdb_is_named(tmp_path: Path) -> None:
     (path / "data.mdb").write_bytes(b"not a database at all" * 500)
     with pytest.raises(StorageError, match="not an LMDB data file"):
         TieredStore(KVLayout(model_id="x", num_layers=1, num_kv_heads=1, head_dim=8), _config(path))
+
+
+# -- damage inside the file: pages, not length ------------------------------------------------------------------
+
+
+def _newest_meta(path: Path) -> tuple[int, int, int]:
+    """(page size, offset of the newest meta page, its last page number)."""
+    data = (path / "data.mdb").read_bytes()
+    page_size = struct.unpack_from("=I", data, 40)[0]
+    metas = [(struct.unpack_from("=QQ", data, index * page_size + 136), index) for index in (0, 1)]
+    (last_page, _), index = max(metas, key=lambda meta: meta[0][1])
+    return page_size, index * page_size, last_page
+
+
+def test_a_flipped_bit_in_a_meta_pages_page_number_is_named_as_such(
+    tmp_path: Path, small_layout: KVLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A whole file whose newest meta page names a page far past the map: it was once reported as "truncated ...
+    needs 137,550,704,640 bytes" of an intact file."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    _, meta, last_page = _newest_meta(path)
+    with open(path / "data.mdb", "r+b") as data_file:
+        data_file.seek(meta + 136)
+        data_file.write(struct.pack("=Q", last_page | 1 << 25))
+    code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
+    _assert_one_line_error(code, err, "data.mdb is damaged", "meta page", "past its own map size")
+    assert "truncated" not in err
+    with pytest.raises(StorageError, match="meta page"):
+        TieredStore(small_layout, _config(path))
+
+
+def test_a_meta_page_naming_too_few_pages_is_damage_not_a_bad_transaction(
+    tmp_path: Path, small_layout: KVLayout
+) -> None:
+    """The other way round: pages of the trees lie past the last page the meta names (LMDB: page not found)."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    _, meta, last_page = _newest_meta(path)
+    with open(path / "data.mdb", "r+b") as data_file:
+        data_file.seek(meta + 136)
+        data_file.write(struct.pack("=Q", last_page // 2))
+    with pytest.raises(StorageError, match=r"data\.mdb is damaged: a page is damaged") as raised:
+        TieredStore(small_layout, _config(path))
+    assert "\n" not in str(raised.value)
+
+
+def test_a_damaged_root_page_is_damage_not_another_kind_of_dir(
+    tmp_path: Path, small_layout: KVLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    page_size, meta, _ = _newest_meta(path)
+    data = (path / "data.mdb").read_bytes()
+    (main_root,) = struct.unpack_from("=Q", data, meta + 128)  # MDB_db[1] (the main tree): md_root
+    with open(path / "data.mdb", "r+b") as data_file:
+        data_file.seek(main_root * page_size + 10)
+        data_file.write(struct.pack("=H", 0x0004))  # its flags say overflow page: not a tree page
+    code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
+    _assert_one_line_error(code, err, "data.mdb is damaged")
+    assert "not a kvstore data dir" not in err
+
+
+def test_a_chunk_behind_a_damaged_page_is_a_counted_miss_not_an_error(tmp_path: Path, small_layout: KVLayout) -> None:
+    """A leaf entry of the payload tree pointing past the file (a flipped bit in its page number), met by a
+    retrieve of an open store: LMDB raises page-not-found; the retrieve serves the chunks before it."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    tokens, kv = make_tokens(4 * CHUNK_SIZE, seed=3), make_kv(small_layout, 4 * CHUNK_SIZE, seed=3)
+    with TieredStore(small_layout, _config(path)) as store:
+        plan = store.lookup(tokens)
+        victim = frame_key(plan.segments[2].key, 0)
+        store.release(plan)
+        data = (path / "data.mdb").read_bytes()
+        # Leaf nodes naming the chunk's first frame: the live one, and copies in pages freed by later commits
+        nodes = [at for at in range(len(data)) if data.startswith(victim, at) and data[at - 4] & 0x01]  # F_BIGDATA
+        assert nodes, "a leaf node holding the overflow page number of the chunk's first frame"
+        with open(path / "data.mdb", "r+b") as data_file:
+            for node in nodes:
+                data_file.seek(node + len(victim))
+                data_file.write(struct.pack("=Q", 2**40))
+        result = store.retrieve(store.lookup(tokens))
+        assert result.num_prefix_tokens == 2 * CHUNK_SIZE
+        assert torch.equal(result.kv, kv[:, :, : 2 * CHUNK_SIZE])
+        assert store.stats().tier(TierName.DISK).corrupt_reads == 1

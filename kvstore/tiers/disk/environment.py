@@ -42,7 +42,7 @@ import lmdb
 from kvstore.data_dir.owner_lock import release_owner_lock, take_owner_lock
 from kvstore.errors import LayoutMismatchError, StorageError
 from kvstore.layout import KVLayout
-from kvstore.tiers.disk.data_file_check import DATA_FILE, check_data_file
+from kvstore.tiers.disk.data_file_check import DATA_FILE, DataFileDamage, check_data_file
 from kvstore.tiers.disk.format import (
     DATA_DIR_FORMAT_VERSION,
     INFO_CAPACITY_BYTES,
@@ -51,7 +51,7 @@ from kvstore.tiers.disk.format import (
     INFO_LAYOUT,
 )
 
-__all__ = ["DataDirInfo", "DiskEnvironment", "storage_error", "tune_malloc_for_large_values"]
+__all__ = ["PAGE_DAMAGE", "DataDirInfo", "DiskEnvironment", "storage_error", "tune_malloc_for_large_values"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,15 @@ def tune_malloc_for_large_values() -> bool:
     )
 
 
+PAGE_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError)
+"""What LMDB raises on reaching a damaged page (a flipped bit in a page header or a child pointer); a read
+transaction that hit one is invalid afterwards, and its next call raises ``BadTxnError``."""
+
+
 def storage_error(action: str, exc: lmdb.Error) -> StorageError:
     """A ``StorageError`` for a failed lmdb call, naming what was being done (raise it ``from exc``)."""
+    if isinstance(exc, PAGE_DAMAGE):
+        return StorageError(f"{action}: {DataFileDamage(Path(DATA_FILE), f'a page is damaged ({exc})').message()}")
     hint = ""
     if isinstance(exc, lmdb.ReadersFullError):
         hint = "; too many concurrent readers: lower the number of threads reading the disk tier"
@@ -217,6 +224,10 @@ class DiskEnvironment:
             self.info_db = self.env.open_db(b"info", create=not read_only)
             # read-only opens skip it: unfinished chunks have no meta, so readers never see them
             self.intent_db = None if read_only else self.env.open_db(b"intent", create=True)
+        except PAGE_DAMAGE as exc:  # the sub-databases' names live in the main tree: a damaged page of it
+            self.close()
+            damage = DataFileDamage(self.path / DATA_FILE, f"a page of its main tree is damaged ({exc})")
+            raise StorageError(damage.message()) from exc
         except lmdb.Error as exc:
             self.close()
             raise StorageError(

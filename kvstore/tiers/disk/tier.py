@@ -55,7 +55,7 @@ from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.disk.check import DiskCheckReport, check_data_dir
 from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk.entries import Admission, PendingWrite
-from kvstore.tiers.disk.environment import DiskEnvironment
+from kvstore.tiers.disk.environment import PAGE_DAMAGE, DiskEnvironment
 from kvstore.tiers.disk.evicted import EvictionSink
 from kvstore.tiers.disk.format import FrameGeometry, StoredChunk, balanced_frame_bytes
 from kvstore.tiers.disk.host_copy import copy_tensor
@@ -388,13 +388,30 @@ class DiskTier(Tier):
                 self._index.end_pending_read(ticket.pending)
             status: FrameStatus | None = FrameStatus.OK
         else:
-            status = read_chunk(self._env, self._codec, self._pool, key, ticket.frame_bytes, out_bytes)
+            try:
+                status = read_chunk(self._env, self._codec, self._pool, key, ticket.frame_bytes, out_bytes)
+            except StorageError as exc:
+                if not isinstance(exc.__cause__, PAGE_DAMAGE):
+                    raise
+                self._count_damaged_page(key, exc)
+                return False
         if status is FrameStatus.OK:
             return True
         if status is None:
             return False
         self._drop_corrupt(key, status)
         return False
+
+    def _count_damaged_page(self, key: PrefixKey, exc: StorageError) -> None:
+        """A chunk behind a damaged LMDB page: a counted miss, like a frame that fails its checksum. It is not
+        deleted (a delete would walk the same damaged page); ``kvstore inspect --check`` reports the damage."""
+        self._index.count_corrupt_read()
+        self._warn_once(
+            "corrupt-page",
+            "disk tier %s: chunk %s lies behind a damaged page (%s); counted as a miss (later ones only counted, "
+            "in corrupt_reads)",
+            self.path, key.hex(), exc.__cause__,
+        )  # fmt: skip
 
     def _drop_corrupt(self, key: PrefixKey, status: FrameStatus) -> None:
         self._index.count_corrupt_read()
