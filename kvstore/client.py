@@ -301,12 +301,15 @@ class Client:
         *,
         session_id: str | None = None,
         blend: bool | None = None,
+        timeout_s: float | None = None,
     ) -> LookupPlan:
         """``TieredStore.lookup`` on the server: the plan's chunks stay pinned there until retrieve, release or
-        the session's end (or the client's death or goodbye)."""
+        the session's end (or the client's death or goodbye). ``timeout_s`` (default: the client's) bounds the wait
+        for this reply alone: a lookup is quick, so a caller on an engine's path may give up on a hung server sooner
+        than on a long transfer."""
         self._require_layout()
         args = LookupArgs(tokens=as_token_array(tokens), session_id=session_id, blend=blend).to_wire()
-        return plan_from_wire(self._simple(Op.LOOKUP, args))
+        return plan_from_wire(self._simple(Op.LOOKUP, args, timeout_s))
 
     def retrieve(
         self,

@@ -17,7 +17,7 @@ import torch
 
 from kvstore import Client, ConfigError, KVLayout, LayoutMismatchError, ServerUnavailableError
 from kvstore.connectors.settings import ConnectorSettings
-from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.store_link import StoreLink, connect_links
 from kvstore.data_dir.server_record import live_server_record
 from tests.connectors.conftest import embedded_settings, process_gone
 from tests.factories import make_kv, make_tokens
@@ -339,3 +339,74 @@ def test_a_link_connects_within_the_lookup_timeout_not_the_transfer_timeout() ->
         assert time.monotonic() - started < 2.0
     finally:
         link.close()
+
+
+def test_a_lookup_gives_up_on_a_hung_store_within_the_lookup_timeout(tmp_path: Path) -> None:
+    """A worker's sync load runs a lookup the engine's thread waits for: on a hung store (SIGSTOP) it must cost the
+    lookup timeout, not the link's 30 s transfer timeout (issue 27), and the link is then down for ``retry_s``."""
+    with running_server(tmp_path / "data") as hung:
+        link = StoreLink(ConnectorSettings(url=hung.url, retry_s=RETRY_S), SERVER_LAYOUT, name="load", timeout_s=30.0)
+        try:
+            assert link.connect()
+            hung.process.send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                assert link.call("load", lambda client: client.lookup(make_tokens(64), timeout_s=0.5)) is None
+                assert time.monotonic() - started < 1.5, "the lookup waited out the transfer timeout"
+                assert not link.is_up
+                down_calls_are_free(link, 0.3)
+            finally:
+                hung.process.send_signal(signal.SIGCONT)
+        finally:
+            link.close()
+
+
+def test_links_connect_together_so_a_silent_store_costs_engine_start_one_timeout() -> None:
+    """A worker connects three links at start; each waited its own connect timeout in turn (92 s in issue 27)."""
+    settings = ConnectorSettings(url=f"tcp://127.0.0.1:{free_port()}", retry_s=RETRY_S, lookup_timeout_s=1.0)
+    started = time.monotonic()
+    links, reached = connect_links(settings, SERVER_LAYOUT, ["load", "async-load", "save"], timeout_s=30.0)
+    elapsed_s = time.monotonic() - started
+    try:
+        assert not reached and len(links) == 3 and not any(link.is_up for link in links)
+        assert elapsed_s < 1.9, f"three links took {elapsed_s:.1f} s to give up: they connected one after another"
+    finally:
+        for link in links:
+            link.close()
+
+
+def test_connecting_links_to_another_layout_raises_and_closes_them(shared_server: ServerProcess) -> None:
+    with pytest.raises(LayoutMismatchError, match="start another server"):
+        connect_links(ConnectorSettings(url=shared_server.url), OTHER_LAYOUT, ["load", "save"], timeout_s=5.0)
+    links, reached = connect_links(ConnectorSettings(url=shared_server.url), SERVER_LAYOUT, ["load"], timeout_s=5.0)
+    assert reached and round_trip(links[0], seed=11) == 64
+    links[0].close()
+
+
+def test_a_worker_link_follows_the_embedded_server_to_its_new_port(
+    data_dir: Path, link_warnings: Callable[[str], int]
+) -> None:
+    """The scheduler's process restarts the embedded server, which listens on a new port: a worker's link (it did
+    not start the server) fails at once on the old one, then finds the new one in the data dir's ``serve.json``
+    (issue 27: it kept the old URL, each of three links paid 30 s, and the log said "store at None is back")."""
+    first = start_server(data_dir)
+    settings = ConnectorSettings(embedded=embedded_settings(data_dir), retry_s=RETRY_S)
+    link = StoreLink(settings, SERVER_LAYOUT, name="worker link", timeout_s=30.0)
+    second = None
+    try:
+        assert link.connect() and link.url == first.url
+        first.kill()
+        second = start_server(data_dir)
+        assert second.url != first.url
+        result, elapsed_s = timed_stats(link)
+        assert result is None and elapsed_s < 2.0, f"a call to the dead server took {elapsed_s:.1f} s"
+        assert wait_until(lambda: round_trip(link, seed=12) == 64, timeout_s=RETRY_S + 5)
+        assert link.url == second.url
+        assert link_warnings(f"store at {second.url} is back") == 1
+    finally:
+        link.close()
+        for server in (first, second):
+            if server is not None:
+                server.stop()
+                assert server.process.stdout is not None
+                server.process.stdout.close()

@@ -17,6 +17,7 @@ vLLM's calls. Without ``kvstore.url`` the first instance starts a private ``kvst
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -29,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvstore.connectors.hook_clock import HookClock
 from kvstore.connectors.settings import ConnectorSettings, parse_connector_settings
-from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.store_link import StoreLink, connect_links
 from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreConnectorStats
 from kvstore.connectors.vllm.scheduler_side import SchedulerSide
@@ -78,7 +79,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._clock = HookClock(role.name.lower())
         if role is KVConnectorRole.SCHEDULER:
-            link = _connected_link(settings, layout, name, settings.lookup_timeout_s)
+            (link,) = _connected_links(settings, layout, (name,), settings.lookup_timeout_s)
             self._scheduler = SchedulerSide(
                 link,
                 block_size=block_size,
@@ -90,17 +91,21 @@ class KVStoreConnector(KVConnectorBase_V1):
             if settings.blend:
                 _require_blend_server(link)
         else:
-            links = (  # each connected now: a link's first call must not be the one that finds the server
-                _connected_link(settings, layout, f"{name} load", settings.transfer_timeout_s),
-                _connected_link(settings, layout, f"{name} async-load", settings.transfer_timeout_s),
-                _connected_link(settings, layout, f"{name} save", settings.transfer_timeout_s),
+            kinds = ("load", "async-load", "save", "blend") if settings.blend else ("load", "async-load", "save")
+            # each connected now (a link's first call must not be the one that finds the server), all at once
+            load, async_load, save, *blend = _connected_links(
+                settings, layout, [f"{name} {kind}" for kind in kinds], settings.transfer_timeout_s
             )
-            blend_link = None
-            if settings.blend:
-                blend_link = _connected_link(settings, layout, f"{name} blend", settings.transfer_timeout_s)
+            blend_link = blend[0] if blend else None
+            if blend_link is not None:
                 _require_blend_server(blend_link)
             self._worker = WorkerSide(
-                vllm_config, layout, links, block_size=block_size, blend_link=blend_link, settings=settings
+                vllm_config,
+                layout,
+                (load, async_load, save),
+                block_size=block_size,
+                blend_link=blend_link,
+                settings=settings,
             )
         logger.info(
             "KVStoreConnector (%s): layout %s, store %s",
@@ -226,14 +231,15 @@ def _require_blend_server(link: StoreLink) -> None:
         )
 
 
-def _connected_link(settings: ConnectorSettings, layout: KVLayout, name: str, timeout_s: float) -> StoreLink:
-    """A link that has tried the store once: a wrong layout or a refused embedded server fails the engine's start,
-    a store that is merely down does not (the engine serves without it until it returns)."""
-    link = StoreLink(settings, layout, name=name, timeout_s=timeout_s)
+def _connected_links(
+    settings: ConnectorSettings, layout: KVLayout, names: Sequence[str], timeout_s: float
+) -> tuple[StoreLink, ...]:
+    """Links that have tried the store once, together: a wrong layout or a refused embedded server fails the
+    engine's start, a store that is merely down does not (the engine serves without it until it returns)."""
     try:
-        if not link.connect():
-            logger.warning("KVStoreConnector: the store is not reachable yet; starting without it")
+        links, reached = connect_links(settings, layout, names, timeout_s=timeout_s)
     except KVStoreError as exc:
-        link.close()
         raise ValueError(f"KVStoreConnector: {exc}") from None
-    return link
+    if not reached:
+        logger.warning("KVStoreConnector: the store is not reachable yet; starting without it")
+    return links

@@ -375,7 +375,9 @@ class WorkerSide:
 
     def _retrieve(self, client: Client, spec: LoadSpec, buffers: LoadBuffers) -> _Fetched:
         started = time.perf_counter()
-        plan = client.lookup(spec.token_ids, blend=False)
+        # a sync load's engine thread waits for this fetch: a store that does not answer a lookup costs it the lookup
+        # timeout, not the transfer timeout (issue 27)
+        plan = client.lookup(spec.token_ids, blend=False, timeout_s=self._settings.lookup_timeout_s)
         usable = min(spec.end, plan.num_prefix_tokens)
         usable -= usable % self._block_size
         if usable <= spec.start:
@@ -500,7 +502,6 @@ class WorkerSide:
                 saved_bytes=self._layout.chunk_bytes(num_tokens),
                 save_seconds=time.perf_counter() - started,
             )
-
 
     def _keep_save_buffer(self, num_tokens: int) -> None:
         """On the save thread: map a shared buffer of ``num_tokens`` for the next save of that size to stage in."""
