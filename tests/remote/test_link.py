@@ -3,8 +3,11 @@ one log line each way even when the remote flaps."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,3 +93,46 @@ def test_a_refused_command_is_a_failed_call_not_an_outage(valkey: ValkeyServer) 
         assert not _ping(closed)  # after close: the default, no error
     finally:
         link.close()
+
+
+def test_a_full_valkey_is_one_clean_log_line_without_payload_bytes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under ``noeviction`` every write is refused with OOM; the client library names the refused pipeline command
+    with its arguments, binary values included. One line for the burst, printable ASCII, no value bytes."""
+    caplog.set_level(logging.INFO, logger="kvstore.tiers.remote.link")
+    value = b"KVR\x01" + bytes(range(256)) * 64
+    with ValkeyServer(tmp_path / "full", maxmemory_bytes=2 << 20, maxmemory_policy="noeviction") as full:
+        link = RemoteLink(parse_remote_url(full.url), timeout_s=1.0)
+        try:
+
+            written = itertools.count()
+
+            def write(client: Any) -> bool:
+                pipe = client.pipeline(transaction=False)
+                for index in itertools.islice(written, 8):
+                    pipe.set(f"kvstore:kv:test:{{{index:032x}}}".encode(), value)
+                pipe.execute()
+                return True
+
+            outcomes = [link.call(write, default=False, what="put 8 chunks") for _ in range(40)]
+            assert False in outcomes and link.stats.refused_calls > 1
+        finally:
+            link.close()
+    lines = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    assert lines[0].isascii() and lines[0].isprintable() and "OutOfMemoryError" in lines[0]
+    assert "KVR" not in lines[0] and "kvstore:kv:test" not in lines[0]
+
+
+def test_a_wrong_password_says_authentication_failed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvstore.tiers.remote.link")
+    with ValkeyServer(tmp_path / "locked", password="right-one") as locked:
+        link = RemoteLink(parse_remote_url(f"valkey://:wrong-one@{locked.host}:{locked.port}"), timeout_s=1.0)
+        try:
+            assert not _ping(link) and not link.available
+        finally:
+            link.close()
+    lines = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "refused authentication" in lines[0] and "KVSTORE_REMOTE_PASSWORD" in lines[0]
+    assert "unreachable" not in lines[0] and "wrong-one" not in lines[0]

@@ -11,7 +11,12 @@ The remote is an accelerator, never a dependency: when it is down, slow or refus
   failure the outage closes with one line saying how long it lasted and how many calls it failed; a failure
   before that (a cluster whose lost node still owns slots answers some calls and fails others) continues the same
   outage, so a flapping remote logs one line each way, not one per flap. A command the server refuses (out of
-  memory under ``noeviction``, an ACL without the permission) is a failed call too, counted, but not an outage.
+  memory under ``noeviction``, an ACL without the permission) is a failed call too, counted, but not an outage;
+  each kind of refusal (``OOM``, ``NOPERM``, ...) is logged once per ``REFUSAL_QUIET_S``, with how many were
+  refused since. A wrong password is an outage that says so.
+- **Clean logs.** A logged error is one line of printable text without the command's arguments: the client
+  library names a failed pipeline command with its arguments, chunk values included, which made ``grep`` take a
+  log for binary.
 - **Single node or cluster.** At the first successful connection the link asks the server (``INFO cluster``) and
   builds a ``redis.Redis`` or a slot-aware ``redis.cluster.RedisCluster``; pipelines on a cluster are split per node
   by the library. Keys are named by ``RemoteNames`` so that what must share a slot does.
@@ -22,6 +27,7 @@ Threads: safe to share. The client library's pools are thread-safe; ``_state_loc
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +57,9 @@ _NETWORK_ERRORS: tuple[type[BaseException], ...] = (
 # Refused by a working server: ``ResponseError`` covers OOM, NOPERM, WRONGTYPE. Authentication failures are
 # ``AuthenticationError`` (a ConnectionError): an outage, since nothing will work until the operator fixes it.
 _REFUSALS: tuple[type[BaseException], ...] = (redis.ResponseError, redis.exceptions.DataError)
+REFUSAL_QUIET_S = 60.0
+_LOGGED_ERROR_CHARS = 200
+_PIPELINE_COMMAND = re.compile(r"Command # \d+ \(.*?\) of pipeline caused error: ", re.DOTALL)
 
 
 class RemoteLinkStats:
@@ -94,6 +103,7 @@ class RemoteLink:
         self._next_probe = 0.0
         self._failed_in_outage = 0
         self.stats = RemoteLinkStats()
+        self._refusals_logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged at, refused since)
         self._closed = False
 
     @property
@@ -171,12 +181,22 @@ class RemoteLink:
         return self._client
 
     def _refused(self, exc: BaseException, what: str) -> None:
+        text = _one_line(exc)
+        kind = f"{type(exc).__name__} {text.split(' ', 1)[0]}"  # e.g. "OutOfMemoryError OOM"
         with self._state_lock:
             self.stats.refused_calls += 1
             self.stats.failed_calls += 1
+            now = self._clock()
+            logged_at, since = self._refusals_logged.get(kind, (-REFUSAL_QUIET_S, 0))
+            if now - logged_at < REFUSAL_QUIET_S:
+                self._refusals_logged[kind] = (logged_at, since + 1)
+                return
+            self._refusals_logged[kind] = (now, 0)
+        also = f"; {since} more refused since the last such line" if since else ""
         logger.warning(
-            "remote tier %s: %s failed (%s: %s)", self.address.describe(), what, type(exc).__name__, _one_line(exc)
-        )
+            "remote tier %s refused %s (%s: %s)%s; said once a minute at most",
+            self.address.describe(), what, type(exc).__name__, text, also,
+        )  # fmt: skip
 
     def _fail(self, exc: BaseException, what: str) -> None:
         with self._state_lock:
@@ -188,6 +208,13 @@ class RemoteLink:
                 return
             self._down_since = self._clock()
             self.stats.outages += 1
+        if isinstance(exc, redis.AuthenticationError):
+            logger.warning(
+                "remote tier %s refused authentication (%s): check the URL's user and KVSTORE_REMOTE_PASSWORD; "
+                "serving from the local tiers, retrying every %.1f s",
+                self.address.describe(), _one_line(exc), self.retry_interval_s,
+            )  # fmt: skip
+            return
         logger.warning(
             "remote tier %s unreachable (%s: %s, during %s): serving from the local tiers, retrying every %.1f s",
             self.address.describe(),
@@ -227,5 +254,7 @@ class RemoteLink:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    """The error's message as one short line of printable text, without a pipeline command's arguments."""
+    text = _PIPELINE_COMMAND.sub("", str(exc))
+    printable = "".join(char if char.isascii() and char.isprintable() else " " for char in text).strip()
+    return " ".join(printable.split())[:_LOGGED_ERROR_CHARS] or type(exc).__name__
