@@ -200,12 +200,13 @@ def test_a_flipped_bit_in_a_meta_pages_page_number_is_named_as_such(
     needs 137,550,704,640 bytes" of an intact file."""
     path = tmp_path / "data"
     _filled_data_dir(path, small_layout)
-    _, meta, last_page = _newest_meta(path)
+    page_size, meta, last_page = _newest_meta(path)
     with open(path / "data.mdb", "r+b") as data_file:
         data_file.seek(meta + 136)
         data_file.write(struct.pack("=Q", last_page | 1 << 25))
     code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
-    _assert_one_line_error(code, err, "data.mdb is damaged", "meta page", "past its own map size")
+    where = f"meta page {meta // page_size} (at byte {meta:,}"
+    _assert_one_line_error(code, err, "data.mdb is damaged", where, "past its own map size")
     assert "truncated" not in err
     with pytest.raises(StorageError, match="meta page"):
         TieredStore(small_layout, _config(path))
@@ -264,3 +265,7 @@ def test_a_chunk_behind_a_damaged_page_is_a_counted_miss_not_an_error(tmp_path: 
         assert result.num_prefix_tokens == 2 * CHUNK_SIZE
         assert torch.equal(result.kv, kv[:, :, : 2 * CHUNK_SIZE])
         assert store.stats().tier(TierName.DISK).corrupt_reads == 1
+        assert store.store(tokens, kv).num_new_chunks == 0, "kept: a new copy would walk the damaged page"
+        again = store.retrieve(store.lookup(tokens))
+        assert again.num_prefix_tokens == 2 * CHUNK_SIZE and torch.equal(again.kv, result.kv)
+        assert store.stats().tier(TierName.DISK).corrupt_reads == 2

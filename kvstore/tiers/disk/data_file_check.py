@@ -94,7 +94,8 @@ def data_file_damage(path: Path) -> DataFileDamage | None:
     if needed > newest.map_size:  # LMDB never uses a page past its map: the meta page itself is damaged
         return DataFileDamage(
             path,
-            f"its meta page {newest.index} (transaction {newest.txn_id}) is damaged: it names page "
+            f"its meta page {newest.index} (at byte {newest.index * newest.page_size:,}, transaction "
+            f"{newest.txn_id}) is damaged: it names page "
             f"{newest.last_page:,}, past its own map size of {newest.map_size:,} bytes",
         )
     if size < needed:

@@ -55,14 +55,14 @@ from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.disk.check import DiskCheckReport, check_data_dir
 from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk.entries import Admission, PendingWrite
-from kvstore.tiers.disk.environment import PAGE_DAMAGE, DiskEnvironment
+from kvstore.tiers.disk.environment import DiskEnvironment
 from kvstore.tiers.disk.evicted import EvictionSink
 from kvstore.tiers.disk.format import FrameGeometry, StoredChunk, balanced_frame_bytes
 from kvstore.tiers.disk.host_copy import copy_tensor
 from kvstore.tiers.disk.lifecycle import OwnedLifecycle
 from kvstore.tiers.disk.meta_batch import ContentRecords
 from kvstore.tiers.disk.opening import close_disk_parts, open_disk_parts
-from kvstore.tiers.disk.reader import read_chunk
+from kvstore.tiers.disk.reader import PageDamage, read_chunk
 from kvstore.tiers.disk.records import DiskTierInfo, iter_content_records, iter_stored_chunks, read_stored_chunk
 from kvstore.tiers.disk.staging import StagingPool
 from kvstore.tiers.disk.tuning import DiskTuning
@@ -388,13 +388,11 @@ class DiskTier(Tier):
                 self._index.end_pending_read(ticket.pending)
             status: FrameStatus | None = FrameStatus.OK
         else:
-            try:
-                status = read_chunk(self._env, self._codec, self._pool, key, ticket.frame_bytes, out_bytes)
-            except StorageError as exc:
-                if not isinstance(exc.__cause__, PAGE_DAMAGE):
-                    raise
-                self._count_damaged_page(key, exc)
+            read = read_chunk(self._env, self._codec, self._pool, key, ticket.frame_bytes, out_bytes)
+            if isinstance(read, PageDamage):
+                self._count_damaged(key, read)
                 return False
+            status = read
         if status is FrameStatus.OK:
             return True
         if status is None:
@@ -402,15 +400,19 @@ class DiskTier(Tier):
         self._drop_corrupt(key, status)
         return False
 
-    def _count_damaged_page(self, key: PrefixKey, exc: StorageError) -> None:
-        """A chunk behind a damaged LMDB page: a counted miss, like a frame that fails its checksum. It is not
-        deleted (a delete would walk the same damaged page); ``kvstore inspect --check`` reports the damage."""
+    def _count_damaged(self, key: PrefixKey, damage: PageDamage) -> None:
+        """A chunk behind a damaged LMDB page: a counted miss, like a frame that fails its checksum.
+
+        It stays indexed and in LMDB, unlike a corrupt frame: deleting it, or writing a new copy over it once the
+        index forgot it, walks the same damaged page and fails the writer's whole group, honest chunks included.
+        Kept, it is only read (and counted) again; ``kvstore inspect --check`` reports the damage.
+        """
         self._index.count_corrupt_read()
         self._warn_once(
             "corrupt-page",
-            "disk tier %s: chunk %s lies behind a damaged page (%s); counted as a miss (later ones only counted, "
-            "in corrupt_reads)",
-            self.path, key.hex(), exc.__cause__,
+            "disk tier %s: chunk %s lies behind a damaged LMDB page (%s); counted as a miss (later ones are only "
+            "counted, in corrupt_reads)",
+            self.path, key.hex(), damage.reason,
         )  # fmt: skip
 
     def _drop_corrupt(self, key: PrefixKey, status: FrameStatus) -> None:
