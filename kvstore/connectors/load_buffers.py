@@ -50,42 +50,49 @@ class LoadBuffers:
         self._free: list[_Kept] = []
         self._in_use: dict[int, _Kept] = {}
 
-    def take(self, client: Client, num_tokens: int, *, create: bool = True) -> torch.Tensor | None:
+    def take(self, client: Client, num_tokens: int, *, create: bool = True, exact: bool = False) -> torch.Tensor | None:
         """A buffer of ``client``'s with room for ``num_tokens`` (more, when a kept one is larger); ``None`` when the
         server is not on this host (the retrieve then brings the KV in its reply).
 
         With ``create=False`` only a kept buffer is taken and nothing else happens (``None`` when none fits): no
         request reaches the server, so an engine thread may call it whatever state the store is in.
 
+        With ``exact=True`` only a buffer of exactly ``num_tokens`` fits (a save's staging: ``Client.store`` takes
+        the KV of exactly its tokens), and creating one releases the client's other free buffers, so a pool of save
+        staging holds one free buffer however many prompt lengths it saw.
+
         Raises:
             KVStoreError: the server refused to map a new buffer, or did not answer.
         """
+
+        def fits(kept: _Kept) -> bool:
+            return kept.num_tokens == num_tokens if exact else kept.num_tokens >= num_tokens
+
         chosen: _Kept | None = None
         if not create:
             with self._lock:
-                fitting = [kept for kept in self._free if kept.client is client and kept.num_tokens >= num_tokens]
+                fitting = [kept for kept in self._free if kept.client is client and fits(kept)]
                 if not fitting:
                     return None
                 chosen = min(fitting, key=lambda kept: kept.num_tokens)
                 self._free.remove(chosen)
                 self._in_use[_key(chosen.buffer)] = chosen
             return chosen.buffer
-        too_small: list[_Kept] = []
+        unfit: list[_Kept] = []
         with self._lock:
             for kept in sorted(self._free, key=lambda kept: kept.num_tokens):
                 if kept.client is not client:
                     self._free.remove(kept)  # its connection is gone: the server no longer maps it
-                elif kept.num_tokens >= num_tokens:
+                elif chosen is None and fits(kept):
                     chosen = kept
-                    break
-                else:
-                    too_small.append(kept)
-            for kept in too_small:
+                elif chosen is None or exact:
+                    unfit.append(kept)  # too small (or, for exact, another size): released, not kept
+            for kept in unfit:
                 self._free.remove(kept)
             if chosen is not None:
                 self._free.remove(chosen)
                 self._in_use[_key(chosen.buffer)] = chosen
-        for kept in too_small:
+        for kept in unfit:
             _release(kept)
         if chosen is not None:
             return chosen.buffer

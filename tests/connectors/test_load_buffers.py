@@ -107,3 +107,23 @@ def test_taking_without_creating_never_asks_the_server(tmp_path: Path) -> None:
 def test_a_server_on_another_host_gets_no_buffer(server: ServerProcess) -> None:
     with Client(server.url, SERVER_LAYOUT, transport="inline") as inline:
         assert not inline.shares_memory and LoadBuffers().take(inline, 16) is None
+
+
+def test_save_staging_is_exactly_its_size_and_one_size_is_kept(client: Client) -> None:
+    """A save stages in a kept buffer of exactly its tokens: a 400-token buffer kept from a first save was handed to
+    a 16-token save and crashed vLLM's step ("400 tokens do not fit in 1 blocks of 128 slots", issue 27's engine
+    test). Keeping a new size releases the other, so a pool of save staging never grows with prompt lengths."""
+    buffers = LoadBuffers()
+    buffers.give_back(buffers.take(client, 64, exact=True))
+    assert buffers.take(client, 16, create=False, exact=True) is None, "a larger kept buffer is not a 16-token one"
+    small = buffers.take(client, 16, exact=True)
+    assert small is not None and small.shape == SERVER_LAYOUT.chunk_shape(16)
+    buffers.give_back(small)
+    assert buffers.num_kept == 1, "the 64-token buffer was released when the 16-token one was made"
+    again = buffers.take(client, 16, create=False, exact=True)
+    assert storage(again) == storage(small)
+    tokens, kv = make_tokens(16, seed=21), make_kv(SERVER_LAYOUT, 16, seed=21)
+    assert again is not None
+    again.copy_(kv)
+    client.store(tokens, again)
+    assert torch.equal(client.retrieve(client.lookup(tokens)).kv, kv)

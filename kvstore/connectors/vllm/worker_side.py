@@ -463,14 +463,15 @@ class WorkerSide:
 
     def _new_save(self, spec: SaveSpec) -> _PendingSave:
         """Staging for a save: on the cpu, a kept shared-memory buffer the server reads directly. On the engine
-        thread (``save_kv_layer``), so it never asks the server anything: without a kept buffer large enough it
-        stages in plain memory, and the save thread keeps a shared one for the next save."""
+        thread (``save_kv_layer``), so it never asks the server anything: without a kept buffer of exactly the
+        save's tokens (a larger one crashed the engine: gather and store take exactly them) it stages in plain
+        memory, and the save thread keeps a shared one of that size for the next save."""
         num_tokens = spec.end - spec.start
         device = self._caches[0].device
         staging = None
         client = self._save_link.current_client() if device.type == "cpu" else None
         if client is not None:
-            staging = self._save_buffers.take(client, num_tokens, create=False)
+            staging = self._save_buffers.take(client, num_tokens, create=False, exact=True)
         if staging is None:
             staging = torch.empty(
                 self._layout.chunk_shape(num_tokens), dtype=self._layout.dtype.torch_dtype, device=device
@@ -507,7 +508,7 @@ class WorkerSide:
         """On the save thread: map a shared buffer of ``num_tokens`` for the next save of that size to stage in."""
 
         def keep(client: Client) -> None:
-            self._save_buffers.give_back(self._save_buffers.take(client, num_tokens))
+            self._save_buffers.give_back(self._save_buffers.take(client, num_tokens, exact=True))
 
         self._save_link.call("buffer", keep)
 
