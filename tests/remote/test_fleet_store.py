@@ -388,6 +388,33 @@ def test_a_remote_restarted_empty_is_forgotten_and_filled_again(
         assert torch.equal(result.kv, kv)
 
 
+def test_a_restart_is_a_reset_even_when_a_write_recreates_the_directory_first(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    """The race that hid 8 resets of 10: a host's first write after the restart recreates a directory shard
+    before any host reads the epoch, and "epoch gone, directory there" reads as "only the epoch was evicted". The
+    hosts are held in an outage (Valkey hung) while it restarts and a shard is written, so the write comes first."""
+    with two_hosts(tmp_path, valkey.url) as (a, b):
+        before = make_tokens(3 * CHUNK, seed=125)
+        a.store(before, make_kv(LAYOUT, len(before), seed=125))
+        a.flush()
+        for host in (a, b):
+            host.sync_directory()  # each has read the epoch once (its directory reader does so every 50 ms)
+        keys = prefix_keys(LAYOUT.namespace, before, CHUNK)
+        assert [b.contains(key) for key in keys] == [[TierName.REMOTE]] * 3
+        valkey.pause()
+        time.sleep(0.5)  # both hosts' epoch checks time out: they fail fast for a second
+        valkey.restart()  # no persistence: empty
+        names = RemoteNames.for_layout("kvstore", LAYOUT, CHUNK)
+        with valkey.client() as client:
+            client.xadd(names.directory_shard(0), {b"r": b"a record a host wrote first"})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(_resets(host) for host in (a, b)):
+            time.sleep(0.05)
+        assert [_resets(host) for host in (a, b)] == [1, 1]
+        assert [b.contains(key) for key in keys] == [[]] * 3
+
+
 def _resets(host: TieredStore) -> int:
     remote = host.stats().remote
     return remote.resets if remote is not None else 0

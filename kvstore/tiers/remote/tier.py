@@ -20,7 +20,11 @@ and would never get them again (a chunk known to be remote is not sent). So ever
 value, or is gone together with every directory shard, the remote was reset, and the host forgets every key it
 believed remote (lookups stop planning them, new stores write them again) and reads the directory from its start.
 One warning says so. An epoch key gone while the directory is still there was evicted (Valkey's LRU counts in
-seconds, so a burst of writes can take it): it is put back with its old value, and nothing is forgotten.
+seconds, so a burst of writes can take it): it is put back with its old value, and nothing is forgotten -- unless a
+server restarted since the last check (its ``run_id`` changed): then a directory shard may be one that a host's
+first write after the restart recreated before anyone read the epoch, and the remote counts as reset. On a cluster,
+a master that restarted is a reset whatever the epoch says: the epoch key may live on another master, and the
+restarted one may have come back empty.
 
 Reads: ``fetch`` gets many values in one round trip (``MGET``; per node on a cluster) and checks their headers;
 ``decode_into`` decodes one. A defective value is counted, deleted in the background and reported as a miss.
@@ -153,6 +157,7 @@ class RemoteTier:
         self._hits = self._misses = self._corrupt_reads = self._forgotten = 0
         self._warned_full_queue = False
         self._epoch: bytes | None = None
+        self._server_runs: frozenset[str] | None = None  # the servers' run ids at the last epoch check
         self._resets = 0
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-remote-writer", daemon=True)
         self._writer.start()
@@ -177,9 +182,10 @@ class RemoteTier:
 
     def check_epoch(self) -> bool:
         """Detect a reset remote (see the module docstring); ``True`` when this call found one."""
-        current = self.link.call(self._read_epoch, default=None, what="check the remote's epoch")
-        if current is None:
-            return False  # an outage: nothing known
+        checked = self.link.call(self._read_epoch, default=None, what="check the remote's epoch")
+        if checked is None:
+            return False  # an outage: nothing known (the run ids are kept only from a whole check)
+        current, self._server_runs = checked
         with self._state_lock:
             previous, self._epoch = self._epoch, bytes(current)
             if previous is None or previous == self._epoch:
@@ -196,21 +202,28 @@ class RemoteTier:
         )
         return True
 
-    def _read_epoch(self, client: Any) -> bytes:
-        """The remote's epoch, set or put back as needed (one ``GET`` when it is there, as it almost always is)."""
+    def _read_epoch(self, client: Any) -> tuple[bytes, frozenset[str]]:
+        """The remote's epoch, set, put back or renewed as needed (see the module docstring), and the servers'
+        run ids."""
         name = self.names.epoch()
+        runs = _server_runs(client, self.link.is_cluster)
+        restarted = self._server_runs is not None and runs != self._server_runs
         value: bytes | None = client.get(name)
-        if value is not None:
-            return value
+        if value is not None and not (restarted and self.link.is_cluster):
+            return value, runs
         known = self._epoch
+        if restarted:  # whatever holds the epoch now, chunks this host believed held may be gone
+            renewed = os.urandom(8).hex().encode()
+            client.set(name, renewed)
+            return renewed, runs
         if known is not None:
             pipe = client.pipeline(transaction=False)
             for shard in self.names.directory_shards():
                 pipe.exists(shard)
             if any(pipe.execute()):  # only the epoch key was evicted: put it back as it was
-                return client.set(name, known, nx=True, get=True) or known
+                return client.set(name, known, nx=True, get=True) or known, runs
         candidate = os.urandom(8).hex().encode()
-        return client.set(name, candidate, nx=True, get=True) or candidate
+        return client.set(name, candidate, nx=True, get=True) or candidate, runs
 
     def read_directory(self) -> list[DirectoryRun] | None:
         """Runs other hosts published since the last call (``None`` during an outage); their keys are learnt."""
@@ -525,3 +538,11 @@ def _slice_run(run: DirectoryRun, start: int, end: int, chunk_tokens: int) -> Di
 
 def _nothing() -> None:
     pass
+
+
+def _server_runs(client: Any, is_cluster: bool) -> frozenset[str]:
+    """The run ids of the remote's servers (each master of a cluster): a new one means a server restarted."""
+    if not is_cluster:
+        return frozenset([str(client.info("server").get("run_id", ""))])
+    replies = client.info("server", target_nodes=client.__class__.PRIMARIES)
+    return frozenset(str(info.get("run_id", "")) for info in replies.values())
