@@ -157,9 +157,21 @@ HUGE_PAGE_BYTES = 2 << 20
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
+def _meminfo_number(field: str) -> int:
+    """A number of ``/proc/meminfo`` (``HugePages_Free``: pages; ``Hugepagesize``: kB)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == field:
+            return int(value.split()[0])
+    raise AssertionError(f"/proc/meminfo has no {field}")
+
+
 @pytest.fixture
 def hugepage_pool() -> Iterator[int]:
-    """Two free 2 MiB huge pages for the test (``vm.nr_hugepages``), the host's setting put back after."""
+    """Two more 2 MiB huge pages for the test (``vm.nr_hugepages``); yields how many are free, and puts the host's
+    setting back after. Skips only when the host cannot give them (not root, other page size, no memory)."""
+    if _meminfo_number("Hugepagesize") * 1024 != HUGE_PAGE_BYTES:
+        pytest.skip(f"huge pages here are {_meminfo_number('Hugepagesize')} kB; the attack is written for 2 MiB")
     setting = Path("/proc/sys/vm/nr_hugepages")
     before = setting.read_text()
     try:
@@ -167,7 +179,10 @@ def hugepage_pool() -> Iterator[int]:
     except OSError as exc:
         pytest.skip(f"cannot reserve huge pages here ({exc.strerror}): the attack needs a hugepage pool (root)")
     try:
-        yield 2
+        num_free = _meminfo_number("HugePages_Free")
+        if num_free < 2:  # the kernel grants what it can find: touching a page it did not grant is a SIGBUS here
+            pytest.skip(f"the host has no huge pages to give: asked vm.nr_hugepages={int(before) + 2}, {num_free} free")
+        yield num_free
     finally:
         setting.write_text(before)
 
