@@ -17,7 +17,9 @@ Faults. A load that finds less than the scheduler planned (a chunk evicted or co
 loads what it has and reports the other blocks through ``get_block_ids_with_load_errors``: with vLLM's
 ``kv_load_failure_policy="recompute"`` those blocks are recomputed and the request completes with the right
 output. A save that fails is logged and dropped (a later prompt misses, nothing else). A store that is down costs
-nothing per request (``StoreLink``).
+nothing per request (``StoreLink``), and the engine's thread never waits on one that does not answer for longer than
+``lookup_timeout_s``: a sync load's lookup gives up after it (the thread waits for that fetch), and a save stages
+without asking the store (a kept shared buffer taken with no request, else plain memory).
 
 Blends (``kvstore.blend``). A request's blend span runs whole in ``start_load_kv``, before the step's forward: the
 blend engine (registered by kvstore's vLLM plugin, ``kvstore.connectors.blend_hook``) looks the prompt up, runs the
@@ -190,6 +192,8 @@ class WorkerSide:
             layer_names=layer_names,
             check_layer=settings.blend_check_layer,
             disk_policy=settings.blend_disk_policy,
+            selection=settings.blend_selection,
+            chunk_start_tokens=settings.blend_chunk_start_tokens,
         )
         return factory(context)
 
