@@ -119,10 +119,17 @@ class StandaloneAnswer:
 
 
 def run_standalone_blender(
-    workload: BlendWorkload, *, chunk_size: int, ratios: Sequence[float], answer_tokens: int, data_dir: Path
+    workload: BlendWorkload,
+    *,
+    chunk_size: int,
+    ratios: Sequence[float],
+    answer_tokens: int,
+    data_dir: Path,
+    selection: str = "kv_deviation",
 ) -> list[StandaloneAnswer]:
-    """Cache each document alone, then blend each query (at its ratio) with ``LayerwiseBlender`` on SmolLM2 (float32,
-    cpu); a blended prompt is not stored, as the connector does not store one."""
+    """Cache each document alone, then blend each query (at its ratio, selecting by ``selection``) with
+    ``LayerwiseBlender`` on SmolLM2 (float32, cpu); a blended prompt is not stored, as the connector does not store
+    one."""
     import torch
 
     from kvstore.bench.blend_quality import greedy_continuation
@@ -140,7 +147,7 @@ def run_standalone_blender(
         for document in workload.documents:
             blender.prefill(document, mode="full")
         for query, ratio in zip(workload.queries, ratios, strict=True):
-            blend = BlendConfig(recompute_ratio=ratio)
+            blend = BlendConfig(recompute_ratio=ratio, selection=selection)  # type: ignore[arg-type]
             output = blender.prefill(query.tokens, mode="blend", config=blend, store_result=False)
             continuation = greedy_continuation(loaded.model, output, answer_tokens, None)
             positions = output.recomputed_positions

@@ -40,6 +40,8 @@ class BlendEngineContext:
         paged_layers: one ``kvstore.connectors.paged.PagedLayer`` per layer, in model order.
         layer_names: the engine's attention layer names, in the same order.
         check_layer: the deployment's check layer (validated against the model when the engine is built).
+        selection: the deployment's selection policy (``kvstore.blend_selection``).
+        chunk_start_tokens: first tokens of every reused span the ``chunk_start`` policies take.
         disk_policy: the deployment's disk policy (``auto``, ``wait`` or ``recompute``).
     """
 
@@ -49,6 +51,8 @@ class BlendEngineContext:
     layer_names: tuple[str, ...]
     check_layer: int
     disk_policy: str
+    selection: str = "kv_deviation"
+    chunk_start_tokens: int = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

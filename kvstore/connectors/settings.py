@@ -24,12 +24,27 @@ from kvstore.config import DEFAULT_DATA_DIR, parse_size
 from kvstore.errors import ConfigError
 from kvstore.wire.address import check_server_url
 
-__all__ = ["BLEND_DISK_POLICIES", "ConnectorSettings", "EmbeddedServerSettings", "parse_connector_settings"]
+__all__ = [
+    "BLEND_DISK_POLICIES",
+    "BLEND_SELECTIONS",
+    "ConnectorSettings",
+    "EmbeddedServerSettings",
+    "parse_connector_settings",
+]
 
 _PREFIX = "kvstore."
 
 BLEND_DISK_POLICIES = ("auto", "wait", "recompute")
 """``kvstore.blend_disk_policy`` values: the layerwise blender's ``DiskPolicy`` (a test keeps them equal)."""
+BLEND_SELECTIONS = (
+    "kv_deviation",
+    "query_attention",
+    "chunk_start",
+    "chunk_start+query_attention",
+    "chunk_start+kv_deviation",
+)
+"""``kvstore.blend_selection`` values: the blender's ``SelectionPolicy`` (a test keeps them equal; the scheduler
+side parses settings without importing torch)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,7 +106,11 @@ class ConnectorSettings:
             (``kv_transfer_params``); needs kvstore's vLLM plugin and a server with ``--enable-blend`` (the
             embedded one gets it).
         blend_ratio: the share of blended tokens recomputed (CacheBlend's 0.15; 1.0 reproduces a full prefill).
-        blend_check_layer: the layer whose K deviation selects the recomputed tokens.
+        blend_check_layer: the layer at which the recomputed tokens are selected.
+        blend_selection: how they are selected (``kvstore.blend.selection.SelectionPolicy``): ``kv_deviation``
+            (CacheBlend's), ``query_attention`` (what the prompt's question attends to; the pass then computes the
+            question up to the check layer), ``chunk_start`` or span starts plus either.
+        blend_chunk_start_tokens: first tokens of every reused span the ``chunk_start`` policies take.
         blend_disk_policy: chunks only the disk holds: ``auto`` computes them when that is expected to be faster
             than reading them, ``wait`` always reads them, ``recompute`` never waits for the disk.
     """
@@ -106,6 +125,8 @@ class ConnectorSettings:
     blend: bool = False
     blend_ratio: float = 0.15
     blend_check_layer: int = 1
+    blend_selection: str = "kv_deviation"
+    blend_chunk_start_tokens: int = 4
     blend_disk_policy: str = "auto"
 
 
@@ -162,6 +183,14 @@ def _checked(key: str, name: str, value: object) -> object:
     if name == "blend_check_layer":
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"{key} must be a layer index >= 0 (default 1), not {value!r}")
+        return value
+    if name == "blend_selection":
+        if value not in BLEND_SELECTIONS:
+            raise ConfigError(f"{key} must be one of {', '.join(BLEND_SELECTIONS)}, not {value!r}")
+        return value
+    if name == "blend_chunk_start_tokens":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be a token count >= 1 (default 4), not {value!r}")
         return value
     if name == "blend_disk_policy":
         if value not in BLEND_DISK_POLICIES:

@@ -12,8 +12,9 @@ from importlib.metadata import entry_points
 import pytest
 
 from kvstore.blend.load_cost import DiskPolicy
+from kvstore.blend.selection import SelectionPolicy
 from kvstore.connectors import blend_hook
-from kvstore.connectors.settings import BLEND_DISK_POLICIES, parse_connector_settings
+from kvstore.connectors.settings import BLEND_DISK_POLICIES, BLEND_SELECTIONS, parse_connector_settings
 from kvstore.connectors.vllm.blend_request import blend_choice
 from kvstore.connectors.vllm.blend_span import blend_span_end
 from kvstore.keys import PrefixKey
@@ -64,6 +65,11 @@ def test_a_request_changes_its_blend_within_what_the_deployment_allows() -> None
 
 def test_blend_settings_are_checked_at_start_and_turn_on_the_embedded_servers_index() -> None:
     assert set(BLEND_DISK_POLICIES) == {policy.value for policy in DiskPolicy}
+    assert set(BLEND_SELECTIONS) == {policy.value for policy in SelectionPolicy}
+    chosen = parse_connector_settings(
+        {"kvstore.blend_selection": "query_attention", "kvstore.blend_chunk_start_tokens": 8}
+    )
+    assert (chosen.blend_selection, chosen.blend_chunk_start_tokens) == ("query_attention", 8)
     settings = parse_connector_settings({"kvstore.blend": True, "kvstore.blend_disk_policy": "recompute"})
     assert "--enable-blend" in settings.embedded.serve_flags()
     assert "--enable-blend" not in parse_connector_settings({}).embedded.serve_flags()
@@ -71,6 +77,8 @@ def test_blend_settings_are_checked_at_start_and_turn_on_the_embedded_servers_in
         ({"kvstore.blend_ratio": 1.5}, "kvstore.blend_ratio must be a fraction in [0, 1]"),
         ({"kvstore.blend_check_layer": -1}, "kvstore.blend_check_layer must be a layer index >= 0"),
         ({"kvstore.blend_disk_policy": "never"}, "kvstore.blend_disk_policy must be one of auto, wait, recompute"),
+        ({"kvstore.blend_selection": "attention"}, "kvstore.blend_selection must be one of kv_deviation, query_att"),
+        ({"kvstore.blend_chunk_start_tokens": 0}, "kvstore.blend_chunk_start_tokens must be a token count >= 1"),
         ({"kvstore.enable_blend": True}, "unknown kvstore connector setting 'kvstore.enable_blend'"),
     ):
         with pytest.raises(Exception, match=message.replace("[", r"\[").replace("]", r"\]")):

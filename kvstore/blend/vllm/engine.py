@@ -29,6 +29,7 @@ from kvstore.blend.kv_loading import KVLoader
 from kvstore.blend.layerwise import BlendConfig, BlendPassResult, run_blend_pass
 from kvstore.blend.load_cost import DiskPolicy, LoadCostModel
 from kvstore.blend.rope import RopeRotator
+from kvstore.blend.selection import SelectionPolicy
 from kvstore.blend.stage_clock import StageClock
 from kvstore.blend.vllm.llama_stack import VllmLlamaStack
 from kvstore.blend.vllm.model_lookup import find_loaded_model
@@ -77,6 +78,8 @@ class VllmBlendEngine:
         self._paged: tuple[PagedLayer, ...] = tuple(context.paged_layers)
         self._check_layer = context.check_layer
         self._disk_policy = context.disk_policy
+        self._selection = SelectionPolicy(context.selection)
+        self._chunk_start_tokens = context.chunk_start_tokens
         device = self._stack.device
         self._rotator = RopeRotator(self._layout.rope, self._layout.head_dim)
         self._loader = KVLoader(device)
@@ -97,7 +100,11 @@ class VllmBlendEngine:
     ) -> BlendOutcome:
         started = time.perf_counter()
         settings = BlendConfig(
-            recompute_ratio=ratio, check_layer=self._check_layer, disk_policy=DiskPolicy(self._disk_policy)
+            recompute_ratio=ratio,
+            check_layer=self._check_layer,
+            selection=self._selection,
+            chunk_start_tokens=self._chunk_start_tokens,
+            disk_policy=DiskPolicy(self._disk_policy),
         )
         on_cpu = self._stack.device.type == "cpu"
         taken: list[torch.Tensor] = []
