@@ -40,7 +40,7 @@ from pathlib import Path
 import lmdb
 
 from kvstore.data_dir.owner_lock import release_owner_lock, take_owner_lock
-from kvstore.errors import LayoutMismatchError, StorageError
+from kvstore.errors import ConfigError, LayoutMismatchError, StorageError
 from kvstore.layout import KVLayout
 from kvstore.tiers.disk.data_file_check import DATA_FILE, DataFileDamage, check_data_file
 from kvstore.tiers.disk.format import (
@@ -237,21 +237,30 @@ class DiskEnvironment:
     # -- the layout record -----------------------------------------------------------------------------------
 
     def read_info(self) -> DataDirInfo | None:
-        """The data dir's record of itself, or ``None`` for a fresh dir."""
+        """The data dir's record of itself, or ``None`` for a fresh dir.
+
+        Raises:
+            StorageError: the record is there but unreadable: LMDB keeps no checksum of values, so a flipped bit
+                in it is damage to name, not a bad layout or setting of the caller's (issue 27).
+        """
         with self.read() as txn:
             names = (INFO_FORMAT_VERSION, INFO_LAYOUT, INFO_CHUNK_SIZE)
             raw = {name: txn.get(name, db=self.info_db) for name in names}
             capacity = txn.get(INFO_CAPACITY_BYTES, db=self.info_db)
             if any(value is None for value in raw.values()):
                 return None
-            texts = {name: bytes(value).decode("utf-8") for name, value in raw.items() if value is not None}
-            capacity_bytes = int(bytes(capacity)) if capacity is not None else None
-        return DataDirInfo(
-            format_version=int(texts[INFO_FORMAT_VERSION]),
-            layout=KVLayout.from_json(texts[INFO_LAYOUT]),
-            chunk_size=int(texts[INFO_CHUNK_SIZE]),
-            capacity_bytes=capacity_bytes,
-        )
+            values = {name: bytes(value) for name, value in raw.items() if value is not None}
+            capacity_value = bytes(capacity) if capacity is not None else None
+        try:
+            return DataDirInfo(
+                format_version=int(values[INFO_FORMAT_VERSION]),
+                layout=KVLayout.from_json(values[INFO_LAYOUT].decode("utf-8")),
+                chunk_size=int(values[INFO_CHUNK_SIZE]),
+                capacity_bytes=int(capacity_value) if capacity_value is not None else None,
+            )
+        except (ValueError, ConfigError) as exc:  # UnicodeDecodeError is a ValueError
+            damage = DataFileDamage(self.path / DATA_FILE, f"its record of the dir's layout is unreadable ({exc})")
+            raise StorageError(damage.message()) from exc
 
     def check_info(self, layout: KVLayout, chunk_size: int, capacity_bytes: int) -> None:
         """Record the layout in a fresh dir, or check that an existing dir holds this layout and chunk size.
