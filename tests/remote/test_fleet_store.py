@@ -286,7 +286,7 @@ def test_losing_a_cluster_node_keeps_every_request_working(tmp_path: Path, caplo
                 span = slice(segment.start, segment.end)
                 assert torch.equal(result.kv[:, :, span], kv[:, :, span])
         outages = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
-        assert 1 <= len(outages) <= 2, outages
+        assert 1 <= len(outages) <= 4, outages  # per host: the lost master's keys, and the epoch check over all
 
 
 def test_under_the_evict_policy_only_what_leaves_the_disk_reaches_the_remote(

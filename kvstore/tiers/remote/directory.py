@@ -25,19 +25,25 @@ Record layout (little-endian)::
     ..       2*n    lengths in tokens (u16)     /
     ..       8      xxh3_64 of everything before
 
-A record that fails any check is skipped and counted, never fed to an index.
+A record that fails any check is skipped and counted, never fed to an index. So is a shard that is not a stream
+(an operator's ``SET`` over it, another program's key): each read counts it as one bad record, it is logged once
+until it reads as a stream again, and the other shards are read as usual (one such key used to fail every read, on
+every host, 19 times a second). The shards are read per cluster master (``RemoteLink.call_keyed``): a lost master
+hides its shards only.
 
 Pure functions and one reader per host; ``DirectoryFeed`` is used by one thread at a time.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import redis
 import xxhash
 
 from kvstore.keys import KEY_BYTES, PrefixKey
@@ -46,12 +52,16 @@ from kvstore.tiers.remote.names import RemoteNames
 
 __all__ = ["DirectoryFeed", "DirectoryRun", "decode_run", "encode_run"]
 
+logger = logging.getLogger(__name__)
+
 _MAGIC = b"KVD\x01"
 _HEADER = struct.Struct("<4sB3xIIQQ")
 _CHECKSUM = struct.Struct("<Q")
 _FIELD = b"r"
 _READ_BATCH = 2048  # records per shard per round trip
 _MAX_ROUNDS = 64  # round trips one read_new may take (a host catching up on a large directory takes several calls)
+
+_Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,9 +154,11 @@ class DirectoryFeed:
         self._link = link
         self._names = names
         self._host_id = host_id
-        self._cursors: dict[bytes, bytes] = {shard: b"0-0" for shard in names.directory_shards()}
+        self._shards = names.directory_shards()
+        self._cursors: dict[bytes, bytes] = dict.fromkeys(self._shards, b"0-0")
         self.num_records = 0
         self.num_bad_records = 0
+        self._bad_shards: set[bytes] = set()  # shards that were not streams at their last read (logged once)
 
     def rewind(self) -> None:
         """Read every shard from its start again (the remote lost its data: the old positions mean nothing)."""
@@ -159,11 +171,15 @@ class DirectoryFeed:
         """
         runs: list[DirectoryRun] = []
         for _ in range(_MAX_ROUNDS):
-            replies = self._link.call(self._read_round, default=None, what="read the content directory")
-            if replies is None:
+            unanswered: _Entries | redis.ResponseError | None = None  # the shard's master did not answer
+            replies = self._link.call_keyed(
+                self._shards, self._read_some, default=unanswered, what="read the content directory"
+            )
+            if all(reply is None for reply in replies):
                 return runs or None
             full = False
-            for shard, entries in replies:
+            for shard, reply in zip(self._shards, replies, strict=True):
+                entries = self._entries(shard, reply)
                 full |= len(entries) >= _READ_BATCH
                 for entry_id, fields in entries:
                     self._cursors[shard] = entry_id
@@ -177,14 +193,35 @@ class DirectoryFeed:
                 break
         return runs
 
-    def _read_round(self, client: Any) -> list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]:
+    def _read_some(self, client: Any, picked: list[int]) -> list[_Entries | redis.ResponseError | None]:
+        """The new entries of each picked shard, or the error a shard of the wrong type gave."""
         pipe = client.pipeline(transaction=False)
-        shards = list(self._cursors)
-        for shard in shards:
+        for index in picked:
+            shard = self._shards[index]
             pipe.xread({shard: self._cursors[shard]}, count=_READ_BATCH)
-        replies = pipe.execute()
-        found: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = []
-        for shard, reply in zip(shards, replies, strict=True):
-            if reply:  # RESP2: [[stream name, [(id, {field: value}), ...]]]
-                found.append((shard, reply[0][1]))
-        return found
+        answers: list[_Entries | redis.ResponseError | None] = []
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, redis.ResponseError) and not isinstance(reply, redis.exceptions.ClusterError):
+                answers.append(reply)  # this shard's own fault (WRONGTYPE): the caller skips it
+            elif isinstance(reply, Exception):
+                raise reply  # the server's or the network's: an outage of this master
+            else:  # RESP2: [[stream name, [(id, {field: value}), ...]]], or nothing new
+                answers.append(reply[0][1] if reply else [])
+        return answers
+
+    def _entries(self, shard: bytes, reply: _Entries | redis.ResponseError | None) -> _Entries:
+        """A shard's new entries; none when its master did not answer or it is not a stream (counted, logged once)."""
+        if not isinstance(reply, redis.ResponseError):
+            if reply is not None and shard in self._bad_shards:
+                self._bad_shards.discard(shard)
+                logger.warning("remote directory shard %s is a stream again: read as usual", shard.decode())
+            return reply or []
+        self.num_bad_records += 1
+        if shard not in self._bad_shards:
+            self._bad_shards.add(shard)
+            logger.warning(
+                "remote directory shard %s cannot be read (%s): skipped, and counted as a bad record each read, "
+                "until it is a stream again (delete the key); the other shards are read as usual",
+                shard.decode(), str(reply).splitlines()[0][:120],
+            )  # fmt: skip
+        return []

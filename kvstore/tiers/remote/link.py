@@ -18,8 +18,14 @@ The remote is an accelerator, never a dependency: when it is down, slow or refus
   library names a failed pipeline command with its arguments, chunk values included, which made ``grep`` take a
   log for binary.
 - **Single node or cluster.** At the first successful connection the link asks the server (``INFO cluster``) and
-  builds a ``redis.Redis`` or a slot-aware ``redis.cluster.RedisCluster``; pipelines on a cluster are split per node
-  by the library. Keys are named by ``RemoteNames`` so that what must share a slot does.
+  builds a ``redis.Redis`` or a slot-aware ``redis.cluster.RedisCluster``. Keys are named by ``RemoteNames`` so that
+  what must share a slot does.
+- **A breaker per master.** ``call_keyed`` splits its keys by the master that owns their slot and runs one call per
+  master, each behind that master's own outage state: a lost master fails fast for its slots only, and the other
+  masters' slots stay in use (the client library's own split would fail the whole pipeline for one dead node). The
+  healthy masters answer only if the cluster allows it: Valkey's default ``cluster-require-full-coverage yes``
+  refuses every command once a slot has no master; a cache cluster should set it to ``no``. ``call`` (a command
+  naming no chunk, such as the epoch check) keeps the link's own outage state.
 
 Threads: safe to share. The client library's pools are thread-safe; ``_state_lock`` guards the outage state.
 """
@@ -30,7 +36,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -73,6 +80,20 @@ class RemoteLinkStats:
         self.outages = 0
 
 
+@dataclass
+class _Breaker:
+    """The outage state of the link, or of one cluster master (see the module docstring)."""
+
+    label: str  # what the log lines name: the remote, or "<remote> master <host:port>"
+    down_since: float | None = None
+    up_since: float | None = None  # the first success of a closing outage
+    next_probe: float = 0.0
+    failed_in_outage: int = 0
+
+    def fails_fast(self, now: float) -> bool:
+        return self.down_since is not None and self.up_since is None and now < self.next_probe
+
+
 class RemoteLink:
     """One client of a Valkey deployment, shared by the remote tier's readers, writers and directory.
 
@@ -98,10 +119,8 @@ class RemoteLink:
         self._state_lock = threading.Lock()
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._is_cluster = False
-        self._down_since: float | None = None
-        self._up_since: float | None = None  # the first success of a closing outage
-        self._next_probe = 0.0
-        self._failed_in_outage = 0
+        self._breaker = _Breaker(address.describe())
+        self._master_breakers: dict[str, _Breaker] = {}  # by "host:port" of a cluster master
         self.stats = RemoteLinkStats()
         self._refusals_logged: dict[str, tuple[float, int]] = {}  # kind -> (last logged at, refused since)
         self._closed = False
@@ -113,8 +132,8 @@ class RemoteLink:
 
     @property
     def available(self) -> bool:
-        """No outage is open."""
-        return self._down_since is None
+        """No outage of the link is open (a lost cluster master is an outage of its slots only)."""
+        return self._breaker.down_since is None
 
     def call(self, operation: Callable[[Any], _Answer], *, default: _Answer, what: str) -> _Answer:
         """Run ``operation(client)``; on any remote failure return ``default`` instead (see the module docstring).
@@ -124,19 +143,60 @@ class RemoteLink:
             default: the answer when the remote cannot give one (a miss, ``False``, an empty list).
             what: a few words for the log ("get 12 chunks").
         """
+        return self._guarded(self._breaker, operation, default, what)
+
+    def call_keyed(
+        self,
+        names: Sequence[bytes],
+        operation: Callable[[Any, list[int]], list[_Answer]],
+        *,
+        default: _Answer,
+        what: str,
+    ) -> list[_Answer]:
+        """One answer per key name: ``operation(client, indices)`` answers for ``names[i]`` of each index given.
+
+        On a cluster it runs once per master owning some of the names, behind that master's breaker; the names of
+        a master that failed, or fails fast, get ``default``. On a single node (or before the first connection) it
+        is one ``call`` over all of them.
+        """
+        answers = [default] * len(names)
+        client = self._client
+        if not names:
+            return answers
+        if not isinstance(client, redis.cluster.RedisCluster):
+            every = list(range(len(names)))
+            got = self._guarded(self._breaker, lambda client: operation(client, every), None, what)
+            return answers if got is None else got
+        try:
+            owners: dict[str, list[int]] = {}
+            for index, name in enumerate(names):
+                owner = client.get_node_from_key(name).name  # type: ignore[no-untyped-call]
+                owners.setdefault(owner, []).append(index)
+        except redis.RedisError as exc:  # no slot table (the library is rebuilding it): every name fails
+            self._refused(exc, what)
+            return answers
+        for owner, picked in owners.items():
+            with self._state_lock:
+                breaker = self._master_breakers.setdefault(owner, _Breaker(f"{self.address.describe()} master {owner}"))
+            got = self._guarded(breaker, _on(operation, picked), None, what)
+            for index, answer in zip(picked, got or (), strict=False):
+                answers[index] = answer
+        return answers
+
+    def _guarded(self, breaker: _Breaker, operation: Callable[[Any], _Answer], default: _Answer, what: str) -> _Answer:
         with self._state_lock:
             if self._closed:
                 return default
             self.stats.calls += 1
-            if self._down_since is not None and self._up_since is None and self._clock() < self._next_probe:
+            if breaker.fails_fast(self._clock()):
                 self.stats.skipped_calls += 1
-                self._failed_in_outage += 1
+                breaker.failed_in_outage += 1
                 return default
         try:
             client = self._client or self._connect()
             answer = operation(client)
         except _NETWORK_ERRORS as exc:
-            self._fail(exc, what)
+            self._fail(breaker, exc, what)
             return default
         except _REFUSALS as exc:
             self._refused(exc, what)
@@ -144,7 +204,7 @@ class RemoteLink:
         except Exception as exc:  # a reply the client library could not handle: a failed call, never a crash
             self._refused(exc, what)
             return default
-        self._succeed()
+        self._succeed(breaker)
         return answer
 
     def _connect(self) -> redis.Redis | redis.cluster.RedisCluster:
@@ -198,48 +258,50 @@ class RemoteLink:
             self.address.describe(), what, type(exc).__name__, text, also,
         )  # fmt: skip
 
-    def _fail(self, exc: BaseException, what: str) -> None:
+    def _fail(self, breaker: _Breaker, exc: BaseException, what: str) -> None:
         with self._state_lock:
             self.stats.failed_calls += 1
-            self._failed_in_outage += 1
-            self._next_probe = self._clock() + self.retry_interval_s
-            self._up_since = None
-            if self._down_since is not None:
+            breaker.failed_in_outage += 1
+            breaker.next_probe = self._clock() + self.retry_interval_s
+            breaker.up_since = None
+            if breaker.down_since is not None:
                 return
-            self._down_since = self._clock()
+            breaker.down_since = self._clock()
             self.stats.outages += 1
         if isinstance(exc, redis.AuthenticationError):
             logger.warning(
                 "remote tier %s refused authentication (%s): check the URL's user and KVSTORE_REMOTE_PASSWORD; "
                 "serving from the local tiers, retrying every %.1f s",
-                self.address.describe(), _one_line(exc), self.retry_interval_s,
+                breaker.label, _one_line(exc), self.retry_interval_s,
             )  # fmt: skip
             return
+        if breaker is not self._breaker:
+            served = "its slots are served from the local tiers, the other masters' stay in use"
+        elif self._is_cluster:  # a call over the whole cluster (the epoch check): the masters' keys go on per master
+            served = "each master's keys stay in use while that master answers"
+        else:
+            served = "serving from the local tiers"
         logger.warning(
-            "remote tier %s unreachable (%s: %s, during %s): serving from the local tiers, retrying every %.1f s",
-            self.address.describe(),
-            type(exc).__name__,
-            _one_line(exc),
-            what,
-            self.retry_interval_s,
-        )
+            "remote tier %s unreachable (%s: %s, during %s): %s, retrying every %.1f s",
+            breaker.label, type(exc).__name__, _one_line(exc), what, served, self.retry_interval_s,
+        )  # fmt: skip
 
-    def _succeed(self) -> None:
+    def _succeed(self, breaker: _Breaker) -> None:
         with self._state_lock:
-            if self._down_since is None:
+            if breaker.down_since is None:
                 return
             now = self._clock()
-            if self._up_since is None:
-                self._up_since = now
-            if now - self._up_since < self.retry_interval_s:
+            if breaker.up_since is None:
+                breaker.up_since = now
+            if now - breaker.up_since < self.retry_interval_s:
                 return  # closing: a failure now would continue this outage
-            lasted = self._up_since - self._down_since
-            failed = self._failed_in_outage
-            self._down_since = self._up_since = None
-            self._failed_in_outage = 0
+            lasted = breaker.up_since - breaker.down_since
+            failed = breaker.failed_in_outage
+            breaker.down_since = breaker.up_since = None
+            breaker.failed_in_outage = 0
         logger.warning(
             "remote tier %s reachable again after %.1f s (%d remote calls answered locally meanwhile)",
-            self.address.describe(),
+            breaker.label,
             lasted,
             failed,
         )
@@ -251,6 +313,13 @@ class RemoteLink:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+def _on(
+    operation: Callable[[Any, list[int]], list[_Answer]], picked: list[int]
+) -> Callable[[Any], list[_Answer] | None]:
+    """``operation`` bound to one master's share of the names."""
+    return lambda client: operation(client, picked)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -360,7 +360,11 @@ class RemoteTier:
             self.put_values(values, raw_bytes=raw_bytes, deletes=deletes)
         runs = [piece for job in batch if isinstance(job, _RunPublish) for piece in self._held_pieces(job.run)]
         if runs:
-            self.link.call(lambda client: self._publish_all(client, runs), default=None, what="publish directory")
+            shards = [self.names.directory_shard(self.names.shard_of(run.keys[0])) for run in runs]
+            self.link.call_keyed(
+                shards, lambda client, picked: self._publish_some(client, runs, picked), default=False,
+                what="publish directory",
+            )  # fmt: skip
 
     def encode(self, record: ChunkRecord, data: npt.NDArray[np.uint8], *, now_ns: int) -> bytes:
         """A chunk's raw KV bytes as one remote value (the writer's first step, on its thread)."""
@@ -374,34 +378,37 @@ class RemoteTier:
         The writer's last step, public for a caller that already holds frames (and for ``kvstore bench remote``,
         which measures it against raw ``SET`` commands). Returns ``False`` when the remote could not take them.
         """
-        sent = self.link.call(
-            lambda client: self._set_all(client, values, deletes), default=None, what=f"write {len(values)} chunks"
-        )
+        names = [self.names.chunk(key) for key, _ in values] + [self.names.chunk(key) for key in deletes]
+
+        def set_some(client: Any, picked: list[int]) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for index in picked:
+                if index < len(values):
+                    pipe.set(names[index], values[index][1])
+                else:
+                    pipe.delete(names[index])
+            pipe.execute()
+            return [True] * len(picked)
+
+        done = self.link.call_keyed(names, set_some, default=False, what=f"write {len(values)} chunks")
+        stored = [value for value, sent in zip(values, done, strict=False) if sent]
+        stored_bytes = sum(len(value) for _, value in stored)
+        all_bytes = sum(len(value) for _, value in values)
         with self._state_lock:
-            if sent is None:
-                self._failed_puts += len(values)
-                return False
-            self._known.update(key for key, _ in values)
-            self._puts += len(values)
-            self._raw_bytes_put += raw_bytes
-            self._stored_bytes_put += sum(len(value) for _, value in values)
-        return True
+            self._failed_puts += len(values) - len(stored)
+            self._known.update(key for key, _ in stored)
+            self._puts += len(stored)
+            # values a lost master did not take leave out their share of the raw bytes (prorated by size)
+            self._raw_bytes_put += raw_bytes * stored_bytes // all_bytes if all_bytes else 0
+            self._stored_bytes_put += stored_bytes
+        return len(stored) == len(values)
 
-    def _set_all(self, client: Any, values: Sequence[tuple[PrefixKey, bytes]], deletes: Sequence[PrefixKey]) -> bool:
+    def _publish_some(self, client: Any, runs: Sequence[DirectoryRun], picked: list[int]) -> list[bool]:
         pipe = client.pipeline(transaction=False)
-        for key, value in values:
-            pipe.set(self.names.chunk(key), value)
-        for key in deletes:
-            pipe.delete(self.names.chunk(key))
+        for index in picked:
+            publish_command(pipe, self.names, runs[index], self.host_id, self._max_runs_per_shard)
         pipe.execute()
-        return True
-
-    def _publish_all(self, client: Any, runs: Sequence[DirectoryRun]) -> bool:
-        pipe = client.pipeline(transaction=False)
-        for run in runs:
-            publish_command(pipe, self.names, run, self.host_id, self._max_runs_per_shard)
-        pipe.execute()
-        return True
+        return [True] * len(picked)
 
     def _held_pieces(self, run: DirectoryRun) -> list[DirectoryRun]:
         """The parts of ``run`` whose chunks the remote holds (chunks that failed or were dropped cut it)."""
@@ -430,20 +437,26 @@ class RemoteTier:
             return []
         names = [self.names.chunk(key) for key in keys]
 
-        def get_all(client: Any) -> list[bytes | None]:
-            return list(client.mget_nonatomic(names) if self.link.is_cluster else client.mget(names))
+        def get_some(client: Any, picked: list[int]) -> list[bytes | bool | None]:
+            some = [names[index] for index in picked]
+            return list(client.mget_nonatomic(some) if self.link.is_cluster else client.mget(some))
 
-        values = self.link.call(get_all, default=None, what=f"get {len(keys)} chunks")
-        if values is None:
-            return [None] * len(keys)
+        unanswered: bytes | bool | None = False  # the key's master did not answer: nothing learnt, nothing counted
+        values = self.link.call_keyed(names, get_some, default=unanswered, what=f"get {len(keys)} chunks")
         namespace = self.layout.namespace
-        chunks = [decode_remote_value(key, value, namespace) for key, value in zip(keys, values, strict=True)]
-        missing = [key for key, value in zip(keys, values, strict=True) if value is None]
-        corrupt = [
-            key for key, value, chunk in zip(keys, values, chunks, strict=True) if value is not None and chunk is None
-        ]
+        chunks: list[RemoteChunk | None] = [None] * len(keys)
+        missing: list[PrefixKey] = []
+        corrupt: list[PrefixKey] = []
+        for index, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if isinstance(value, bytes):
+                chunks[index] = decode_remote_value(key, value, namespace)
+                if chunks[index] is None:
+                    corrupt.append(key)
+            elif value is None:
+                missing.append(key)
+        reached = sum(not isinstance(value, bool) for value in values)
         with self._state_lock:
-            self._hits += len(keys) - len(missing) - len(corrupt)
+            self._hits += reached - len(missing) - len(corrupt)
             self._misses += len(missing) + len(corrupt)
         self.forget(missing)
         if corrupt:
