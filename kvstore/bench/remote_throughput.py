@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvstore.errors import StorageError
-from kvstore.keys import PrefixKey, as_token_array
+from kvstore.keys import PrefixKey, as_token_array, chained_key
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord
 from kvstore.tiers.remote.address import parse_remote_url
@@ -134,11 +134,11 @@ def run_throughput(
 def _chunks(layout: KVLayout, chunk_size: int, count: int, seed: int) -> tuple[list[ChunkRecord], list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     records, tensors = [], []
-    for index in range(count):
+    for _ in range(count):
         tensors.append(torch.randn(layout.chunk_shape(chunk_size), generator=generator).to(layout.dtype.torch_dtype))
-        tokens = torch.randint(0, 100_000, (chunk_size,), generator=generator).numpy()
-        key = PrefixKey(index.to_bytes(8, "little") + seed.to_bytes(8, "little"))
-        records.append(ChunkRecord(key=key, source_start=0, tokens=as_token_array(tokens)))
+        tokens = as_token_array(torch.randint(0, 100_000, (chunk_size,), generator=generator).numpy())
+        key = chained_key(bytes(layout.namespace), tokens)  # a value must chain to its key (remote_value.py)
+        records.append(ChunkRecord(key=key, source_start=0, tokens=tokens))
     return records, tensors
 
 
