@@ -23,22 +23,24 @@ from kvstore.errors import (
     StorageError,
     StoreClosedError,
 )
-from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
 from kvstore.lazy_exports import lazy_exports
 from kvstore.version import __version__
 
 if TYPE_CHECKING:
     from kvstore.client import Client
     from kvstore.config import StoreConfig
+    from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
     from kvstore.store import TieredStore
     from kvstore.surface import StoreSurface
 
-# Values above are light (an engine loads them anyway); the store and the client are imported when first used.
+# The errors above are light; the layout (torch), the store and the client are imported when first used, so that
+# ``kvstore --version`` and every ``import kvstore.<module>`` that needs no torch load none (issue 27).
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "kvstore.client": ("Client",),
         "kvstore.config": ("StoreConfig",),
+        "kvstore.layout": ("KVDtype", "KVLayout", "RopeScaling", "RopeSpec"),
         "kvstore.store": ("TieredStore",),
         "kvstore.surface": ("StoreSurface",),
     },

@@ -23,7 +23,22 @@ from kvstore.presets import PRESET_NAMES
 
 __all__ = ["bench_app"]
 
-bench_app = typer.Typer(help="Benchmarks; each figure comes with a same-run baseline and ratio.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="""Benchmarks; each figure comes with a same-run baseline and ratio.
+
+    Examples:
+
+        kvstore bench tiers --tiers cpu,disk
+
+        kvstore bench index --json
+
+        kvstore bench server --json
+
+        kvstore bench multi-doc-qa --help
+    """,
+    no_args_is_help=True,
+    rich_markup_mode=None,  # click's plain help, as the top-level command's: rich cuts long flag names
+)
 
 _DEFAULTS = TierBenchOptions()
 

@@ -35,7 +35,11 @@ def demo_command(
 ) -> None:
     """Store KV, restart, look up, retrieve and inspect, on an embedded data dir.
 
-    Example: kvstore demo --data-dir ./kvstore-data
+    Examples:
+
+        kvstore demo
+
+        kvstore demo --data-dir /tmp/kvstore-demo
     """
     console = Console(soft_wrap=True)
     layout = preset_layout("smollm2-135m")

@@ -43,7 +43,7 @@ def evict_command(
 
     Examples:
 
-        kvstore evict --data-dir ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
+        kvstore evict --key 288dbd46d2eda1e6f6a95d9411f8f6cc
 
         kvstore evict --data-dir ./kvstore-data --bytes 2GiB
 

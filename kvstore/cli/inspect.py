@@ -36,8 +36,9 @@ def inspect_command(
         10, "--top", min=1, max=MAX_TOP_DOCUMENTS, help="How many of the most-hit documents to show."
     ),
 ) -> None:
-    """Summarise a data dir (chunks, bytes, compression ratio, layout, oldest/newest access), or a running server;
-    both with the top documents by hits (a document: the chunks one store added; hits: lookups that reused it).
+    """Summarise a data dir (chunks, bytes, compression ratio, layout, oldest/newest access) or a running server.
+
+    Both come with the top documents by hits (a document: the chunks one store added; hits: lookups that reused it).
 
     Examples:
 
@@ -45,7 +46,7 @@ def inspect_command(
 
         kvstore inspect --data-dir ./kvstore-data --json
 
-        kvstore inspect --data-dir ./kvstore-data --key 288dbd46d2eda1e6f6a95d9411f8f6cc
+        kvstore inspect --key 288dbd46d2eda1e6f6a95d9411f8f6cc
 
         kvstore inspect --data-dir ./kvstore-data --check
 

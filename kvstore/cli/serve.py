@@ -106,13 +106,15 @@ def serve_command(
 
         kvstore serve
 
-        kvstore serve --tiers gpu,cpu,disk --gpu-size 16GiB --cpu-size 64GiB --disk-size 500GiB --enable-blend
+        kvstore serve --tiers gpu,cpu,disk --gpu-size 16GiB --cpu-size 64GiB
 
-        kvstore serve --layout llama3.1-8b --port 5555 --metrics-port 5556 --data-dir /nvme/kvstore
+        kvstore serve --data-dir /nvme/kvstore --disk-size 500GiB --enable-blend
+
+        kvstore serve --layout llama3.1-8b --port 5555 --metrics-port 5556
 
         kvstore serve --config kvstore.toml --port 6000
 
-        kvstore serve --tiers cpu,disk,remote --remote-url valkey://cache.internal:6379 --enable-blend
+        kvstore serve --tiers cpu,disk,remote --remote-url valkey://cache:6379
     """
     flags = ServeFlags(
         tiers=tiers,

@@ -204,10 +204,17 @@ def test_bench_tiers_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert code == 0 and "ratio" in out and "baseline = host copy_" in out
 
 
-def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
-    for command in (["inspect"], ["evict"], ["bench", "tiers"], ["demo"]):
-        code, out, _ = run([*command, "--help"], capsys)
-        assert code == 0 and ("Example" in out or "kvstore" in out)
+@pytest.mark.parametrize(
+    "command",
+    [[], ["inspect"], ["evict"], ["demo"], ["serve"], ["bench"], ["bench", "tiers"], ["bench", "index"]],
+    ids=" ".join,
+)
+def test_help_has_examples(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The README promises an example in every command's --help (kvstore --help and bench --help had none)."""
+    code, out, _ = run([*command, "--help"], capsys)
+    examples = out.split("Example", 1)[-1]
+    assert code == 0 and "Example" in out
+    assert any(line.strip().startswith(" ".join(["kvstore", *command])) for line in examples.splitlines())
 
 
 def test_inspect_check_passes_on_a_clean_dir_and_fails_on_a_corrupt_one(

@@ -102,11 +102,10 @@ def test_every_setting_has_a_flag_a_config_key_and_a_variable(tmp_path: Path) ->
     """The three spellings come from ServeFlags' fields: a new setting cannot miss one."""
     import dataclasses
 
-    from kvstore.cli.main import app
+    from kvstore.cli.serve import serve_command
     from kvstore.server.settings import env_name, flag_name
 
-    serve = next(command for command in app.registered_commands if command.name == "serve")
-    options = {option for parameter in inspect_parameters(serve.callback) for option in parameter}
+    options = {option for parameter in inspect_parameters(serve_command) for option in parameter}
     for setting in dataclasses.fields(ServeFlags):
         flag = flag_name(setting.name)
         assert flag in options or f"--enable-{setting.name.removeprefix('enable_')}" in options, flag
