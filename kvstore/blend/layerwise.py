@@ -226,9 +226,10 @@ class _TokenClasses:
     whose context recurs earlier in the prompt (``recurring_context_tokens``); ``blend_positions`` (what the ratio
     chooses among) are the blend tokens that are not forced extras, so extras come on top of the ratio's share.
 
-    With ``span_end`` below the token count, the tokens past it are the prompt's tail an engine computes itself (the
-    question): they take part, as computed tokens, only in the layers up to the check layer, where the
-    ``query_attention`` policies score with them; the span's last token is forced like the prompt's.
+    With ``span_end`` below the token count, the tokens past it are the prompt's tail an engine computes itself:
+    they take part only in the layers up to the check layer, where the ``query_attention`` policies score with the
+    tail's uncached tokens (the question); the tail's cached tokens (the rest of a document the span cut) are keys
+    there, as in a whole prompt's pass, but never candidates. The span's last token is forced like the prompt's.
     """
 
     def __init__(
@@ -259,12 +260,13 @@ class _TokenClasses:
         forced[self.span_end - 1] = True
         self.active = active.nonzero().flatten()
         self.forced = forced.nonzero().flatten()
-        self.blend_positions = (self.blend & ~extras).nonzero().flatten()
+        in_span = torch.arange(num_tokens) < self.span_end
+        self.blend_positions = (self.blend & ~extras & in_span).nonzero().flatten()  # the budget's candidates
         self.computed = (active & ~self.blend).nonzero().flatten()  # gaps and the last token: the question
         self.span_starts: torch.Tensor | None = None
         if settings is not None and settings.selection.takes_chunk_starts:
             order = span_start_order(segments, settings.chunk_start_tokens, num_tokens)
-            self.span_starts = order[self.blend[order] & ~extras[order]]
+            self.span_starts = order[self.blend[order] & ~extras[order] & (order < self.span_end)]
 
     @property
     def has_exact(self) -> bool:
@@ -356,7 +358,7 @@ class _Pass:
         for layer_idx in range(stack.num_layers):
             if layer_idx == cache_from:
                 if pending is not None:
-                    loaded = clip_segments(self._timed(pending.segments), self.span_end)
+                    loaded = clip_segments(self._timed(pending.segments), num_tokens)
                     classes = _TokenClasses(loaded, self.tokens, settings, self.span_end)
                     narrow = _narrow_layer(classes, settings)
                 for written_idx, written in pending_writes:  # after the retrieve has written that layer
@@ -557,7 +559,7 @@ def run_blend_pass(
         stack, rotator, layout, settings, computed, clock,
         buffer_tokens=plan.end, span_end=end, need_logits=need_logits, buffer=buffer,
     )  # fmt: skip
-    classes = _TokenClasses(clip_segments(plan.segments, end), computed, settings, end)
+    classes = _TokenClasses(clip_segments(plan.segments, len(computed)), computed, settings, end)
     needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
     pending: PendingLoad | None = None
     disk_bound: tuple[Segment, ...] = ()

@@ -13,6 +13,7 @@ import torch
 
 from kvstore import StoreConfig, TieredStore
 from kvstore.blend import BlendConfig, LayerwiseBlender, SelectionPolicy
+from kvstore.blend.layerwise import run_blend_pass
 from kvstore.blend.selection import (
     num_tokens_to_recompute,
     query_attention_mass,
@@ -20,7 +21,7 @@ from kvstore.blend.selection import (
     span_start_order,
 )
 from kvstore.errors import ConfigError
-from kvstore.keys import PrefixKey
+from kvstore.keys import PrefixKey, as_token_array
 from kvstore.models import RandomInitModel, random_init_model
 from kvstore.plan import Segment
 from kvstore.tiers.base import TierName
@@ -204,3 +205,29 @@ def test_bad_policy_settings_are_refused_with_one_line(settings: dict[str, objec
     with pytest.raises(ConfigError, match=says) as raised:
         BlendConfig(**settings)  # type: ignore[arg-type]
     assert "\n" not in str(raised.value)
+
+
+def test_a_span_cut_inside_a_document_selects_by_the_whole_prompts_question(
+    blender: LayerwiseBlender, eager_tiny: RandomInitModel
+) -> None:
+    """vLLM's span ends on a block boundary, often inside the last document: the document's rest, past the span, is
+    cached KV the question attends over, not a query; the question past the span still scores the span's tokens."""
+    prompt, starts = _warmed(blender, seed=15)
+    end = starts[-1] + DOC_TOKENS // 2  # half of the last document lies past the span
+    config = BlendConfig(recompute_ratio=0.2, selection="query_attention")  # type: ignore[arg-type]
+    with blender.store.session() as session, torch.inference_mode():
+        result = run_blend_pass(
+            stack=blender._stack, rotator=blender._rotator, loader=blender._loader, owner=session,
+            layout=blender.layout, tokens=as_token_array(prompt), settings=config, clock=blender._clock,
+            costs=blender.load_costs, span_end=end, need_logits=False,
+        )  # fmt: skip
+    blend = _blend_positions(starts)
+    computed = [p for p in range(len(prompt)) if p not in blend]  # the question and separators: the queries
+    with torch.inference_mode():
+        attentions = eager_tiny.model(torch.tensor([prompt]), output_attentions=True).attentions
+    mass = attentions[1][0][:, computed].sum(dim=(0, 1))
+    candidates = torch.tensor([p for p in blend if p < end])
+    budget = num_tokens_to_recompute(0.2, len(candidates))
+    expected = sorted(candidates[torch.topk(mass[candidates], budget).indices].tolist())
+    selected = [p for p in result.recomputed_positions.tolist() if p in set(candidates.tolist()) and p != end - 1]
+    assert selected == [p for p in expected if p != end - 1]
