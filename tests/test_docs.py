@@ -52,3 +52,73 @@ def test_sample_runs_twice_after_make_run(source: str, after_make_run: Path, mon
 
 def test_there_are_samples() -> None:
     assert any("TieredStore" in sample.values[0] for sample in SAMPLES)
+
+
+def _exported_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Every family a server's registry exports (name as scraped, type, labels), each made to show its samples."""
+    import dataclasses
+
+    from kvstore.server.metrics import BulkTransfer, ServerMetrics
+    from kvstore.server.usage.plan_coverage import PlanCoverage
+    from kvstore.stats import CatalogStats, RegistrationStats, RemoteStats, StoreStats
+    from kvstore.tiers.base import TierName, TierStats
+
+    def zeros(kind: type) -> dict[str, int]:
+        return {field.name: 0 for field in dataclasses.fields(kind) if field.type in ("int", "bool")}
+
+    tier = TierStats(tier=TierName.CPU, **zeros(TierStats))  # type: ignore[arg-type]
+    catalog = CatalogStats(registration=RegistrationStats(**zeros(RegistrationStats)), **zeros(CatalogStats))
+    stats = StoreStats(
+        tiers=(tier,), num_open_plans=0, num_sessions=0, catalog=catalog, remote=RemoteStats(**zeros(RemoteStats))
+    )  # type: ignore[arg-type]
+    metrics = ServerMetrics(lambda: stats, lambda: 1)
+    engine = metrics.add_client("client-1", "vllm-engine-0 worker")
+    coverage = PlanCoverage(
+        num_query_tokens=8, num_exact_tokens=4, num_prefix_tokens=4, num_blend_tokens=2,
+        num_chunks_by_tier={TierName.CPU: 1}, num_missed_chunks=1,
+    )  # fmt: skip
+    metrics.observe_lookup(coverage, 0.001, engine)
+    transfer = BulkTransfer(transport="shm", seconds=0.01, num_bulk_bytes=64, num_tokens=4, num_bytes=64)
+    metrics.observe_store(transfer, engine)
+    metrics.observe_retrieve(transfer, engine)
+    metrics.requests.labels("lookup", "ok").inc()
+    exported = {}
+    for family in metrics.registry.collect():
+        labels = tuple(sorted({label for sample in family.samples for label in sample.labels} - {"le"}))
+        name = family.name + ("_total" if family.type == "counter" else "")
+        exported[name] = (family.type, labels)
+    return exported
+
+
+def test_every_metric_is_in_docs_metrics_md_with_its_type_and_labels() -> None:
+    """docs/metrics.md's tables list exactly what the server exports (issue 27: no doc listed the metrics)."""
+    documented = {}
+    for row in re.findall(
+        r"^\| `(kvstore_\w+)` \| (\w+) \| ([^|]*) \|", (REPO_ROOT / "docs/metrics.md").read_text(), re.M
+    ):
+        name, kind, labels = row
+        documented[name] = (kind, tuple(sorted(re.findall(r"`(\w+)`", labels))))
+    exported = _exported_metrics()
+    assert len(exported) > 40
+    assert {name: exported[name] for name in exported if documented.get(name) != exported[name]} == {}
+    assert sorted(set(documented) - set(exported)) == [], "documented but not exported"
+
+
+def test_the_exempt_environment_variables_are_documented() -> None:
+    from kvstore.server.settings import NON_SETTING_VARIABLES
+
+    settings_doc = (REPO_ROOT / "docs/settings.md").read_text()
+    assert [name for name in sorted(NON_SETTING_VARIABLES) if f"`{name}`" not in settings_doc] == []
+
+
+def test_the_docs_name_real_segment_fields_and_the_real_lock() -> None:
+    """architecture.md listed a ``Segment.length`` (it is ``num_tokens``); two docs said the lock is on ``LOCK``."""
+    from kvstore.plan import Segment
+
+    architecture = (REPO_ROOT / "docs/architecture.md").read_text()
+    listed = re.search(r"`Segment` \(([^)]*)\)", architecture)
+    assert listed is not None
+    names = [part.strip().removesuffix(" derived").replace(" ", "_") for part in re.split(r"[,;]", listed.group(1))]
+    assert [name for name in names if not hasattr(Segment, name)] == []
+    for path in DOCUMENTS:
+        assert not re.search(r"(flock|lock) on `(DIR/)?LOCK`", path.read_text()), path.name

@@ -44,6 +44,7 @@ from kvstore.tiers.remote.names import DEFAULT_NAMESPACE
 
 __all__ = [
     "ENV_PREFIX",
+    "NON_SETTING_VARIABLES",
     "ServeFlags",
     "ServerSettings",
     "env_name",
@@ -160,7 +161,7 @@ def read_environment(environ: Mapping[str, str]) -> ServeFlags:
     values: dict[str, object] = {}
     settings = {env_name(setting): setting for setting in _SETTING_TYPES}
     for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in _OTHER_ENV:
+        if not name.startswith(ENV_PREFIX) or name in NON_SETTING_VARIABLES:
             continue
         setting = settings.get(name)
         if setting is None:
@@ -172,7 +173,9 @@ def read_environment(environ: Mapping[str, str]) -> ServeFlags:
 REMOTE_PASSWORD_ENV = "KVSTORE_REMOTE_PASSWORD"
 """The remote tier's password, read only from the environment: a flag would show it in ``ps``."""
 
-_OTHER_ENV = frozenset({"KVSTORE_CACHE_DIR", "KVSTORE_CONNECTOR_TRACE", "KVSTORE_VALKEY_SERVER", REMOTE_PASSWORD_ENV})
+NON_SETTING_VARIABLES = frozenset(
+    {"KVSTORE_CACHE_DIR", "KVSTORE_CONNECTOR_TRACE", "KVSTORE_VALKEY_SERVER", REMOTE_PASSWORD_ENV}
+)
 """``KVSTORE_*`` variables that are not server settings (the model cache, the connector's trace, the benchmarks'
 and tests' valkey-server, a secret)."""
 
