@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,14 +64,14 @@ def _exported_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     from kvstore.stats import CatalogStats, RegistrationStats, RemoteStats, StoreStats
     from kvstore.tiers.base import TierName, TierStats
 
-    def zeros(kind: type) -> dict[str, int]:
+    def zeros(kind: type) -> dict[str, Any]:
         return {field.name: 0 for field in dataclasses.fields(kind) if field.type in ("int", "bool")}
 
-    tier = TierStats(tier=TierName.CPU, **zeros(TierStats))  # type: ignore[arg-type]
+    tier = TierStats(tier=TierName.CPU, **zeros(TierStats))
     catalog = CatalogStats(registration=RegistrationStats(**zeros(RegistrationStats)), **zeros(CatalogStats))
     stats = StoreStats(
         tiers=(tier,), num_open_plans=0, num_sessions=0, catalog=catalog, remote=RemoteStats(**zeros(RemoteStats))
-    )  # type: ignore[arg-type]
+    )
     metrics = ServerMetrics(lambda: stats, lambda: 1)
     engine = metrics.add_client("client-1", "vllm-engine-0 worker")
     coverage = PlanCoverage(
