@@ -5,6 +5,7 @@ cluster."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import redis
@@ -14,6 +15,7 @@ from redis.crc import key_slot
 
 from kvstore.bench.valkey_servers import ValkeyCluster, ValkeyServer
 from kvstore.keys import prefix_keys
+from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens
@@ -122,3 +124,41 @@ def _slot_ranges(client: redis.Redis, port: int) -> list[tuple[int, int]]:
     """The slot ranges [low, high) the master on ``port`` owns."""
     replies = client.execute_command("CLUSTER", "SLOTS")
     return [(low, high + 1) for low, high, master, *_ in replies if int(master[1]) == port]
+
+
+def test_a_cluster_master_restarted_empty_is_a_reset_though_the_epoch_lives_on_another(tmp_path: Path) -> None:
+    """The epoch key sits on one master; a master that crashed and came back empty holds none of the chunks the
+    hosts believe are there, and used to go unnoticed since the epoch key never changed."""
+    with ValkeyCluster(tmp_path / "cluster", num_masters=3) as cluster:
+        epoch_slot = key_slot(NAMES.epoch())
+        with cluster.nodes[0].client() as client:
+            restarted = next(
+                node
+                for node in cluster.nodes[1:]
+                if not any(low <= epoch_slot < high for low, high in _slot_ranges(client, node.port))
+            )
+        with two_hosts(tmp_path, cluster.url) as (a, b):
+            tokens = make_tokens(8 * CHUNK, seed=160)
+            a.store(tokens, make_kv(LAYOUT, len(tokens), seed=160))  # a keeps them locally; b has only the remote
+            a.flush()
+            b.sync_directory()
+            keys = prefix_keys(LAYOUT.namespace, tokens, CHUNK)
+            assert [b.contains(key) for key in keys] == [[TierName.REMOTE]] * len(keys)
+            restarted.restart()  # no persistence: its slots come back empty (nodes.conf keeps them its own)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not all(_resets(host) for host in (a, b)):
+                a.sync_directory()
+                b.sync_directory()
+                time.sleep(0.1)
+            assert [_resets(host) for host in (a, b)] == [1, 1]
+            # b re-reads the directory: the live masters' shards name chunks the restarted one lost, so some come
+            # back believed remote; what is fetched is still a's KV, what is gone a miss
+            kv = make_kv(LAYOUT, len(tokens), seed=160)
+            result = b.retrieve(b.lookup(tokens))
+            for segment in result.segments:
+                assert torch.equal(result.kv[:, :, segment.start : segment.end], kv[:, :, segment.start : segment.end])
+
+
+def _resets(host: TieredStore) -> int:
+    remote = host.stats().remote
+    return remote.resets if remote is not None else 0

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+import xxhash
 
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
@@ -213,7 +214,9 @@ class RemoteTier:
             return value, runs
         known = self._epoch
         if restarted:  # whatever holds the epoch now, chunks this host believed held may be gone
-            renewed = os.urandom(8).hex().encode()
+            # named after the new run ids, so every host that sees this restart writes the same epoch: a random
+            # one per host made each host's renewal another reset for the hosts that renewed before it
+            renewed = xxhash.xxh3_64_hexdigest("\n".join(sorted(runs)).encode()).encode()
             client.set(name, renewed)
             return renewed, runs
         if known is not None:
