@@ -286,3 +286,54 @@ def test_a_flipped_bit_in_the_recorded_layout_is_damage_not_a_bad_layout(
     _assert_one_line_error(code, err, "data.mdb is damaged", "record of the dir's layout is unreadable", "factoR")
     with pytest.raises(StorageError, match="record of the dir's layout is unreadable"):
         TieredStore(small_layout, _config(path))
+
+
+@pytest.mark.parametrize(
+    ("meta_index", "field_offset", "bit", "words"),
+    [
+        (0, 16, 0, ("meta page 0 (at byte 0) is damaged", "its magic is 0xbeefc0df")),
+        (1, 16, 5, ("meta page 1 (at byte 4,096) is damaged", "its magic is")),
+        (0, 20, 1, ("meta page 0 (at byte 0) is damaged", "data format version is 3")),
+        (1, 20, 0, ("meta page 1 (at byte 4,096) is damaged", "data format version is 0")),
+        (1, 10, 3, ("meta page 1 (at byte 4,096) is damaged", "do not mark a meta page")),
+    ],
+)
+def test_a_flipped_bit_in_a_meta_pages_header_names_that_meta_page(
+    tmp_path: Path,
+    small_layout: KVLayout,
+    capsys: pytest.CaptureFixture[str],
+    meta_index: int,
+    field_offset: int,
+    bit: int,
+    words: tuple[str, ...],
+) -> None:
+    """Random flips found these said "not an LMDB data file" (meta page 0's magic) or LMDB's "MDB_VERSION_MISMATCH:
+    Database environment version mismatch" (a version): LMDB refuses a file with either meta page damaged."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    page_size, _, _ = _newest_meta(path)
+    with open(path / "data.mdb", "r+b") as data_file:
+        data_file.seek(meta_index * page_size + field_offset)
+        byte = data_file.read(1)[0]
+        data_file.seek(meta_index * page_size + field_offset)
+        data_file.write(bytes([byte ^ 1 << bit]))
+    code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
+    _assert_one_line_error(code, err, "data.mdb is damaged", *words)
+    with pytest.raises(StorageError, match=words[0].replace("(", r"\(").replace(")", r"\)")):
+        TieredStore(small_layout, _config(path))
+
+
+def test_a_last_page_one_bit_off_the_files_is_named_a_likely_flipped_bit(
+    tmp_path: Path, small_layout: KVLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Inside the map, so not caught by the map-size rule: a random flip gave "it is truncated" of a whole file."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    page_size, meta, _ = _newest_meta(path)
+    num_pages = (path / "data.mdb").stat().st_size // page_size
+    high_bit = 1 << (num_pages - 1).bit_length()  # a page number past the file, one bit away from its last
+    with open(path / "data.mdb", "r+b") as data_file:
+        data_file.seek(meta + 136)
+        data_file.write(struct.pack("=Q", (num_pages - 1) | high_bit))
+    code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
+    _assert_one_line_error(code, err, "data.mdb is damaged", "differ in one bit", "flipped bit in that meta page")
