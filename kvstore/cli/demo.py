@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 
 from kvstore.cli.inspect import render_summary
+from kvstore.cli.quantities import count_text, size_text
 from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig
 from kvstore.inspection import summarize_data_dir
 from kvstore.presets import preset_layout
@@ -66,7 +67,7 @@ def demo_command(
         new = sum(store.store(tokens, kv).num_new_chunks for tokens, kv in zip(documents, kvs, strict=True))
         store.flush()
     console.print(
-        f"1. stored {_NUM_DOCUMENTS} documents x {_DOCUMENT_TOKENS} tokens: {new} new chunks "
+        f"1. stored {_NUM_DOCUMENTS} documents x {_DOCUMENT_TOKENS} tokens: {count_text(new, 'new chunk')} "
         f"({time.perf_counter() - started:.2f} s, written through to disk)"
     )
 
@@ -87,8 +88,9 @@ def demo_command(
         retrieve_ms = (time.perf_counter() - started) * 1e3
         loaded = result.num_prefix_tokens
         identical = torch.equal(result.kv[:, :, :loaded], kvs[1][:, :, :loaded])
+        kv_bytes = result.kv.numel() * result.kv.element_size()
         console.print(
-            f"4. retrieved {loaded} tokens ({result.kv.numel() * 2 / 2**20:.1f} MiB) in {retrieve_ms:.1f} ms; "
+            f"4. retrieved {loaded} tokens ({size_text(kv_bytes)}) in {retrieve_ms:.1f} ms; "
             f"bit-identical to what was stored: {'yes' if identical else '[red]NO[/red]'}"
         )
         again = store.lookup(prompt)

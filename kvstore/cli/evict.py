@@ -12,6 +12,7 @@ from rich.progress import Progress
 
 from kvstore.cli.eviction_report import echo_eviction, eviction_report
 from kvstore.cli.online import evict_on_server
+from kvstore.cli.quantities import size_text
 from kvstore.config import DEFAULT_DATA_DIR, parse_size
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, StorageError
@@ -25,11 +26,13 @@ _EVERYTHING_BYTES = 2**62
 
 
 def evict_command(
-    path: Path = typer.Option(DEFAULT_DATA_DIR, "--data-dir", help="The data dir (holds data.mdb)."),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="The data dir (holds data.mdb; default: ./kvstore-data)."
+    ),
     keys: list[str] = typer.Option([], "--key", help="A chunk key to drop (32 hex digits); repeat for more."),
     num_bytes: str | None = typer.Option(None, "--bytes", help="Free this much, least recently used first (2GiB)."),
     everything: bool = typer.Option(False, "--all", help="Drop every chunk (asks first unless --yes)."),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --all."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before --bytes or --all."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with what was dropped."),
     url: str | None = typer.Option(None, "--url", help="Evict through a running server (tcp://host:port)."),
     tier_option: str | None = typer.Option(
@@ -38,6 +41,8 @@ def evict_command(
 ) -> None:
     """Drop chunks by key, by bytes to free, or all of them.
 
+    --bytes and --all ask first (--yes does not): --bytes 10G empties most data dirs.
+
     Offline (--data-dir), the data dir must not be held by a running store or server (it is refused with the holder's
     pid; a server's data dir is refused with its --url). With --url the server evicts (pinned chunks stay).
 
@@ -45,11 +50,11 @@ def evict_command(
 
         kvstore evict --key 288dbd46d2eda1e6f6a95d9411f8f6cc
 
-        kvstore evict --data-dir ./kvstore-data --bytes 2GiB
+        kvstore evict --data-dir ./kvstore-data --bytes 2GiB --yes
 
         kvstore evict --data-dir ./kvstore-data --all --yes
 
-        kvstore evict --url tcp://127.0.0.1:5555 --bytes 2GiB --tier cpu
+        kvstore evict --url tcp://127.0.0.1:5555 --bytes 2GiB --tier cpu --yes
     """
     chosen = sum([bool(keys), num_bytes is not None, everything])
     if chosen != 1:
@@ -57,10 +62,14 @@ def evict_command(
     parsed_keys = [key_from_hex(text) for text in keys]
     bytes_to_free = parse_size(num_bytes) if num_bytes is not None else _EVERYTHING_BYTES
     if url is not None:
+        if data_dir is not None:
+            raise ConfigError("--url evicts through a running server, --data-dir offline: give one of them")
         tier_name = _tier(tier_option) if tier_option is not None else None
-        evict_on_server(url, parsed_keys, bytes_to_free if num_bytes is not None else None, tier_name, everything,
-                        yes, as_json)  # fmt: skip
+        if not yes and not parsed_keys:
+            _confirm(_what_is_dropped(num_bytes, tier_name, f"the server at {url}"))
+        evict_on_server(url, parsed_keys, bytes_to_free if num_bytes is not None else None, tier_name, as_json)
         return
+    path = data_dir if data_dir is not None else DEFAULT_DATA_DIR
     if tier_option is not None:
         raise ConfigError("--tier picks a tier of a running server; add --url (offline eviction is disk only)")
     holder = live_server_record(path)
@@ -71,10 +80,8 @@ def evict_command(
         )
     if not (path / "data.mdb").is_file():
         raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --data-dir a store used")
-    if everything and not yes:
-        if not sys.stdin.isatty():
-            raise ConfigError("--all asks for confirmation and there is no terminal to ask on; add --yes")
-        typer.confirm(f"drop every chunk in {path}?", abort=True)
+    if not yes and not parsed_keys:
+        _confirm(_what_is_dropped(num_bytes, None, str(path)))
     tier = DiskTier.open_existing(path, read_only=False, num_codec_threads=1)
     try:
         before = tier.stats()
@@ -94,6 +101,21 @@ def evict_command(
     echo_eviction(report, as_json)
     if missing:
         raise typer.Exit(1)
+
+
+def _what_is_dropped(num_bytes: str | None, tier: TierName | None, where: str) -> str:
+    """The question --bytes and --all ask, naming how much and where."""
+    of_tier = f" of the {tier.value} tier" if tier is not None else ""
+    if num_bytes is None:
+        return f"drop every {'unpinned ' if where.startswith('the server') else ''}chunk{of_tier} in {where}?"
+    return f"drop chunks{of_tier} in {where} until {size_text(parse_size(num_bytes))} are freed, least recent first?"
+
+
+def _confirm(question: str) -> None:
+    """Ask ``question`` on the terminal (no answer: abort); without a terminal, refuse: a script must say --yes."""
+    if not sys.stdin.isatty():
+        raise ConfigError(f"--bytes and --all ask first and there is no terminal to ask on; add --yes ({question})")
+    typer.confirm(question, abort=True)
 
 
 def _tier(text: str) -> TierName:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from kvstore.cli.quantities import count_text, size_text
 from kvstore.tiers.base import TierStats
 
 __all__ = ["echo_eviction", "eviction_report"]
@@ -49,10 +50,10 @@ def echo_eviction(report: dict[str, object], as_json: bool) -> None:
     assert isinstance(freed, dict) and isinstance(remaining, dict), "eviction_report builds dicts"
     not_found, still_cached = report["not_found"], report["still_cached"]
     typer.echo(
-        f"evicted {report['evicted_chunks']} chunk copies, freed "
-        + ", ".join(f"{num_bytes:,} bytes of {tier}" for tier, num_bytes in freed.items())
+        f"evicted {count_text(report['evicted_chunks'], 'chunk copy', 'chunk copies')}, freed "  # type: ignore[arg-type]
+        + ", ".join(f"{size_text(num_bytes)} of {tier}" for tier, num_bytes in freed.items())
         + "; left: "
-        + ", ".join(f"{count} chunks in {tier}" for tier, count in remaining.items())
+        + ", ".join(f"{count_text(count, 'chunk')} in {tier}" for tier, count in remaining.items())
         + (f"; not found: {', '.join(not_found)}" if not_found else "")  # type: ignore[arg-type]
         + (f"; still cached (pinned): {', '.join(still_cached)}" if still_cached else "")  # type: ignore[arg-type]
     )

@@ -14,6 +14,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvstore.cli.online import inspect_server
+from kvstore.cli.quantities import count_text, size_text
 from kvstore.cli.top_documents import render_top_documents, saved_top_documents
 from kvstore.config import DEFAULT_DATA_DIR
 from kvstore.errors import ConfigError
@@ -25,7 +26,9 @@ __all__ = ["inspect_command", "render_summary"]
 
 
 def inspect_command(
-    path: Path = typer.Option(DEFAULT_DATA_DIR, "--data-dir", help="The data dir (holds data.mdb)."),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="The data dir (holds data.mdb; default: ./kvstore-data)."
+    ),
     key: str | None = typer.Option(None, "--key", help="Show one chunk by its 32-hex-digit key."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     check: bool = typer.Option(False, "--check", help="Decode every frame and report defects; exit 1 on any."),
@@ -53,10 +56,13 @@ def inspect_command(
         kvstore inspect --url tcp://127.0.0.1:5555 --top 20 --json
     """
     if url is not None:
+        if data_dir is not None:  # it was ignored: the server's own data dir is what --url shows
+            raise ConfigError("--url inspects a running server, --data-dir a data dir offline: give one of them")
         if check:
             raise ConfigError("--check walks a data dir offline; drop --url (or --check)")
         inspect_server(url, key, as_json, top)
         return
+    path = data_dir if data_dir is not None else DEFAULT_DATA_DIR
     if check:
         _check(path, as_json)
         return
@@ -85,10 +91,6 @@ def inspect_command(
     render_top_documents(console, saved_top_documents(path, top), offline=True)
 
 
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:,.1f} MiB"
-
-
 def render_summary(console: Console, summary: DataDirSummary) -> None:
     """Print a summary as a table (shared with ``kvstore demo``)."""
     table = Table(title=f"kvstore data dir {summary.path}", show_header=False)
@@ -99,10 +101,10 @@ def render_summary(console: Console, summary: DataDirSummary) -> None:
         ("chunks (disk tier)", f"{summary.num_chunks:,} ({summary.num_partial_chunks:,} partial)"),
         ("sequences (chunks at position 0)", f"{summary.num_sequences:,}"),
         ("tokens", f"{summary.num_tokens:,}"),
-        ("KV bytes (raw)", _mib(summary.raw_bytes)),
-        ("stored bytes", f"{_mib(summary.stored_bytes)} of {_mib(summary.capacity_bytes)} cap"),
+        ("KV bytes (raw)", size_text(summary.raw_bytes)),
+        ("stored bytes", f"{size_text(summary.stored_bytes)} of {size_text(summary.capacity_bytes)} cap"),
         ("compression ratio", f"{summary.compression_ratio:.3f}"),
-        ("data.mdb size", _mib(summary.file_bytes)),
+        ("data.mdb size", size_text(summary.file_bytes)),
         ("oldest access", summary.oldest_access or "-"),
         ("newest access", summary.newest_access or "-"),
     ]
@@ -119,9 +121,9 @@ def _check(path: Path, as_json: bool) -> None:
         typer.echo(json.dumps({name: getattr(report, name) for name in report.__slots__} | {"ok": report.ok}))
     else:
         typer.echo(
-            f"checked {report.num_chunks} chunks, {report.num_frames} frames "
-            f"({report.num_unfinished_frames} of unfinished writes): "
-            + ("no problems" if report.ok else f"{report.num_problems} problems")
+            f"checked {count_text(report.num_chunks, 'chunk')}, {count_text(report.num_frames, 'frame')} "
+            f"({report.num_unfinished_frames:,} of unfinished writes): "
+            + ("no problems" if report.ok else count_text(report.num_problems, "problem"))
         )
         for problem in report.problems:
             typer.echo(f"  {problem}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import asdict
 
 import typer
@@ -19,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.cli.eviction_report import echo_eviction, eviction_report
+from kvstore.cli.quantities import size_text
 from kvstore.cli.top_documents import TopDocuments, render_top_documents
 from kvstore.client import Client
 from kvstore.errors import ConfigError, ProtocolError
@@ -70,8 +70,8 @@ def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, ob
     }
 
 
-def _mib(num_bytes: object) -> str:
-    return f"{int(num_bytes) / 2**20:,.1f} MiB"  # type: ignore[call-overload]
+def _size(num_bytes: object) -> str:
+    return size_text(int(num_bytes))  # type: ignore[call-overload]
 
 
 def _top_documents(client: Client, top: int) -> TopDocuments:
@@ -146,8 +146,8 @@ def _render(console: Console, report: dict[str, object]) -> None:
         tiers.add_column(column)
     for row in report["tiers"]:  # type: ignore[attr-defined]
         tiers.add_row(
-            row["tier"], "Valkey's" if row["tier"] == "remote" else _mib(row["capacity_bytes"]),
-            _mib(row["used_bytes"]), _mib(row["stored_bytes"]),
+            row["tier"], "Valkey's" if row["tier"] == "remote" else _size(row["capacity_bytes"]),
+            _size(row["used_bytes"]), _size(row["stored_bytes"]),
             f"{row['num_chunks']:,}", f"{row['num_pinned']:,}", f"{row['hit_ratio']:.1%}",
             f"{row['evictions']:,}", f"{row['corrupt_reads']:,}",
         )  # fmt: skip
@@ -172,14 +172,10 @@ def _render(console: Console, report: dict[str, object]) -> None:
 
 
 def evict_on_server(
-    url: str, keys: list[PrefixKey], num_bytes: int | None, tier: TierName | None, everything: bool, yes: bool,
-    as_json: bool,
-) -> None:  # fmt: skip
-    """Evict through a running server: by key, by bytes of one tier (or each), or everything unpinned."""
-    if everything and not yes:
-        if not sys.stdin.isatty():
-            raise ConfigError("--all asks for confirmation and there is no terminal to ask on; add --yes")
-        typer.confirm(f"drop every unpinned chunk of the server at {url}?", abort=True)
+    url: str, keys: list[PrefixKey], num_bytes: int | None, tier: TierName | None, as_json: bool
+) -> None:
+    """Evict through a running server: by key, by bytes of one tier (or each), or everything unpinned (``num_bytes``
+    ``None`` without keys). ``kvstore evict`` has asked first where it should."""
     with _connect(url) as client:
         before = client.stats().tiers
         missing: list[str] = []

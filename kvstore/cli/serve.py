@@ -10,7 +10,7 @@ from types import FrameType
 
 import typer
 
-from kvstore.config import GIB
+from kvstore.cli.quantities import count_text, size_text
 from kvstore.errors import ConfigError
 from kvstore.pids import pid_alive
 from kvstore.server.app import ServerAddress, run_server
@@ -18,6 +18,7 @@ from kvstore.server.host_facts import probe_host
 from kvstore.server.settings import ServeFlags, ServerSettings, flag_name, resolve_settings
 from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.address import parse_remote_url
+from kvstore.version import __version__
 
 __all__ = ["serve_command"]
 
@@ -163,12 +164,12 @@ def serve_command(
 
 
 def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]:
-    """What an operator needs to see at start: where it listens, the layout, and what each tier takes -- the
-    defaults included, since they silently claim RAM and disk."""
+    """What an operator needs to see at start: the version, where it listens, the layout, what each tier takes --
+    the defaults included, since they silently claim RAM and disk -- and how to connect to it."""
     store = settings.store
     layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"
     lines = [
-        f"listening on {address.url} (metrics {address.metrics_url})",
+        f"kvstore {__version__} listening on {address.url} (metrics {address.metrics_url})",
         f"layout {layout_text}; chunks of {store.chunk_size} tokens",
     ]
     defaults = {
@@ -192,15 +193,16 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
         where, setting, default = defaults[tier]
         given_by = settings.given_by.get(setting)
         origin = f"set by {given_by}" if given_by else f"the default: {default}; {flag_name(setting)} to change"
-        lines.append(f"{tier.value} tier: {capacities[tier] / GIB:.2f} GiB {where} ({origin})")
+        lines.append(f"{tier.value} tier: {size_text(capacities[tier])} {where} ({origin})")
     if TierName.DISK in store.tiers:
         data_dir = store.data_dir.absolute()
         recovered = (
-            f"{address.disk_chunks:,} chunks recovered from disk"
+            f"{count_text(address.disk_chunks, 'chunk')} recovered from disk"
             if address.disk_chunks is not None
             else "opened when the first client names the layout"
         )
         lines.append(f"data dir {data_dir}: {recovered}")
+    lines.append(f'connect: kvstore.Client("{address.url}"); look: kvstore inspect --url {address.url}')
     return lines
 
 

@@ -18,6 +18,7 @@ from kvstore.keys import as_token_array, prefix_keys
 from kvstore.presets import preset_layout
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk.format import frame_key
+from kvstore.tiers.disk.tier import DiskTier
 from tests.factories import make_kv, make_tokens
 
 
@@ -102,6 +103,8 @@ def _first_key_of(path: Path) -> str:
         (["bench", "tiers", "--tiers", "disk,cpu"], "out of order", 1),
         (["bench", "tiers", "--layouts", "gpt-9"], "unknown layout preset", 1),
         (["inspect", "--bogus"], "No such option", 2),
+        (["inspect", "--url", "tcp://127.0.0.1:1", "--data-dir", "d"], "give one of them", 1),
+        (["evict", "--url", "tcp://127.0.0.1:1", "--data-dir", "d", "--all", "--yes"], "give one of them", 1),
         (["serve", "--disk-path", "/tmp/kv"], "--disk-path was renamed --data-dir", 2),
         (["inspect", "--path", "/tmp/kv"], "--path was renamed --data-dir", 2),
         (["serve", "--cpu-size", "0.25"], "0.25 bytes, not a whole number of bytes", 1),
@@ -145,7 +148,10 @@ def test_evict_by_key_by_bytes_and_all(tmp_path: Path, capsys: pytest.CaptureFix
     assert set(report) == EVICTION_REPORT_KEYS and report["data_dir"] == str(path) and report["url"] is None
     code, out, _ = run(["evict", "--data-dir", str(path), "--key", keys[0].hex()], capsys)
     assert code == 1 and "not found" in out
-    code, out, _ = run(["evict", "--data-dir", str(path), "--bytes", "1MiB", "--json"], capsys)
+    code, _, err = run(["evict", "--data-dir", str(path), "--bytes", "10G"], capsys)  # no terminal to confirm on
+    assert code == 1 and DiskTier.open_existing(path, read_only=True).stats().num_chunks == 10, "--bytes asks too"
+    assert_one_line_error(err, f"add --yes (drop chunks in {path} until 9.31 GiB are freed, least recent first?)")
+    code, out, _ = run(["evict", "--data-dir", str(path), "--bytes", "1MiB", "--yes", "--json"], capsys)
     report = json.loads(out)
     assert code == 0 and report["freed_bytes"]["disk"] >= 1 << 20 and report["remaining_chunks"]["disk"] < 10
     code, _, err = run(["evict", "--data-dir", str(path), "--all"], capsys)  # no terminal to confirm on
@@ -232,7 +238,7 @@ def test_inspect_check_passes_on_a_clean_dir_and_fails_on_a_corrupt_one(
     raw[position + len(tier_frame) // 2] ^= 0x10
     data_file.write_bytes(bytes(raw))
     code, out, _ = run(["inspect", "--data-dir", str(path), "--check"], capsys)
-    assert code == 1 and "1 problems" in out and keys[0].hex() in out
+    assert code == 1 and out.splitlines()[0].endswith(": 1 problem") and keys[0].hex() in out
 
 
 def _frame_bytes(path: Path, key: bytes) -> bytes:

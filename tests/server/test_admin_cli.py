@@ -142,7 +142,9 @@ def test_evict_url_by_key_bytes_and_all(
     assert set(report) == EVICTION_REPORT_KEYS and report["url"] == server.url and report["data_dir"] is None
     code, out, _ = run(["evict", "--url", server.url, "--key", stored_keys[0]], capsys)
     assert code == 1 and "not found" in out
-    code, out, _ = run(["evict", "--url", server.url, "--bytes", "8KiB", "--tier", "cpu", "--json"], capsys)
+    code, _, err = run(["evict", "--url", server.url, "--bytes", "8KiB", "--tier", "cpu"], capsys)
+    assert code == 1 and "add --yes (drop chunks of the cpu tier in the server at" in err, "--bytes asks, as --all"
+    code, out, _ = run(["evict", "--url", server.url, "--bytes", "8KiB", "--tier", "cpu", "--yes", "--json"], capsys)
     assert code == 0 and json.loads(out)["freed_bytes"]["cpu"] >= 8 * 1024
     code, out, _ = run(["evict", "--url", server.url, "--all", "--yes", "--json"], capsys)
     assert code == 0 and set(json.loads(out)["freed_bytes"]) == {"cpu", "disk"}

@@ -22,6 +22,7 @@ from kvstore.server.app import ServerAddress
 from kvstore.server.host_facts import HostFacts
 from kvstore.server.settings import ServeFlags, load_config_file, resolve_settings
 from kvstore.tiers.base import TierName
+from kvstore.version import __version__
 from kvstore.wire.connection import Connection
 from kvstore.wire.protocol import PROTOCOL_VERSION, Op, decode_reply
 from tests.server.conftest import CHUNK_SIZE, REPO_ROOT, SERVER_LAYOUT, ServerProcess, running_server, serve_args
@@ -73,13 +74,16 @@ def test_the_start_up_lines_name_every_tier_its_size_and_whether_it_is_a_default
     settings = resolve_settings(flags, MACHINE, environ={})
     address = ServerAddress(url="tcp://127.0.0.1:1", metrics_url="http://127.0.0.1:2/metrics", disk_chunks=42)
     lines = startup_lines(settings, address)
-    assert lines[0] == "listening on tcp://127.0.0.1:1 (metrics http://127.0.0.1:2/metrics)"
+    assert lines[0] == f"kvstore {__version__} listening on tcp://127.0.0.1:1 (metrics http://127.0.0.1:2/metrics)"
     assert lines[1] == "layout set by the first client; chunks of 256 tokens"
-    assert lines[2] == "cpu tier: 0.50 GiB of RAM (set by --cpu-size)"
+    assert lines[2] == "cpu tier: 512.00 MiB of RAM (set by --cpu-size)", "sizes as inspect writes them"
     assert lines[3].startswith("disk tier: ") and "the default: 64GiB, at most half the free disk" in lines[3]
     from_env = resolve_settings(ServeFlags(data_dir=tmp_path / "d"), MACHINE, environ={"KVSTORE_CPU_SIZE": "1GiB"})
     assert startup_lines(from_env, address)[2] == "cpu tier: 1.00 GiB of RAM (set by KVSTORE_CPU_SIZE)"
     assert lines[4] == f"data dir {(tmp_path / 'd').absolute()}: 42 chunks recovered from disk"
+    assert lines[5] == 'connect: kvstore.Client("tcp://127.0.0.1:1"); look: kvstore inspect --url tcp://127.0.0.1:1'
+    one = ServerAddress(url="tcp://127.0.0.1:1", metrics_url="http://127.0.0.1:2/metrics", disk_chunks=1)
+    assert startup_lines(settings, one)[4].endswith(": 1 chunk recovered from disk")
 
 
 def test_flags_override_the_environment_which_overrides_the_config_file(tmp_path: Path) -> None:
