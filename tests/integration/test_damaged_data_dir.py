@@ -337,3 +337,21 @@ def test_a_last_page_one_bit_off_the_files_is_named_a_likely_flipped_bit(
         data_file.write(struct.pack("=Q", (num_pages - 1) | high_bit))
     code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
     _assert_one_line_error(code, err, "data.mdb is damaged", "differ in one bit", "flipped bit in that meta page")
+
+
+def test_a_flipped_bit_in_a_meta_pages_tree_flags_is_damage_not_another_kind_of_file(
+    tmp_path: Path, small_layout: KVLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The free tree's md_flags in the newest meta page: LMDB said "MDB_INVALID: File is not an LMDB file"."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    _, meta, _ = _newest_meta(path)
+    with open(path / "data.mdb", "r+b") as data_file:
+        data_file.seek(meta + 44)
+        byte = data_file.read(1)[0]
+        data_file.seek(meta + 44)
+        data_file.write(bytes([byte ^ 0x10]))
+    code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
+    _assert_one_line_error(code, err, "data.mdb is damaged", "a meta page's tree record is damaged")
+    with pytest.raises(StorageError, match="a meta page's tree record is damaged"):
+        TieredStore(small_layout, _config(path))

@@ -107,10 +107,13 @@ def storage_error(action: str, exc: lmdb.Error) -> StorageError:
     """A ``StorageError`` for a failed lmdb call, naming what was being done (raise it ``from exc``)."""
     if isinstance(exc, PAGE_DAMAGE):
         return StorageError(f"{action}: {DataFileDamage(Path(DATA_FILE), f'a page is damaged ({exc})').message()}")
+    if isinstance(exc, lmdb.InvalidError):  # check_data_file passed the magics: a tree record of a meta page
+        damage = DataFileDamage(Path(DATA_FILE), f"a meta page's tree record is damaged ({exc})")
+        return StorageError(f"{action}: {damage.message()}")
     hint = ""
     if isinstance(exc, lmdb.ReadersFullError):
         hint = "; too many concurrent readers: lower the number of threads reading the disk tier"
-    elif isinstance(exc, lmdb.DiskError | lmdb.PanicError | lmdb.CorruptedError):
+    elif isinstance(exc, lmdb.DiskError | lmdb.PanicError):
         hint = "; check the disk and its free space, or move the data dir"
     return StorageError(f"{action}: {exc}{hint}")
 
