@@ -10,6 +10,7 @@ Threads: one ``RemoteReads`` per retrieve, used by its thread only.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,8 @@ from kvstore.tiers.remote.remote_value import RemoteChunk
 from kvstore.tiers.remote.tier import RemoteTier
 
 __all__ = ["RemoteReads"]
+
+logger = logging.getLogger(__name__)
 
 
 class RemoteReads:
@@ -49,6 +52,11 @@ class RemoteReads:
             group = [k for k in self._keys[start : start + REMOTE_FETCH_GROUP] if self._remote.knows(k)]
             self._fetched.update(zip(group, self._remote.fetch(group), strict=True))
         chunk = self._fetched.pop(key, None)
-        if chunk is None or chunk.record.num_tokens != place.shape[2]:
+        if chunk is None:
+            return None
+        if chunk.record.num_tokens != place.shape[2]:  # never decoded into part of the place, nor broadcast over it
+            self._remote.count_inconsistent(key)
+            logger.warning("remote chunk %s holds %d tokens, the plan %d (a directory record of another length): "
+                           "a counted miss", key.hex(), chunk.record.num_tokens, place.shape[2])  # fmt: skip
             return None
         return chunk.record if self._remote.decode_into(chunk, place) else None

@@ -681,6 +681,8 @@ class TieredStore:
                 logger.warning("retrieve: chunk %s holds %d tokens, its plan says %d (a directory or index entry "
                                "of another length); tokens %d-%d become a gap", segment.key.hex(), view.shape[2],
                                segment.num_tokens, segment.start, segment.end)  # fmt: skip
+                if segment.tier is TierName.REMOTE and self._remote is not None:  # landed by a prefetch
+                    self._remote.count_inconsistent(segment.key)
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 continue
             if memory_only:  # left to the caller to compute, as a failed load is

@@ -46,6 +46,8 @@ def test_a_directory_record_longer_than_its_chunk_is_a_miss_not_a_broadcast(
             plan = lookup_when_known(client, prompt, CHUNK_SIZE)
             assert [(s.start, s.num_tokens, s.tier) for s in plan.segments] == [(5, CHUNK_SIZE, TierName.REMOTE)]
             result = client.retrieve(plan)
+            remote = client.stats().tier(TierName.REMOTE)
         assert result.segments == (), "the chunk holds 1 token, the record claimed 16: nothing is served"
         assert result.kv.shape[2] == 0
+        assert remote is not None and remote.corrupt_reads == 1  # a counted miss, with the damaged values
         assert reader.process.poll() is None and "Traceback" not in reader.stderr()

@@ -105,7 +105,6 @@ def test_a_full_valkey_is_one_clean_log_line_without_payload_bytes(
     with ValkeyServer(tmp_path / "full", maxmemory_bytes=2 << 20, maxmemory_policy="noeviction") as full:
         link = RemoteLink(parse_remote_url(full.url), timeout_s=1.0)
         try:
-
             written = itertools.count()
 
             def write(client: Any) -> bool:

@@ -480,6 +480,13 @@ class RemoteTier:
         self._drop_corrupt([chunk.record.key], status.value)
         return False
 
+    def count_inconsistent(self, key: PrefixKey) -> None:
+        """Count a fetched value that holds another number of tokens than the plan (a directory record of another
+        length): a miss, counted with the damaged values. The value stays: it serves its own length. The caller
+        logs it."""
+        with self._state_lock:
+            self._corrupt_reads += 1
+
     def _drop_corrupt(self, keys: list[PrefixKey], cause: str) -> None:
         with self._state_lock:
             self._corrupt_reads += len(keys)
