@@ -386,27 +386,31 @@ def test_connecting_links_to_another_layout_raises_and_closes_them(shared_server
 def test_a_worker_link_follows_the_embedded_server_to_its_new_port(
     data_dir: Path, link_warnings: Callable[[str], int]
 ) -> None:
-    """The scheduler's process restarts the embedded server, which listens on a new port: a worker's link (it did
-    not start the server) fails at once on the old one, then finds the new one in the data dir's ``serve.json``
-    (issue 27: it kept the old URL, each of three links paid 30 s, and the log said "store at None is back")."""
+    """The embedded server dies and a new one listens on a new port: a worker's link (it did not start the server)
+    finds the new one in the data dir's ``serve.json`` (issue 27: it kept the old URL, each of three links paid 30 s,
+    and the log said "store at None is back"). A call on a link that finds the old server dead returns at once (and
+    starts the new server in the background); a link that was idle meanwhile reaches the new one with its first call
+    (the store-killed bench: a load the scheduler planned on the new server failed on a worker link still holding the
+    old one)."""
     first = start_server(data_dir)
     settings = ConnectorSettings(embedded=embedded_settings(data_dir), retry_s=RETRY_S)
     link = StoreLink(settings, SERVER_LAYOUT, name="worker link", timeout_s=30.0)
-    second = None
+    idle = StoreLink(settings, SERVER_LAYOUT, name="idle worker link", timeout_s=30.0)
     try:
-        assert link.connect() and link.url == first.url
+        assert link.connect() and idle.connect() and link.url == idle.url == first.url
         first.kill()
-        second = start_server(data_dir)
-        assert second.url != first.url
         result, elapsed_s = timed_stats(link)
         assert result is None and elapsed_s < 2.0, f"a call to the dead server took {elapsed_s:.1f} s"
+        assert wait_until(lambda: live_server_record(data_dir) is not None, timeout_s=60)
+        second = live_server_record(data_dir)
+        assert second is not None and second.url != first.url
+        assert round_trip(idle, seed=13) == 64 and idle.url == second.url, "the idle link's first call"
         assert wait_until(lambda: round_trip(link, seed=12) == 64, timeout_s=RETRY_S + 5)
         assert link.url == second.url
         assert link_warnings(f"store at {second.url} is back") == 1
     finally:
         link.close()
-        for server in (first, second):
-            if server is not None:
-                server.stop()
-                assert server.process.stdout is not None
-                server.process.stdout.close()
+        idle.close()
+        first.kill()
+        assert first.process.stdout is not None
+        first.process.stdout.close()
