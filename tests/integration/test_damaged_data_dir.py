@@ -355,3 +355,28 @@ def test_a_flipped_bit_in_a_meta_pages_tree_flags_is_damage_not_another_kind_of_
     _assert_one_line_error(code, err, "data.mdb is damaged", "a meta page's tree record is damaged")
     with pytest.raises(StorageError, match="a meta page's tree record is damaged"):
         TieredStore(small_layout, _config(path))
+
+
+def test_a_value_whose_size_runs_past_the_file_is_refused_at_open(
+    tmp_path: Path, small_layout: KVLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A random flip set bit 10 of a leaf node's mn_hi (a big value's size): 21,954 bytes became 67,130,874, and the
+    next read of that chunk killed the process with SIGBUS (py-lmdb touches a value's pages as it hands it out)."""
+    path = tmp_path / "data"
+    _filled_data_dir(path, small_layout)
+    tokens = make_tokens(4 * CHUNK_SIZE, seed=3)
+    with TieredStore(small_layout, _config(path)) as store:
+        plan = store.lookup(tokens)
+        victim = frame_key(plan.segments[1].key, 0)
+        store.release(plan)
+    data = (path / "data.mdb").read_bytes()
+    nodes = [at for at in range(len(data)) if data.startswith(victim, at) and data[at - 4] & 0x01]  # F_BIGDATA
+    assert nodes, "a leaf node holding the chunk's first frame on overflow pages"
+    with open(path / "data.mdb", "r+b") as data_file:
+        for node in nodes:  # mn_hi sits 6 bytes before the key: its bit 10 adds 64 GiB to the size
+            data_file.seek(node - 6)
+            data_file.write(struct.pack("=H", struct.unpack_from("=H", data, node - 6)[0] | 1 << 10))
+    with pytest.raises(StorageError, match=r"a tree page is damaged: a value's size .* runs past the end of the file"):
+        TieredStore(small_layout, _config(path))
+    code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
+    _assert_one_line_error(code, err, "data.mdb is damaged", "runs past the end of the file")

@@ -11,7 +11,8 @@ Meta page layout (lmdb.h / mdb.c, native byte order): a 16-byte page header, the
 ``md_pad`` is the page size), ``mm_last_pg`` (u64) and ``mm_txnid`` (u64). A meta page has no checksum, so a
 flipped bit there is told apart from a truncation by what LMDB itself requires of both metas at open (the page
 header's meta flag, the magic, data format version 1) and by its invariant that the last page lies inside the map;
-a last page one bit away from the file's own is named as a likely flipped bit (issue 27).
+a last page one bit away from the file's own is named as a likely flipped bit (issue 27). Last, every value of the
+newest commit's trees must lie inside the file (``value_extents``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import StorageError
+from kvstore.tiers.disk.value_extents import value_past_end
 
 __all__ = ["DATA_FILE", "DataFileDamage", "check_data_file", "data_file_damage"]
 
@@ -37,6 +39,7 @@ _MAGIC_OFFSET = 16
 _VERSION_OFFSET = 20
 _MAP_SIZE_OFFSET = 32
 _PAGE_SIZE_OFFSET = 40
+_MAIN_ROOT_OFFSET = 128
 _LAST_PAGE_OFFSET = 136
 _META_BYTES = 152
 _COMMON_PAGE_BYTES = 4096  # LMDB's page size is the OS page's: where meta page 1 is when meta page 0 cannot say
@@ -52,6 +55,7 @@ class _Meta:
     page_size: int
     last_page: int
     txn_id: int
+    main_root: int  # the main tree's root page (the sub-databases' records)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +129,19 @@ def data_file_damage(path: Path) -> DataFileDamage | None:
             f"it is truncated: {size:,} bytes, but its last commit (transaction {newest.txn_id}) needs "
             f"{needed:,}{likely}",
         )
-    return None
+    return _tree_damage(path, newest)
+
+
+def _tree_damage(path: Path, newest: _Meta) -> DataFileDamage | None:
+    """A value of the newest commit's trees that runs past the file (a read of it would be a SIGBUS)."""
+    try:
+        with open(path, "rb") as handle:
+            past_end = value_past_end(handle.fileno(), newest.page_size, newest.last_page, newest.main_root)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return DataFileDamage(path, f"it cannot be read ({exc.strerror})")
+    return DataFileDamage(path, f"a tree page is damaged: {past_end}") if past_end is not None else None
 
 
 def _parse_meta(raw: bytes, index: int) -> _Meta | str:
@@ -136,6 +152,7 @@ def _parse_meta(raw: bytes, index: int) -> _Meta | str:
     magic, version = struct.unpack_from("=II", raw, _MAGIC_OFFSET)
     (map_size,) = struct.unpack_from("=Q", raw, _MAP_SIZE_OFFSET)
     (page_size,) = struct.unpack_from("=I", raw, _PAGE_SIZE_OFFSET)
+    (main_root,) = struct.unpack_from("=Q", raw, _MAIN_ROOT_OFFSET)
     last_page, txn_id = struct.unpack_from("=QQ", raw, _LAST_PAGE_OFFSET)
     if magic != _MAGIC:
         return f"{_BAD_MAGIC} {magic:#010x}, not LMDB's {_MAGIC:#010x}"
@@ -145,4 +162,6 @@ def _parse_meta(raw: bytes, index: int) -> _Meta | str:
         return f"its data format version is {version}, LMDB writes {_DATA_VERSION}"
     if page_size < 512 or page_size & (page_size - 1):
         return f"its page size is {page_size:,}, not a power of two of at least 512"
-    return _Meta(index=index, map_size=map_size, page_size=page_size, last_page=last_page, txn_id=txn_id)
+    return _Meta(
+        index=index, map_size=map_size, page_size=page_size, last_page=last_page, txn_id=txn_id, main_root=main_root
+    )
