@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import typer
-from typer._click.exceptions import ClickException, NoSuchOption  # typer vendors click: its usage errors
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption  # typer vendors click
 
 from kvstore.cli.lazy_group import LazyCommand, LazyGroup
 from kvstore.errors import KVStoreError
@@ -113,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         result = command.main(args=list(argv) if argv is not None else None, prog_name="kvstore", standalone_mode=False)
+    except NoArgsIsHelpError as exc:  # `kvstore` or `kvstore bench` alone: the help, as click shows it, no "error:"
+        _fail(exc.format_message(), 2)
     except NoSuchOption as exc:
         renamed = RENAMED_OPTIONS.get(exc.option_name)
         message = f"{exc.option_name} was renamed {renamed}" if renamed else exc.format_message()
