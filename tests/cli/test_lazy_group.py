@@ -99,7 +99,9 @@ def test_serve_help_shows_whole_flag_names_at_80_columns(
 @pytest.mark.parametrize("argv", [[], ["bench"]])
 def test_a_group_alone_prints_its_help_not_an_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(argv, capsys)
-    assert code == 2 and err.startswith(f"Usage: kvstore {' '.join(argv)}".rstrip() + " ") and "kvstore: error" not in err
+    assert (
+        code == 2 and err.startswith(f"Usage: kvstore {' '.join(argv)}".rstrip() + " ") and "kvstore: error" not in err
+    )
 
 
 def test_a_mistyped_command_is_suggested_though_not_loaded(capsys: pytest.CaptureFixture[str]) -> None:
