@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvstore.bench.multidoc_stats import paired_facts
-from kvstore.bench.vllm_blend import answered, run_standalone_blender, selection_overlap
+from kvstore.bench.vllm_blend import answered, run_standalone_blender
 from tests.server.conftest import running_server
 from tests.vllm.conftest import E2E_CHUNK_TOKENS, REFERENCE_NEW_TOKENS, ColdReference, EngineRunner
 from tests.vllm.test_connector_e2e import SESSION_TIMEOUT_S, connector_spec
@@ -47,8 +47,13 @@ def test_query_attention_inside_vllm_selects_and_answers_as_the_standalone_blend
         answer_tokens=REFERENCE_NEW_TOKENS, data_dir=tmp_path / "standalone", selection=POLICY,
     )[1:]  # fmt: skip
     for report, answer in zip(reports, standalone, strict=True):
-        overlap = selection_overlap(report["selected"], answer.selected, report["span_tokens"])
-        assert overlap >= 0.9, f"{overlap:.3f} of vLLM's recomputed positions are the standalone's"
+        # The standalone spends part of its budget on the cut document's rest, which vLLM computes in full itself;
+        # ranked alike, the smaller of the two choices in the span lies inside the larger.
+        end = report["span_tokens"] - 1  # the span's last token: always computed by the engine
+        engine = {position for position in report["selected"] if position < end}
+        alone = {position for position in answer.selected if position < end}
+        overlap = len(engine & alone) / max(1, min(len(engine), len(alone)))
+        assert overlap >= 0.9, f"{overlap:.3f} of the smaller choice lies in the larger ({len(engine)}, {len(alone)})"
     tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
     codes = [query.code for query in workload.queries[1:]]
     vllm_right = [answered(tokenizer, result.token_ids, code) for result, code in zip(blended, codes, strict=True)]
