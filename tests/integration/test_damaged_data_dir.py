@@ -283,8 +283,8 @@ def test_a_flipped_bit_in_the_recorded_layout_is_damage_not_a_bad_layout(
     assert data.count(b'"factor"') >= 1, "the layout record, in the info tree's leaf (and older copies of it)"
     (path / "data.mdb").write_bytes(data.replace(b'"factor"', b'"factoR"'))
     code, _, err = _kvstore(capsys, "inspect", "--data-dir", str(path))
-    _assert_one_line_error(code, err, "data.mdb is damaged", "record of the dir's layout is unreadable", "factoR")
-    with pytest.raises(StorageError, match="record of the dir's layout is unreadable"):
+    _assert_one_line_error(code, err, "data.mdb is damaged", "info record (layout, chunk size, capacity)", "factoR")
+    with pytest.raises(StorageError, match=r"info record \(layout, chunk size, capacity\) is unreadable"):
         TieredStore(small_layout, _config(path))
 
 

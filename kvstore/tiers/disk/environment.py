@@ -262,7 +262,8 @@ class DiskEnvironment:
                 capacity_bytes=int(capacity_value) if capacity_value is not None else None,
             )
         except (ValueError, ConfigError) as exc:  # UnicodeDecodeError is a ValueError
-            damage = DataFileDamage(self.path / DATA_FILE, f"its record of the dir's layout is unreadable ({exc})")
+            reason = f"its info record (layout, chunk size, capacity) is unreadable ({exc})"
+            damage = DataFileDamage(self.path / DATA_FILE, reason)
             raise StorageError(damage.message()) from exc
 
     def check_info(self, layout: KVLayout, chunk_size: int, capacity_bytes: int) -> None:
