@@ -59,7 +59,7 @@ class LazyGroup(TyperGroup):
     lazy_commands: ClassVar[Mapping[str, LazyCommand]] = {}
 
     def list_commands(self, ctx: _click.Context) -> list[str]:
-        return [*super().list_commands(ctx), *(name for name in self.lazy_commands if name not in self.commands)]
+        return list(self.lazy_commands)
 
     def get_command(self, ctx: _click.Context, cmd_name: str) -> _click.Command | None:
         if cmd_name not in self.commands and cmd_name in self.lazy_commands:
@@ -73,20 +73,12 @@ class LazyGroup(TyperGroup):
         try:
             return super().resolve_command(ctx, args)
         except _click.exceptions.UsageError as exc:
-            matches = get_close_matches(args[0], self.list_commands(ctx)) if args else []
+            matches = get_close_matches(args[0], self.list_commands(ctx))
             if matches and "Did you mean" not in exc.message:
                 exc.message = f"{exc.message.rstrip('.')}. Did you mean {', '.join(map(repr, matches))}?"
             raise
 
     def format_commands(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
-        """List every command with its summary, importing none that is not loaded yet."""
-        rows = []
-        for name in self.list_commands(ctx):
-            loaded = self.commands.get(name)
-            if loaded is None:
-                rows.append((name, self.lazy_commands[name].summary))
-            elif not loaded.hidden:
-                rows.append((name, loaded.get_short_help_str(formatter.width)))
-        if rows:
-            with formatter.section("Commands"):
-                formatter.write_dl(rows)
+        """List every command with its summary, importing none of them."""
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, command.summary) for name, command in self.lazy_commands.items()])
