@@ -1,4 +1,8 @@
-"""``kvstore serve``: run a store server in the foreground until SIGINT (Ctrl-C) or SIGTERM."""
+"""``kvstore serve``: run a store server in the foreground until SIGINT (Ctrl-C) or SIGTERM.
+
+The server, its settings and the store (torch, LMDB, ZeroMQ) are imported inside the functions that run it, not
+here: ``kvstore serve --help`` reads only this module's signature, and must not take seconds (issue 27).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,18 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import typer
 
 from kvstore.cli.quantities import count_text, size_text
 from kvstore.errors import ConfigError
 from kvstore.pids import pid_alive
-from kvstore.server.app import ServerAddress, run_server
-from kvstore.server.host_facts import probe_host
-from kvstore.server.settings import ServeFlags, ServerSettings, flag_name, resolve_settings
-from kvstore.tiers.base import TierName
-from kvstore.tiers.remote.address import parse_remote_url
 from kvstore.version import __version__
+
+if TYPE_CHECKING:
+    from kvstore.server.app import ServerAddress
+    from kvstore.server.settings import ServerSettings
 
 __all__ = ["serve_command"]
 
@@ -117,6 +121,10 @@ def serve_command(
 
         kvstore serve --tiers cpu,disk,remote --remote-url valkey://cache:6379
     """
+    from kvstore.server.app import run_server
+    from kvstore.server.host_facts import probe_host
+    from kvstore.server.settings import ServeFlags, resolve_settings
+
     flags = ServeFlags(
         tiers=tiers,
         chunk_size=chunk_size,
@@ -166,6 +174,10 @@ def serve_command(
 def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]:
     """What an operator needs to see at start: the version, where it listens, the layout, what each tier takes --
     the defaults included, since they silently claim RAM and disk -- and how to connect to it."""
+    from kvstore.server.settings import flag_name
+    from kvstore.tiers.base import TierName
+    from kvstore.tiers.remote.address import parse_remote_url
+
     store = settings.store
     layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"
     lines = [

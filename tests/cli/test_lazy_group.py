@@ -34,11 +34,12 @@ def _modules_after(argv: list[str]) -> tuple[int, set[str]]:
     return completed.returncode, set(json.loads(line.removeprefix("MODULES ")))
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"]])
-def test_version_and_help_import_neither_torch_nor_numba_nor_any_command(argv: list[str]) -> None:
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["serve", "--help"]])
+def test_version_and_help_import_neither_torch_nor_numba_nor_any_other_command(argv: list[str]) -> None:
     code, modules = _modules_after(argv)
     assert code == 0
-    assert not {"torch", "numba", "lmdb", "zmq", "kvstore.store", *_COMMAND_MODULES} & modules
+    assert not {"torch", "numba", "lmdb", "zmq", "kvstore.store", "kvstore.server.app"} & modules
+    assert {module for module in _COMMAND_MODULES if module in modules} <= {f"kvstore.cli.{argv[0]}"}
 
 
 def test_version_takes_well_under_a_second() -> None:
