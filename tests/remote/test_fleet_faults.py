@@ -19,7 +19,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens
-from tests.remote.test_fleet_store import CHUNK, LAYOUT, two_hosts
+from tests.remote.test_fleet_store import CHUNK, LAYOUT, host_config, two_hosts
 
 NAMES = RemoteNames.for_layout("kvstore", LAYOUT, CHUNK)
 
@@ -88,7 +88,12 @@ def test_a_lost_cluster_master_leaves_the_other_masters_slots_in_use(tmp_path: P
         with cluster.nodes[0].client() as client:
             lost_slots = {slot for low, high in _slot_ranges(client, lost.port) for slot in range(low, high)}
         lost.kill()
-        with two_hosts(tmp_path, cluster.url) as (a, b):
+        # Timeouts a loaded CI machine keeps: at the default 200 ms a slow reply from a live master would open its
+        # breaker too, and every put would be refused for reasons this test is not about.
+        patient = {"remote_timeout_ms": 2000}
+        with TieredStore(LAYOUT, host_config(tmp_path, "a", cluster.url, **patient)) as a, TieredStore(
+            LAYOUT, host_config(tmp_path, "b", cluster.url, **patient)
+        ) as b:
             documents = [make_tokens(4 * CHUNK, seed=150 + index) for index in range(8)]
             kvs = [make_kv(LAYOUT, len(document), seed=150 + index) for index, document in enumerate(documents)]
             for document, kv in zip(documents, kvs, strict=True):
