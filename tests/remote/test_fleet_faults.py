@@ -8,6 +8,8 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import redis
 import torch
 from _pytest.logging import LogCaptureFixture
@@ -91,15 +93,19 @@ def test_a_lost_cluster_master_leaves_the_other_masters_slots_in_use(tmp_path: P
         # Timeouts a loaded CI machine keeps: at the default 200 ms a slow reply from a live master would open its
         # breaker too, and every put would be refused for reasons this test is not about.
         patient = {"remote_timeout_ms": 2000}
-        with TieredStore(LAYOUT, host_config(tmp_path, "a", cluster.url, **patient)) as a, TieredStore(
-            LAYOUT, host_config(tmp_path, "b", cluster.url, **patient)
-        ) as b:
+        with (
+            TieredStore(LAYOUT, host_config(tmp_path, "a", cluster.url, **patient)) as a,
+            TieredStore(LAYOUT, host_config(tmp_path, "b", cluster.url, **patient)) as b,
+        ):
             documents = [make_tokens(4 * CHUNK, seed=150 + index) for index in range(8)]
             kvs = [make_kv(LAYOUT, len(document), seed=150 + index) for index, document in enumerate(documents)]
             for document, kv in zip(documents, kvs, strict=True):
                 a.store(document, kv)
             a.flush()
-            b.sync_directory()
+            deadline = time.monotonic() + 30  # b's directory reads, each master behind its own breaker, may lag
+            while not _knows_what_live_masters_hold(b, documents, lost_slots) and time.monotonic() < deadline:
+                b.sync_directory()
+                time.sleep(0.1)
             stored = a.stats().tier(TierName.REMOTE)
             assert stored.puts > 0 and stored.rejected_puts > 0  # the live masters took theirs, the lost one not
             served = whole = 0
@@ -123,6 +129,19 @@ def test_a_lost_cluster_master_leaves_the_other_masters_slots_in_use(tmp_path: P
     unreachable = [line for line in _warnings(caplog) if "unreachable" in line]
     assert unreachable and all(f":{lost.port}" in line for line in unreachable)
     assert any("other masters' stay in use" in line for line in unreachable)
+
+
+def _knows_what_live_masters_hold(host: TieredStore, documents: list[npt.NDArray[np.int64]], lost: set[int]) -> bool:
+    """Whether ``host`` knows, of every document published on a live master, each chunk up to the first lost one."""
+    for document in documents:
+        keys = prefix_keys(LAYOUT.namespace, document, CHUNK)
+        live = [key_slot(NAMES.chunk(key)) not in lost for key in keys]
+        if not live[0] or key_slot(NAMES.directory_shard(NAMES.shard_of(keys[0]))) in lost:
+            continue
+        first_lost = live.index(False) if False in live else len(keys)
+        if any(host.contains(key) != [TierName.REMOTE] for key in keys[:first_lost]):
+            return False
+    return True
 
 
 def _slot_ranges(client: redis.Redis, port: int) -> list[tuple[int, int]]:
