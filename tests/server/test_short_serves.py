@@ -16,6 +16,7 @@ two on a real valkey-server, the reader with no memory tier, so every remote chu
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -181,6 +182,17 @@ def _assert_served_as_stored(
         assert same, f"segment {segment} is reported served but its KV differs from what was stored"
 
 
+def _wait_until_remote_available(client: Client, timeout_s: float = 20.0) -> None:
+    """Until the server's remote link has closed its outage (a second of successes after Valkey answers again)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        remote = client.stats().remote
+        if remote is not None and remote.available:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the remote stayed unavailable for {timeout_s:g} s")
+
+
 def _expected_served(plan: LookupPlan, failed: set[bytes], segmented: bool) -> list[Segment]:
     """What a disk-only store serves when ``failed`` chunks cannot load: the rest, except that without segmented
     prefix an exact segment after a failed exact one is dropped too (its prefix is gone)."""
@@ -309,6 +321,8 @@ def _check_remote_shortfall(
     example opened may fail more reads, so only "nothing but stored KV" is exact here."""
     writer = clients["fleet_writer", "shm"]
     reader = clients["fleet_reader", "inline" if transport == "inline" else "shm"]
+    for host in (writer, reader):  # an earlier example's hung Valkey left an outage: writes would be dropped
+        _wait_until_remote_available(host)
     document = _document(num_chunks, 0)
     writer.store(document.tokens, document.kv)
     writer.flush()
