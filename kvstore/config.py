@@ -20,6 +20,8 @@ __all__ = [
     "REMOTE_WRITE_POLICIES",
     "StoreConfig",
     "check_byte_count",
+    "check_chunk_separator",
+    "parse_chunk_separator",
     "parse_size",
     "parse_tiers",
     "tier_name",
@@ -123,6 +125,10 @@ class StoreConfig:
         tiers: storage levels, fastest first; any non-empty ordered subset of gpu, cpu, disk, remote (remote needs a
             local tier above it and ``remote_url``).
         chunk_size: tokens per chunk (prefix keys depend on it; a data dir keeps the one it was created with).
+        chunk_separator: token ids after which a chunk restarts (``kvstore.keys.chunk_bounds``), e.g. a RAG
+            template's document delimiter: a document is then cached in chunks of its own and found wherever it sits
+            in a later prompt. Empty: chunks every ``chunk_size`` tokens from position 0. Changing it keeps stored
+            chunks valid (a key names its cut), but prompts cut another way miss them.
         gpu_capacity_bytes: device memory for the gpu tier.
         gpu_device: CUDA device of the gpu tier (``"cpu"`` runs the gpu-tier logic without a GPU, for tests).
         cpu_capacity_bytes: host memory for the cpu tier (page-locked when CUDA is present).
@@ -151,6 +157,7 @@ class StoreConfig:
 
     tiers: tuple[TierName, ...] = (TierName.CPU, TierName.DISK)
     chunk_size: int = 256
+    chunk_separator: tuple[int, ...] = ()
     gpu_capacity_bytes: int = 4 * GIB
     gpu_device: str = "cuda"
     cpu_capacity_bytes: int = 4 * GIB
@@ -185,6 +192,7 @@ class StoreConfig:
                 raise ConfigError(f"{name}={value!r} must be a whole number")
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size={self.chunk_size} must be a positive number of tokens, e.g. 256")
+        object.__setattr__(self, "chunk_separator", check_chunk_separator(self.chunk_separator))
         for name in ("gpu_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} cannot be negative")
@@ -216,6 +224,40 @@ class StoreConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive whole number")
+
+
+MAX_SEPARATOR_TOKENS = 64
+
+
+def check_chunk_separator(separator: object) -> tuple[int, ...]:
+    """``separator`` as a tuple of token ids, checked: 0 to ``MAX_SEPARATOR_TOKENS`` ids in [0, 2**32).
+
+    Raises:
+        ConfigError: anything else, in one line.
+    """
+    if isinstance(separator, str | bytes) or not isinstance(separator, tuple | list):
+        raise ConfigError(
+            f"chunk_separator={separator!r} must be a sequence of token ids, e.g. (198, 198) (a string separator "
+            "is tokenized by the engine's connector, kvstore.chunk_separator)"
+        )
+    if len(separator) > MAX_SEPARATOR_TOKENS:
+        raise ConfigError(f"chunk_separator has {len(separator)} tokens; at most {MAX_SEPARATOR_TOKENS}")
+    for token in separator:
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 2**32:
+            raise ConfigError(f"chunk_separator={list(separator)}: {token!r} is not a token id in [0, 2**32)")
+    return tuple(separator)
+
+
+def parse_chunk_separator(text: str) -> tuple[int, ...]:
+    """``"198,198"`` -> ``(198, 198)``: ``--chunk-separator``'s token ids (empty text: none)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        return check_chunk_separator([int(part) for part in parts])
+    except ValueError:
+        raise ConfigError(
+            f"--chunk-separator {text!r} must be comma-separated token ids, e.g. 198,198 (tokenize the separator "
+            "string with the model's tokenizer)"
+        ) from None
 
 
 def _names(tiers: tuple[TierName, ...]) -> str:

@@ -32,14 +32,13 @@ def publish_span(
     remote: RemoteTier,
     tokens: TokenArray,
     keys: Sequence[PrefixKey],
-    source_start: int,
-    chunk_size: int,
+    bounds: Sequence[int],
     fingerprint_bits: int,
 ) -> None:
-    """Publish consecutive chunks ``keys`` of a sequence, the first at ``source_start`` of ``tokens``."""
-    starts = source_start + chunk_size * np.arange(len(keys), dtype=np.int64)
-    ends = np.minimum(starts + chunk_size, len(tokens))
-    _publish(remote, keys, tokens, starts, ends, source_start, fingerprint_bits)
+    """Publish consecutive chunks ``keys`` of a sequence, chunk ``i`` being ``tokens[bounds[i]:bounds[i + 1]]``."""
+    starts = np.asarray(bounds[:-1], dtype=np.int64)
+    ends = np.asarray(bounds[1:], dtype=np.int64)
+    _publish(remote, keys, tokens, starts, ends, int(bounds[0]), fingerprint_bits)
 
 
 class RecentRuns:
@@ -65,9 +64,7 @@ class RecentRuns:
         return self._last.get(key) if key is not None else None
 
 
-def publish_records(
-    remote: RemoteTier, run: Sequence[ChunkRecord], fingerprint_bits: int, recent: RecentRuns, chunk_size: int
-) -> None:
+def publish_records(remote: RemoteTier, run: Sequence[ChunkRecord], fingerprint_bits: int, recent: RecentRuns) -> None:
     """Publish one run of chunk records (``records_in_runs``), after the run it continues when ``recent`` knows it."""
     tokens = np.concatenate([record.tokens for record in run])
     ends = np.cumsum([record.num_tokens for record in run], dtype=np.int64)
@@ -86,25 +83,21 @@ def publish_records(
     if (
         before is not None
         and before.fingerprint_bits == published.fingerprint_bits
-        and int(before.lengths[0]) == chunk_size
-        and before.source_start + chunk_size == published.source_start
+        and before.source_start + int(before.lengths[0]) == published.source_start
     ):
         published = _joined(before, published)
     recent.remember(published)
     remote.publish(published)
 
 
-def records_in_runs(records: Sequence[ChunkRecord], chunk_size: int) -> list[list[ChunkRecord]]:
-    """The records joined into runs by parent keys: a child follows a full parent that ends where it starts."""
+def records_in_runs(records: Sequence[ChunkRecord]) -> list[list[ChunkRecord]]:
+    """The records joined into runs by parent keys: a child follows a parent that ends where it starts (a parent
+    shorter than ``chunk_size`` has a child when the store cut it at a separator)."""
     by_key = {record.key: record for record in records}
     child_of: dict[PrefixKey, ChunkRecord] = {}
     for record in records:
         parent = by_key.get(record.parent_key) if record.parent_key is not None else None
-        if (
-            parent is not None
-            and parent.num_tokens == chunk_size
-            and record.source_start == parent.source_start + chunk_size
-        ):
+        if parent is not None and record.source_start == parent.source_start + parent.num_tokens:
             child_of[parent.key] = record
     followers = {child.key for child in child_of.values()}
     runs: list[list[ChunkRecord]] = []

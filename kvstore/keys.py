@@ -5,11 +5,23 @@ as little-endian uint32, so a key depends only on token values, never on the cal
 the machine or Python's hash seed. The last chunk of a sequence may be partial; its key hashes its shorter bytes, so
 it never equals the key of a full chunk.
 
+Chunk boundaries fall every ``chunk_size`` tokens from position 0 and, when the store names a *separator* (a token
+sequence such as a RAG template's document delimiter), restart right after each occurrence of it
+(``chunk_bounds``)::
+
+    tokens:  | system  SEP | doc A ... (chunk_size) | doc A tail  SEP | doc B  SEP | question |
+    bounds:  0             ^                        ^                 ^            ^          ^ len
+
+so a document's chunks cover its own tokens whatever precedes it, and the content index finds it in any prompt that
+puts the same separator before it. Boundaries depend only on the tokens, so equal prefixes still get equal keys, and
+a key still names one token sequence and one cut of it (the chain hashes each chunk's bytes in turn).
+
 Pure functions, thread-safe.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NewType
 
@@ -27,9 +39,12 @@ __all__ = [
     "as_token_array",
     "chained_key",
     "checked_keys",
+    "chunk_bounds",
     "key_from_hex",
+    "keys_at_bounds",
     "num_chunks",
     "prefix_keys",
+    "separator_run_starts",
 ]
 
 PrefixKey = NewType("PrefixKey", bytes)
@@ -72,25 +87,71 @@ def num_chunks(num_tokens: int, chunk_size: int) -> int:
     return -(-num_tokens // chunk_size)
 
 
-def prefix_keys(namespace: Namespace, tokens: TokenArray, chunk_size: int) -> list[PrefixKey]:
-    """Key of every chunk of ``tokens`` (the last one may be partial).
+def separator_run_starts(tokens: TokenArray, separator: Sequence[int]) -> list[int]:
+    """Position 0 and the position right after each occurrence of ``separator`` (left to right, occurrences not
+    overlapping, as ``str.split`` finds them) that leaves tokens after it: where the runs of ``tokens`` start."""
+    starts = [0]
+    width = len(separator)
+    if not width or tokens.shape[0] < width:
+        return starts
+    pattern = np.asarray(separator, dtype="<u4")
+    span = tokens.shape[0] - width + 1
+    found = tokens[:span] == pattern[0]
+    for offset in range(1, width):
+        found &= tokens[offset : offset + span] == pattern[offset]
+    after = -1
+    for position in np.flatnonzero(found).tolist():
+        if position >= after:
+            after = position + width
+            if after < tokens.shape[0]:
+                starts.append(after)
+    return starts
+
+
+def chunk_bounds(tokens: TokenArray, chunk_size: int, separator: Sequence[int] = ()) -> list[int]:
+    """Where the chunks of ``tokens`` start, followed by ``len(tokens)``: chunk ``i`` is ``[b[i], b[i + 1])``.
+
+    Every ``chunk_size`` tokens from each run's start (see the module docstring); without a separator that is
+    ``0, chunk_size, 2 * chunk_size, ...``.
+
+    Raises:
+        ConfigError: ``chunk_size`` is not positive.
+    """
+    if chunk_size <= 0:
+        raise ConfigError(f"chunk_size={chunk_size} must be a positive number of tokens, e.g. 256")
+    num_tokens = int(tokens.shape[0])
+    run_starts = separator_run_starts(tokens, separator)
+    bounds: list[int] = []
+    for run_start, run_end in zip(run_starts, [*run_starts[1:], num_tokens], strict=True):
+        bounds.extend(range(run_start, run_end, chunk_size))
+    bounds.append(num_tokens)
+    return bounds if num_tokens else [0]
+
+
+def prefix_keys(
+    namespace: Namespace, tokens: TokenArray, chunk_size: int, separator: Sequence[int] = ()
+) -> list[PrefixKey]:
+    """Key of every chunk of ``tokens`` cut at ``chunk_bounds(tokens, chunk_size, separator)``.
 
     Args:
         namespace: the layout's namespace (seed of the chain).
         tokens: ids from ``as_token_array``.
         chunk_size: tokens per chunk.
+        separator: token ids after which a chunk restarts (none: fixed-size chunks).
 
     Returns:
         One 16-byte key per chunk, in order.
     """
-    if chunk_size <= 0:
-        raise ConfigError(f"chunk_size={chunk_size} must be a positive number of tokens, e.g. 256")
+    return keys_at_bounds(namespace, tokens, chunk_bounds(tokens, chunk_size, separator))
+
+
+def keys_at_bounds(namespace: Namespace, tokens: TokenArray, bounds: Sequence[int]) -> list[PrefixKey]:
+    """``prefix_keys`` of the chunks ``[bounds[i], bounds[i + 1])`` (``chunk_bounds``' list, already computed)."""
     data = memoryview(tokens.astype("<u4", copy=False).tobytes())
-    step = chunk_size * 4
     keys: list[PrefixKey] = []
     previous: bytes = namespace
-    for offset in range(0, len(data), step):
-        previous = _chain(previous, data[offset : offset + step])
+    for start, end in itertools.pairwise(bounds):
+        previous = _chain(previous, data[4 * start : 4 * end])
         keys.append(PrefixKey(previous))
     return keys
 
@@ -133,7 +194,5 @@ def key_from_hex(text: str) -> PrefixKey:
     except ValueError:
         raw = b""
     if len(raw) != KEY_BYTES:
-        raise ConfigError(
-            f"chunk key {text!r} is not {2 * KEY_BYTES} hex digits; copy it from `kvstore inspect`"
-        )
+        raise ConfigError(f"chunk key {text!r} is not {2 * KEY_BYTES} hex digits; copy it from `kvstore inspect`")
     return PrefixKey(raw)

@@ -52,7 +52,16 @@ from kvstore.content.index import DEFAULT_FINGERPRINT_BITS, Match
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
 from kvstore.fleet_publish import RecentRuns, publish_records, publish_span, records_in_runs
 from kvstore.fleet_sync import DEFAULT_SYNC_INTERVAL_S, DirectorySync
-from kvstore.keys import PrefixKey, TokenArray, as_token_array, chained_key, checked_keys, prefix_keys
+from kvstore.keys import (
+    PrefixKey,
+    TokenArray,
+    as_token_array,
+    chained_key,
+    checked_keys,
+    chunk_bounds,
+    keys_at_bounds,
+    separator_run_starts,
+)
 from kvstore.layout import KVLayout
 from kvstore.lookup_counts import LookupCounts
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
@@ -248,11 +257,18 @@ class TieredStore:
 
     def _publish_records(self, remote: RemoteTier, records: Sequence[ChunkRecord]) -> None:
         """Publish chunks that reached the remote one by one (evicted), as runs wherever parent links join them."""
-        for run in records_in_runs(records, self.config.chunk_size):
-            publish_records(remote, run, self._fingerprint_bits(), self._recent_runs, self.config.chunk_size)
+        for run in records_in_runs(records):
+            publish_records(remote, run, self._fingerprint_bits(), self._recent_runs)
 
     def _fingerprint_bits(self) -> int:
         return self._catalog.index.fingerprint_bits if self._catalog is not None else DEFAULT_FINGERPRINT_BITS
+
+    def _chunk_bounds(self, tokens: TokenArray) -> list[int]:
+        return chunk_bounds(tokens, self.config.chunk_size, self.config.chunk_separator)
+
+    def _separator_note(self) -> str:
+        separator = self.config.chunk_separator
+        return f", restarting after the separator {list(separator)}" if separator else ""
 
     # -- store ------------------------------------------------------------------------------------------------
 
@@ -265,7 +281,7 @@ class TieredStore:
         hands over only the KV of the rest::
 
             tokens: | chunk 0 | chunk 1 | chunk 2 | chunk 3 | c4 |
-                                        ^ start = 2 * chunk_size
+                                        ^ start: the third chunk boundary
             kv:                         | chunk 2 | chunk 3 | c4 |   [L, 2, len(tokens) - start, H, D]
 
         The chunks before ``start`` are never written, resident or not; their prefix keys are still computed (the
@@ -276,7 +292,8 @@ class TieredStore:
             tokens: the sequence's token ids, from position 0.
             kv: ``[num_layers, 2, len(tokens) - start, num_kv_heads, head_dim]``, the KV of ``tokens[start:]``, in
                 the layout's dtype, on the cpu or a GPU.
-            start: position of ``kv``'s first token: a multiple of ``config.chunk_size`` in ``[0, len(tokens)]``.
+            start: position of ``kv``'s first token: a chunk boundary (``kvstore.keys.chunk_bounds``: a multiple of
+                ``config.chunk_size`` unless the store has a ``chunk_separator``) or ``len(tokens)``.
 
         Returns:
             Counted over the chunks from ``start`` (the ones handed over): how many there are, how many were new,
@@ -288,18 +305,23 @@ class TieredStore:
         """
         self._check_open()
         token_array = as_token_array(tokens)
-        chunk_size = self.config.chunk_size
-        if not 0 <= start <= len(token_array) or start % chunk_size:
+        bounds = self._chunk_bounds(token_array)
+        first_index = bisect.bisect_left(bounds, start)
+        if not 0 <= start <= len(token_array) or first_index == len(bounds) or bounds[first_index] != start:
             raise InvalidInputError(
-                f"store start={start} must be a multiple of chunk_size={chunk_size} in [0, len(tokens)="
-                f"{len(token_array)}]; pass the position of the first chunk whose KV you send"
+                f"store start={start} is not a chunk boundary of the {len(token_array)} tokens (chunk_size="
+                f"{self.config.chunk_size}{self._separator_note()}); pass the position of the first chunk whose KV "
+                "you send"
             )
         self._check_tail_kv(kv, len(token_array), start)
-        keys = prefix_keys(self._namespace, token_array, chunk_size)
-        first_index = start // chunk_size
+        keys = keys_at_bounds(self._namespace, token_array, bounds)
         catalog = self._catalog
-        # Indexed from the first chunk handed over: start is a chunk boundary, so the tail chunks the same way.
-        dedup = catalog.dedup_targets(token_array[start:]) if catalog is not None else []
+        # Indexed from the first chunk handed over, cut where the whole sequence is cut.
+        dedup = (
+            catalog.dedup_targets(token_array[start:], [bound - start for bound in bounds[first_index + 1 :]])
+            if catalog is not None
+            else []
+        )
         committed = [False] * len(keys)  # resident after this call, so its content may be registered
         if catalog is not None:
             for index in range(first_index):  # not written, but registered with the tail as a full store would
@@ -320,8 +342,7 @@ class TieredStore:
                 catalog.add_alias(key, target)
                 num_aliased += 1
                 continue
-            chunk_start = index * chunk_size
-            chunk_end = min(chunk_start + chunk_size, len(token_array))
+            chunk_start, chunk_end = bounds[index], bounds[index + 1]
             parent = keys[index - 1] if index else None
             record = ChunkRecord(
                 key=key, source_start=chunk_start, tokens=token_array[chunk_start:chunk_end], parent_key=parent
@@ -339,9 +360,9 @@ class TieredStore:
         if num_rejected:
             logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, num_chunks)
         if catalog is not None:
-            self._register_runs(catalog, token_array, keys, committed, shields)
+            self._register_runs(catalog, token_array, keys, bounds, committed, shields)
         if self._remote is not None and new_indexes and not self._writes_on_eviction():
-            self._publish_runs(self._remote, token_array, keys, new_indexes)
+            self._publish_runs(self._remote, token_array, keys, bounds, new_indexes)
         return StoreResult(
             num_chunks=num_chunks,
             num_new_chunks=num_new,
@@ -388,16 +409,21 @@ class TieredStore:
             remote.put(record, kv)
 
     def _publish_runs(
-        self, remote: RemoteTier, tokens: TokenArray, keys: Sequence[PrefixKey], new_indexes: Sequence[int]
+        self,
+        remote: RemoteTier,
+        tokens: TokenArray,
+        keys: Sequence[PrefixKey],
+        bounds: Sequence[int],
+        new_indexes: Sequence[int],
     ) -> None:
         """Publish each run of consecutive new chunks to the fleet directory, behind the chunks' own writes."""
-        chunk_size, bits = self.config.chunk_size, self._fingerprint_bits()
+        bits = self._fingerprint_bits()
         run_start = 0
         for position in range(1, len(new_indexes) + 1):
             if position < len(new_indexes) and new_indexes[position] == new_indexes[position - 1] + 1:
                 continue
             first, last = new_indexes[run_start], new_indexes[position - 1]
-            publish_span(remote, tokens, keys[first : last + 1], first * chunk_size, chunk_size, bits)
+            publish_span(remote, tokens, keys[first : last + 1], bounds[first : last + 2], bits)
             run_start = position
 
     def _write_through(self, tier: Tier, record: ChunkRecord, kv: torch.Tensor) -> None:
@@ -416,11 +442,11 @@ class TieredStore:
         catalog: ContentCatalog,
         tokens: TokenArray,
         keys: Sequence[PrefixKey],
+        bounds: Sequence[int],
         committed: Sequence[bool],
         shields: Sequence[Pin],
     ) -> None:
         """Queue each run of consecutive committed chunks for content registration; the last run drops the shields."""
-        chunk_size = self.config.chunk_size
         runs: list[tuple[int, int]] = []
         for index, is_committed in enumerate(committed):
             if not is_committed:
@@ -433,10 +459,11 @@ class TieredStore:
             self._unpin(shields)
             return
         for position, (first, last) in enumerate(runs):
-            start, end = first * chunk_size, min(last * chunk_size, len(tokens))
+            start, end = bounds[first], bounds[last]
             # Runs register in order, so the last one's completion means every shield can go.
             on_done = (lambda: self._unpin(shields)) if position == len(runs) - 1 else _no_op
-            catalog.register(tokens[start:end], keys[first:last], start, on_done)
+            chunk_ends = [bound - start for bound in bounds[first + 1 : last + 1]]
+            catalog.register(tokens[start:end], keys[first:last], start, on_done, chunk_ends=chunk_ends)
 
     # -- lookup -----------------------------------------------------------------------------------------------
 
@@ -471,12 +498,13 @@ class TieredStore:
         use_blend = catalog is not None if blend is None else blend
         if use_blend and catalog is None:
             raise ConfigError("lookup(blend=True) needs a store opened with StoreConfig(enable_blend=True)")
-        keys = prefix_keys(self._namespace, token_array, self.config.chunk_size)
+        bounds = self._chunk_bounds(token_array)
+        keys = keys_at_bounds(self._namespace, token_array, bounds)
         pins: list[Pin] = []
-        segments = self._prefix_leg(token_array, keys, pins, catalog if use_blend else None)
+        segments = self._prefix_leg(keys, bounds, pins, catalog if use_blend else None)
         if use_blend:
             assert catalog is not None
-            segments = self._match_leg(token_array, keys, segments, pins, catalog)
+            segments = self._match_leg(token_array, keys, bounds, segments, pins, catalog)
         plan_id = self._ledger.open_plan(session_id, pins)
         self._lookup_counts.add(len(token_array), segments)
         prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
@@ -497,18 +525,17 @@ class TieredStore:
         )
 
     def _prefix_leg(
-        self, tokens: TokenArray, keys: Sequence[PrefixKey], pins: list[Pin], catalog: ContentCatalog | None
+        self, keys: Sequence[PrefixKey], bounds: Sequence[int], pins: list[Pin], catalog: ContentCatalog | None
     ) -> list[Segment]:
         """Exact segments from the prefix keys (and blend segments from dedup aliases, when ``catalog`` is given).
 
         A missing chunk ends the leg, or with segmented prefix becomes a gap: the chunks after it are still exact,
         because their keys chain over every earlier token of the prompt.
         """
-        chunk_size = self.config.chunk_size
         segments: list[Segment] = []
         for index, key in enumerate(keys):
-            start = index * chunk_size
-            num_tokens = min(chunk_size, len(tokens) - start)
+            start = bounds[index]
+            num_tokens = bounds[index + 1] - start
             tier = self._pin_fastest(key, pins)
             if tier is not None:
                 segments.append(
@@ -539,13 +566,14 @@ class TieredStore:
         self,
         tokens: TokenArray,
         keys: Sequence[PrefixKey],
+        bounds: Sequence[int],
         segments: list[Segment],
         pins: list[Pin],
         catalog: ContentCatalog,
     ) -> list[Segment]:
         """Add content matches that do not overlap the prefix leg's segments; returns all segments sorted."""
         catalog.sync()
-        chunk_size = self.config.chunk_size
+        chunk_index = {bound: index for index, bound in enumerate(bounds[:-1])}
         starts = [segment.start for segment in segments]
         ends = [segment.end for segment in segments]
 
@@ -553,11 +581,15 @@ class TieredStore:
             position = bisect.bisect_right(starts, found.query_start + found.num_tokens - 1)
             return position > 0 and ends[position - 1] > found.query_start
 
-        matches = catalog.match(tokens, skip=overlaps, pin=lambda key: self._pin_fastest(key, pins))
+        separator = self.config.chunk_separator
+        run_starts = separator_run_starts(tokens, separator) if separator else ()
+        matches = catalog.match(
+            tokens, run_starts=run_starts, skip=overlaps, pin=lambda key: self._pin_fastest(key, pins)
+        )
         for found, tier in matches:
-            index, offset = divmod(found.query_start, chunk_size)
+            index = chunk_index.get(found.query_start, -1)
             exact = (
-                offset == 0
+                index >= 0
                 and found.source_start == found.query_start
                 and found.key
                 == chained_key(

@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.bench.vllm_blend import VllmBlendOptions, VllmBlendRow, run_vllm_blend_benchmark
+from kvstore.bench.vllm_serve import ServeBenchOptions, ServeRow, run_serve_benchmark, ttft_gain_failure
+from kvstore.bench.vllm_serve_workload import Corpus
 from kvstore.bench.vllm_ttft import (
     VllmBenchOptions,
     VllmBenchRow,
@@ -25,6 +27,7 @@ __all__ = ["bench_vllm_command"]
 
 _DEFAULTS = VllmBenchOptions(model_dir=Path("."))
 _BLEND_DEFAULTS = VllmBlendOptions(model_dir=Path("."))
+_SERVE_DEFAULTS = ServeBenchOptions(model_dir=Path("."))
 
 
 def bench_vllm_command(
@@ -46,7 +49,33 @@ def bench_vllm_command(
     docs_per_query: int = typer.Option(
         _BLEND_DEFAULTS.docs_per_query, "--docs-per-query", help="--blend: documents in each query."
     ),
-    ratio: float = typer.Option(_BLEND_DEFAULTS.ratio, "--ratio", help="--blend: the recompute ratio."),
+    ratio: float = typer.Option(_BLEND_DEFAULTS.ratio, "--ratio", help="--blend, --serve: the recompute ratio."),
+    serve: bool = typer.Option(
+        False, "--serve", help="Multi-doc QA through vLLM's OpenAI server: vLLM alone, + kvstore, + kvstore blending."
+    ),
+    queries: int = typer.Option(_SERVE_DEFAULTS.num_queries, "--queries", help="--serve: query-round requests."),
+    max_inflight: int = typer.Option(
+        _SERVE_DEFAULTS.max_inflight, "--max-inflight", help="--serve: requests in flight at most."
+    ),
+    mixed_requests: int = typer.Option(
+        _SERVE_DEFAULTS.num_mixed, "--mixed-requests", help="--serve: mixed-round requests (hits, misses, blends)."
+    ),
+    max_tokens: int = typer.Option(
+        _SERVE_DEFAULTS.max_tokens, "--max-tokens", help="--serve: tokens per warm-up and query request."
+    ),
+    mixed_max_tokens: int = typer.Option(
+        _SERVE_DEFAULTS.mixed_max_tokens, "--mixed-max-tokens", help="--serve: tokens per mixed-round request."
+    ),
+    separator: str = typer.Option(_SERVE_DEFAULTS.separator, "--separator", help="--serve: between the parts."),
+    system_prompt: str = typer.Option(_SERVE_DEFAULTS.system_prompt, "--system-prompt", help="--serve."),
+    corpus: str = typer.Option(_SERVE_DEFAULTS.corpus, "--corpus", help="--serve: synthetic (the guide's) or prose."),
+    chunk_size: int | None = typer.Option(None, "--chunk-size", help="--serve: the store's chunk size."),
+    expected_ttft_gain: float | None = typer.Option(
+        None, "--expected-ttft-gain", help="--serve: exit 1 when blending's query TTFT gain over vLLM alone is less."
+    ),
+    work_dir: Path | None = typer.Option(
+        None, "--work-dir", help="--serve: keep the servers' logs and data dirs here (default: a temporary dir)."
+    ),
 ) -> None:
     """Time to first token of long prompts in vLLM: cold, vLLM's own prefix-cache hit, and kvstore hits from the
     cpu tier and (after an engine restart) from disk, and with the store killed and restarting mid-session, each as a
@@ -60,6 +89,8 @@ def bench_vllm_command(
         .venv-vllm/bin/kvstore bench vllm --prompt-tokens 2000 --prompts 2
 
         .venv-vllm/bin/kvstore bench vllm --blend --json --prompts 3   # 5 documents x 1,000 tokens per query
+
+        .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
     """
     from transformers import AutoTokenizer
 
@@ -71,7 +102,27 @@ def bench_vllm_command(
         model_dir = model or export_smollm2_for_vllm(default_model_cache_dir(os.environ))
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory")
-        if blend:
+        if serve:
+            serve_options = ServeBenchOptions(
+                model_dir=model_dir,
+                corpus=_corpus(corpus),
+                num_documents=documents,
+                document_tokens=document_tokens,
+                docs_per_query=docs_per_query,
+                num_queries=queries,
+                num_mixed=mixed_requests,
+                max_inflight=max_inflight,
+                max_tokens=max_tokens,
+                mixed_max_tokens=mixed_max_tokens,
+                separator=separator,
+                system_prompt=system_prompt,
+                ratio=ratio,
+                chunk_size=chunk_size,
+                dtype=dtype,
+                work_dir=work_dir,
+            )
+            serve_rows = run_serve_benchmark(serve_options, lambda message: status.update(message))
+        elif blend:
             blend_options = VllmBlendOptions(
                 model_dir=model_dir,
                 num_documents=documents,
@@ -87,12 +138,20 @@ def bench_vllm_command(
             )
             _print_blend(blend_rows, as_json)
             return
-        options = VllmBenchOptions(
-            model_dir=model_dir, prompt_tokens=prompt_tokens, num_prompts=prompts, dtype=dtype, data_dir=data_dir
-        )
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        token_prompts = prose_prompts(tokenizer.encode, options.num_prompts + 1, options.prompt_tokens)  # + warm-up
-        rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
+        else:
+            options = VllmBenchOptions(
+                model_dir=model_dir, prompt_tokens=prompt_tokens, num_prompts=prompts, dtype=dtype, data_dir=data_dir
+            )
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            token_prompts = prose_prompts(tokenizer.encode, options.num_prompts + 1, options.prompt_tokens)
+            rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
+    if serve:
+        _print_serve(serve_rows, as_json)
+        failure = None if expected_ttft_gain is None else ttft_gain_failure(serve_rows, expected_ttft_gain)
+        if failure is not None:
+            typer.echo(f"kvstore bench vllm --serve: {failure}", err=True)
+            raise typer.Exit(1)
+        return
     if as_json:
         for row in rows:
             typer.echo(json.dumps(row.to_json_dict()))
@@ -132,3 +191,37 @@ def _print_blend(rows: list[VllmBlendRow], as_json: bool) -> None:
             f"{row.fact_accuracy:.2f}", f"{row.first_token_agreement:.2f}", overlap,
         )  # fmt: skip
     Console(width=120).print(table)
+
+
+def _corpus(name: str) -> Corpus:
+    if name == "synthetic":
+        return "synthetic"
+    if name == "prose":
+        return "prose"
+    raise ConfigError(f"--corpus {name!r}: synthetic or prose")
+
+
+def _print_serve(rows: list[ServeRow], as_json: bool) -> None:
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(row.to_json_dict()))
+        return
+    table = Table(title="kvstore bench vllm --serve (multi-doc QA through vLLM's OpenAI server)")
+    columns = (
+        "deployment", "round", "req", "failed", "TTFT mean ms", "p90 ms", "vs vLLM", "warm-up/query", "req/s",
+        "ITL p99 ms", "reused", "recomputed", "mismatches",
+    )  # fmt: skip
+    for column in columns:
+        table.add_column(column)
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    for row in rows:
+        table.add_row(
+            row.deployment, row.round, str(row.requests), str(row.failed), f"{row.ttft_ms_mean:,.0f}",
+            f"{row.ttft_ms_p90:,.0f}", ratio(row.ttft_vs_vllm), ratio(row.ttft_gain), f"{row.requests_per_s:.2f}",
+            "-" if row.itl_ms_p99 is None else f"{row.itl_ms_p99:,.0f}", f"{row.tokens_reused:,}",
+            f"{row.tokens_recomputed:,}", f"{row.output_mismatches}/{row.outputs_compared}",
+        )  # fmt: skip
+    Console(width=160).print(table)

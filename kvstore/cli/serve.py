@@ -40,6 +40,12 @@ def serve_command(
     chunk_size: int | None = typer.Option(
         None, "--chunk-size", help="Tokens per chunk (default: the data dir's, else 256)."
     ),
+    chunk_separator: str | None = typer.Option(
+        None,
+        "--chunk-separator",
+        help="Token ids after which a chunk restarts, e.g. 198,198: a RAG template's document delimiter, so a "
+        "document is found wherever a prompt puts it (default: none).",
+    ),
     gpu_size: str | None = typer.Option(
         None, "--gpu-size", help="gpu tier size, e.g. 16GiB (default: 4GiB, <= 1/4 free)."
     ),
@@ -128,6 +134,7 @@ def serve_command(
     flags = ServeFlags(
         tiers=tiers,
         chunk_size=chunk_size,
+        chunk_separator=chunk_separator,
         gpu_size=gpu_size,
         cpu_size=cpu_size,
         data_dir=data_dir,
@@ -182,7 +189,8 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
     layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"
     lines = [
         f"kvstore {__version__} listening on {address.url} (metrics {address.metrics_url})",
-        f"layout {layout_text}; chunks of {store.chunk_size} tokens",
+        f"layout {layout_text}; chunks of {store.chunk_size} tokens"
+        + (f", restarting after {','.join(map(str, store.chunk_separator))}" if store.chunk_separator else ""),
     ]
     defaults = {
         TierName.GPU: ("of GPU memory", "gpu_size", "4GiB, at most 1/4 of free GPU memory"),

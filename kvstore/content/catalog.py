@@ -76,12 +76,13 @@ class ContentCatalog:
 
     # -- store path -------------------------------------------------------------------------------------------
 
-    def dedup_targets(self, tokens: TokenArray) -> list[Match | None]:
-        """For each chunk of a sequence, a resident stored copy of its content under any key, when dedup is on."""
+    def dedup_targets(self, tokens: TokenArray, chunk_ends: Sequence[int]) -> list[Match | None]:
+        """For each chunk of a sequence (ending at ``chunk_ends``), a resident stored copy of its content under any
+        key, when dedup is on."""
         if not self.dedup_content:
             return []
         self.sync()  # content stored just before must be seen, or it is written twice
-        hits = self.index.find_contents(tokens, self.chunk_size)
+        hits = self.index.find_contents(tokens, self.chunk_size, chunk_ends=chunk_ends)
         return [hit if hit is not None and self._residency.is_resident(hit.key) else None for hit in hits]
 
     def add_alias(self, alias: PrefixKey, target: Match) -> None:
@@ -93,29 +94,43 @@ class ContentCatalog:
         return self._aliases.get(key) is not None
 
     def register(
-        self, tokens: TokenArray, keys: Sequence[PrefixKey], source_start: int, on_done: Callable[[], None]
+        self,
+        tokens: TokenArray,
+        keys: Sequence[PrefixKey],
+        source_start: int,
+        on_done: Callable[[], None],
+        *,
+        chunk_ends: Sequence[int] | None = None,
     ) -> None:
-        """Queue a run of committed chunks; ``on_done`` runs on the worker after it (drop the store's shields)."""
+        """Queue a run of committed chunks (each ending at ``chunk_ends`` in ``tokens``, or every ``chunk_size``
+        tokens); ``on_done`` runs on the worker after it (drop the store's shields)."""
         for key in keys:
             self._strikes.clear(key)
 
         def finish(result: RegistrationResult | None) -> None:
             try:
                 if result is not None and result.aliases:
-                    self._replace_stale_copies(tokens, keys, source_start, result)
+                    self._replace_stale_copies(tokens, keys, chunk_ends, source_start, result)
             finally:
                 on_done()
 
-        self._worker.submit(RegistrationJob(tokens=tokens, keys=keys, source_start=source_start, on_done=finish))
+        self._worker.submit(
+            RegistrationJob(tokens=tokens, keys=keys, chunk_ends=chunk_ends, source_start=source_start, on_done=finish)
+        )
 
     def _replace_stale_copies(
-        self, tokens: TokenArray, keys: Sequence[PrefixKey], source_start: int, result: RegistrationResult
+        self,
+        tokens: TokenArray,
+        keys: Sequence[PrefixKey],
+        chunk_ends: Sequence[int] | None,
+        source_start: int,
+        result: RegistrationResult,
     ) -> None:
         """Content indexed under a key whose chunk is gone: index the fresh copy instead (worker thread)."""
         stale = [alias.existing_key for alias in result.aliases if not self._residency.is_resident(alias.existing_key)]
         if stale:
             self.index.remove(stale)
-            self.index.register(tokens, keys, self.chunk_size, source_start)
+            self.index.register(tokens, keys, self.chunk_size, source_start, chunk_ends=chunk_ends)
 
     # -- lookup path ------------------------------------------------------------------------------------------
 
@@ -124,12 +139,19 @@ class ContentCatalog:
         self._worker.wait_submitted()
 
     def match(
-        self, tokens: TokenArray, *, skip: Callable[[Match], bool], pin: Callable[[PrefixKey], _Pinned | None]
+        self,
+        tokens: TokenArray,
+        *,
+        run_starts: Sequence[int] = (),
+        skip: Callable[[Match], bool],
+        pin: Callable[[PrefixKey], _Pinned | None],
     ) -> list[tuple[Match, _Pinned]]:
         """The match leg: content matches in ``tokens`` that ``pin`` could pin, strikes applied to the rest.
 
         Args:
             tokens: the prompt.
+            run_starts: where the prompt's separator runs start (``FingerprintIndex.match``), when the store has a
+                separator.
             skip: matches the store does not want (e.g. overlapping an exact segment); neither pinned nor judged.
             pin: the store's "pin this chunk for the plan"; returns where it pinned it, or ``None``.
 
@@ -138,7 +160,7 @@ class ContentCatalog:
         """
         kept: list[tuple[Match, _Pinned]] = []
         gone: list[PrefixKey] = []
-        for found in self.index.match(tokens, self.chunk_size):
+        for found in self.index.match(tokens, self.chunk_size, run_starts=run_starts):
             if skip(found):
                 continue
             pinned = pin(found.key)

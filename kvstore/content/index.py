@@ -33,7 +33,9 @@ Threads: ``FingerprintIndex`` is safe to share; ``_index_lock`` guards every arr
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -46,7 +48,7 @@ import xxhash
 
 from kvstore.content import fingerprint_table as table
 from kvstore.content.match_scan import scan_and_plan
-from kvstore.content.rolling_hash import block_fingerprints, window_base_power
+from kvstore.content.rolling_hash import window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, num_chunks
 
@@ -247,15 +249,23 @@ class FingerprintIndex:
     # --- public API -------------------------------------------------------------------------------------------
 
     def register(
-        self, tokens: TokenArray, keys: Sequence[PrefixKey], chunk_size: int, source_start: int = 0
+        self,
+        tokens: TokenArray,
+        keys: Sequence[PrefixKey],
+        chunk_size: int,
+        source_start: int = 0,
+        *,
+        chunk_ends: Sequence[int] | None = None,
     ) -> RegistrationResult:
         """Index every chunk of a stored sequence.
 
         Args:
             tokens: the sequence's token ids, chunked from position 0 by ``chunk_size`` (last chunk may be partial).
-            keys: the prefix key of each chunk, ``len(keys) == ceil(len(tokens) / chunk_size)``.
+            keys: the prefix key of each chunk, one per chunk.
             chunk_size: tokens per chunk, in [1, 65535].
             source_start: token position of ``tokens[0]`` in the stored sequence (added to each entry's start).
+            chunk_ends: where each chunk ends in ``tokens`` when the store cuts them at a separator as well
+                (``kvstore.keys.chunk_bounds`` without its leading 0); ``None``: every ``chunk_size`` tokens.
 
         Returns:
             How many chunks were added, already indexed, or aliases of content indexed under another key.
@@ -266,7 +276,8 @@ class FingerprintIndex:
         """
         tokens = as_token_array(tokens)
         _check_chunk_size(chunk_size)
-        count = num_chunks(tokens.shape[0], chunk_size)
+        ends = _chunk_ends(tokens.shape[0], chunk_size, chunk_ends)
+        count = ends.shape[0]
         if len(keys) != count:
             raise InvalidInputError(
                 f"got {len(keys)} keys for {tokens.shape[0]} tokens in chunks of {chunk_size}; expected {count}, "
@@ -280,8 +291,8 @@ class FingerprintIndex:
         if len(key_bytes) != KEY_BYTES * count or any(len(key) != KEY_BYTES for key in keys):
             raise InvalidInputError(f"every prefix key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
         key_halves = np.frombuffer(key_bytes, dtype="<u8").reshape(count, 2)
-        fingerprints, verifications, lengths = self._chunk_contents(tokens, chunk_size)
-        source_starts = (source_start + chunk_size * np.arange(count, dtype=np.int64)).astype(np.uint32)
+        fingerprints, verifications, lengths = self._chunk_contents(tokens, ends)
+        source_starts = (source_start + ends - lengths.astype(np.int64)).astype(np.uint32)
         entries = np.empty(count, dtype=np.int32)
         is_new = np.empty(count, dtype=np.bool_)
         with self._index_lock:
@@ -318,12 +329,13 @@ class FingerprintIndex:
             keys: every chunk's prefix key, in the same order.
             source_starts: every chunk's token position in its stored sequence.
             run_offsets: ``num_runs + 1`` increasing chunk offsets, from 0 to ``len(contents)``; a run is one
-                sequence's consecutive chunks, each of ``chunk_size`` tokens but the last (next links join them).
+                sequence's consecutive chunks (next links join them), each of at most ``chunk_size`` tokens (a short
+                one ends the sequence or a separator's run).
             chunk_size: tokens per chunk, in [1, 65535].
 
         Raises:
             InvalidInputError: arrays of different lengths, run offsets that do not cut the chunks into runs, a
-                chunk longer than ``chunk_size`` or a short one before its run's end, or a key not 16 bytes.
+                chunk longer than ``chunk_size``, or a key not 16 bytes.
             ConfigError: ``chunk_size`` or a source start out of range, or contents of another ``fingerprint_bits``.
         """
         _check_chunk_size(chunk_size)
@@ -343,12 +355,8 @@ class FingerprintIndex:
             )
         if runs[0] != 0 or runs[-1] != count or (runs.shape[0] > 1 and int(np.diff(runs).min()) < 1):
             raise InvalidInputError(f"run_offsets must rise from 0 to {count} chunks, each run one chunk or more")
-        run_ends = np.zeros(count, dtype=np.bool_)
-        run_ends[runs[1:] - 1] = True
-        if count and (int(lengths.max()) > chunk_size or bool((lengths[~run_ends] != chunk_size).any())):
-            raise InvalidInputError(
-                f"every chunk but a run's last must have chunk_size={chunk_size} tokens, and none more"
-            )
+        if count and int(lengths.max()) > chunk_size:
+            raise InvalidInputError(f"a chunk has {int(lengths.max())} tokens, over chunk_size={chunk_size}")
         if count and (int(starts.min()) < 0 or int((starts + lengths).max()) > _MAX_POSITION):
             raise ConfigError("every source start must lie in [0, 2**32 - its chunk's tokens)")
         if count and set(map(len, keys)) != {KEY_BYTES}:
@@ -384,11 +392,15 @@ class FingerprintIndex:
             num_added=int(is_new.sum()), num_already_indexed=num_already_indexed, aliases=tuple(aliases)
         )
 
-    def find_contents(self, tokens: TokenArray, chunk_size: int) -> list[Match | None]:
-        """For each chunk of ``tokens`` (chunked from position 0), the indexed chunk with the same content, if any.
+    def find_contents(
+        self, tokens: TokenArray, chunk_size: int, *, chunk_ends: Sequence[int] | None = None
+    ) -> list[Match | None]:
+        """For each chunk of ``tokens`` (chunked from position 0, or ending at ``chunk_ends`` as in ``register``),
+        the indexed chunk with the same content, if any.
 
         The store asks this before writing a chunk when dedup-content is on: equal content under another key is
-        recorded as an alias instead of a second payload.
+        recorded as an alias instead of a second payload. The lookup asks it for the first chunk of every
+        separator's run, which a window of ``chunk_size`` tokens misses when the run is shorter.
 
         Returns:
             One item per chunk: a ``Match`` whose ``query_start`` is the chunk's position in ``tokens`` and whose
@@ -398,7 +410,8 @@ class FingerprintIndex:
         _check_chunk_size(chunk_size)
         if tokens.shape[0] == 0:
             return []
-        fingerprints, verifications, lengths = self._chunk_contents(tokens, chunk_size)
+        ends = _chunk_ends(tokens.shape[0], chunk_size, chunk_ends)
+        fingerprints, verifications, lengths = self._chunk_contents(tokens, ends)
         entries = np.empty(fingerprints.shape[0], dtype=np.int32)
         with self._index_lock:
             table.find_contents(
@@ -414,31 +427,19 @@ class FingerprintIndex:
             if entry < 0:
                 hits.append(None)
                 continue
-            hits.append(
-                _match_at(key_bytes, position, chunk * chunk_size, int(lengths[chunk]), source_starts[position])
-            )
+            chunk_start = int(ends[chunk]) - int(lengths[chunk])
+            hits.append(_match_at(key_bytes, position, chunk_start, int(lengths[chunk]), source_starts[position]))
             position += 1
         return hits
 
     def _chunk_contents(
-        self, tokens: TokenArray, chunk_size: int
+        self, tokens: TokenArray, ends: npt.NDArray[np.int64]
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint16]]:
-        """Fingerprint, verification hash and length of each chunk of ``tokens`` (at least one token)."""
-        count = num_chunks(tokens.shape[0], chunk_size)
-        fingerprints = block_fingerprints(tokens, chunk_size) & self._fingerprint_mask
-        data = memoryview(tokens.data).cast("B")
-        step_bytes = 4 * chunk_size
-        digest = xxhash.xxh3_64_intdigest
-        verifications = np.fromiter(
-            (digest(data[offset : offset + step_bytes]) for offset in range(0, len(data), step_bytes)),
-            dtype=np.uint64,
-            count=count,
-        )
-        lengths = np.full(count, chunk_size, dtype=np.uint16)
-        lengths[-1] = tokens.shape[0] - (count - 1) * chunk_size
-        return fingerprints, verifications, lengths
+        """Fingerprint, verification hash and length of each chunk of ``tokens`` ending at ``ends``."""
+        contents = hash_chunks(tokens, np.concatenate(([0], ends[:-1])), ends, self.fingerprint_bits)
+        return contents.fingerprints, contents.verifications, contents.lengths
 
-    def match(self, query: TokenArray, chunk_size: int) -> list[Match]:
+    def match(self, query: TokenArray, chunk_size: int, *, run_starts: Sequence[int] = ()) -> list[Match]:
         """Find stored chunks in ``query``: verified, non-overlapping, leftmost first, sorted by query start.
 
         Every window of ``chunk_size`` tokens is probed; after a verified hit the entry's ``next`` link is
@@ -447,12 +448,22 @@ class FingerprintIndex:
         Args:
             query: token ids of the new prompt.
             chunk_size: window length in tokens; only entries of exactly this length start a match.
+            run_starts: where the query's separator runs start (``kvstore.keys.separator_run_starts``): at each one
+                no match covers, the run's first chunk is looked up by its exact content too, so a stored run shorter
+                than ``chunk_size`` (a short document) is found, and its chain followed like a window's.
 
         Returns:
             Matches in increasing ``query_start``; no two overlap.
         """
         query = as_token_array(query)
         _check_chunk_size(chunk_size)
+        matches = self._match_windows(query, chunk_size)
+        if len(run_starts) > 1 or (run_starts and run_starts[0] != 0) or (run_starts and query.shape[0] < chunk_size):
+            matches = self._add_run_matches(query, chunk_size, run_starts, matches)
+        return matches
+
+    def _match_windows(self, query: TokenArray, chunk_size: int) -> list[Match]:
+        """``match`` by windows of ``chunk_size`` tokens and the chains they start."""
         data = memoryview(query.data).cast("B")
         digest = xxhash.xxh3_64_intdigest
         matches: list[Match] = []
@@ -479,6 +490,49 @@ class FingerprintIndex:
                 key = PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)])
                 matches.append(Match(start, length, key, source_start))  # positional: the hot loop
         return matches
+
+    def _add_run_matches(
+        self, query: TokenArray, chunk_size: int, run_starts: Sequence[int], matches: list[Match]
+    ) -> list[Match]:
+        """``matches`` and the chains found at the uncovered run starts, merged leftmost first without overlap."""
+        num_tokens = query.shape[0]
+        bounds = sorted({*(int(start) for start in run_starts if 0 <= start < num_tokens), num_tokens})
+        covered = _Coverage(matches)
+        probes = [
+            (start, min(start + chunk_size, end))
+            for start, end in itertools.pairwise(bounds)
+            if not covered.holds(start)
+        ]
+        if not probes:
+            return matches
+        starts = np.array([start for start, _ in probes], dtype=np.int64)
+        contents = hash_chunks(
+            query, starts, np.array([end for _, end in probes], dtype=np.int64), self.fingerprint_bits
+        )
+        entries = np.empty(len(probes), dtype=np.int32)
+        data = memoryview(query.data).cast("B")
+        digest = xxhash.xxh3_64_intdigest
+        found: list[Match] = []
+        with self._index_lock:
+            table.find_contents(
+                contents.fingerprints, contents.verifications, contents.lengths, self._fingerprint,
+                self._verification, self._length, self._fingerprint_link, self._fingerprint_heads,
+                self._fingerprint_shift, entries,
+            )  # fmt: skip
+            for start, entry in zip(starts.tolist(), entries.tolist(), strict=True):
+                verified = True  # the run's first chunk: found by its content
+                while entry >= 0:
+                    length = int(self._length[entry])
+                    if start + length > num_tokens:
+                        break
+                    span = data[4 * start : 4 * (start + length)]
+                    if not verified and digest(span) != int(self._verification[entry]):
+                        break
+                    found.append(Match(start, length, self._key_of(entry), int(self._source_start[entry])))
+                    start += length
+                    entry = int(self._next[entry])
+                    verified = False
+        return _leftmost_without_overlap([*matches, *found])
 
     def _match_exactly(
         self, starts: npt.NDArray[np.int64], entries: npt.NDArray[np.int32], data: memoryview, chunk_size: int
@@ -627,6 +681,49 @@ class FingerprintIndex:
             self._key_link, self._fingerprint_heads, self._fingerprint_shift, self._key_heads, self._key_shift,
             self._presence_bits, self._presence_shift,
         )  # fmt: skip
+
+
+class _Coverage:
+    """Which query positions a list of non-overlapping matches covers (bisect over their starts)."""
+
+    def __init__(self, matches: Sequence[Match]) -> None:
+        ordered = sorted(matches, key=lambda found: found.query_start)
+        self._starts = [found.query_start for found in ordered]
+        self._ends = [found.query_start + found.num_tokens for found in ordered]
+
+    def holds(self, position: int) -> bool:
+        index = bisect.bisect_right(self._starts, position)
+        return index > 0 and self._ends[index - 1] > position
+
+
+def _leftmost_without_overlap(matches: Sequence[Match]) -> list[Match]:
+    """The matches sorted by query start, each kept only if it starts past every kept one's end (each match is
+    verified on its own, so dropping an overlapping chunk never invalidates the rest of its chain)."""
+    kept: list[Match] = []
+    cursor = 0
+    for found in sorted(matches, key=lambda found: found.query_start):
+        if found.query_start >= cursor:
+            kept.append(found)
+            cursor = found.query_start + found.num_tokens
+    return kept
+
+
+def _chunk_ends(num_tokens: int, chunk_size: int, chunk_ends: Sequence[int] | None) -> npt.NDArray[np.int64]:
+    """Each chunk's end in a sequence of ``num_tokens``: ``chunk_ends`` checked, or every ``chunk_size`` tokens."""
+    if chunk_ends is None:
+        return np.minimum(np.arange(1, num_chunks(num_tokens, chunk_size) + 1, dtype=np.int64) * chunk_size, num_tokens)
+    ends = np.asarray(chunk_ends, dtype=np.int64)
+    lengths = np.diff(ends, prepend=0) if ends.ndim == 1 else ends
+    if (
+        ends.ndim != 1
+        or (ends.size == 0) != (num_tokens == 0)
+        or (ends.size and (int(ends[-1]) != num_tokens or int(lengths.min()) < 1 or int(lengths.max()) > chunk_size))
+    ):
+        raise InvalidInputError(
+            f"chunk_ends must rise to len(tokens)={num_tokens} in steps of 1 to chunk_size={chunk_size} tokens "
+            "(kvstore.keys.chunk_bounds)"
+        )
+    return ends
 
 
 def _check_chunk_size(chunk_size: int) -> None:

@@ -38,6 +38,8 @@ class RegistrationJob:
     Args:
         tokens: the run's tokens (chunked by the store's chunk size; the last chunk may be partial).
         keys: the prefix key of each chunk of the run.
+        chunk_ends: where each chunk ends in ``tokens`` (``FingerprintIndex.register``; ``None``: every
+            ``chunk_size`` tokens).
         source_start: position of ``tokens[0]`` in the stored sequence.
         on_done: called on the worker thread with the index's answer, or ``None`` when registration failed.
     """
@@ -46,6 +48,7 @@ class RegistrationJob:
     keys: Sequence[PrefixKey]
     source_start: int
     on_done: Callable[[RegistrationResult | None], None]
+    chunk_ends: Sequence[int] | None = None
 
 
 class RegistrationWorker:
@@ -140,7 +143,9 @@ class RegistrationWorker:
 
     def _register(self, job: RegistrationJob) -> RegistrationResult | None:
         try:
-            return self._index.register(job.tokens, job.keys, self._chunk_size, job.source_start)
+            return self._index.register(
+                job.tokens, job.keys, self._chunk_size, job.source_start, chunk_ends=job.chunk_ends
+            )
         except Exception:
             logger.exception(
                 "fingerprint registration failed for %d chunks from position %d; they stay cached but will not "

@@ -22,19 +22,20 @@ the usage ledger, each with its own locks. ``janitor_pass`` runs on the janitor 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvstore.errors import ConfigError, InvalidInputError, KVStoreError
-from kvstore.keys import PrefixKey, prefix_keys
+from kvstore.keys import chunk_bounds, keys_at_bounds
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan, StoreResult
+from kvstore.plan import LookupPlan
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
 from kvstore.server.metrics import BulkTransfer, ServerMetrics
 from kvstore.server.store_host import StoreHost
@@ -243,6 +244,7 @@ class RequestHandler:
             server_version=self._identity.version,
             layout=self._host.layout,
             chunk_size=self._host.config.chunk_size,
+            chunk_separator=self._host.config.chunk_separator,
             tiers=self._host.tier_capacities(),
             features=self._features(),
             limits=self._identity.limits,
@@ -252,26 +254,32 @@ class RequestHandler:
     def _store(self, client_id: str, args: StoreArgs, payload: memoryview | None) -> dict[str, object]:
         store = self._host.require()
         started_s = time.perf_counter()
-        chunk_size = store.config.chunk_size
-        if args.start % chunk_size:
+        bounds = chunk_bounds(args.tokens, store.config.chunk_size, store.config.chunk_separator)
+        first = bisect.bisect_left(bounds, args.start)
+        if first == len(bounds) or bounds[first] != args.start:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
-                f"store start={args.start} is not a multiple of the server's chunk_size={chunk_size}; send the KV "
-                "from a chunk boundary",
+                f"store start={args.start} is not a chunk boundary of the server's cut (chunk_size="
+                f"{store.config.chunk_size}, separator {list(store.config.chunk_separator)}); send the KV from one",
             )
         num_tokens = args.num_bulk_tokens  # the bulk holds tokens[start:]
         kv = self._bulk_tensor(client_id, args.bulk, store.layout, num_tokens, payload)[:, :, :num_tokens]
         if args.durable and TierName.DISK not in store.config.tiers:
             raise ConfigError("durable=True needs a disk tier; this server keeps KV in memory only")
-        keys = prefix_keys(store.layout.namespace, args.tokens, chunk_size)
-        held_before = _partial_chunk_held(store, keys, num_tokens, chunk_size)
+        keys = keys_at_bounds(store.layout.namespace, args.tokens, bounds)[first:]
+        held_before = [bool(store.contains(key)) for key in keys]
         result = store.store(args.tokens, kv, start=args.start)
         if args.durable:
             store.flush()
         # A document is what this call added: the chunks from start (the caller knows the head is held).
-        self._usage.stored(keys[args.start // chunk_size :], args.tokens[args.start :], chunk_size)
-        num_new_tokens = _new_chunk_tokens(
-            result, num_tokens, chunk_size, lambda: held_before is False and bool(store.contains(keys[-1]))
+        tail_bounds = [bound - args.start for bound in bounds[first:]]
+        self._usage.stored(keys, args.tokens[args.start :], tail_bounds)
+        # The engine's stored tokens: chunks held after the store that were not before it (a concurrent store of
+        # the same tokens may claim a chunk first; the metric is off by that chunk then).
+        num_new_tokens = sum(
+            tail_bounds[index + 1] - tail_bounds[index]
+            for index, key in enumerate(keys)
+            if not held_before[index] and store.contains(key)
         )
         transfer = BulkTransfer(
             transport=_transport(args.bulk),
@@ -435,6 +443,7 @@ class RequestHandler:
             uptime_s=time.monotonic() - self._identity.started_s,
             layout=self._host.layout,
             chunk_size=self._host.config.chunk_size,
+            chunk_separator=self._host.config.chunk_separator,
             tiers=self._host.tier_capacities(),
             features=self._features(),
             data_dir=self._identity.data_dir,
@@ -487,30 +496,6 @@ class RequestHandler:
             StorageError: the file cannot be written.
         """
         self._usage.save()
-
-
-def _partial_chunk_held(store: TieredStore, keys: Sequence[PrefixKey], num_tokens: int, chunk_size: int) -> bool | None:
-    """Before a store of ``num_tokens`` (the tail): whether its partial last chunk is held already; ``None`` when
-    ``_new_chunk_tokens`` will not ask (no partial chunk, or a one-chunk tail)."""
-    if not num_tokens % chunk_size or num_tokens <= chunk_size:
-        return None
-    return bool(store.contains(keys[-1]))
-
-
-def _new_chunk_tokens(result: StoreResult, num_tokens: int, chunk_size: int, last_is_new: Callable[[], bool]) -> int:
-    """Tokens of the chunks a store wrote (the engine's stored tokens).
-
-    Every new chunk is full but the tail's partial last one, which the counts place only when all or none of the
-    chunks were new; otherwise ``last_is_new`` answers (held after the store, not before it). A concurrent store of
-    the same tokens can move a partial chunk between the two counts: the metric is off by under one chunk then.
-    """
-    num_new = result.num_new_chunks
-    num_partial = num_tokens % chunk_size
-    if num_new == result.num_chunks:
-        return num_tokens
-    if not num_partial or not num_new or not last_is_new():
-        return num_new * chunk_size
-    return (num_new - 1) * chunk_size + num_partial
 
 
 def _transport(bulk: BulkRef) -> str:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig, parse_size, parse_tiers
+from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig, parse_chunk_separator, parse_size, parse_tiers
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, LayoutMismatchError, StorageError
 from kvstore.layout import KVDtype, KVLayout
@@ -73,6 +73,7 @@ class ServeFlags:
 
     tiers: str | None = None
     chunk_size: int | None = None
+    chunk_separator: str | None = None
     gpu_size: str | None = None
     cpu_size: str | None = None
     data_dir: Path | None = None
@@ -328,6 +329,7 @@ def resolve_settings(
     store = StoreConfig(
         tiers=tiers,
         chunk_size=chunk_size if chunk_size is not None else _DEFAULT_CHUNK_SIZE,
+        chunk_separator=parse_chunk_separator(merged.chunk_separator or ""),
         gpu_capacity_bytes=sizes.gpu_bytes,
         cpu_capacity_bytes=sizes.cpu_bytes,
         disk_capacity_bytes=sizes.disk_bytes,

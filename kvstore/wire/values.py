@@ -274,6 +274,13 @@ def _tiers_from_wire(fields: Fields, name: str) -> tuple[TierCapacity, ...]:
     )
 
 
+def _chunk_separator_from_wire(fields: Fields) -> tuple[int, ...]:
+    separator = fields.list_("chunk_separator", 64)
+    if any(type(token) is not int or not 0 <= token < 2**32 for token in separator):
+        raise RequestError(ErrorCode.MALFORMED, f"hello chunk_separator {separator!r:.100} is not token ids")
+    return tuple(separator)  # type: ignore[arg-type]
+
+
 def _layout_from_wire(fields: Fields, name: str) -> KVLayout | None:
     text = fields.str_(name, 64 * 1024, optional=True)
     return KVLayout.from_json(text) if text is not None else None
@@ -291,6 +298,7 @@ class ServerHello:
     features: ServerFeatures
     limits: Limits
     host_id: str
+    chunk_separator: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -298,6 +306,7 @@ class ServerHello:
             "server_version": self.server_version,
             "layout": self.layout.to_json() if self.layout is not None else None,
             "chunk_size": self.chunk_size,
+            "chunk_separator": list(self.chunk_separator),
             "tiers": _tiers_to_wire(self.tiers),
             "features": self.features.to_wire(),
             "limits": _encode_record(self.limits),
@@ -315,6 +324,7 @@ class ServerHello:
             features=ServerFeatures.from_wire(fields.map_("features")),
             limits=_decode_record(Limits, fields.map_("limits")),
             host_id=fields.str_("host_id", 256, allow_empty=True) or "",
+            chunk_separator=_chunk_separator_from_wire(fields),
         )
         fields.finish()
         return hello
@@ -397,6 +407,7 @@ class ServerInfo:
     num_requests: int
     clients: tuple[ClientSummary, ...]
     top_chunks: tuple[ChunkHits, ...]
+    chunk_separator: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -405,6 +416,7 @@ class ServerInfo:
             "uptime_s": self.uptime_s,
             "layout": self.layout.to_json() if self.layout is not None else None,
             "chunk_size": self.chunk_size,
+            "chunk_separator": list(self.chunk_separator),
             "tiers": _tiers_to_wire(self.tiers),
             "features": self.features.to_wire(),
             "data_dir": self.data_dir,
@@ -426,6 +438,7 @@ class ServerInfo:
             uptime_s=fields.float_("uptime_s", 0.0, 1e12),
             layout=_layout_from_wire(fields, "layout"),
             chunk_size=fields.required_int("chunk_size", 1, 2**31),
+            chunk_separator=_chunk_separator_from_wire(fields),
             tiers=_tiers_from_wire(fields, "tiers"),
             features=ServerFeatures.from_wire(fields.map_("features")),
             data_dir=fields.str_("data_dir", 4096, optional=True),

@@ -55,7 +55,7 @@ def _records(tokens: np.ndarray) -> list[ChunkRecord]:
 def test_records_are_joined_into_runs_by_parent_keys_in_any_order() -> None:
     first, second = _records(make_tokens(3 * CHUNK + 5, seed=1)), _records(make_tokens(2 * CHUNK, seed=2))
     shuffled = [first[2], second[1], first[0], first[3], second[0], first[1]]
-    runs = records_in_runs(shuffled, CHUNK)
+    runs = records_in_runs(shuffled)
     assert sorted([[r.key for r in run] for run in runs]) == sorted([[r.key for r in first], [r.key for r in second]])
 
 
@@ -68,8 +68,8 @@ def test_a_document_evicted_in_two_parts_is_published_as_one_linked_run(
     for part in (records[:3], records[3:]):  # two evictions
         for record in part:  # only chunks that reach the remote are published
             assert publisher.put(record, make_kv(LAYOUT, record.num_tokens, seed=record.source_start))
-        for run in records_in_runs(part, CHUNK):
-            publish_records(publisher, run, 64, recent, CHUNK)
+        for run in records_in_runs(part):
+            publish_records(publisher, run, 64, recent)
     assert publisher.flush(5)
     runs: list[DirectoryRun] = sorted(reader.read_directory() or [], key=lambda run: run.source_start)  # shards
     assert [list(run.keys) for run in runs] == [

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore import StoreConfig, TieredStore
 from kvstore.errors import StorageError
-from kvstore.keys import PrefixKey, as_token_array, prefix_keys
+from kvstore.keys import PrefixKey, as_token_array, chunk_bounds, prefix_keys
 from kvstore.server.usage.documents import DocumentHits
 from kvstore.server.usage.documents_file import (
     DOCUMENT_HITS_FILE,
@@ -47,7 +47,7 @@ def stored(store: TieredStore, documents: DocumentHits, tokens: np.ndarray) -> P
     token_array = as_token_array(tokens)
     store.store(token_array, make_kv(SERVER_LAYOUT, len(token_array), seed=len(token_array)))
     keys = prefix_keys(SERVER_LAYOUT.namespace, token_array, CHUNK_SIZE)
-    return documents.add_stored(keys, token_array, CHUNK_SIZE) or PrefixKey(b"")
+    return documents.add_stored(keys, token_array, chunk_bounds(token_array, CHUNK_SIZE)) or PrefixKey(b"")
 
 
 def looked_up(store: TieredStore, documents: DocumentHits, tokens: np.ndarray, *, blend: bool = False) -> None:

@@ -124,13 +124,13 @@ class DocumentHits:
 
     # -- feeding -----------------------------------------------------------------------------------------------
 
-    def add_stored(self, keys: Sequence[PrefixKey], tokens: TokenArray, chunk_size: int) -> PrefixKey | None:
+    def add_stored(self, keys: Sequence[PrefixKey], tokens: TokenArray, bounds: Sequence[int]) -> PrefixKey | None:
         """Record a stored sequence: its chunks not yet part of a document become a new document.
 
         Args:
-            keys: the sequence's prefix keys (``prefix_keys(namespace, tokens, chunk_size)``).
+            keys: the sequence's prefix keys (``prefix_keys(namespace, tokens, chunk_size, separator)``).
             tokens: its token ids.
-            chunk_size: tokens per chunk.
+            bounds: where its chunks start, then ``len(tokens)`` (``kvstore.keys.chunk_bounds``).
 
         Returns:
             The new document's first key, or ``None`` when every chunk already belonged to a document.
@@ -140,8 +140,8 @@ class DocumentHits:
             if not new_indexes:
                 return None
             first_index = new_indexes[0]
-            start = first_index * chunk_size
-            num_tokens = sum(min(chunk_size, len(tokens) - index * chunk_size) for index in new_indexes)
+            start = bounds[first_index]
+            num_tokens = sum(bounds[index + 1] - bounds[index] for index in new_indexes)
             document = _Document(
                 first_key=keys[first_index],
                 chunk_keys=[keys[index] for index in new_indexes],

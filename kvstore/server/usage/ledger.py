@@ -51,9 +51,9 @@ class UsageLedger:
         if self._saver is not None:
             self._saver.load()
 
-    def stored(self, keys: Sequence[PrefixKey], tokens: TokenArray, chunk_size: int) -> None:
-        """A store call added the chunks ``keys`` of ``tokens``: one document."""
-        self._documents.add_stored(keys, tokens, chunk_size)
+    def stored(self, keys: Sequence[PrefixKey], tokens: TokenArray, bounds: Sequence[int]) -> None:
+        """A store call added the chunks ``keys`` of ``tokens`` (cut at ``bounds``): one document."""
+        self._documents.add_stored(keys, tokens, bounds)
 
     def planned(self, plan: LookupPlan, tokens: TokenArray, chunk_size: int) -> PlanCoverage:
         """A lookup handed out ``plan`` for ``tokens``: count its hits; returns its coverage for the metrics."""

@@ -1,0 +1,404 @@
+"""``kvstore bench vllm --serve``: the multi-document QA benchmark end to end, through vLLM's OpenAI server and the
+``openai`` client, as LMCache's users run it (issue 28, items 3 and 4).
+
+Three deployments, each its own server process, started and stopped here one after another on the same prompts::
+
+    deployment        server
+    vllm              vLLM alone: no connector, vLLM's prefix cache on (vLLM's default)
+    kvstore_prefix    + kvstore's connector, exact prefix reuse only (vLLM's prefix cache on)
+    kvstore_blend     + kvstore's connector with ``kvstore.blend: true``, ``--no-enable-prefix-caching``
+
+and three rounds per deployment (``vllm_serve_workload``): ``warm_up`` (each document alone), ``query`` (k
+documents in random order), ``mixed`` (exact repeats, never-seen documents and new queries shuffled together; its
+requests generate ``mixed_max_tokens`` tokens, so the inter-token latency shows the decode stall a blend pass
+causes). One row per deployment and round: TTFT mean/p50/p90/max, total time, requests/s, prompt tokens/s,
+inter-token latency p50/p99, failed requests, tokens reused and recomputed, and output checks against ``vllm``.
+
+Tokens reused and recomputed come from the server, per round: vLLM's ``prompt_tokens_by_source`` counters (its own
+prefix-cache hits and the tokens the connector supplied) and the connector's stats lines in the server's log (how
+many of the tokens a blend supplied the pass recomputed); see ``vllm_serve_server``. ``tokens_reused`` = vLLM's
+prefix-cache hits + the connector's tokens - the blend pass's recomputed tokens; ``tokens_recomputed`` = the round's
+prompt tokens - ``tokens_reused``.
+
+Output checks (greedy, ``ignore_eos``): ``output_mismatches`` counts requests whose KV is exact by construction and
+whose tokens differ from ``vllm``'s on the same prompt: every request of ``kvstore_prefix``, and the ``mixed``
+round's exact repeats in ``kvstore_blend`` whose warm-up prompt the store held whole. ``output_agreement`` is the
+share of all the row's requests equal to ``vllm``'s (for blended queries, a quality signal, not a correctness one).
+
+With a connector setting ``kvstore.chunk_separator`` (issue 28 item 1) in the installed kvstore, the kvstore
+deployments pass the separator string in it, so the store cuts chunks where documents start; without it they run
+without (the row says which).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.bench.vllm_engine import EngineSpec, wait_until_stored
+from kvstore.bench.vllm_serve_client import RoundResult, send_round
+from kvstore.bench.vllm_serve_server import OpenAIServer, ServerSpec, prompt_token_sources
+from kvstore.bench.vllm_serve_workload import (
+    DEFAULT_QUESTION,
+    DEFAULT_SEPARATOR,
+    DEFAULT_SYSTEM_PROMPT,
+    Corpus,
+    ServePrompt,
+    ServeWorkload,
+    serve_workload,
+)
+from kvstore.bench.vllm_ttft import CONNECTOR_CONFIG, CPU_ENGINE_ENV
+from kvstore.connectors.settings import parse_connector_settings
+from kvstore.errors import ConfigError
+
+__all__ = [
+    "DEPLOYMENTS",
+    "ROUNDS",
+    "ServeBenchOptions",
+    "ServeRow",
+    "chunk_separator_setting",
+    "run_serve_benchmark",
+    "ttft_gain_failure",
+]
+
+logger = logging.getLogger(__name__)
+
+DEPLOYMENTS = ("vllm", "kvstore_prefix", "kvstore_blend")
+ROUNDS = ("warm_up", "query", "mixed")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeBenchOptions:
+    """What ``kvstore bench vllm --serve`` runs.
+
+    Args:
+        model_dir: a Hugging Face model directory vLLM loads.
+        corpus: ``synthetic`` (the guide's documents) or ``prose`` (real English).
+        num_documents, document_tokens, docs_per_query, num_queries: the workload.
+        num_mixed: requests of the mixed round (0: no mixed round).
+        max_inflight: requests in flight at most, every round.
+        max_tokens: tokens generated per warm-up and query request.
+        mixed_max_tokens: tokens generated per mixed request (enough for an inter-token latency).
+        separator, system_prompt, question: the prompts' fixed parts.
+        ratio: the blend's recompute ratio (``kvstore.blend_ratio``).
+        chunk_size: the store's chunk size (``None``: the store's default).
+        dtype: the model's dtype.
+        deployments: which deployments to run, a subset of ``DEPLOYMENTS`` in that order (``vllm`` is the reference
+            of the output checks and of ``ttft_vs_vllm``).
+        stored_wait_s: after the warm-up round, the longest to wait until the store holds every warm-up prompt
+            (the connector saves asynchronously).
+        env: extra environment for the servers (over the CPU defaults).
+        work_dir: where logs and data dirs go (a temporary dir, removed, when ``None``).
+        seed: the query sampling's seed.
+    """
+
+    model_dir: Path
+    corpus: Corpus = "synthetic"
+    num_documents: int = 5
+    document_tokens: int = 1000
+    docs_per_query: int = 5
+    num_queries: int = 20
+    num_mixed: int = 12
+    max_inflight: int = 1
+    max_tokens: int = 2
+    mixed_max_tokens: int = 16
+    separator: str = DEFAULT_SEPARATOR
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    question: str = DEFAULT_QUESTION
+    ratio: float = 0.15
+    chunk_size: int | None = None
+    dtype: str = "float32"
+    deployments: tuple[str, ...] = DEPLOYMENTS
+    stored_wait_s: float = 60.0
+    env: Mapping[str, str] | None = None
+    work_dir: Path | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1:
+            raise ConfigError(f"--max-inflight {self.max_inflight}: at least 1")
+        if self.max_tokens < 1 or self.mixed_max_tokens < 1:
+            raise ConfigError("--max-tokens must be at least 1")
+        if not self.deployments or any(name not in DEPLOYMENTS for name in self.deployments):
+            raise ConfigError(f"deployments {self.deployments}: a subset of {', '.join(DEPLOYMENTS)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeRow:
+    """One deployment's round (see the module docstring for the token and output figures)."""
+
+    deployment: str
+    round: str
+    requests: int
+    failed: int
+    max_inflight: int
+    max_tokens: int
+    prompt_tokens_mean: float
+    ttft_ms_mean: float
+    ttft_ms_p50: float
+    ttft_ms_p90: float
+    ttft_ms_max: float
+    total_s: float
+    requests_per_s: float
+    prompt_tokens_per_s: float
+    itl_ms_p50: float | None
+    itl_ms_p99: float | None
+    vllm_cache_hit_tokens: int
+    connector_tokens: int
+    blends: int
+    blend_recomputed_tokens: int
+    tokens_reused: int
+    tokens_recomputed: int
+    outputs_compared: int
+    output_mismatches: int
+    output_agreement: float | None
+    ttft_vs_vllm: float | None = None
+    ttft_ratio_max_vs_vllm: float | None = None
+    ttft_gain: float | None = None
+    warm_up_stored: int | None = None
+    chunk_separator: bool = False
+    server_stop_s: float | None = None
+    errors: tuple[str, ...] = ()
+
+    def to_json_dict(self) -> dict[str, object]:
+        values = dataclasses.asdict(self)
+        for name, value in values.items():
+            if isinstance(value, float):
+                values[name] = round(value, 3)
+        values["errors"] = list(self.errors)
+        return values
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Measured:
+    """One round as measured, before the rows compare deployments."""
+
+    result: RoundResult
+    sources: Mapping[str, float]
+    blends: int
+    blend_recomputed_tokens: int
+
+
+def chunk_separator_setting(separator: str) -> dict[str, object]:
+    """``{"kvstore.chunk_separator": separator}`` when the installed connector accepts that setting (issue 28 item 1
+    adds it), else ``{}``: asked of the connector's own settings parser, so a kvstore without it still runs."""
+    try:
+        parse_connector_settings({"kvstore.chunk_separator": separator})
+    except ConfigError:
+        return {}
+    return {"kvstore.chunk_separator": separator}
+
+
+def run_serve_benchmark(options: ServeBenchOptions, progress: Callable[[str], None] = lambda _: None) -> list[ServeRow]:
+    """Run every deployment's rounds; one row per deployment and round, in ``DEPLOYMENTS`` x ``ROUNDS`` order."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
+    workload = serve_workload(
+        lambda text: tokenizer.encode(text, add_special_tokens=False),
+        corpus=options.corpus,
+        num_documents=options.num_documents,
+        document_tokens=options.document_tokens,
+        docs_per_query=options.docs_per_query,
+        num_queries=options.num_queries,
+        num_mixed=options.num_mixed,
+        separator=options.separator,
+        system_prompt=options.system_prompt,
+        question=options.question,
+        seed=options.seed,
+    )
+    separator = chunk_separator_setting(options.separator)
+    rows: list[ServeRow] = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-serve-") as scratch:
+        work_dir = options.work_dir or Path(scratch)
+        reference: dict[str, RoundResult] = {}
+        for deployment in options.deployments:
+            measured, stored, stop_s = _run_deployment(options, deployment, workload, separator, work_dir, progress)
+            if deployment == "vllm":
+                reference = {name: m.result for name, m in measured.items()}
+            rows += _rows(options, deployment, workload, measured, reference, rows, stored, stop_s, bool(separator))
+    return rows
+
+
+def _run_deployment(
+    options: ServeBenchOptions,
+    deployment: str,
+    workload: ServeWorkload,
+    separator: Mapping[str, object],
+    work_dir: Path,
+    progress: Callable[[str], None],
+) -> tuple[dict[str, _Measured], set[int], float | None]:
+    """Start the deployment's server, send its rounds, stop it; what each round measured, the warm-up prompts the
+    store held whole after the warm-up round, and how long the server took to exit."""
+    extra: dict[str, object] = {}
+    if deployment != "vllm":
+        extra = {"kvstore.data_dir": str(work_dir / f"{deployment}-data"), "kvstore.tiers": "cpu",
+                 "kvstore.cpu_size": "2GiB", **separator}  # fmt: skip
+        if options.chunk_size is not None:
+            extra["kvstore.chunk_size"] = options.chunk_size
+        if deployment == "kvstore_blend":
+            extra |= {"kvstore.blend": True, "kvstore.blend_ratio": options.ratio}
+    transfer = None if deployment == "vllm" else {**CONNECTOR_CONFIG, "kv_connector_extra_config": extra}
+    spec = ServerSpec(
+        model_dir=options.model_dir,
+        log_path=work_dir / f"{deployment}-server.log",
+        kv_transfer_config=transfer,
+        enable_prefix_caching=deployment != "kvstore_blend",
+        dtype=options.dtype,
+        env={**CPU_ENGINE_ENV, **(options.env or {})},
+    )
+    progress(f"{deployment}: starting vLLM's OpenAI server")
+    rounds = {"warm_up": workload.warm_up, "query": workload.queries, "mixed": workload.mixed}
+    measured: dict[str, _Measured] = {}
+    stored: set[int] = set()
+    with OpenAIServer(spec) as server:
+        for name, prompts in rounds.items():
+            if not prompts:
+                continue
+            progress(f"{deployment}: {name} round ({len(prompts)} requests, {options.max_inflight} in flight)")
+            measured[name] = _measure_round(server, options, prompts, name)
+            if name == "warm_up" and transfer is not None:
+                stored = _wait_stored(options, transfer, workload.warm_up)
+    logger.info("%s: server exited %s after SIGINT", deployment, server.stop_seconds)
+    return measured, stored, server.stop_seconds
+
+
+def _measure_round(
+    server: OpenAIServer, options: ServeBenchOptions, prompts: Sequence[ServePrompt], name: str
+) -> _Measured:
+    before = prompt_token_sources(server.metrics_text())
+    offset = server.log_offset()
+    result = send_round(
+        server.base_url,
+        str(options.model_dir),
+        [prompt.tokens for prompt in prompts],
+        max_tokens=options.mixed_max_tokens if name == "mixed" else options.max_tokens,
+        max_inflight=options.max_inflight,
+    )
+    counters = server.connector_counters(offset)
+    after = prompt_token_sources(server.metrics_text())
+    sources = {source: after.get(source, 0.0) - before.get(source, 0.0) for source in after}
+    return _Measured(
+        result=result, sources=sources, blends=counters.blends, blend_recomputed_tokens=counters.blend_recomputed_tokens
+    )
+
+
+def _wait_stored(options: ServeBenchOptions, transfer: Mapping[str, Any], warm_up: Sequence[ServePrompt]) -> set[int]:
+    """The warm-up prompts the store holds whole, waiting (up to ``stored_wait_s`` in all) for the asynchronous
+    saves to land. A prompt the connector blended is never stored, so one may be missing for good."""
+    probe = EngineSpec(model_dir=options.model_dir, prompts=[[0]], max_tokens=1, kv_transfer_config=transfer)
+    deadline = time.monotonic() + options.stored_wait_s
+    stored = set()
+    for prompt in warm_up:
+        if wait_until_stored(probe, prompt.tokens, max(0.1, deadline - time.monotonic())):
+            stored.add(prompt.documents[0])
+    return stored
+
+
+def _percentile(values: Sequence[float], share: float) -> float:
+    """The nearest-rank percentile (no interpolation: a p99 of 30 samples is their maximum, not a blend of two)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
+
+
+def _rows(
+    options: ServeBenchOptions,
+    deployment: str,
+    workload: ServeWorkload,
+    measured: Mapping[str, _Measured],
+    reference: Mapping[str, RoundResult],
+    earlier: Sequence[ServeRow],
+    stored: set[int],
+    stop_s: float | None,
+    separator: bool,
+) -> list[ServeRow]:
+    prompts = {"warm_up": workload.warm_up, "query": workload.queries, "mixed": workload.mixed}
+    rows: list[ServeRow] = []
+    for name, round_ in measured.items():
+        outcomes = round_.result.outcomes
+        good = [outcome for outcome in outcomes if outcome.error is None]
+        ttft = [1000 * (outcome.ttft_s or 0.0) for outcome in good] or [0.0]
+        itl = [1000 * gap for outcome in good for gap in outcome.itl_s]
+        prompt_tokens = sum(outcome.prompt_tokens for outcome in outcomes)
+        hit = int(round_.sources.get("local_cache_hit", 0.0))
+        external = int(round_.sources.get("external_kv_transfer", 0.0))
+        reused = hit + external - round_.blend_recomputed_tokens
+        cold = reference.get(name)
+        compared = mismatched = agreed = 0
+        ratios: list[float] = []
+        if cold is not None and deployment != "vllm":
+            for prompt, outcome, base in zip(prompts[name], outcomes, cold.outcomes, strict=True):
+                if outcome.error is not None or base.error is not None:
+                    continue
+                same = outcome.token_ids == base.token_ids
+                agreed += same
+                exact = deployment == "kvstore_prefix" or (prompt.kind == "hit" and prompt.documents[0] in stored)
+                if exact:
+                    compared += 1
+                    mismatched += not same
+                if base.ttft_s:
+                    ratios.append((outcome.ttft_s or 0.0) / base.ttft_s)
+        vllm_row = next((row for row in earlier if row.deployment == "vllm" and row.round == name), None)
+        mean = statistics.fmean(ttft) or 1e-9  # a round of failed requests: no division by zero
+        warm_up_row = rows[0] if rows and rows[0].round == "warm_up" else None
+        rows.append(
+            ServeRow(
+                deployment=deployment,
+                round=name,
+                requests=len(outcomes),
+                failed=len(outcomes) - len(good),
+                max_inflight=options.max_inflight,
+                max_tokens=options.mixed_max_tokens if name == "mixed" else options.max_tokens,
+                prompt_tokens_mean=prompt_tokens / max(1, len(outcomes)),
+                ttft_ms_mean=mean,
+                ttft_ms_p50=statistics.median(ttft),
+                ttft_ms_p90=_percentile(ttft, 0.90),
+                ttft_ms_max=max(ttft),
+                total_s=round_.result.total_s,
+                requests_per_s=len(good) / round_.result.total_s,
+                prompt_tokens_per_s=prompt_tokens / round_.result.total_s,
+                itl_ms_p50=statistics.median(itl) if itl else None,
+                itl_ms_p99=_percentile(itl, 0.99) if itl else None,
+                vllm_cache_hit_tokens=hit,
+                connector_tokens=external,
+                blends=round_.blends,
+                blend_recomputed_tokens=round_.blend_recomputed_tokens,
+                tokens_reused=reused,
+                tokens_recomputed=prompt_tokens - reused,
+                outputs_compared=compared,
+                output_mismatches=mismatched,
+                output_agreement=None if cold is None or deployment == "vllm" else agreed / max(1, len(outcomes)),
+                ttft_vs_vllm=None if vllm_row is None else vllm_row.ttft_ms_mean / mean,
+                ttft_ratio_max_vs_vllm=max(ratios) if ratios else None,
+                ttft_gain=None if warm_up_row is None or name == "warm_up" else warm_up_row.ttft_ms_mean / mean,
+                warm_up_stored=len(stored) if name == "warm_up" and deployment != "vllm" else None,
+                chunk_separator=separator and deployment != "vllm",
+                server_stop_s=stop_s,
+                errors=tuple(outcome.error for outcome in outcomes if outcome.error is not None)[:5],
+            )
+        )
+    return rows
+
+
+def ttft_gain_failure(rows: Sequence[ServeRow], expected: float) -> str | None:
+    """Why the run misses ``--expected-ttft-gain`` (``None``: it meets it): the blending deployment's query-round
+    mean TTFT must be at least ``expected`` times faster than vLLM alone's."""
+    row = next((row for row in rows if row.deployment == "kvstore_blend" and row.round == "query"), None)
+    if row is None or row.ttft_vs_vllm is None:
+        return "no kvstore_blend query row against vLLM alone to check --expected-ttft-gain on"
+    if row.failed:
+        return f"kvstore_blend's query round had {row.failed} failed requests"
+    if row.ttft_vs_vllm < expected:
+        return (
+            f"kvstore_blend's query-round TTFT gain over vLLM alone is {row.ttft_vs_vllm:.2f}x "
+            f"({row.ttft_ms_mean:,.0f} ms against vLLM's), below --expected-ttft-gain {expected:g}"
+        )
+    return None
