@@ -260,7 +260,7 @@ class RequestHandler:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
                 f"store start={args.start} is not a chunk boundary of the server's cut (chunk_size="
-                f"{store.config.chunk_size}, separator {list(store.config.chunk_separator)}); send the KV from one",
+                f"{store.config.chunk_size}{_separator_note(store.config.chunk_separator)}); send the KV from one",
             )
         num_tokens = args.num_bulk_tokens  # the bulk holds tokens[start:]
         kv = self._bulk_tensor(client_id, args.bulk, store.layout, num_tokens, payload)[:, :, :num_tokens]
@@ -496,6 +496,10 @@ class RequestHandler:
             StorageError: the file cannot be written.
         """
         self._usage.save()
+
+
+def _separator_note(separator: tuple[int, ...]) -> str:
+    return f", restarting after the separator {list(separator)}" if separator else ""
 
 
 def _transport(bulk: BulkRef) -> str:
