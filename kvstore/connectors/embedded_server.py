@@ -1,16 +1,21 @@
 """The embedded default: a private ``kvstore serve`` started by the first engine process that needs it.
 
 An engine such as vLLM runs its scheduler and its workers in different processes, and both must reach one store,
-so "embedded" cannot mean in-process: the first connector to arrive starts ``kvstore serve`` as a child process on
-the data dir, and every later one (the other role, or a restarted engine) finds it through the data dir's
+so "embedded" cannot mean in-process: the first connector to arrive starts ``kvstore serve`` as a process of its own
+on the data dir, and every later one (the other role, or a restarted engine) finds it through the data dir's
 ``serve.json``. A file lock in the data dir makes the check-then-start atomic across processes.
 
-The child is told to exit with the process that started it (``--exit-with-pid``), so the server stops with the
-engine and survives nothing else; stopping flushes pending disk writes, so the next engine on the same data dir
-finds the cache there. A server already holding the data dir (a user's ``kvstore serve``, or a previous engine's
-server still flushing) is used, or waited for, never fought.
+The server is nobody's child: a short-lived launcher (``detached_start``) starts it in a session of its own and exits,
+so it is reparented. vLLM stops an engine by SIGKILLing the engine core and all its descendants (by parent pid,
+whatever their session), and a server that was the worker's child died with it, losing the disk writes it had
+acknowledged but not yet committed (the disk tier writes behind). Detached, it is told to exit with the process that
+started it (``--exit-with-pid``), so it stops with the engine and survives nothing else; stopping flushes pending disk
+writes, so the next engine on the same data dir finds the cache there. Nothing in the engine waits for that flush:
+``EmbeddedServer.stop`` only asks by default, and an engine starting on the data dir meanwhile waits for the data dir
+to be released. A server already holding the data dir (a user's ``kvstore serve``, or a previous engine's server still
+flushing) is used, or waited for, never fought.
 
-The child's output goes to ``DIR/embedded-server.log``; a child that dies during start-up is reported with the
+The server's output goes to ``DIR/embedded-server.log``; a server that dies during start-up is reported with the
 last line it printed.
 
 CPUs: vLLM's CPU worker binds itself to its compute cores (leaving ``VLLM_CPU_NUM_OF_RESERVED_CPU`` free) and
@@ -18,7 +23,8 @@ busy-polls them between steps, and a child inherits that twice: its CPU affinity
 (``GOMP_CPU_AFFINITY=0``, ``OMP_NUM_THREADS=1``), with which the child's own OpenMP runtime binds it back to the
 worker's cores when torch loads. A server bound there waits on the run queue behind the engine, on a 2-core host long
 enough for a disk load to time out (measured: docs/design-notes.md#connectors-embedded-server). So the server starts
-without those variables, moved to the CPUs the starting process left free (every CPU when it left none).
+without those variables, on the CPUs the starting process left free (every CPU when it left none): the launcher binds
+itself to them before it starts the server, so every thread of the server inherits them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +54,9 @@ logger = logging.getLogger(__name__)
 _LOCK_FILE = "embedded-server.lock"
 _LOG_FILE = "embedded-server.log"
 _POLL_S = 0.05
+_LAUNCHER = Path(__file__).with_name("detached_start.py")
+_LAUNCH_TIMEOUT_S = 10.0
+"""The least time the launcher gets (a bare interpreter's start-up, then a fork and exec)."""
 _THREAD_BINDING_ENV = frozenset(
     {"GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY", "OMP_NUM_THREADS", "MKL_NUM_THREADS"}
 )
@@ -61,36 +71,59 @@ class EmbeddedServer:
     Args:
         url: where it listens.
         pid: its process id.
-        process: the child process when this process started it (``stop`` ends it), else ``None``.
+        started_by: the pid of the process that started it (``None``: found running). Only that process stops it
+            (a forked child holding a copy of this object must not).
     """
 
     url: str
     pid: int
-    process: subprocess.Popen[bytes] | None
+    started_by: int | None = None
+
+    @property
+    def owned(self) -> bool:
+        """Whether this process started the server (``stop`` ends it)."""
+        return self.started_by == os.getpid()
 
     def is_running(self) -> bool:
-        """Whether the server still runs (our child: not exited, and reaped if it has; another's: its pid lives)."""
-        if self.process is not None:
-            return self.process.poll() is None
-        return pid_alive(self.pid)
+        """Whether the server still runs (a zombie counts as gone; for our own server, a pid reused by another
+        process too)."""
+        if not pid_alive(self.pid):
+            return False
+        return self.started_by is None or _runs_server_started_by(self.pid, self.started_by)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """End a server this process started (SIGTERM: it flushes and exits). Idempotent; no-op when not ours."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
+    def stop(self, wait_s: float = 0.0) -> bool:
+        """Ask a server this process started to stop (SIGTERM: it finishes requests in flight, flushes pending disk
+        writes and exits), waiting up to ``wait_s`` for it to be gone. No-op when it is not ours or has exited.
+
+        It is never killed: a kill would lose the disk writes it acknowledged, and a server still flushing after
+        ``wait_s`` ends on its own (an engine starting on the data dir meanwhile waits for it).
+
+        Returns:
+            Whether the server is gone (one that is not ours is not asked: whether it has exited).
+        """
+        if not self.owned or not self.is_running():
+            return not self.is_running()
         try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            logger.warning(
-                "embedded kvstore server (pid %d) did not stop within %.0f s: killing it", self.pid, timeout_s
-            )
-            self.process.kill()
-            self.process.wait()
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait_s
+        while self.is_running():
+            if time.monotonic() >= deadline:
+                if wait_s > 0:
+                    logger.warning(
+                        "embedded kvstore server (pid %d) is still stopping after %.0f s (flushing its disk writes); "
+                        "it exits on its own",
+                        self.pid,
+                        wait_s,
+                    )
+                return False
+            time.sleep(_POLL_S)
+        return True
 
 
 def ensure_embedded_server(settings: EmbeddedServerSettings, *, start_timeout_s: float = 120.0) -> EmbeddedServer:
-    """The server holding ``settings.data_dir``: the running one, else a new child of this process.
+    """The server holding ``settings.data_dir``: the running one, else a new one started by this process.
 
     Raises:
         ConfigError: the data dir cannot be created, or the server refused its settings (its one-line reason).
@@ -106,7 +139,7 @@ def ensure_embedded_server(settings: EmbeddedServerSettings, *, start_timeout_s:
         record = live_server_record(data_dir)
         if record is not None:
             logger.info("using the kvstore server already serving %s (pid %d, %s)", data_dir, record.pid, record.url)
-            return EmbeddedServer(url=record.url, pid=record.pid, process=None)
+            return EmbeddedServer(url=record.url, pid=record.pid)
         _wait_until_released(data_dir, deadline)
         return _start(settings, data_dir, deadline)
 
@@ -159,45 +192,84 @@ def _start(settings: EmbeddedServerSettings, data_dir: Path, deadline: float) ->
         str(os.getpid()),
     ]
     log_path = data_dir / _LOG_FILE
-    env = {name: value for name, value in os.environ.items() if name not in _THREAD_BINDING_ENV}
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
-        )
-    _unpin(process.pid)  # right after exec, long before its interpreter starts a thread
-    logger.info("started an embedded kvstore server (pid %d) on %s; its log: %s", process.pid, data_dir, log_path)
+    pid = _launch_detached(command, log_path, deadline)
+    logger.info(
+        "started an embedded kvstore server (pid %d, CPUs %s) on %s; its log: %s",
+        pid,
+        _cpus_of(pid),
+        data_dir,
+        log_path,
+    )
+    server = EmbeddedServer(url="", pid=pid, started_by=os.getpid())
     while time.monotonic() < deadline:
         record = live_server_record(data_dir)
-        if record is not None and record.pid == process.pid:
-            return EmbeddedServer(url=record.url, pid=process.pid, process=process)
-        if process.poll() is not None:
+        if record is not None and record.pid == pid:
+            server.url = record.url
+            return server
+        if not server.is_running():
             raise ConfigError(f"the embedded kvstore server did not start: {_last_error(log_path)}")
         time.sleep(_POLL_S)
-    process.kill()
-    process.wait()
+    server.stop()
     raise ServerUnavailableError(f"the embedded kvstore server on {data_dir} did not start in time; see {log_path}")
 
 
-def _unpin(pid: int) -> None:
-    """Move a child off the CPUs this process is bound to (see the module docstring); no-op when it is unbound."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
+def _launch_detached(command: list[str], log_path: Path, deadline: float) -> int:
+    """Start ``command`` through ``detached_start`` (see the module docstring); its pid.
+
+    Raises:
+        ServerUnavailableError: the launcher failed or did not report a pid.
+    """
+    env = {name: value for name, value in os.environ.items() if name not in _THREAD_BINDING_ENV}
+    choices = ";".join(_cpu_list(cpus) for cpus in _free_cpu_choices())
+    launcher = [sys.executable, "-I", "-S", str(_LAUNCHER), str(log_path), choices, *command]
+    try:
+        launched = subprocess.run(
+            launcher,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env=env,
+            timeout=max(deadline - time.monotonic(), _LAUNCH_TIMEOUT_S),
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServerUnavailableError(f"cannot start the embedded kvstore server: {exc}") from None
+    output = launched.stdout.decode(errors="replace").strip()
+    if launched.returncode != 0 or not output.isdigit():
+        reason = launched.stderr.decode(errors="replace").strip().splitlines() or [f"exit {launched.returncode}"]
+        raise ServerUnavailableError(f"cannot start the embedded kvstore server: {reason[-1]}")
+    return int(output)
+
+
+def _runs_server_started_by(pid: int, started_by: int) -> bool:
+    """Whether ``pid`` is still the server ``started_by`` started (not a process that reused its pid): its command
+    line names ``--exit-with-pid STARTED_BY``. Without procfs, trust the pid."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    marker = [b"--exit-with-pid", str(started_by).encode()]
+    return any(argv[index : index + 2] == marker for index in range(len(argv) - 1))
+
+
+def _free_cpu_choices() -> list[set[int]]:
+    """The CPU sets for the server, best first (see the module docstring): those this process left free, then the
+    whole machine (a cpuset may forbid the first); none when this process is not bound."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
     ours = os.sched_getaffinity(0)
     machine = set(range(os.cpu_count() or 1))
     if ours >= machine:
-        return
-    for cpus in (machine - ours, machine):  # a cpuset may forbid the first choice
-        try:
-            os.sched_setaffinity(pid, cpus)
-        except OSError:
-            continue
-        logger.info(
-            "embedded kvstore server (pid %d) runs on CPUs %s (this process is bound to %s)",
-            pid,
-            _cpu_list(os.sched_getaffinity(pid)),
-            _cpu_list(ours),
-        )
-        return
+        return []
+    return [cpus for cpus in (machine - ours, machine) if cpus]
+
+
+def _cpus_of(pid: int) -> str:
+    try:
+        return _cpu_list(os.sched_getaffinity(pid)) if hasattr(os, "sched_getaffinity") else "any"
+    except OSError:
+        return "unknown"
 
 
 def _cpu_list(cpus: set[int]) -> str:

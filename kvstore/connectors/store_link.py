@@ -65,7 +65,7 @@ class StoreLink:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._client: Client | None = None
-        self._server: EmbeddedServer | None = None  # the embedded server in use (``process`` set when ours)
+        self._server: EmbeddedServer | None = None  # the embedded server in use (``owned`` when this process's)
         self._starting: threading.Thread | None = None
         self._down_until = 0.0
         self._outage_started: float | None = None
@@ -188,7 +188,7 @@ class StoreLink:
         record = live_server_record(self._settings.embedded.data_dir)
         if record is None:
             return None
-        self._server = EmbeddedServer(url=record.url, pid=record.pid, process=None)
+        self._server = EmbeddedServer(url=record.url, pid=record.pid)
         return self._server
 
     def _start_in_background_locked(self) -> None:
@@ -207,13 +207,11 @@ class StoreLink:
         self._starting.start()
 
     def _ensure_server(self) -> None:
-        """Find the data dir's server, or start one; keep our own child while it runs (only we may stop it)."""
+        """Find the data dir's server, or start one; keep our own while it runs (only we may stop it)."""
         with self._lock:
-            ours = self._server if self._server is not None and self._server.process is not None else None
+            ours = self._server if self._server is not None and self._server.owned else None
         if ours is not None and ours.is_running():
             return
-        if ours is not None:
-            ours.stop()  # reaps the dead child, so its pid no longer looks alive
         server = ensure_embedded_server(self._settings.embedded)
         with self._lock:
             if self._closed:
@@ -256,14 +254,17 @@ class StoreLink:
                 self._outage_started = None
 
     def close(self) -> None:
-        """Say goodbye, and stop the embedded server if this process started it. Idempotent."""
+        """Say goodbye, and ask the embedded server to stop if this process started it. Idempotent.
+
+        Nothing here waits for the store: vLLM gives an engine's processes a bounded time to exit before it kills
+        them, so the server flushes its disk writes on its own after the engine is gone (a later engine on the data
+        dir waits for that), and a start in flight on the background thread stops the server it started itself
+        (its ``closed`` check) instead of being joined.
+        """
         with self._lock:
             self._closed = True
             client, self._client = self._client, None
             server, self._server = self._server, None
-            starting = self._starting
-        if starting is not None:
-            starting.join()
         if client is not None:
             client.close()
         if server is not None:
