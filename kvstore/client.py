@@ -270,17 +270,14 @@ class Client:
         """``TieredStore.store`` on the server; ``durable=True`` returns once the chunks are committed and synced
         to disk (the acknowledgement survives a crash of the server).
 
-        With ``start`` (a chunk boundary of the server's cut, ``kvstore.keys.chunk_bounds`` with
-        ``server.chunk_size`` and ``server.chunk_separator``, or ``len(tokens)``), ``kv`` is the KV of
-        ``tokens[start:]`` only, ``[num_layers, 2, len(tokens) - start, num_kv_heads, head_dim]``, and only those
-        bytes travel; the server checks the chunk boundary (``InvalidInputError``).
+        With ``start`` (in ``[0, len(tokens)]``), ``kv`` is the KV of ``tokens[start:]`` only, ``[num_layers, 2,
+        len(tokens) - start, num_kv_heads, head_dim]``, and only those bytes travel; the chunks that begin before
+        ``start`` are not written (the caller knows the server holds them).
         """
         layout = self._require_layout()
         token_array = as_token_array(tokens)
         if not 0 <= start <= len(token_array):
-            raise InvalidInputError(
-                f"store start={start} must lie in [0, len(tokens)={len(token_array)}], at a chunk boundary"
-            )
+            raise InvalidInputError(f"store start={start} must lie in [0, len(tokens)={len(token_array)}]")
         num_tokens = len(token_array) - start
         layout.check_kv(kv, num_tokens)
 

@@ -266,10 +266,6 @@ class TieredStore:
     def _chunk_bounds(self, tokens: TokenArray) -> list[int]:
         return chunk_bounds(tokens, self.config.chunk_size, self.config.chunk_separator)
 
-    def _separator_note(self) -> str:
-        separator = self.config.chunk_separator
-        return f", restarting after the separator {list(separator)}" if separator else ""
-
     # -- store ------------------------------------------------------------------------------------------------
 
     def store(
@@ -281,10 +277,11 @@ class TieredStore:
         hands over only the KV of the rest::
 
             tokens: | chunk 0 | chunk 1 | chunk 2 | chunk 3 | c4 |
-                                        ^ start: the third chunk boundary
-            kv:                         | chunk 2 | chunk 3 | c4 |   [L, 2, len(tokens) - start, H, D]
+                                   ^ start (written: chunks 2, 3 and c4)
+            kv:                    | .... chunk 2 | chunk 3 | c4 |   [L, 2, len(tokens) - start, H, D]
 
-        The chunks before ``start`` are never written, resident or not; their prefix keys are still computed (the
+        The chunks that begin before ``start`` are never written, resident or not; their prefix keys are still
+        computed (the
         tail's keys chain over them), and those that are resident are registered by content together with the
         tail, as one sequence, exactly as a store of the whole sequence would register them.
 
@@ -292,8 +289,9 @@ class TieredStore:
             tokens: the sequence's token ids, from position 0.
             kv: ``[num_layers, 2, len(tokens) - start, num_kv_heads, head_dim]``, the KV of ``tokens[start:]``, in
                 the layout's dtype, on the cpu or a GPU.
-            start: position of ``kv``'s first token: a chunk boundary (``kvstore.keys.chunk_bounds``: a multiple of
-                ``config.chunk_size`` unless the store has a ``chunk_separator``) or ``len(tokens)``.
+            start: position of ``kv``'s first token, in ``[0, len(tokens)]``; the chunks that begin before it are
+                not written (``kvstore.keys.chunk_bounds``: with a ``chunk_separator`` the boundaries are not
+                multiples of ``chunk_size``, so an engine hands over KV from its own block boundary).
 
         Returns:
             Counted over the chunks from ``start`` (the ones handed over): how many there are, how many were new,
@@ -305,20 +303,22 @@ class TieredStore:
         """
         self._check_open()
         token_array = as_token_array(tokens)
-        bounds = self._chunk_bounds(token_array)
-        first_index = bisect.bisect_left(bounds, start)
-        if not 0 <= start <= len(token_array) or first_index == len(bounds) or bounds[first_index] != start:
+        if not 0 <= start <= len(token_array):
             raise InvalidInputError(
-                f"store start={start} is not a chunk boundary of the {len(token_array)} tokens (chunk_size="
-                f"{self.config.chunk_size}{self._separator_note()}); pass the position of the first chunk whose KV "
-                "you send"
+                f"store start={start} must lie in [0, len(tokens)={len(token_array)}]; pass the position of the "
+                "first token whose KV you send"
             )
         self._check_tail_kv(kv, len(token_array), start)
+        bounds = self._chunk_bounds(token_array)
+        first_index = bisect.bisect_left(bounds[:-1], start)  # the first chunk that begins at or after start
         keys = keys_at_bounds(self._namespace, token_array, bounds)
         catalog = self._catalog
-        # Indexed from the first chunk handed over, cut where the whole sequence is cut.
+        # Indexed from the first chunk written, cut where the whole sequence is cut.
+        first_start = bounds[first_index]
         dedup = (
-            catalog.dedup_targets(token_array[start:], [bound - start for bound in bounds[first_index + 1 :]])
+            catalog.dedup_targets(
+                token_array[first_start:], [bound - first_start for bound in bounds[first_index + 1 :]]
+            )
             if catalog is not None
             else []
         )

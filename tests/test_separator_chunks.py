@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import InvalidInputError, KVLayout, TieredStore
+from kvstore import KVLayout, TieredStore
 from kvstore.config import StoreConfig, parse_chunk_separator
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array, chunk_bounds, prefix_keys, separator_run_starts
@@ -149,18 +149,18 @@ def test_an_exact_prefix_hit_stays_exact_and_whole(tmp_path: Path) -> None:
         assert torch.equal(served, kv)
 
 
-def test_a_store_start_must_be_a_boundary_of_the_cut(tmp_path: Path) -> None:
+def test_a_store_from_a_block_boundary_writes_the_chunks_of_the_cut_after_it(tmp_path: Path) -> None:
+    """An engine stores from its block boundary, not the cut's: the chunks beginning at or after it are written."""
     prompt = joined(make_tokens(13, seed=1), SEP, make_tokens(37, seed=2))
     bounds = chunk_bounds(as_token_array(prompt), CHUNK, SEPARATOR)
     kv = make_kv(LAYOUT, len(prompt), seed=4)
     with TieredStore(LAYOUT, config(tmp_path)) as store:
-        with pytest.raises(InvalidInputError, match=r"is not a chunk boundary .* restarting after the separator"):
-            store.store(prompt, kv[:, :, CHUNK:], start=CHUNK)  # a multiple of chunk_size, not a boundary here
-        result = store.store(prompt, kv[:, :, bounds[2] :], start=bounds[2])
-        assert result.num_chunks == len(bounds) - 3
+        result = store.store(prompt, kv[:, :, CHUNK:], start=CHUNK)  # 16: inside the second chunk [15, 31)
+        assert bounds[1] < CHUNK < bounds[2] and result.num_chunks == len(bounds) - 3
+        store.store(prompt[: bounds[2]], kv[:, :, : bounds[2]])
         plan, served = lookup_and_serve(store, prompt)
-        assert not plan.segments or plan.segments[0].start >= bounds[2]  # the first two chunks were never sent
-        assert torch.equal(served[:, :, bounds[2] :], kv[:, :, bounds[2] :])
+        assert plan.end == len(prompt) and all(segment.exact for segment in plan.segments)
+        assert torch.equal(served, kv)
 
 
 def test_documents_are_found_after_a_reopen(tmp_path: Path) -> None:

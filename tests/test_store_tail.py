@@ -135,13 +135,28 @@ def test_head_chunks_are_never_written(tmp_path: Path) -> None:
         assert (empty.num_chunks, empty.num_new_chunks) == (0, 0)
 
 
-@pytest.mark.parametrize("start", [-CHUNK, 3, CHUNK + 1, 5 * CHUNK])
-def test_a_start_off_a_chunk_boundary_or_outside_the_tokens_is_refused(tmp_path: Path, start: int) -> None:
+@pytest.mark.parametrize("start", [-CHUNK, -1, 4 * CHUNK + 3, 5 * CHUNK])
+def test_a_start_outside_the_tokens_is_refused(tmp_path: Path, start: int) -> None:
     tokens = make_tokens(4 * CHUNK + 2, seed=9)
     with TieredStore(LAYOUT, config(tmp_path)) as store:
-        with pytest.raises(InvalidInputError, match=rf"start={start} is not a chunk boundary .*chunk_size={CHUNK}"):
+        with pytest.raises(InvalidInputError, match=rf"start={start} must lie in \[0, len\(tokens\)="):
             store.store(tokens, make_kv(LAYOUT, 2), start=start)
         assert store.stats().tier(TierName.CPU).num_chunks == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("start", [3, CHUNK + 1, 4 * CHUNK + 1])
+def test_a_start_inside_a_chunk_writes_the_chunks_that_begin_after_it(tmp_path: Path, start: int) -> None:
+    """An engine hands over KV from its own block boundary, which need not be a chunk boundary: the chunk the start
+    falls in is not written (the caller says the store holds it), every later one is, bit for bit."""
+    tokens, kv = make_tokens(4 * CHUNK + 2, seed=9), make_kv(LAYOUT, 4 * CHUNK + 2, seed=9)
+    first_written = -(-start // CHUNK)
+    with TieredStore(LAYOUT, config(tmp_path)) as store:
+        result = store.store(tokens, kv[:, :, start:], start=start)
+        assert result.num_chunks == result.num_new_chunks == 5 - first_written
+        store.store(tokens[: first_written * CHUNK], kv[:, :, : first_written * CHUNK])
+        plan = store.lookup(tokens)
+        assert plan.end == len(tokens) and all(segment.exact for segment in plan.segments)
+        assert torch.equal(store.retrieve(plan).kv, kv)
 
 
 def test_kv_of_the_whole_sequence_with_a_start_is_refused(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from kvstore.config import DEFAULT_DATA_DIR, parse_size
+from kvstore.config import DEFAULT_DATA_DIR, check_chunk_separator, parse_size
 from kvstore.errors import ConfigError
 from kvstore.wire.address import check_server_url
 
@@ -58,6 +58,9 @@ class EmbeddedServerSettings:
         gpu_size: gpu tier size (``None``: the server's default).
         disk_size: disk tier cap in stored bytes, e.g. ``500GiB`` (``None``: the server's default).
         chunk_size: tokens per chunk (``None``: the data dir's, else 256).
+        chunk_separator: ``kvstore serve --chunk-separator``: where chunks restart, so documents are found
+            wherever a prompt puts them. Token ids, or a string the connector tokenizes with the engine's tokenizer
+            (``resolve_chunk_separator``) before the server starts (``None``: fixed-size chunks).
         config: a ``kvstore serve --config`` TOML file for everything else.
         remote_url: ``kvstore serve --remote-url``: the fleet's Valkey (``tiers`` must end in ``remote``; the
             password comes from the engine's ``KVSTORE_REMOTE_PASSWORD``, which the server inherits).
@@ -71,6 +74,7 @@ class EmbeddedServerSettings:
     gpu_size: str | None = None
     disk_size: str | None = None
     chunk_size: int | None = None
+    chunk_separator: str | tuple[int, ...] | None = None
     config: Path | None = None
     remote_url: str | None = None
     remote_namespace: str | None = None
@@ -84,6 +88,10 @@ class EmbeddedServerSettings:
             value = getattr(self, name)
             if value is not None:
                 flags += ["--" + name.replace("_", "-"), str(value)]
+        if self.chunk_separator:
+            if isinstance(self.chunk_separator, str):
+                raise ConfigError("kvstore.chunk_separator must be tokenized (resolve_chunk_separator) before start")
+            flags += ["--chunk-separator", ",".join(map(str, self.chunk_separator))]
         return flags
 
 
@@ -200,6 +208,19 @@ def _checked(key: str, name: str, value: object) -> object:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, not {value!r}")
         return value
+    if name == "chunk_separator":
+        if isinstance(value, str) and value:
+            return value
+        try:
+            separator = check_chunk_separator(value)
+        except ConfigError:
+            separator = ()
+        if not separator:
+            raise ConfigError(
+                f'{key} must be a non-empty string (e.g. "\\n\\n", tokenized with the engine\'s tokenizer) or a list '
+                f"of token ids, not {value!r}"
+            )
+        return separator
     if name == "chunk_size":
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{key} must be a positive integer, not {value!r}")

@@ -254,26 +254,20 @@ class RequestHandler:
     def _store(self, client_id: str, args: StoreArgs, payload: memoryview | None) -> dict[str, object]:
         store = self._host.require()
         started_s = time.perf_counter()
-        bounds = chunk_bounds(args.tokens, store.config.chunk_size, store.config.chunk_separator)
-        first = bisect.bisect_left(bounds, args.start)
-        if first == len(bounds) or bounds[first] != args.start:
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"store start={args.start} is not a chunk boundary of the server's cut (chunk_size="
-                f"{store.config.chunk_size}{_separator_note(store.config.chunk_separator)}); send the KV from one",
-            )
         num_tokens = args.num_bulk_tokens  # the bulk holds tokens[start:]
         kv = self._bulk_tensor(client_id, args.bulk, store.layout, num_tokens, payload)[:, :, :num_tokens]
         if args.durable and TierName.DISK not in store.config.tiers:
             raise ConfigError("durable=True needs a disk tier; this server keeps KV in memory only")
+        bounds = chunk_bounds(args.tokens, store.config.chunk_size, store.config.chunk_separator)
+        first = bisect.bisect_left(bounds[:-1], args.start)  # the chunks a store from start writes
         keys = keys_at_bounds(store.layout.namespace, args.tokens, bounds)[first:]
         held_before = [bool(store.contains(key)) for key in keys]
         result = store.store(args.tokens, kv, start=args.start)
         if args.durable:
             store.flush()
         # A document is what this call added: the chunks from start (the caller knows the head is held).
-        tail_bounds = [bound - args.start for bound in bounds[first:]]
-        self._usage.stored(keys, args.tokens[args.start :], tail_bounds)
+        tail_bounds = [bound - bounds[first] for bound in bounds[first:]]
+        self._usage.stored(keys, args.tokens[bounds[first] :], tail_bounds)
         # The engine's stored tokens: chunks held after the store that were not before it (a concurrent store of
         # the same tokens may claim a chunk first; the metric is off by that chunk then).
         num_new_tokens = sum(
@@ -496,10 +490,6 @@ class RequestHandler:
             StorageError: the file cannot be written.
         """
         self._usage.save()
-
-
-def _separator_note(separator: tuple[int, ...]) -> str:
-    return f", restarting after the separator {list(separator)}" if separator else ""
 
 
 def _transport(bulk: BulkRef) -> str:

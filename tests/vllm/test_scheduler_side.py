@@ -423,7 +423,7 @@ def test_a_prompt_the_store_lacks_is_saved_whole_in_its_prefill_step_and_only_th
     assert open_plans(store.url) == 0
 
 
-def test_the_save_starts_at_the_stores_chunk_aligned_hit_though_vllm_loaded_nothing(
+def test_the_save_starts_at_the_block_holding_the_end_of_the_stores_hit_though_vllm_loaded_nothing(
     make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
 ) -> None:
     tokens = prompt(300, seed=7)
@@ -438,8 +438,8 @@ def test_the_save_starts_at_the_stores_chunk_aligned_hit_though_vllm_loaded_noth
     metadata = metadata_of(output)
     assert metadata.loads == []
     assert metadata.saves == [
-        SaveSpec(request_id="partial", token_ids=tuple(tokens), block_ids=tuple(blocks), start=96, end=300)
-    ]
+        SaveSpec(request_id="partial", token_ids=tuple(tokens), block_ids=tuple(blocks), start=0, end=300)
+    ]  # from block 0: the store writes the chunks from its hit on (token 96), vLLM's blocks hold whole blocks
     assert open_plans(store.url) == 0
 
 
@@ -464,7 +464,7 @@ def test_under_chunked_prefill_the_save_comes_with_the_last_chunk(
 
     second = scheduler.schedule()  # [128, 192)
     assert second.num_scheduled_tokens == {"chunked": 64}
-    assert metadata_of(second) == KVStoreConnectorMetadata()
+    assert metadata_of(second) == KVStoreConnectorMetadata(step_tokens=64)
     (new_blocks,) = second.scheduled_cached_reqs.new_block_ids
     assert new_blocks is not None
     blocks += new_blocks[0]
@@ -619,7 +619,8 @@ def test_an_async_disk_load_is_pinned_until_the_worker_reports_it_received(
     blocks = new_request_blocks(third, "disk")
     assert load.block_ids == tuple(blocks[:6])
     assert metadata_of(third) == KVStoreConnectorMetadata(
-        saves=[SaveSpec(request_id="disk", token_ids=tuple(tokens), block_ids=tuple(blocks[6:]), start=96, end=120)]
+        saves=[SaveSpec(request_id="disk", token_ids=tuple(tokens), block_ids=tuple(blocks[6:]), start=96, end=120)],
+        step_tokens=24,
     )
 
 

@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvstore.connectors.hook_clock import HookClock
 from kvstore.connectors.settings import ConnectorSettings, parse_connector_settings
 from kvstore.connectors.store_link import StoreLink, connect_links
-from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout
+from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout, resolve_chunk_separator
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreConnectorStats
 from kvstore.connectors.vllm.scheduler_side import SchedulerSide
 from kvstore.connectors.vllm.worker_side import WorkerSide
@@ -70,6 +70,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         try:
             settings = parse_connector_settings(transfer.kv_connector_extra_config)
             check_engine_supported(vllm_config, kv_cache_config)
+            settings = resolve_chunk_separator(vllm_config, settings)
             layout = engine_layout(vllm_config, settings)
         except KVStoreError as exc:
             raise ValueError(f"KVStoreConnector: {exc}") from None
@@ -80,6 +81,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._clock = HookClock(role.name.lower())
         if role is KVConnectorRole.SCHEDULER:
             (link,) = _connected_links(settings, layout, (name,), settings.lookup_timeout_s)
+            _require_chunk_separator(link, settings)
             self._scheduler = SchedulerSide(
                 link,
                 block_size=block_size,
@@ -87,6 +89,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 save=transfer.is_kv_producer,
                 async_disk_loads=settings.async_disk_loads,
                 settings=settings,
+                num_layers=layout.num_layers,
             )
             if settings.blend:
                 _require_blend_server(link)
@@ -228,6 +231,24 @@ def _require_blend_server(link: StoreLink) -> None:
         raise ValueError(
             f"KVStoreConnector: kvstore.blend needs a server started with --enable-blend; {link.url} was not "
             "(restart it with --enable-blend, or turn kvstore.blend off)"
+        )
+
+
+def _require_chunk_separator(link: StoreLink, settings: ConnectorSettings) -> None:
+    """Refuse a private server that cuts chunks at another separator than ``kvstore.chunk_separator`` (one left
+    running from an earlier start with other settings); a shared server's own ``--chunk-separator`` rules."""
+    separator = link.call("hello", lambda client: client.server.chunk_separator)
+    if settings.url is not None or separator is None:
+        if separator:
+            logger.info("KVStoreConnector: %s cuts chunks after the separator %s", link.url, list(separator))
+        return
+    expected = settings.embedded.chunk_separator or ()
+    if tuple(separator) != expected:
+        link.close()
+        raise ValueError(
+            f"KVStoreConnector: the kvstore server on {settings.embedded.data_dir} cuts chunks after separator "
+            f"{list(separator)}, not kvstore.chunk_separator's {list(expected)}; stop it (kvstore serve from an "
+            "earlier start) so the engine starts its own"
         )
 
 

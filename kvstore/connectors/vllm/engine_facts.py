@@ -5,12 +5,15 @@
   version fails at start with one line rather than misbehaving in the middle of a request.
 - The model's KV layout (layers, kv heads, head dim, dtype, RoPE) as kvstore's ``KVLayout``: the store checks it
   against what it holds, so two models never share KV.
+- A string ``kvstore.chunk_separator`` as the engine tokenizer's ids (the store cuts chunks by ids).
 - What the connector does not handle yet: tensor or pipeline parallelism (each rank holds a shard of the heads),
   hybrid models (more than one KV cache group), quantised (fp8) KV caches. Each is refused at start with one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import TYPE_CHECKING
 
 import vllm
@@ -24,7 +27,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["SUPPORTED_VLLM", "check_engine_supported", "engine_layout", "vllm_version"]
+__all__ = ["SUPPORTED_VLLM", "check_engine_supported", "engine_layout", "resolve_chunk_separator", "vllm_version"]
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 """(major, minor) releases whose connector API this connector was written and tested against."""
@@ -90,3 +95,35 @@ def engine_layout(vllm_config: VllmConfig, settings: ConnectorSettings) -> KVLay
             f"{layout.head_dim}, vLLM runs {num_layers} x {num_kv_heads} x {head_dim}"
         )
     return layout
+
+
+def resolve_chunk_separator(vllm_config: VllmConfig, settings: ConnectorSettings) -> ConnectorSettings:
+    """``settings`` with a string ``kvstore.chunk_separator`` turned into the engine tokenizer's ids for it.
+
+    Tokenized alone, without special tokens: a prompt must carry these exact ids (a client that builds prompts from
+    separately tokenized parts does; text tokenized as a whole may merge the separator with its neighbours).
+
+    Raises:
+        ConfigError: the tokenizer cannot be loaded or gives no ids for the string.
+    """
+    separator = settings.embedded.chunk_separator
+    if not isinstance(separator, str):
+        return settings
+    from transformers import AutoTokenizer
+
+    model_config = vllm_config.model_config
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer,
+            revision=model_config.tokenizer_revision,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+        ids = tuple(int(token) for token in tokenizer.encode(separator, add_special_tokens=False))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"kvstore.chunk_separator: cannot tokenize {separator!r} with {model_config.tokenizer}: {exc}"
+        ) from None
+    if not ids:
+        raise ConfigError(f"kvstore.chunk_separator {separator!r} is no tokens for {model_config.tokenizer}")
+    logger.info("kvstore.chunk_separator %r is token ids %s", separator, list(ids))
+    return dataclasses.replace(settings, embedded=dataclasses.replace(settings.embedded, chunk_separator=ids))

@@ -54,7 +54,8 @@ class SaveSpec:
         request_id: vLLM's request id.
         token_ids: the whole prompt (``end`` tokens).
         block_ids: the blocks holding tokens ``[start, end)``, in order (the last may be partly used).
-        start: the first token the store lacks (a multiple of the store's chunk size).
+        start: the first token of the block holding the end of the store's hit (the store writes the chunks that
+            begin at or after it; its cut need not fall on blocks).
         end: the prompt's length.
     """
 
@@ -96,6 +97,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     blends: list[BlendSpec] = field(default_factory=list)
+    step_tokens: int = 0  # tokens the step computes (the worker times steps without loads or passes)
 
 
 @dataclass(slots=True)
@@ -108,10 +110,13 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
         finished_loads: request id -> tokens its load put into the blocks (fewer than planned: the rest failed).
         finished_blends: request id -> how its blend pass served it (``None``: the pass failed and vLLM recomputes
             its blocks).
+        prefill_steps: ``(ms, tokens)`` of forward steps without loads or passes: the engine's own prefill rate,
+            which the blend gate weighs a pass against.
     """
 
     finished_loads: dict[str, int] = field(default_factory=dict)
     finished_blends: dict[str, BlendOutcome | None] = field(default_factory=dict)
+    prefill_steps: list[tuple[float, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge two workers' reports: a load counts only as far as every worker got, a blend only if every
@@ -123,7 +128,8 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
         blends = dict(self.finished_blends)
         for request_id, outcome in other.finished_blends.items():
             blends[request_id] = outcome if blends.get(request_id, outcome) is not None else None
-        return KVStoreWorkerMetadata(finished_loads=merged, finished_blends=blends)
+        steps = self.prefill_steps or other.prefill_steps  # every worker ran the same steps
+        return KVStoreWorkerMetadata(finished_loads=merged, finished_blends=blends, prefill_steps=steps)
 
 
 _COUNTERS = (

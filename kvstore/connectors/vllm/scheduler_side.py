@@ -50,6 +50,7 @@ from kvstore.client import Client
 from kvstore.connectors.blend_hook import BlendOutcome
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm.blend_gate import BlendGate, GateDecision, SpanMakeup, span_makeup
 from kvstore.connectors.vllm.blend_request import BlendChoice, blend_choice
 from kvstore.connectors.vllm.blend_span import blend_span_end
 from kvstore.connectors.vllm.metadata import (
@@ -83,6 +84,8 @@ class _Probe:
     segments: tuple[Segment, ...] = ()
     blend_end: int | None = None  # the end of a blend span worth a pass (None: the exact path)
     choice: BlendChoice | None = None
+    makeup: SpanMakeup | None = None  # the blend span's tokens, for the gate to learn from the pass
+    gate: GateDecision | None = None  # the gate's answer when it had one
 
 
 @dataclass(slots=True, kw_only=True)
@@ -101,12 +104,21 @@ class _Tracked:
     planned_blend: BlendSpec | None = None  # queued or in the worker, until its outcome comes back
     blended: bool = False  # a blend pass was planned for it: its prompt is not stored (approximate KV)
     blend: dict[str, object] | None = None
+    makeup: SpanMakeup | None = None  # its planned pass's span
+    gate: GateDecision | None = None
 
     def transfer_params(self) -> dict[str, object]:
         """What the response's ``kv_transfer_params`` say about this request."""
         report: dict[str, object] = {"loaded_tokens": self.loaded_tokens, "load_failed_tokens": self.load_failed_tokens}
         if self.blend is not None:
             report["blend"] = self.blend
+        gate = self.gate
+        if gate is not None and gate.pass_ms is not None and gate.prefill_ms is not None:
+            report["blend_gate"] = {
+                "decision": "blend" if gate.blend else "prefill",
+                "expected_pass_ms": round(gate.pass_ms, 1),
+                "expected_prefill_ms": round(gate.prefill_ms, 1),
+            }
         if self.choice is not None and self.choice.notes:
             report["notes"] = list(self.choice.notes)
         return {"kvstore": report}
@@ -150,6 +162,7 @@ class SchedulerSide:
         save: whether this engine stores prompts (role ``kv_producer`` or ``kv_both``).
         async_disk_loads: load disk hits asynchronously.
         settings: the connector's settings (blending and its defaults); the default blends nothing.
+        num_layers: the model's layers (what the blend gate weighs a pass's early layers by).
     """
 
     def __init__(
@@ -161,9 +174,11 @@ class SchedulerSide:
         save: bool,
         async_disk_loads: bool,
         settings: ConnectorSettings | None = None,
+        num_layers: int = 1,
     ) -> None:
         self._link = link
         self._settings = settings or ConnectorSettings()
+        self._gate = BlendGate(num_layers=num_layers, check_layer=self._settings.blend_check_layer)
         self._block_size = block_size
         self._load = load
         self._save = save
@@ -173,7 +188,6 @@ class SchedulerSide:
         self._queued_loads: dict[str, LoadSpec] = {}
         self._queued_blends: dict[str, BlendSpec] = {}
         self._answered: dict[str, dict[str, object]] = {}  # finished before their blend report came back
-        self._chunk_size: int | None = None
 
     # -- vLLM's scheduler hooks ---------------------------------------------------------------------------------
 
@@ -195,9 +209,17 @@ class SchedulerSide:
             blend_end = blend_span_end(
                 probe.segments, num_tokens=len(prompt), block_size=self._block_size, exact_end=end
             )
+            gate = None
             if blend_end is not None and blend_end > num_computed_tokens:
-                self._probes[request.request_id] = dataclasses.replace(probe, blend_end=blend_end, choice=choice)
-                return blend_end - num_computed_tokens, False
+                assert choice is not None
+                makeup = span_makeup(probe.segments, num_computed_tokens, blend_end)
+                gate = self._gate.decide(makeup, choice.ratio, blend_end - max(end, num_computed_tokens))
+                if gate.blend:
+                    self._probes[request.request_id] = dataclasses.replace(
+                        probe, blend_end=blend_end, choice=choice, makeup=makeup, gate=gate
+                    )
+                    return blend_end - num_computed_tokens, False
+            probe = dataclasses.replace(probe, gate=gate)
         probe = dataclasses.replace(probe, choice=choice)
         from_disk = probe.first_disk_token is not None and probe.first_disk_token < end
         load_async = self._async_disk_loads and from_disk and end > num_computed_tokens
@@ -215,6 +237,8 @@ class SchedulerSide:
         if probe is not None:
             tracked.store_prefix_tokens = probe.prefix_tokens
             tracked.choice = probe.choice
+            tracked.gate = probe.gate
+            tracked.makeup = probe.makeup
         if num_external_tokens <= 0 or probe is None:
             if probe is not None:  # a (re)admission without a load: any older pin has no load left to serve
                 self._release_pin(tracked)
@@ -241,7 +265,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         metadata = KVStoreConnectorMetadata(
-            loads=list(self._queued_loads.values()), blends=list(self._queued_blends.values())
+            loads=list(self._queued_loads.values()),
+            blends=list(self._queued_blends.values()),
+            step_tokens=scheduler_output.total_num_scheduled_tokens,
         )
         self._queued_loads.clear()
         self._queued_blends.clear()
@@ -274,6 +300,9 @@ class SchedulerSide:
         worker_meta = connector_output.kv_connector_worker_meta
         loaded = worker_meta.finished_loads if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
         blended = worker_meta.finished_blends if isinstance(worker_meta, KVStoreWorkerMetadata) else {}
+        if isinstance(worker_meta, KVStoreWorkerMetadata):
+            for step_ms, step_tokens in worker_meta.prefill_steps:
+                self._gate.observe_prefill_step(step_ms, step_tokens)
         for request_id, outcome in blended.items():
             self._record_blend(request_id, outcome)
         for request_id in finished | loaded.keys():
@@ -353,6 +382,8 @@ class SchedulerSide:
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.planned_blend is None:
             return
+        if outcome is not None and tracked.makeup is not None:
+            self._gate.observe_pass(tracked.makeup, tracked.planned_blend.ratio, outcome.blend_ms)
         tracked.record_blend(tracked.planned_blend, outcome)
         answered = self._answered.pop(request_id, None)
         if answered is not None:  # finished in its blend step: complete the answer vLLM has not sent yet
@@ -387,10 +418,9 @@ class SchedulerSide:
             tracked.saved = True
             return
         tracked.saved = True
-        chunk_size = self._store_chunk_size()
-        if chunk_size is None:
-            return
-        start = tracked.store_prefix_tokens - tracked.store_prefix_tokens % chunk_size
+        # From the block holding the end of the store's prefix hit: the store writes the chunks that begin at or
+        # after it (its cut need not fall on blocks: a separator restarts chunks anywhere).
+        start = tracked.store_prefix_tokens - tracked.store_prefix_tokens % self._block_size
         if start >= prompt_tokens:
             return
         first = start // self._block_size
@@ -412,11 +442,6 @@ class SchedulerSide:
                 end=prompt_tokens,
             )
         )
-
-    def _store_chunk_size(self) -> int | None:
-        if self._chunk_size is None:
-            self._chunk_size = self._link.call("hello", lambda client: client.server.chunk_size)
-        return self._chunk_size
 
     def _release_pin(self, tracked: _Tracked) -> None:
         plan, tracked.pinned = tracked.pinned, None

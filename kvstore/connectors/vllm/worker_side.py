@@ -130,6 +130,8 @@ class WorkerSide:
         self._layers_loaded = 0
         self._async_loads: dict[str, concurrent.futures.Future[tuple[int, set[int]]]] = {}
         self._saves: list[_PendingSave] = []
+        self._step_started: float | None = None
+        self._prefill_steps: list[tuple[float, int]] = []  # (ms, tokens) of plain steps, for the blend gate
         self._save_futures: list[concurrent.futures.Future[None]] = []
         self._sync_buffers, self._async_buffers = LoadBuffers(), LoadBuffers()  # one per load link and thread
         self._save_buffers = LoadBuffers()  # taken on the engine thread without a request, kept by the save thread
@@ -223,11 +225,14 @@ class WorkerSide:
         self._sync_loads = []
         self._layers_loaded = 0
         self._saves = []
+        self._step_started = None
 
     def start_load_kv(self) -> None:
         metadata = self._metadata
         if metadata is None:
             return
+        if not metadata.blends and not metadata.loads:
+            self._step_started = time.perf_counter()  # a plain step: its time is the engine's own prefill rate
         for blend in metadata.blends:
             self._blend(blend)
         for spec in metadata.loads:
@@ -271,6 +276,10 @@ class WorkerSide:
             self._finished_loads[spec.request_id] = _loaded_tokens(spec, fetched)
             self._sync_buffers.give_back(fetched.buffer)
         self._sync_loads = []
+        if self._step_started is not None and self._metadata is not None:
+            step_ms = 1000.0 * (time.perf_counter() - self._step_started)
+            self._prefill_steps.append((step_ms, self._metadata.step_tokens))
+            self._step_started = None
         for save in self._saves:
             if save.num_layers_gathered == len(self._caches):
                 self._save_futures.append(self._pools[2].submit(self._store, save))
@@ -295,11 +304,12 @@ class WorkerSide:
         return failed
 
     def take_worker_metadata(self) -> KVStoreWorkerMetadata | None:
-        if not self._finished_loads and not self._finished_blends:
+        if not self._finished_loads and not self._finished_blends and not self._prefill_steps:
             return None
         finished, self._finished_loads = self._finished_loads, {}
         blends, self._finished_blends = self._finished_blends, {}
-        return KVStoreWorkerMetadata(finished_loads=finished, finished_blends=blends)
+        steps, self._prefill_steps = self._prefill_steps, []
+        return KVStoreWorkerMetadata(finished_loads=finished, finished_blends=blends, prefill_steps=steps)
 
     def record_on_path(self, seconds: float) -> None:
         """Count the time the engine's thread spent in this step's hooks (``HookClock``)."""
