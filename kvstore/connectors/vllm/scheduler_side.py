@@ -136,7 +136,8 @@ class _Tracked:
         self.blend = {
             "span_tokens": spec.end,
             "local_tokens": spec.local_end,
-            "reused_tokens": max(0, cached - outcome.recomputed_tokens),
+            # recomputed counts the gaps too (computed in every layer): reused is what the selection left cached
+            "reused_tokens": max(0, cached - max(0, outcome.recomputed_tokens - outcome.gap_tokens)),
             "exact_tokens": outcome.exact_tokens,
             "blended_tokens": outcome.blend_tokens,
             "gap_tokens": outcome.gap_tokens,

@@ -225,14 +225,14 @@ class WorkerSide:
         self._sync_loads = []
         self._layers_loaded = 0
         self._saves = []
-        self._step_started = None
+        # A plain step (no load, no pass): its time from here (before the forward; vLLM calls start_load_kv after
+        # the forward when a step has no sync load) to wait_for_save is the engine's own compute.
+        self._step_started = None if metadata.blends or metadata.loads else time.perf_counter()
 
     def start_load_kv(self) -> None:
         metadata = self._metadata
         if metadata is None:
             return
-        if not metadata.blends and not metadata.loads:
-            self._step_started = time.perf_counter()  # a plain step: its time is the engine's own prefill rate
         for blend in metadata.blends:
             self._blend(blend)
         for spec in metadata.loads:
