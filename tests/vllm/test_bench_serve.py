@@ -81,4 +81,10 @@ def test_the_store_serves_what_the_warm_up_cached(rows: list[dict[str, Any]]) ->
     assert blend_mixed["vllm_cache_hit_tokens"] == 0, "--no-enable-prefix-caching"
     assert blend_mixed["connector_tokens"] >= 128, "the mixed round's exact repeat is loaded from the store"
     assert blend_mixed["outputs_compared"] == 1 and blend_mixed["output_mismatches"] == 0
-    assert by_name[("kvstore_blend", "query")]["connector_tokens"] > 0, "each query starts with a cached document"
+    query = by_name[("kvstore_blend", "query")]
+    assert query["chunk_separator"], "the bench hands its separator to the connector (kvstore.chunk_separator)"
+    # Every document is found at its new position, so each query's pass spans up to its last whole block (3 x 150
+    # document tokens after a short system prompt: blocks [0, 384)), and the gate runs it (the warm-up taught it
+    # vLLM's prefill rate). Without the separator only the first document's tokens after the system prompt match.
+    assert query["blends"] == 2, query
+    assert query["connector_tokens"] == 2 * 384, query
