@@ -118,9 +118,7 @@ class ContentRebuild:
             return 0
         keys = self._keys
         hashed = ChunkContents.concatenate(self._contents, self.index.fingerprint_bits)
-        # Any chunk may have been continued: a chunk shorter than chunk_size ends a sequence, or a separator's run.
-        continuable = np.ones(len(hashed), dtype=np.bool_)
-        runs = sequence_runs_of_words(np.concatenate(self._key_words), np.concatenate(self._parent_words), continuable)
+        runs = sequence_runs_of_words(np.concatenate(self._key_words), np.concatenate(self._parent_words))
         self.index.register_runs(
             hashed.take(runs.order),
             list(map(keys.__getitem__, runs.order.tolist())),

@@ -7,10 +7,11 @@ every chunk to the next (a document found at any offset is then covered to its p
     records (any order):  c2 <- c1 <- c0        d1 <- d0       e0 (meta v1: no parent)
     runs:                 [c0 c1 c2]            [d0 d1]        [e0]
 
-Rules: a chunk continues its parent when the parent is a full chunk that is among the records (a partial chunk
-ends its sequence); of several children of one parent (sequences sharing a prefix) the first in input order
-continues it and the others start runs of their own; a key that appears twice keeps its last record. Corrupt
-parent keys that close a cycle leave those chunks without a head: each becomes a run of its own.
+Rules: a chunk continues its parent when the parent is among the records (any chunk may have been continued: one
+shorter than ``chunk_size`` ends its sequence, or a separator's run inside it); of several children of one parent
+(sequences sharing a prefix) the first in input order continues it and the others start runs of their own; a key
+that appears twice keeps its last record. Corrupt parent keys that close a cycle leave those chunks without a head:
+each becomes a run of its own.
 
 Two numba passes, O(n) for n chunks (a million in well under a second): a hash table from each key's two 64-bit
 words to its last record finds every parent, then each run is walked from its head through the one child that
@@ -49,25 +50,24 @@ class SequenceRuns:
 
 
 def sequence_runs(
-    keys: Sequence[PrefixKey], parent_keys: Sequence[PrefixKey | None], is_full: npt.NDArray[np.bool_]
+    keys: Sequence[PrefixKey], parent_keys: Sequence[PrefixKey | None]
 ) -> SequenceRuns:
     """Order chunks into runs by their parent keys (the rules are in the module docstring).
 
     Args:
         keys: each chunk's prefix key (16 bytes).
         parent_keys: each chunk's parent key, ``None`` when unknown (16 zero bytes mean the same, as on disk).
-        is_full: each chunk has ``chunk_size`` tokens (only a full chunk can be continued).
 
     Raises:
         InvalidInputError: a key or parent key that is not 16 bytes, or inputs of different lengths.
     """
     if len(parent_keys) != len(keys):
         raise InvalidInputError(f"got {len(parent_keys)} parent keys for {len(keys)} keys")
-    return sequence_runs_of_words(_words(keys), _words([key or _NO_KEY for key in parent_keys]), is_full)
+    return sequence_runs_of_words(_words(keys), _words([key or _NO_KEY for key in parent_keys]))
 
 
 def sequence_runs_of_words(
-    key_words: npt.NDArray[np.uint64], parent_words: npt.NDArray[np.uint64], is_full: npt.NDArray[np.bool_]
+    key_words: npt.NDArray[np.uint64], parent_words: npt.NDArray[np.uint64]
 ) -> SequenceRuns:
     """``sequence_runs`` of keys given as rows of two little-endian u64 words (``[0, 0]``: no parent), as the disk's
     content records carry them (no bytes object per key).
@@ -76,10 +76,9 @@ def sequence_runs_of_words(
         InvalidInputError: arrays of other shapes than ``(n, 2)``, ``(n, 2)`` and ``(n,)``.
     """
     num_chunks = key_words.shape[0]
-    if key_words.shape != (num_chunks, 2) or parent_words.shape != (num_chunks, 2) or is_full.shape != (num_chunks,):
+    if key_words.shape != (num_chunks, 2) or parent_words.shape != (num_chunks, 2):
         raise InvalidInputError(
-            f"got key words {key_words.shape}, parent words {parent_words.shape} and {is_full.shape} flags; "
-            "give (n, 2), (n, 2) and (n,)"
+            f"got key words {key_words.shape} and parent words {parent_words.shape}; give (n, 2) and (n, 2)"
         )
     key_low, key_high = (np.ascontiguousarray(key_words[:, column], dtype=np.uint64) for column in (0, 1))
     parent_low, parent_high = (np.ascontiguousarray(parent_words[:, column], dtype=np.uint64) for column in (0, 1))
@@ -89,7 +88,7 @@ def sequence_runs_of_words(
     order = np.empty(num_chunks, dtype=np.int64)
     run_offsets = np.zeros(num_chunks + 1, dtype=np.int64)
     counts = np.zeros(3, dtype=np.int64)  # chunks ordered, runs, chunks on cycles
-    _walk_runs(kept, parent, np.ascontiguousarray(is_full, dtype=np.bool_), order, run_offsets, counts)
+    _walk_runs(kept, parent, order, run_offsets, counts)
     num_ordered, num_runs, num_looped = counts.tolist()
     if num_looped:
         logger.warning("rebuild: %d chunks form cycles of parent keys; indexed without next links", num_looped)
@@ -150,8 +149,8 @@ def _find_parents(key_low, key_high, parent_low, parent_high, kept, parent):  # 
             slot = (slot + 1) & mask
 
 
-@njit(types.void(_FLAGS, _POSITIONS, _FLAGS, _POSITIONS, _POSITIONS, _POSITIONS), cache=True, nogil=True)
-def _walk_runs(kept, parent, is_full, order, run_offsets, counts):  # type: ignore[no-untyped-def]
+@njit(types.void(_FLAGS, _POSITIONS, _POSITIONS, _POSITIONS, _POSITIONS), cache=True, nogil=True)
+def _walk_runs(kept, parent, order, run_offsets, counts):  # type: ignore[no-untyped-def]
     """Write the runs into ``order`` and ``run_offsets``, and into ``counts`` the chunks ordered, the runs and the
     chunks on cycles (each a run of its own, after the others)."""
     num_chunks = kept.shape[0]
@@ -159,7 +158,7 @@ def _walk_runs(kept, parent, is_full, order, run_offsets, counts):  # type: igno
     continues = np.zeros(num_chunks, dtype=np.bool_)
     for chunk in range(num_chunks):  # the first child in input order continues its parent
         up = parent[chunk]
-        if kept[chunk] and up >= 0 and is_full[up] and successor[up] < 0:
+        if kept[chunk] and up >= 0 and successor[up] < 0:
             successor[up] = chunk
             continues[chunk] = True
     placed = np.zeros(num_chunks, dtype=np.bool_)

@@ -15,7 +15,7 @@ from kvstore.keys import PrefixKey
 
 
 def reference_runs(
-    keys: list[PrefixKey], parent_keys: list[PrefixKey | None], is_full: list[bool]
+    keys: list[PrefixKey], parent_keys: list[PrefixKey | None]
 ) -> tuple[list[int], list[int]]:
     """The rules of ``kvstore.content.relink``, one chunk at a time."""
     position = {key: index for index, key in enumerate(keys)}  # the last record of a key wins
@@ -24,7 +24,7 @@ def reference_runs(
     for index in kept:
         parent_key = parent_keys[index]
         parent = position.get(parent_key) if parent_key is not None else None
-        if parent is not None and is_full[parent] and parent not in successor:
+        if parent is not None and parent not in successor:
             successor[parent] = index  # the first child in input order continues its parent
     continuing = set(successor.values())
     order: list[int] = []
@@ -48,13 +48,11 @@ def make_key(low: int, high: int) -> PrefixKey:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    chunks=st.lists(
-        st.tuples(st.integers(0, 30), st.one_of(st.none(), st.integers(0, 35)), st.booleans()), max_size=40
-    ),
+    chunks=st.lists(st.tuples(st.integers(0, 30), st.one_of(st.none(), st.integers(0, 35))), max_size=40),
     shared_low_word=st.booleans(),
 )
 def test_sequence_runs_agrees_with_a_plain_walk(
-    chunks: list[tuple[int, int | None, bool]], shared_low_word: bool
+    chunks: list[tuple[int, int | None]], shared_low_word: bool
 ) -> None:
     # Keys from a small pool (duplicates), parents among them or absent (ids 31-35), any shape of links, cycles
     # included; with a shared low word the exact (dict) path runs. No key is all zeros: that means "no parent".
@@ -63,13 +61,12 @@ def test_sequence_runs_agrees_with_a_plain_walk(
             return make_key(7, key_id + 1)
         return make_key((key_id + 1) * 0x9E3779B97F4A7C15 % 2**64, key_id)
 
-    keys = [key_of(key_id) for key_id, _, _ in chunks]
-    parent_keys = [None if parent_id is None else key_of(parent_id) for _, parent_id, _ in chunks]
-    is_full = [full for _, _, full in chunks]
+    keys = [key_of(key_id) for key_id, _ in chunks]
+    parent_keys = [None if parent_id is None else key_of(parent_id) for _, parent_id in chunks]
 
-    runs = sequence_runs(keys, parent_keys, np.array(is_full, dtype=np.bool_))
+    runs = sequence_runs(keys, parent_keys)
 
-    order, run_offsets = reference_runs(keys, parent_keys, is_full)
+    order, run_offsets = reference_runs(keys, parent_keys)
     assert runs.order.tolist() == order
     assert runs.run_offsets.tolist() == run_offsets
 
@@ -77,28 +74,28 @@ def test_sequence_runs_agrees_with_a_plain_walk(
 def test_a_ten_thousand_chunk_sequence_in_reverse_is_one_run() -> None:
     keys = [make_key((index + 1) * 0x9E3779B97F4A7C15 % 2**64, index) for index in range(10_000)]
     parents = [None, *keys[:-1]]
-    runs = sequence_runs(keys[::-1], parents[::-1], np.ones(10_000, dtype=np.bool_))
+    runs = sequence_runs(keys[::-1], parents[::-1])
     assert runs.order.tolist() == list(range(9_999, -1, -1)) and runs.run_offsets.tolist() == [0, 10_000]
 
 
 def test_a_cycle_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     keys = [make_key(1, 1), make_key(2, 2)]
     with caplog.at_level(logging.WARNING, logger="kvstore.content.relink"):
-        runs = sequence_runs(keys, keys[::-1], np.ones(2, dtype=np.bool_))
+        runs = sequence_runs(keys, keys[::-1])
     assert runs.order.tolist() == [0, 1] and runs.run_offsets.tolist() == [0, 1, 2]
     assert "2 chunks form cycles" in caplog.text
 
 
 def test_keys_must_be_16_bytes() -> None:
     with pytest.raises(InvalidInputError, match="16 bytes"):
-        sequence_runs([PrefixKey(b"short")], [None], np.ones(1, dtype=np.bool_))
+        sequence_runs([PrefixKey(b"short")], [None])
     with pytest.raises(InvalidInputError, match="parent keys"):
-        sequence_runs([make_key(1, 1)], [], np.ones(1, dtype=np.bool_))
+        sequence_runs([make_key(1, 1)], [])
 
 
 def test_key_words_must_be_rows_of_two() -> None:
     with pytest.raises(InvalidInputError, match=r"\(n, 2\)"):
-        sequence_runs_of_words(np.zeros((3, 2), np.uint64), np.zeros((2, 2), np.uint64), np.ones(3, dtype=np.bool_))
+        sequence_runs_of_words(np.zeros((3, 2), np.uint64), np.zeros((2, 2), np.uint64))
 
 
 def test_words_and_bytes_relink_alike() -> None:
@@ -107,7 +104,7 @@ def test_words_and_bytes_relink_alike() -> None:
     words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(50, 2)
     parent_words = np.frombuffer(b"".join(key or bytes(16) for key in parents), dtype="<u8").reshape(50, 2)
 
-    runs = sequence_runs_of_words(words[::-1], parent_words[::-1], np.ones(50, dtype=np.bool_))
+    runs = sequence_runs_of_words(words[::-1], parent_words[::-1])
 
     assert runs.order.tolist() == list(range(24, -1, -1)) + list(range(49, 24, -1))
     assert runs.run_offsets.tolist() == [0, 25, 50]
