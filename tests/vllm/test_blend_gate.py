@@ -46,6 +46,8 @@ def test_a_slow_pass_teaches_the_gate_to_refuse_the_next() -> None:
     gate.observe_prefill_step(2000.0, 1000)
     makeup = SpanMakeup(1000, 0, 1000, 0)
     assert gate.decide(makeup, 0.15, 1000).blend
+    gate.observe_pass(makeup, 0.15, 9000.0)  # the engine's first pass: a warm-up, not learnt from
+    assert gate.overhead_ms_per_token is None and gate.decide(makeup, 0.15, 1000).blend
     gate.observe_pass(makeup, 0.15, 2500.0)  # the pass took longer than a prefill: loads, rotations, writes
     assert gate.overhead_ms_per_token is not None and gate.overhead_ms_per_token > 2.0
     assert not gate.decide(makeup, 0.15, 1000).blend

@@ -12,7 +12,8 @@ request::
 
 ``early`` is the share of layers up to the check layer. ``dense_ms_per_token`` comes from the engine's prefill steps
 without a pass (the worker times each step's forward); ``overhead_ms_per_token`` from the passes it ran: what a pass
-took beyond its compute, per span token (loads, RoPE, block writes). Both are running medians of the last few
+took beyond its compute, per span token (loads, RoPE, block writes), the engine's first pass left out (it pays
+one-time costs: buffers, the model's first sparse kernels). Both are running medians of the last few
 observations. The gate blends when ``pass_ms <= margin * prefill_ms``; until the engine has run a plain prefill it
 blends (nothing to compare with yet), and the first passes teach the overhead. A prefill rate learnt on shorter
 prompts underestimates a long prompt's (attention grows with context), which errs towards refusing: the gate may
@@ -90,6 +91,7 @@ class BlendGate:
         self._margin = margin
         self._dense_ms_per_token: deque[float] = deque(maxlen=window)
         self._overhead_ms_per_token: deque[float] = deque(maxlen=window)
+        self._first_pass_seen = False
 
     @property
     def dense_ms_per_token(self) -> float | None:
@@ -108,6 +110,9 @@ class BlendGate:
         """A pass over ``makeup`` at ``ratio`` took ``pass_ms``: what it took beyond its compute, per span token."""
         dense = self.dense_ms_per_token
         if dense is None or makeup.span_tokens <= 0 or pass_ms <= 0.0:
+            return
+        if not self._first_pass_seen:
+            self._first_pass_seen = True  # a warm-up: what it cost says little about the passes after it
             return
         overhead = (pass_ms - dense * self._compute_tokens(makeup, ratio)) / makeup.span_tokens
         self._overhead_ms_per_token.append(max(overhead, 0.0))
