@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +20,8 @@ from kvstore.bench.valkey_servers import ValkeyCluster, ValkeyServer
 from kvstore.keys import prefix_keys
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
+from kvstore.tiers.remote.address import parse_remote_url
+from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens
 from tests.remote.test_fleet_store import CHUNK, LAYOUT, host_config, two_hosts
@@ -186,3 +189,34 @@ def test_a_cluster_master_restarted_empty_is_a_reset_though_the_epoch_lives_on_a
 def _resets(host: TieredStore) -> int:
     remote = host.stats().remote
     return remote.resets if remote is not None else 0
+
+
+def test_a_links_first_call_on_a_cluster_with_a_dead_master_still_reaches_the_live_ones(tmp_path: Path) -> None:
+    """A link not yet connected ran its first keyed call as one pipeline over the whole cluster, so one dead master
+    failed every key of it (seen as 0 puts when a loaded machine's writer sent all its chunks in one first batch).
+    It now connects first and splits by master like every later call."""
+    with ValkeyCluster(tmp_path / "cluster", num_masters=3) as cluster:
+        for node in cluster.nodes:
+            with node.client() as client:
+                client.config_set("cluster-require-full-coverage", "no")
+        lost = cluster.nodes[2]
+        with cluster.nodes[0].client() as client:
+            lost_slots = {slot for low, high in _slot_ranges(client, lost.port) for slot in range(low, high)}
+        lost.kill()
+        link = RemoteLink(parse_remote_url(cluster.url), timeout_s=2.0)
+        try:
+            names = [f"first-call-{index}".encode() for index in range(64)]
+
+            def set_some(client: Any, picked: list[int]) -> list[bool]:
+                pipe = client.pipeline(transaction=False)
+                for index in picked:
+                    pipe.set(names[index], b"v")
+                pipe.execute()
+                return [True] * len(picked)
+
+            answers = link.call_keyed(names, set_some, default=False, what="first write")
+        finally:
+            link.close()
+        live = [key_slot(name) not in lost_slots for name in names]
+        assert any(live) and not all(live)
+        assert answers == live  # every live master's key written, none of the dead one's

@@ -156,12 +156,17 @@ class RemoteLink:
         """One answer per key name: ``operation(client, indices)`` answers for ``names[i]`` of each index given.
 
         On a cluster it runs once per master owning some of the names, behind that master's breaker; the names of
-        a master that failed, or fails fast, get ``default``. On a single node (or before the first connection) it
-        is one ``call`` over all of them.
+        a master that failed, or fails fast, get ``default``. On a single node it is one ``call`` over all of them.
+        Not yet connected, it connects first (behind the link's breaker), so the first call on a cluster is split
+        too: one pipeline over every master would fail whole for one dead master.
         """
         answers = [default] * len(names)
-        client = self._client
         if not names:
+            return answers
+        if self._client is None:  # connect first: a cluster's first call is then split by master too
+            self._guarded(self._breaker, lambda client: True, False, f"{what} (connect)")
+        client = self._client
+        if client is None:
             return answers
         if not isinstance(client, redis.cluster.RedisCluster):
             every = list(range(len(names)))
