@@ -1,0 +1,59 @@
+"""The multi-doc QA prompts of ``kvstore bench vllm --serve``: the guide's layout, built from separately encoded parts
+(so the separator's ids recur verbatim, which is what the store's chunk separator cuts at)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.bench.vllm_serve_workload import DEFAULT_SEPARATOR, serve_workload
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError
+from kvstore.keys import as_token_array, separator_run_starts
+
+
+def encode(text: str) -> list[int]:
+    """A word-level toy tokenizer: one id per whitespace-separated word (stable across calls)."""
+    return [sum(map(ord, word)) % 50_000 for word in text.split()]
+
+
+@pytest.mark.parametrize("corpus", ["synthetic", "prose"])
+def test_warm_up_and_queries_follow_the_guides_layout(corpus: str) -> None:
+    workload = serve_workload(
+        encode, corpus=corpus, num_documents=4, document_tokens=30, docs_per_query=3, num_queries=5, num_mixed=6
+    )  # type: ignore[arg-type]
+    system, sep, ask = (
+        encode("You are a helpful assistant."),
+        encode(DEFAULT_SEPARATOR),
+        encode("What's up? how are you recently?"),
+    )
+    assert [prompt.documents for prompt in workload.warm_up] == [(0,), (1,), (2,), (3,)]
+    documents = {}
+    for prompt in workload.warm_up:
+        tokens = list(prompt.tokens)
+        assert tokens[: len(system) + len(sep)] == system + sep and tokens[-len(sep) - len(ask) :] == sep + ask
+        documents[prompt.documents[0]] = tokens[len(system) + len(sep) : -len(sep) - len(ask)]
+        assert len(documents[prompt.documents[0]]) == 30
+    for query in workload.queries:
+        assert len(set(query.documents)) == 3 and query.kind == "query"
+        expected = system + [token for index in query.documents for token in sep + documents[index]] + sep + ask
+        assert list(query.tokens) == expected
+        # every document starts a separator run of the query, as in its warm-up prompt
+        starts = separator_run_starts(as_token_array(query.tokens), tuple(sep))
+        assert len(starts) == 1 + len(query.documents) + 1
+    kinds = sorted(prompt.kind for prompt in workload.mixed)
+    assert kinds == ["hit"] * 2 + ["miss"] * 2 + ["query"] * 2
+    for prompt in workload.mixed:
+        if prompt.kind == "hit":
+            assert prompt.tokens == workload.warm_up[prompt.documents[0]].tokens
+        if prompt.kind == "miss":
+            assert prompt.documents[0] >= 4  # a document never sent before
+    assert StoreConfig(chunk_separator=tuple(sep)).chunk_separator == tuple(sep)
+
+
+def test_bad_counts_and_corpora_are_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="--docs-per-query 5"):
+        serve_workload(encode, corpus="synthetic", num_documents=4, document_tokens=10, docs_per_query=5, num_queries=1)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        serve_workload(encode, corpus="synthetic", num_documents=0, document_tokens=10, docs_per_query=1, num_queries=1)
+    with pytest.raises(ConfigError, match="synthetic or prose"):
+        serve_workload(encode, corpus="poetry", num_documents=2, document_tokens=10, docs_per_query=1, num_queries=1)  # type: ignore[arg-type]
