@@ -4,8 +4,10 @@ cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +87,7 @@ def test_a_lost_cluster_master_leaves_the_other_masters_slots_in_use(tmp_path: P
     the live masters own still store on one host and load on another. (The cluster must not refuse commands for a
     slot without a master: ``cluster-require-full-coverage no``, as a cache cluster should run.)"""
     caplog.set_level(logging.WARNING, logger="kvstore.tiers.remote.link")
-    with ValkeyCluster(tmp_path / "cluster", num_masters=3) as cluster:
-        for node in cluster.nodes:
-            with node.client() as client:
-                client.config_set("cluster-require-full-coverage", "no")
-        lost = cluster.nodes[2]
-        with cluster.nodes[0].client() as client:
-            lost_slots = {slot for low, high in _slot_ranges(client, lost.port) for slot in range(low, high)}
-        lost.kill()
+    with _cluster_with_a_lost_master(tmp_path) as (cluster, lost, lost_slots):
         # Timeouts a loaded CI machine keeps: at the default 200 ms a slow reply from a live master would open its
         # breaker too, and every put would be refused for reasons this test is not about.
         patient = {"remote_timeout_ms": 2000}
@@ -147,6 +142,21 @@ def _knows_what_live_masters_hold(host: TieredStore, documents: list[npt.NDArray
     return True
 
 
+@contextlib.contextmanager
+def _cluster_with_a_lost_master(tmp_path: Path) -> Iterator[tuple[ValkeyCluster, ValkeyServer, set[int]]]:
+    """A 3-master cluster that serves the slots it still has (``cluster-require-full-coverage no``, as a cache
+    cluster should run) with its third master killed; yields the cluster, that master and the slots it owned."""
+    with ValkeyCluster(tmp_path / "cluster", num_masters=3) as cluster:
+        for node in cluster.nodes:
+            with node.client() as client:
+                client.config_set("cluster-require-full-coverage", "no")
+        lost = cluster.nodes[2]
+        with cluster.nodes[0].client() as client:
+            lost_slots = {slot for low, high in _slot_ranges(client, lost.port) for slot in range(low, high)}
+        lost.kill()
+        yield cluster, lost, lost_slots
+
+
 def _slot_ranges(client: redis.Redis, port: int) -> list[tuple[int, int]]:
     """The slot ranges [low, high) the master on ``port`` owns."""
     replies = client.execute_command("CLUSTER", "SLOTS")
@@ -195,14 +205,7 @@ def test_a_links_first_call_on_a_cluster_with_a_dead_master_still_reaches_the_li
     """A link not yet connected ran its first keyed call as one pipeline over the whole cluster, so one dead master
     failed every key of it (seen as 0 puts when a loaded machine's writer sent all its chunks in one first batch).
     It now connects first and splits by master like every later call."""
-    with ValkeyCluster(tmp_path / "cluster", num_masters=3) as cluster:
-        for node in cluster.nodes:
-            with node.client() as client:
-                client.config_set("cluster-require-full-coverage", "no")
-        lost = cluster.nodes[2]
-        with cluster.nodes[0].client() as client:
-            lost_slots = {slot for low, high in _slot_ranges(client, lost.port) for slot in range(low, high)}
-        lost.kill()
+    with _cluster_with_a_lost_master(tmp_path) as (cluster, _lost, lost_slots):
         link = RemoteLink(parse_remote_url(cluster.url), timeout_s=2.0)
         try:
             names = [f"first-call-{index}".encode() for index in range(64)]
