@@ -136,6 +136,26 @@ def test_documents_cached_behind_a_system_prompt_are_found_in_any_order(
             assert reused < document_tokens - len(documents[0])  # the short document and the edges are missed
 
 
+def test_documents_whose_chunks_repeat_each_other_are_found_to_their_last_token(tmp_path: Path) -> None:
+    """The multi-doc QA guide's synthetic corpus: documents "<i> hi hi ...", so every chunk after a document's first
+    (its partial last one included) repeats the first document's. The content index keeps one copy (dedup), whose
+    next links belong to the first document, so a later document's chain stops at its first repeated chunk; its full
+    chunks are still found by their windows, and its partial last chunk by its content at the run's chunk grid."""
+    word = 7_777
+    documents = [joined(np.array([1_000 + number]), np.full(3 * CHUNK + 4, word)) for number in range(3)]
+    system, question = make_tokens(13, seed=10), make_tokens(6, seed=30)
+    with TieredStore(LAYOUT, config(tmp_path)) as store:
+        for number, document in enumerate(documents):
+            prompt = joined(system, SEP, document, SEP, make_tokens(4, seed=40 + number))
+            store.store(prompt, make_kv(LAYOUT, len(prompt), seed=50 + number))
+        query = joined(system, SEP, *(joined(documents[number], SEP) for number in (2, 0, 1)), question)
+        plan, _ = lookup_and_serve(store, query)
+        covered = np.zeros(len(query), dtype=bool)
+        for segment in plan.segments:
+            covered[segment.start : segment.end] = True
+        assert covered[: len(query) - len(question)].all()
+
+
 def test_an_exact_prefix_hit_stays_exact_and_whole(tmp_path: Path) -> None:
     prompt = joined(make_tokens(13, seed=1), SEP, make_tokens(37, seed=2), SEP, make_tokens(5, seed=3))
     kv = make_kv(LAYOUT, len(prompt), seed=4)

@@ -448,9 +448,10 @@ class FingerprintIndex:
         Args:
             query: token ids of the new prompt.
             chunk_size: window length in tokens; only entries of exactly this length start a match.
-            run_starts: where the query's separator runs start (``kvstore.keys.separator_run_starts``): at each one
-                no match covers, the run's first chunk is looked up by its exact content too, so a stored run shorter
-                than ``chunk_size`` (a short document) is found, and its chain followed like a window's.
+            run_starts: where the query's separator runs start (``kvstore.keys.separator_run_starts``): every chunk
+                of the runs' chunk grid that no match covers is looked up by its exact content too, so a stored run
+                shorter than ``chunk_size`` (a short document) is found, and its chain followed like a window's, and
+                so is a run's partial last chunk after a chain that stopped before it.
 
         Returns:
             Matches in increasing ``query_start``; no two overlap.
@@ -494,13 +495,21 @@ class FingerprintIndex:
     def _add_run_matches(
         self, query: TokenArray, chunk_size: int, run_starts: Sequence[int], matches: list[Match]
     ) -> list[Match]:
-        """``matches`` and the chains found at the uncovered run starts, merged leftmost first without overlap."""
+        """``matches`` and the chains found at the uncovered chunks of the runs' own chunk grid, merged leftmost first
+        without overlap.
+
+        Every chunk the query's chunking (``kvstore.keys.chunk_bounds``) makes and no match covers the start of is
+        looked up by its exact content: a run's first chunk (a document after other text), and a run's last, partial
+        chunk where the chain that reached it ended. Chains end at dedup aliases: a document whose chunks repeat an
+        earlier document's content (the next link belongs to the first writer) would otherwise lose its last chunk.
+        """
         num_tokens = query.shape[0]
         bounds = sorted({*(int(start) for start in run_starts if 0 <= start < num_tokens), num_tokens})
         covered = _Coverage(matches)
         probes = [
-            (start, min(start + chunk_size, end))
-            for start, end in itertools.pairwise(bounds)
+            (start, min(start + chunk_size, run_end))
+            for run_start, run_end in itertools.pairwise(bounds)
+            for start in range(run_start, run_end, chunk_size)
             if not covered.holds(start)
         ]
         if not probes:
