@@ -36,7 +36,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
 @pytest.mark.parametrize("kernel", [AttentionKernel.SDPA, AttentionKernel.FLEX])
-@pytest.mark.parametrize("num_queries", [40, 529])
+@pytest.mark.parametrize("num_queries", [40, 529, 1400])  # on the CPU sdpa: 1, 4 and 10 row groups
 def test_each_kernel_matches_the_dense_reference(kernel: AttentionKernel, num_queries: int, device: str) -> None:
     """On CUDA flex attention is the compiled kernel (on the CPU its uncompiled reference)."""
     num_keys = 1500
