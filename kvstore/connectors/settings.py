@@ -121,6 +121,9 @@ class ConnectorSettings:
         blend_chunk_start_tokens: first tokens of every reused span the ``chunk_start`` policies take.
         blend_disk_policy: chunks only the disk holds: ``auto`` computes them when that is expected to be faster
             than reading them, ``wait`` always reads them, ``recompute`` never waits for the disk.
+        blend_passes_per_step: the most blend passes one engine step runs. A pass runs inside the step, before its
+            forward, so every request decoding in that step waits for all of them; a request over the bound waits
+            for a later step (vLLM asks again), not for a plain prefill.
     """
 
     url: str | None = None
@@ -136,6 +139,7 @@ class ConnectorSettings:
     blend_selection: str = "kv_deviation"
     blend_chunk_start_tokens: int = 4
     blend_disk_policy: str = "auto"
+    blend_passes_per_step: int = 1
 
 
 _EMBEDDED_KEYS = {field.name: field.type for field in fields(EmbeddedServerSettings) if field.name != "enable_blend"}
@@ -199,6 +203,10 @@ def _checked(key: str, name: str, value: object) -> object:
     if name == "blend_chunk_start_tokens":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{key} must be a token count >= 1 (default 4), not {value!r}")
+        return value
+    if name == "blend_passes_per_step":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key} must be a number of passes >= 1 (default 1), not {value!r}")
         return value
     if name == "blend_disk_policy":
         if value not in BLEND_DISK_POLICIES:

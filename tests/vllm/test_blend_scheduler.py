@@ -129,7 +129,7 @@ def test_a_bad_ratio_is_ignored_and_named_and_a_good_one_is_used(
     make_scheduler: SchedulerFactory, blend_store: ServerProcess, documents: tuple[list[int], ...]  # noqa: F811
 ) -> None:
     first, second = documents
-    scheduler = make_scheduler(blend_store.url, blend=True, blend_ratio=0.3)
+    scheduler = make_scheduler(blend_store.url, blend=True, blend_ratio=0.3, blend_passes_per_step=2)
     add_request(scheduler, "bad", second + first + prompt(40, seed=9), max_tokens=1,
                 params={"kvstore": {"blend_ratio": 7}})  # fmt: skip
     add_request(scheduler, "good", first + prompt(8, seed=3) + second + prompt(40, seed=10), max_tokens=1,
@@ -161,3 +161,30 @@ def test_a_failed_pass_is_recomputed_by_vllm_and_never_blended_again(
     params = finish_step(scheduler, again)
     assert params["fails"]["kvstore"]["blend"] == {"failed": True, "span_tokens": 128, "local_tokens": 0}
     assert params["fails"]["kvstore"]["load_failed_tokens"] == 128
+
+
+@pytest.mark.parametrize("passes_per_step", [1, 2])
+def test_a_step_runs_at_most_blend_passes_per_step_and_the_rest_wait_for_the_next(
+    make_scheduler: SchedulerFactory,  # noqa: F811
+    blend_store: ServerProcess,
+    documents: tuple[list[int], ...],
+    passes_per_step: int,
+) -> None:
+    """Every request decoding in a step waits for all of its passes: over the bound a request is asked about again
+    in a later step (and blended then), never sent to a plain prefill."""
+    first, second = documents
+    scheduler = make_scheduler(blend_store.url, blend=True, blend_passes_per_step=passes_per_step)
+    for number in range(2):
+        add_request(scheduler, f"q{number}", first + second + prompt(40, seed=20 + number), max_tokens=2)
+
+    output = scheduler.schedule()
+
+    blended = [spec.request_id for spec in metadata_of(output).blends]
+    assert blended == ["q0", "q1"][:passes_per_step]
+    assert set(output.num_scheduled_tokens) == set(blended), "the request over the bound is not scheduled at all"
+    finish_step(scheduler, output, finished_blends=dict.fromkeys(blended, OUTCOME))
+    if passes_per_step == 1:
+        later = scheduler.schedule()
+        assert [spec.request_id for spec in metadata_of(later).blends] == ["q1"]
+        assert num_computed_at_admission(later, "q1") == 128, "blended in the next step, its span the same"
+        assert set(later.num_scheduled_tokens) == {"q0", "q1"}, "q0 decodes in the step of q1's pass"

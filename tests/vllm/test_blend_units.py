@@ -70,6 +70,8 @@ def test_blend_settings_are_checked_at_start_and_turn_on_the_embedded_servers_in
         {"kvstore.blend_selection": "query_attention", "kvstore.blend_chunk_start_tokens": 8}
     )
     assert (chosen.blend_selection, chosen.blend_chunk_start_tokens) == ("query_attention", 8)
+    assert parse_connector_settings({}).blend_passes_per_step == 1
+    assert parse_connector_settings({"kvstore.blend_passes_per_step": 3}).blend_passes_per_step == 3
     settings = parse_connector_settings({"kvstore.blend": True, "kvstore.blend_disk_policy": "recompute"})
     assert "--enable-blend" in settings.embedded.serve_flags()
     assert "--enable-blend" not in parse_connector_settings({}).embedded.serve_flags()
@@ -79,6 +81,7 @@ def test_blend_settings_are_checked_at_start_and_turn_on_the_embedded_servers_in
         ({"kvstore.blend_disk_policy": "never"}, "kvstore.blend_disk_policy must be one of auto, wait, recompute"),
         ({"kvstore.blend_selection": "attention"}, "kvstore.blend_selection must be one of kv_deviation, query_att"),
         ({"kvstore.blend_chunk_start_tokens": 0}, "kvstore.blend_chunk_start_tokens must be a token count >= 1"),
+        ({"kvstore.blend_passes_per_step": 0}, "kvstore.blend_passes_per_step must be a number of passes >= 1"),
         ({"kvstore.enable_blend": True}, "unknown kvstore connector setting 'kvstore.enable_blend'"),
     ):
         with pytest.raises(Exception, match=message.replace("[", r"\[").replace("]", r"\]")):

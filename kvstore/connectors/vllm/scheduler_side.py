@@ -25,7 +25,9 @@ waits in ``WAITING_FOR_REMOTE_KVS`` while other requests run), unless ``kvstore.
 Blending (``kvstore.blend``, per request ``blend_request``): the probe is a content lookup (``lookup(blend=True)``),
 and when the prompt holds cached chunks past its exact prefix the whole span up to the last cached block
 (``blend_span``) is reported as external tokens, loaded synchronously: the worker's blend pass computes it (gaps
-included) before the step's forward. No pin is taken: the pass looks the prompt up itself, and a chunk evicted in
+included) before the step's forward. At most ``kvstore.blend_passes_per_step`` passes go into one step (every
+request decoding in it waits for them); a request over that answers ``None`` ("ask again"), and vLLM keeps it
+waiting for a later step. No pin is taken: the pass looks the prompt up itself, and a chunk evicted in
 between is one more gap it computes. The response's ``kv_transfer_params["kvstore"]["blend"]`` says how the span was
 served (``reused_tokens``, ``recomputed_tokens``, ...). A blended prompt is not stored: its KV is approximate (a
 later prompt with the same prefix would take it as exact) and its documents are stored already (storing it would
@@ -192,7 +194,7 @@ class SchedulerSide:
 
     # -- vLLM's scheduler hooks ---------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = tuple(request.prompt_token_ids or ())
         if not self._load or len(prompt) <= self._block_size:
             return 0, False
@@ -216,6 +218,9 @@ class SchedulerSide:
                 makeup = span_makeup(probe.segments, num_computed_tokens, blend_end)
                 gate = self._gate.decide(makeup, choice.ratio, blend_end - max(end, num_computed_tokens))
                 if gate.blend:
+                    if len(self._queued_blends) >= self._settings.blend_passes_per_step:
+                        self._probes.pop(request.request_id, None)
+                        return None, False  # this step's passes are taken: vLLM asks again in a later step
                     self._probes[request.request_id] = dataclasses.replace(
                         probe, blend_end=blend_end, choice=choice, makeup=makeup, gate=gate
                     )
