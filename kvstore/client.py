@@ -46,8 +46,8 @@ from kvstore.errors import (
 from kvstore.keys import PrefixKey, as_token_array, checked_keys
 from kvstore.layout import KVLayout
 from kvstore.pids import pid_alive
-from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
-from kvstore.sessions import Session
+from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
+from kvstore.session import Session
 from kvstore.stats import StoreStats
 from kvstore.tiers.base import TierName
 from kvstore.wire.client_segments import ClientSegments
@@ -300,13 +300,15 @@ class Client:
         session_id: str | None = None,
         blend: bool | None = None,
         timeout_s: float | None = None,
+        pin: bool = True,
     ) -> LookupPlan:
         """``TieredStore.lookup`` on the server: the plan's chunks stay pinned there until retrieve, release or
         the session's end (or the client's death or goodbye). ``timeout_s`` (default: the client's) bounds the wait
         for this reply alone: a lookup is quick, so a caller on an engine's path may give up on a hung server sooner
-        than on a long transfer."""
+        than on a long transfer. ``pin=False`` only looks: the server drops the pins before it answers, and the plan
+        (``plan_id`` ``UNPINNED_PLAN_ID``) cannot be retrieved; releasing it is a no-op (no round trip)."""
         self._require_layout()
-        args = LookupArgs(tokens=as_token_array(tokens), session_id=session_id, blend=blend).to_wire()
+        args = LookupArgs(tokens=as_token_array(tokens), session_id=session_id, blend=blend, pin=pin).to_wire()
         return plan_from_wire(self._simple(Op.LOOKUP, args, timeout_s))
 
     def retrieve(
@@ -404,6 +406,8 @@ class Client:
 
     def release(self, plan: LookupPlan) -> None:
         """Drop the pins of a plan that will not be retrieved. Idempotent."""
+        if plan.plan_id == UNPINNED_PLAN_ID:
+            return
         try:
             self._simple(Op.RELEASE, PlanArgs(plan_id=plan.plan_id).to_wire())
         except KVStoreError as exc:

@@ -29,7 +29,7 @@ import torch
 from kvstore.keys import PrefixKey
 from kvstore.tiers.base import TierName
 
-__all__ = ["Gap", "LookupPlan", "RetrieveProgress", "RetrieveResult", "Segment", "StoreResult"]
+__all__ = ["UNPINNED_PLAN_ID", "Gap", "LookupPlan", "RetrieveProgress", "RetrieveResult", "Segment", "StoreResult"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,12 +98,17 @@ def exact_prefix_tokens(segments: tuple[Segment, ...]) -> int:
     return cursor
 
 
+UNPINNED_PLAN_ID = 0
+"""The ``plan_id`` of a plan that holds no pins (a server's ``lookup(pin=False)``): a look at what is cached, with
+nothing to retrieve or release (store plan ids start at 1)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LookupPlan:
     """What of a prompt is cached, where, and what must be computed.
 
     Args:
-        plan_id: the store's handle for the pins this plan holds.
+        plan_id: the store's handle for the pins this plan holds (``UNPINNED_PLAN_ID``: none).
         session_id: the session whose end releases the plan (``None``: only retrieve or release do).
         num_query_tokens: length of the prompt that was looked up.
         segments: cached ranges, sorted by ``start``, non-overlapping.

@@ -23,6 +23,7 @@ the usage ledger, each with its own locks. ``janitor_pass`` runs on the janitor 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import time
@@ -35,7 +36,7 @@ import torch
 from kvstore.errors import ConfigError, InvalidInputError, KVStoreError
 from kvstore.keys import chunk_bounds, keys_at_bounds
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan
+from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
 from kvstore.server.metrics import BulkTransfer, ServerMetrics
 from kvstore.server.store_host import StoreHost
@@ -290,7 +291,10 @@ class RequestHandler:
         started_s = time.perf_counter()
         session = store_session_id(client_id, args.session_id) if args.session_id is not None else None
         plan = store.lookup(args.tokens, session_id=session, blend=args.blend)
-        if not self._clients.add_plan(client_id, plan, args.session_id):
+        if not args.pin:  # a look only: the pins go now, and the reply names no plan to retrieve or release
+            store.release(plan)
+            plan = dataclasses.replace(plan, plan_id=UNPINNED_PLAN_ID, prefetches=())
+        elif not self._clients.add_plan(client_id, plan, args.session_id):
             store.release(plan)
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
         coverage = self._usage.planned(plan, args.tokens, store.config.chunk_size)

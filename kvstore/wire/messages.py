@@ -262,11 +262,13 @@ class StoreArgs:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LookupArgs:
-    """Plan a prompt; ``session_id`` scopes the plan's pins, ``blend`` overrides the server's default."""
+    """Plan a prompt; ``session_id`` scopes the plan's pins, ``blend`` overrides the server's default; ``pin=False``
+    asks for a look only (the plan holds no pins: nothing to retrieve or release, one round trip)."""
 
     tokens: TokenArray
     session_id: str | None
     blend: bool | None
+    pin: bool = True
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> LookupArgs:
@@ -274,12 +276,20 @@ class LookupArgs:
             tokens=tokens_from_wire(fields, "tokens", limits),
             session_id=fields.str_("session_id", _MAX_SESSION_CHARS, optional=True),
             blend=fields.bool_("blend", optional=True),
+            pin=fields.bool_("pin", optional=True) is not False,
         )
         fields.finish()
         return parsed
 
     def to_wire(self) -> dict[str, object]:
-        return {"tokens": tokens_to_wire(self.tokens), "session_id": self.session_id, "blend": self.blend}
+        wire: dict[str, object] = {
+            "tokens": tokens_to_wire(self.tokens),
+            "session_id": self.session_id,
+            "blend": self.blend,
+        }
+        if not self.pin:  # sent only when set: a pinned lookup reads the same to a server of any version
+            wire["pin"] = False
+        return wire
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvstore import Client, ConfigError, InvalidInputError, KVLayout, LayoutMismatchError, ServerUnavailableError
+from kvstore.plan import UNPINNED_PLAN_ID
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, REPO_ROOT, SERVER_LAYOUT, ServerProcess, running_server, segments_mapped
@@ -105,6 +106,36 @@ def test_sessions_release_their_pins(server: ServerProcess) -> None:
         with Client(server.url, SERVER_LAYOUT) as other, pytest.raises(ConfigError, match="another client"):
             other.retrieve(mine)
         client.retrieve(mine)
+
+
+def test_an_unpinned_lookup_is_one_round_trip_that_leaves_no_pins(server: ServerProcess) -> None:
+    """``pin=False`` (the connector's scheduler probe): the same segments as a pinned lookup, no plan left open,
+    nothing to retrieve, and a release that sends nothing."""
+    tokens, kv = make_tokens(64, seed=43), make_kv(SERVER_LAYOUT, 64, seed=43)
+    with Client(server.url, SERVER_LAYOUT) as client:
+        client.store(tokens, kv)
+        before = client.stats().num_open_plans
+        looked = client.lookup(tokens, pin=False)
+        pinned = client.lookup(tokens)
+        assert looked.segments == pinned.segments and looked.num_prefix_tokens == 64
+        assert looked.plan_id == UNPINNED_PLAN_ID != pinned.plan_id
+        assert client.stats().num_open_plans == before + 1, "only the pinned lookup holds a plan"
+        releases = release_requests(server)
+        client.release(looked)
+        assert release_requests(server) == releases, "releasing an unpinned plan sends nothing"
+        with pytest.raises(ConfigError, match="already retrieved or released"):
+            client.retrieve(looked)
+        client.release(pinned)
+        assert release_requests(server) == releases + 1
+        assert client.stats().num_open_plans == before
+
+
+def release_requests(server: ServerProcess) -> float:
+    """The server's count of release requests answered (its metrics endpoint)."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    prefix = 'kvstore_requests_total{op="release",outcome="ok"} '
+    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def test_lookups_on_the_io_thread_and_on_the_control_pool_agree(server: ServerProcess) -> None:

@@ -3,7 +3,7 @@ keep it there until the workers have loaded it, and when a prompt's KV is comple
 
 Per request::
 
-    get_num_new_matched_tokens   lookup (exact prefix leg), pins dropped at once: side-effect free, may repeat
+    get_num_new_matched_tokens   lookup without pins (one round trip): side-effect free, may repeat
     update_state_after_alloc     the hit is taken: look up again *pinned*, queue a LoadSpec for the workers
     build_connector_meta         hand queued loads to the workers; once a step completes the prefill, a SaveSpec
                                  for the chunks the store lacks
@@ -456,10 +456,9 @@ class SchedulerSide:
 
 
 def _probe(client: Client, prompt: tuple[int, ...], *, blend: bool = False) -> _Probe:
-    """An unpinned look at the prompt in the store: its exact prefix, and with ``blend`` its cached chunks
-    anywhere (by content)."""
-    plan = client.lookup(prompt, blend=blend)
-    client.release(plan)
+    """An unpinned look at the prompt in the store (one round trip: the server drops the pins before answering):
+    its exact prefix, and with ``blend`` its cached chunks anywhere (by content)."""
+    plan = client.lookup(prompt, blend=blend, pin=False)
     prefix_tokens = plan.num_prefix_tokens
     first_disk = next(
         (segment.start for segment in plan.segments if segment.exact and segment.tier is TierName.DISK), None
