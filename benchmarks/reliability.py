@@ -30,8 +30,8 @@ import lmdb
 import torch
 
 from kvstore import TieredStore
-from kvstore.inspection import check_data_dir
 from kvstore.keys import num_chunks
+from kvstore.store.inspection import check_data_dir
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk.format import frame_key
 from tests.integration.storm_writer import CHUNK_SIZE, LAYOUT, config, sequence, storm_and_kill

@@ -11,9 +11,8 @@ from fractions import Fraction
 from pathlib import Path
 
 from kvstore.errors import ConfigError, InvalidInputError
+from kvstore.remote_address import DEFAULT_NAMESPACE, check_namespace, parse_remote_url
 from kvstore.tiers.base import TierName
-from kvstore.tiers.remote.address import parse_remote_url
-from kvstore.tiers.remote.names import DEFAULT_NAMESPACE, check_namespace
 
 __all__ = [
     "DEFAULT_DATA_DIR",
@@ -144,7 +143,7 @@ class StoreConfig:
             chunks after it are kept (without it the prefix is cut at the gap).
         enable_dedup_content: a chunk whose content is already stored under another prefix is recorded as an alias
             of that copy instead of a second payload (needs ``enable_blend``).
-        remote_url: the Valkey/Redis of the remote tier (``kvstore.tiers.remote.address``), single node or cluster.
+        remote_url: the Valkey/Redis of the remote tier (``kvstore.remote_address``), single node or cluster.
         remote_password: replaces the URL's password (keeps it off command lines).
         remote_namespace: prefix of every key this deployment writes; deployments sharing a Valkey differ here.
         remote_timeout_ms: bound on every round trip to the remote; past it the request goes on without it.

@@ -1,4 +1,5 @@
-"""Where the remote tier's Valkey (or Redis) is: one URL, checked once at start-up.
+"""Where the remote tier's Valkey (or Redis) is, and the namespace a deployment's keys live under: values that
+configuration checks at start-up (``StoreConfig``), below the tier that connects to them.
 
 Accepted forms, the same for a single node and for a cluster (the link detects which it is)::
 
@@ -14,14 +15,17 @@ Pure functions and immutable values; thread-safe.
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 
-__all__ = ["DEFAULT_PORT", "RemoteAddress", "parse_remote_url"]
+__all__ = ["DEFAULT_NAMESPACE", "DEFAULT_PORT", "RemoteAddress", "check_namespace", "parse_remote_url"]
 
 DEFAULT_PORT = 6379
+DEFAULT_NAMESPACE = "kvstore"
+_NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _PLAIN_SCHEMES = {"valkey": "redis", "redis": "redis"}
 _TLS_SCHEMES = {"valkeys": "rediss", "rediss": "rediss"}
 
@@ -122,3 +126,13 @@ def _without_password(url: str) -> str:
         return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
     except ValueError:
         return "<unparsable URL>"
+
+
+def check_namespace(namespace: str) -> str:
+    """``namespace`` if it is 1-64 letters, digits, dots, dashes or underscores (no braces: they would move the
+    cluster hash tag of every key named after it, ``kvstore.tiers.remote.names``)."""
+    if not isinstance(namespace, str) or _NAMESPACE_PATTERN.fullmatch(namespace) is None:
+        raise ConfigError(
+            f"remote namespace {namespace!r} must be 1-64 letters, digits, '.', '-' or '_' (e.g. kvstore-prod)"
+        )
+    return namespace

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvstore.keys import PrefixKey
     from kvstore.layout import KVLayout
     from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
-    from kvstore.sessions import Session
+    from kvstore.session import Session
     from kvstore.stats import StoreStats
     from kvstore.tiers.base import TierName
 

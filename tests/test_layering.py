@@ -9,28 +9,56 @@ import kvstore
 
 PACKAGE_ROOT = Path(kvstore.__file__).parent
 
-# A module in the key's package may not import any module under the listed prefixes. The layers, bottom up:
-#   values (errors, layout, keys, plan, stats, surface)  <  tiers, content  <  store  <  server
-#   wire (shared by client and server)  <  client  <  connectors (an engine's side)
-#   blend (an engine: it takes any StoreSurface), bench, cli on top.
+# A module in the key's package may not import any module under the listed prefixes (every rule whose key is the
+# module or a package above it applies). The layers, bottom up (docs/contributing.md, "Layers"):
+#   values (errors, layout, keys, plan, stats, surface, session, config, remote_address, ...)
+#   <  storage: tiers (frames below disk and remote; tiers never import each other), content
+#   <  store (the kvstore.store package)  <  server
+#   wire (shared by client and server)  <  client  <  engines: connectors, blend, models;  tools: bench, cli on top.
 _ABOVE_THE_STORE = ("kvstore.store", "kvstore.server", "kvstore.client", "kvstore.connectors", "kvstore.blend")
 _TOOLS = ("kvstore.cli", "kvstore.bench")
-_VALUES = (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", "kvstore.tiers.disk", "kvstore.wire", "kvstore.config")
+_TIERS_BUT_BASE = (
+    "kvstore.tiers.arena",
+    "kvstore.tiers.cpu",
+    "kvstore.tiers.gpu",
+    "kvstore.tiers.disk",
+    "kvstore.tiers.frames",
+    "kvstore.tiers.remote",
+    "kvstore.tiers.shared",
+)
+_VALUES = (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", *_TIERS_BUT_BASE, "kvstore.wire", "kvstore.models")
 FORBIDDEN = {
+    # values
     "kvstore.errors": ("kvstore.",),
-    "kvstore.layout": _VALUES,
-    "kvstore.keys": _VALUES,
-    "kvstore.plan": _VALUES,
-    "kvstore.stats": _VALUES,
-    "kvstore.surface": _VALUES,
+    "kvstore.version": ("kvstore.",),
+    "kvstore.lazy_exports": ("kvstore.",),
+    "kvstore.pids": ("kvstore.",),
+    "kvstore.layout": (*_VALUES, "kvstore.config"),
+    "kvstore.keys": (*_VALUES, "kvstore.config"),
+    "kvstore.plan": (*_VALUES, "kvstore.config"),
+    "kvstore.stats": (*_VALUES, "kvstore.config"),
+    "kvstore.surface": (*_VALUES, "kvstore.config"),
+    "kvstore.session": (*_VALUES, "kvstore.config"),
+    "kvstore.remote_address": (*_VALUES, "kvstore.config"),
+    "kvstore.presets": _VALUES,
+    "kvstore.data_dir": _VALUES,
+    "kvstore.config": _VALUES,
+    "kvstore.__init__": (),  # the package root: the public entry points, imported lazily (lazy_exports)
+    # storage
     "kvstore.tiers": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", "kvstore.wire", "kvstore.config"),
+    "kvstore.tiers.base": _TIERS_BUT_BASE,
+    # Tiers never call each other: the stored frame both the disk and the remote tier keep is a package of its own.
+    "kvstore.tiers.frames": tuple(name for name in _TIERS_BUT_BASE if name != "kvstore.tiers.frames"),
+    "kvstore.tiers.arena": tuple(name for name in _TIERS_BUT_BASE if name != "kvstore.tiers.arena"),
+    "kvstore.tiers.cpu": ("kvstore.tiers.gpu", "kvstore.tiers.disk", "kvstore.tiers.frames", "kvstore.tiers.remote"),
+    "kvstore.tiers.gpu": ("kvstore.tiers.cpu", "kvstore.tiers.disk", "kvstore.tiers.frames", "kvstore.tiers.remote"),
+    "kvstore.tiers.shared": tuple(
+        name for name in _TIERS_BUT_BASE if name not in ("kvstore.tiers.shared", "kvstore.tiers.frames")
+    ),
+    "kvstore.tiers.disk": ("kvstore.tiers.arena", "kvstore.tiers.cpu", "kvstore.tiers.gpu", "kvstore.tiers.remote"),
+    "kvstore.tiers.remote": ("kvstore.tiers.arena", "kvstore.tiers.cpu", "kvstore.tiers.gpu", "kvstore.tiers.disk"),
     "kvstore.content": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.tiers", "kvstore.wire"),
-    # What the store is built from must not reach back up into it.
-    "kvstore.sessions": (*_ABOVE_THE_STORE, *_TOOLS),
-    "kvstore.prefetch": (*_ABOVE_THE_STORE, *_TOOLS),
-    "kvstore.remote_reads": (*_ABOVE_THE_STORE, *_TOOLS),
-    "kvstore.fleet_sync": (*_ABOVE_THE_STORE, *_TOOLS),
-    "kvstore.fleet_publish": (*_ABOVE_THE_STORE, *_TOOLS),
+    # the store: what TieredStore is built from must not reach back up into it
     "kvstore.store": (
         *_TOOLS,
         "kvstore.server",
@@ -39,9 +67,25 @@ FORBIDDEN = {
         "kvstore.blend",
         "kvstore.wire",
     ),
-    "kvstore.models": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.tiers", "kvstore.content"),
+    **{
+        f"kvstore.store.{name}": ("kvstore.store.tiered",)  # only the coordinator is built from the others
+        for name in (
+            "borrowed_writes",
+            "fleet",
+            "fleet_publish",
+            "fleet_sync",
+            "inspection",
+            "lookup_counts",
+            "lookup_legs",
+            "pins",
+            "prefetch",
+            "remote_reads",
+            "retrieve_copies",
+        )
+    },
+    "kvstore.store.tiered": (),
     # The wire is shared by both ends and imports neither (nor what only one end has).
-    "kvstore.wire": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", "kvstore.tiers.disk", "kvstore.sessions"),
+    "kvstore.wire": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", *_TIERS_BUT_BASE),
     "kvstore.server": (*_TOOLS, "kvstore.client", "kvstore.connectors", "kvstore.blend"),
     # The client never imports the server, nor the store it fronts.
     "kvstore.client": (
@@ -49,15 +93,19 @@ FORBIDDEN = {
         "kvstore.server",
         "kvstore.store",
         "kvstore.content",
-        "kvstore.tiers.disk",
+        *_TIERS_BUT_BASE,
         "kvstore.blend",
         "kvstore.connectors",
     ),
+    # engines
     # An engine's connector reaches the store through a server only (its scheduler and workers are processes).
-    "kvstore.connectors": (*_TOOLS, "kvstore.store", "kvstore.blend", "kvstore.content"),
+    "kvstore.connectors": (*_TOOLS, "kvstore.store", "kvstore.server", "kvstore.blend", "kvstore.content"),
     # The blender takes a StoreSurface: a store in process or a client.
-    "kvstore.blend": (*_TOOLS, "kvstore.store", "kvstore.server", "kvstore.tiers.disk", "kvstore.content"),
+    "kvstore.blend": (*_TOOLS, "kvstore.store", "kvstore.server", *_TIERS_BUT_BASE, "kvstore.content"),
+    "kvstore.models": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.tiers", "kvstore.content", "kvstore.wire"),
+    # tools
     "kvstore.bench": ("kvstore.cli",),
+    "kvstore.cli": (),
 }
 
 
@@ -77,6 +125,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def rule_name(path: Path) -> str:
+    """The name a module's rules are keyed by: its module name, ``kvstore.__init__`` for the package root (whose rule
+    must not apply to every module below it)."""
+    return "kvstore.__init__" if path == PACKAGE_ROOT / "__init__.py" else module_name(path)
+
+
 def _under(module: str, prefix: str) -> bool:
     """``module`` is ``prefix`` or inside it (``kvstore.client`` is not under ``kvstore.cli``); a prefix ending in
     a dot matches everything below it."""
@@ -88,7 +142,7 @@ def _under(module: str, prefix: str) -> bool:
 def test_no_upward_imports() -> None:
     violations = []
     for path in PACKAGE_ROOT.rglob("*.py"):
-        name = module_name(path)
+        name = rule_name(path)
         for owner, banned in FORBIDDEN.items():
             if name == owner or name.startswith(owner + "."):
                 violations += [
@@ -97,6 +151,16 @@ def test_no_upward_imports() -> None:
                     if any(_under(imported, prefix) for prefix in banned)
                 ]
     assert violations == []
+
+
+def test_every_module_has_a_rule() -> None:
+    """A new module states where it sits: its own key, or a package's above it."""
+    unruled = sorted(
+        name
+        for name in map(rule_name, PACKAGE_ROOT.rglob("*.py"))
+        if not any(name == owner or name.startswith(owner + ".") for owner in FORBIDDEN)
+    )
+    assert unruled == []
 
 
 def test_no_relative_imports() -> None:

@@ -15,7 +15,7 @@ from kvstore.blend.kv_loading import KVLoader
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.plan import RetrieveProgress, Segment
-from kvstore.store import _LAYERS_PER_STEP as LAYERS_PER_STEP
+from kvstore.store.retrieve_copies import LAYERS_PER_STEP
 from kvstore.tiers.base import TierName
 from tests.factories import flip_frame_bit, make_kv, make_tokens, store_config
 

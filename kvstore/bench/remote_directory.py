@@ -41,9 +41,9 @@ from kvstore.config import StoreConfig
 from kvstore.content.index import hash_chunks
 from kvstore.errors import StorageError
 from kvstore.layout import KVLayout
+from kvstore.remote_address import parse_remote_url
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
-from kvstore.tiers.remote.address import parse_remote_url
 from kvstore.tiers.remote.directory import DirectoryRun, publish_command
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames

@@ -32,8 +32,8 @@ import torch
 from kvstore.errors import StorageError
 from kvstore.keys import PrefixKey, as_token_array, chained_key
 from kvstore.layout import KVLayout
+from kvstore.remote_address import parse_remote_url
 from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.remote.address import parse_remote_url
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames
 from kvstore.tiers.remote.tier import RemoteTier

@@ -534,7 +534,7 @@ def _raw_read(path: Path, buffer: memoryview) -> float:
 
 def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], None]) -> Iterator[TierBenchRow]:
     # here: the memory tiers run where lmdb/zstandard are absent
-    from kvstore.prefetch import DEFAULT_PREFETCH_THREADS
+    from kvstore.store.prefetch import DEFAULT_PREFETCH_THREADS
     from kvstore.tiers.disk.tier import DiskTier
 
     records, outs = case.records, [torch.empty_like(source) for source in case.sources]

@@ -52,7 +52,7 @@ from kvstore.errors import ConfigError, InvalidInputError, LayoutMismatchError
 from kvstore.keys import TokenArray, as_token_array
 from kvstore.models.cache_argument import cache_argument
 from kvstore.models.hf_config import layout_from_hf_config
-from kvstore.sessions import Session
+from kvstore.session import Session
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -72,7 +72,7 @@ from kvstore.errors import ConfigError
 from kvstore.keys import TokenArray
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, Segment
-from kvstore.sessions import Session
+from kvstore.session import Session
 
 __all__ = ["BlendConfig", "BlendPassResult", "BlendPlanSummary", "LayerKV", "clip_segments", "run_blend_pass"]
 

@@ -20,9 +20,9 @@ from rich.console import Console
 from kvstore.cli.inspect import render_summary
 from kvstore.cli.quantities import count_text, size_text
 from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig
-from kvstore.inspection import summarize_data_dir
 from kvstore.presets import preset_layout
 from kvstore.store import TieredStore
+from kvstore.store.inspection import summarize_data_dir
 from kvstore.tiers.base import TierName
 
 __all__ = ["demo_command"]

@@ -18,8 +18,8 @@ from kvstore.cli.quantities import count_text, size_text
 from kvstore.cli.top_documents import render_top_documents, saved_top_documents
 from kvstore.config import DEFAULT_DATA_DIR
 from kvstore.errors import ConfigError
-from kvstore.inspection import DataDirSummary, check_data_dir, find_chunk, summarize_data_dir
 from kvstore.keys import key_from_hex
+from kvstore.store.inspection import DataDirSummary, check_data_dir, find_chunk, summarize_data_dir
 from kvstore.wire.documents import MAX_TOP_DOCUMENTS
 
 __all__ = ["inspect_command", "render_summary"]

@@ -181,9 +181,9 @@ def serve_command(
 def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]:
     """What an operator needs to see at start: the version, where it listens, the layout, what each tier takes --
     the defaults included, since they silently claim RAM and disk -- and how to connect to it."""
+    from kvstore.remote_address import parse_remote_url
     from kvstore.server.settings import flag_name
     from kvstore.tiers.base import TierName
-    from kvstore.tiers.remote.address import parse_remote_url
 
     store = settings.store
     layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"

@@ -12,9 +12,9 @@ from rich.table import Table
 
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import KVStoreError
-from kvstore.inspection import chunks_on_disk
 from kvstore.server.usage.documents import DocumentHits, top_document
 from kvstore.server.usage.documents_file import load_document_hits
+from kvstore.store.inspection import chunks_on_disk
 from kvstore.tiers.base import TierName
 from kvstore.wire.documents import TierChunks, TopDocument
 

@@ -39,8 +39,7 @@ from kvstore.presets import PRESET_NAMES, preset_layout
 from kvstore.server.host_facts import HostFacts, free_disk_bytes
 from kvstore.server.loop import LoopOptions
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk.environment import DiskEnvironment
-from kvstore.tiers.remote.names import DEFAULT_NAMESPACE
+from kvstore.tiers.disk.environment import recorded_layout
 
 __all__ = [
     "ENV_PREFIX",
@@ -55,9 +54,10 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVSTORE_"
-_DEFAULT_CHUNK_SIZE = 256
-_DEFAULT_MEMORY_TIER_BYTES = 4 * GIB
-_DEFAULT_DISK_BYTES = 64 * GIB
+_STORE_DEFAULTS = StoreConfig()  # the one source of the store's defaults; the host may lower the sizes
+_DEFAULT_CHUNK_SIZE = _STORE_DEFAULTS.chunk_size
+_DEFAULT_MEMORY_TIER_BYTES = _STORE_DEFAULTS.cpu_capacity_bytes
+_DEFAULT_DISK_BYTES = _STORE_DEFAULTS.disk_capacity_bytes
 _MIB = 1024 * 1024
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -260,23 +260,6 @@ def _check_fits(setting: str, wanted_bytes: int, available_bytes: int, where: st
         )
 
 
-def _recorded(data_dir: Path) -> tuple[KVLayout, int] | None:
-    """The layout and chunk size a data dir recorded, or ``None`` for a fresh dir.
-
-    Raises:
-        StorageError: ``data.mdb`` exists but cannot be opened (damaged, not LMDB): the server must not start on
-            it as if the dir were fresh, and must write nothing there.
-    """
-    if not (data_dir / "data.mdb").is_file():
-        return None
-    env = DiskEnvironment(data_dir, read_only=True, map_size_bytes=64 * _MIB)  # damage: StorageError, one line
-    try:
-        info = env.read_info()
-    finally:
-        env.close()
-    return (info.layout, info.chunk_size) if info is not None else None
-
-
 def resolve_settings(
     flags: ServeFlags, host: HostFacts, config_file: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> ServerSettings:
@@ -311,20 +294,20 @@ def resolve_settings(
                 f"data dir {data_dir} is held by kvstore serve (pid {holder.pid}) at {holder.url}; stop it, or "
                 "use another --data-dir"
             )
-        recorded = _recorded(data_dir)
+        recorded = recorded_layout(data_dir)
         if recorded is not None:
-            recorded_layout, recorded_chunk_size = recorded
+            held_layout, recorded_chunk_size = recorded
             if chunk_size is not None and chunk_size != recorded_chunk_size:
                 raise LayoutMismatchError(
                     f"--chunk-size {chunk_size} disagrees with data dir {data_dir} (created with "
                     f"{recorded_chunk_size}); pass --chunk-size {recorded_chunk_size} or use another --data-dir"
                 )
-            if layout is not None and layout.namespace != recorded_layout.namespace:
+            if layout is not None and layout.namespace != held_layout.namespace:
                 raise LayoutMismatchError(
                     f"--layout {layout.describe()} disagrees with data dir {data_dir}, which holds "
-                    f"{recorded_layout.describe()}; use another --data-dir for this model"
+                    f"{held_layout.describe()}; use another --data-dir for this model"
                 )
-            chunk_size, layout = recorded_chunk_size, recorded_layout
+            chunk_size, layout = recorded_chunk_size, held_layout
     sizes = _sizes(merged, tiers, host, data_dir)
     store = StoreConfig(
         tiers=tiers,
@@ -339,9 +322,11 @@ def resolve_settings(
         enable_dedup_content=bool(merged.enable_dedup_content),
         remote_url=merged.remote_url,
         remote_password=environ.get(REMOTE_PASSWORD_ENV),
-        remote_namespace=merged.remote_namespace or DEFAULT_NAMESPACE,
-        remote_timeout_ms=merged.remote_timeout_ms if merged.remote_timeout_ms is not None else 250,
-        remote_write=merged.remote_write or "through",
+        remote_namespace=merged.remote_namespace or _STORE_DEFAULTS.remote_namespace,
+        remote_timeout_ms=(
+            merged.remote_timeout_ms if merged.remote_timeout_ms is not None else _STORE_DEFAULTS.remote_timeout_ms
+        ),
+        remote_write=merged.remote_write or _STORE_DEFAULTS.remote_write,
     )
     _check_room_for_a_chunk(store, layout)
     return ServerSettings(

@@ -3,8 +3,9 @@
 Reading a chunk from disk costs milliseconds of zstd and I/O; a lookup should not. For every segment of a plan
 that only the disk holds, the lookup starts a prefetch: a pool thread decodes the chunk straight into a cpu slot
 (``ArenaTier.put_with``), pins it there and hands the pin to the plan (``PinLedger.add_pin``). The lookup returns
-at once with one future per prefetch; the caller may poll ``plan.ready`` or let ``retrieve`` wait. Chunks only the
-remote tier holds are fetched in groups (``start_remote``: one round trip per group), then decoded the same way.
+at once with one future per prefetch; the caller may poll ``plan.ready`` or let ``retrieve`` wait. Chunks only a
+shared tier (the remote) holds are fetched in groups (``start_shared``: one round trip per group), then decoded the
+same way.
 
 A prefetch that cannot land (the cpu tier is pinned full, the chunk failed its checksum, the remote lost it or is
 down) resolves to ``False``: the retrieve then reads the disk or the remote directly, or finds the chunk
@@ -19,12 +20,13 @@ import concurrent.futures
 import functools
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from kvstore.keys import PrefixKey
-from kvstore.sessions import PinLedger
-from kvstore.tiers.cpu import CpuTier
-from kvstore.tiers.disk.tier import DiskTier
-from kvstore.tiers.remote.tier import RemoteTier
+from kvstore.store.pins import PinLedger
+from kvstore.tiers.arena import ArenaTier
+from kvstore.tiers.base import Tier
+from kvstore.tiers.shared import SharedTier
 
 __all__ = ["DEFAULT_PREFETCH_THREADS", "REMOTE_FETCH_GROUP", "Prefetcher"]
 
@@ -42,27 +44,24 @@ MiB each on a large model) stay a bounded amount of memory, enough that a round 
 
 
 class Prefetcher:
-    """Copies disk chunks into the cpu tier on a small thread pool.
+    """Copies disk (or shared-tier) chunks into the cpu tier on a small thread pool.
 
     Args:
-        cpu: where chunks land.
+        cpu: where chunks land (the cpu tier: a memory tier that can take a chunk written in place).
         ledger: the pins of open plans (a landed chunk's cpu pin is added to its plan).
-        disk: the disk tier, when there is one.
-        remote: the remote tier, when there is one.
+        disk: the tier ``start`` reads (the disk tier), when there is one.
         num_threads: parallel copies (each decodes with the disk tier's codec threads too).
     """
 
     def __init__(
         self,
-        cpu: CpuTier,
+        cpu: ArenaTier,
         ledger: PinLedger,
         *,
-        disk: DiskTier | None = None,
-        remote: RemoteTier | None = None,
+        disk: Tier | None = None,
         num_threads: int = DEFAULT_PREFETCH_THREADS,
     ) -> None:
         self._disk = disk
-        self._remote = remote
         self._cpu = cpu
         self._ledger = ledger
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="kvstore-prefetch")
@@ -71,11 +70,13 @@ class Prefetcher:
         """Begin landing ``key`` in the cpu tier for plan ``plan_id``; the future says whether it landed."""
         return self._pool.submit(self._land, plan_id, key)
 
-    def start_remote(self, plan_id: int, keys: Sequence[PrefixKey]) -> list[concurrent.futures.Future[bool]]:
-        """Begin landing remote chunks in the cpu tier, ``REMOTE_FETCH_GROUP`` per round trip; one future per
-        group says whether all of its chunks landed."""
+    def start_shared(
+        self, plan_id: int, shared: SharedTier[Any], keys: Sequence[PrefixKey]
+    ) -> list[concurrent.futures.Future[bool]]:
+        """Begin landing a shared tier's chunks in the cpu tier, ``REMOTE_FETCH_GROUP`` per round trip; one future
+        per group says whether all of its chunks landed."""
         return [
-            self._pool.submit(self._land_remote, plan_id, keys[start : start + REMOTE_FETCH_GROUP])
+            self._pool.submit(self._land_shared, plan_id, shared, keys[start : start + REMOTE_FETCH_GROUP])
             for start in range(0, len(keys), REMOTE_FETCH_GROUP)
         ]
 
@@ -89,14 +90,12 @@ class Prefetcher:
             return False
         return self._hand_to_plan(plan_id, key)
 
-    def _land_remote(self, plan_id: int, keys: Sequence[PrefixKey]) -> bool:
-        remote = self._remote
-        assert remote is not None, "Prefetcher.start_remote without a remote tier: the store's wiring"
+    def _land_shared(self, plan_id: int, shared: SharedTier[Any], keys: Sequence[PrefixKey]) -> bool:
         landed = 0
-        for chunk in remote.fetch(keys):
+        for chunk in shared.fetch(keys):
             if chunk is None:
                 continue
-            if self._cpu.put_with(chunk.record, functools.partial(remote.decode_into, chunk)):
+            if self._cpu.put_with(chunk.record, functools.partial(shared.decode_into, chunk)):
                 landed += self._hand_to_plan(plan_id, chunk.record.key)
         return landed == len(keys)
 

@@ -1,9 +1,9 @@
-"""A retrieve's reads from the remote tier: a group of chunks per round trip, fetched as the retrieve reaches them.
+"""A retrieve's reads from a shared tier: a group of chunks per round trip, fetched as the retrieve reaches them.
 
-``retrieve`` walks a plan's segments in order; the chunks only the remote holds (not landed by a prefetch) are
-fetched ``REMOTE_FETCH_GROUP`` at a time, starting at the first one not fetched yet, and each is decoded straight
-into its place in the caller's buffer. Fetching lazily bounds the memory a long prompt's values take to one group,
-and a retrieve that stops early (a cut prefix) fetches nothing past it.
+``retrieve`` walks a plan's segments in order; the chunks only a shared tier (the remote) holds, not landed by a
+prefetch, are fetched ``REMOTE_FETCH_GROUP`` at a time, starting at the first one not fetched yet, and each is
+decoded straight into its place in the caller's buffer. Fetching lazily bounds the memory a long prompt's values
+take to one group, and a retrieve that stops early (a cut prefix) fetches nothing past it.
 
 Threads: one ``RemoteReads`` per retrieve, used by its thread only.
 """
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvstore.keys import PrefixKey
-from kvstore.prefetch import REMOTE_FETCH_GROUP
+from kvstore.plan import Segment
+from kvstore.store.prefetch import REMOTE_FETCH_GROUP
 from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.remote.remote_value import RemoteChunk
-from kvstore.tiers.remote.tier import RemoteTier
+from kvstore.tiers.shared import SharedChunk, SharedTier
 
 __all__ = ["RemoteReads"]
 
@@ -30,15 +31,19 @@ class RemoteReads:
     """Fetches and decodes one retrieve's remote chunks.
 
     Args:
-        remote: the store's remote tier.
-        keys: the keys the retrieve will read from the remote, in plan order.
+        remote: the shared tier the keys are read from.
+        keys: the keys the retrieve will read from it, in plan order.
     """
 
-    def __init__(self, remote: RemoteTier, keys: Sequence[PrefixKey]) -> None:
+    def __init__(self, remote: SharedTier[Any], keys: Sequence[PrefixKey]) -> None:
         self._remote = remote
         self._keys = list(keys)
         self._position = {key: index for index, key in enumerate(self._keys)}
-        self._fetched: dict[PrefixKey, RemoteChunk | None] = {}
+        self._fetched: dict[PrefixKey, SharedChunk | None] = {}
+
+    def serves(self, segment: Segment) -> bool:
+        """Whether the retrieve reads this segment here (a shared segment no prefetch landed)."""
+        return segment.key in self._position and segment.tier is self._remote.name
 
     def load_into(self, key: PrefixKey, place: torch.Tensor) -> ChunkRecord | None:
         """Decode chunk ``key`` into ``place`` (its shape, any device); its record, or ``None`` when it is gone,

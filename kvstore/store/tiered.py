@@ -12,8 +12,10 @@ Data flows one way: engine -> ``TieredStore`` -> tiers (and -> the content catal
   (gpu -> cpu -> disk); a chunk the disk already holds is simply dropped from memory. Under
   ``remote_write="evict"`` what leaves the last local tier goes to the remote (the disk hands over its victims'
   stored frames).
-- **the fleet**: a background reader (``fleet_sync``) brings other hosts' published runs into the content index and
-  the remote tier's key set; lookups plan such chunks as ``remote`` segments without asking Valkey.
+- **the fleet** (``fleet``: the shared tiers, which cannot pin, behind one object): new chunks are written through
+  to the remote tier (or reach it as they are evicted), their runs published to the fleet directory; a background
+  reader brings other hosts' runs into the content index and the remote tier's key set; lookups plan such chunks
+  as ``remote`` segments without asking Valkey.
 - **lookup** builds a plan (``kvstore.plan``): the prefix leg walks the prompt's prefix keys (exact segments; a
   missing chunk cuts the prefix, or becomes a gap with segmented prefix; a dedup alias gives a blend segment);
   the match leg finds stored chunks anywhere else in the prompt by content (blend segments). Every planned chunk
@@ -25,7 +27,7 @@ Data flows one way: engine -> ``TieredStore`` -> tiers (and -> the content catal
   ``with`` block, or being garbage-collected) drops the pins of every plan it did not retrieve.
 
 Threads: any number of callers. Each tier guards its own state, the pin ledger its own, the catalog its own;
-``_scratch_lock`` guards the decode buffer for disk reads into non-contiguous or device buffers. No lock is held
+``DiskReads`` guards its decode buffer for disk reads into non-contiguous or device buffers. No lock is held
 while calling into a tier, so locks never nest across tiers.
 """
 
@@ -37,8 +39,6 @@ import contextlib
 import enum
 import gc
 import logging
-import os
-import threading
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 
@@ -48,48 +48,36 @@ import torch
 
 from kvstore.config import StoreConfig, check_byte_count, tier_name
 from kvstore.content.catalog import ContentCatalog, Residency
-from kvstore.content.index import DEFAULT_FINGERPRINT_BITS, Match
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
-from kvstore.fleet_publish import RecentRuns, publish_records, publish_span, records_in_runs
-from kvstore.fleet_sync import DEFAULT_SYNC_INTERVAL_S, DirectorySync
 from kvstore.keys import (
     PrefixKey,
     TokenArray,
     as_token_array,
-    chained_key,
     checked_keys,
     chunk_bounds,
     keys_at_bounds,
-    separator_run_starts,
 )
 from kvstore.layout import KVLayout
-from kvstore.lookup_counts import LookupCounts
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
-from kvstore.prefetch import Prefetcher
-from kvstore.remote_reads import RemoteReads
-from kvstore.sessions import Pin, PinLedger, Session
-from kvstore.stats import RemoteStats, StoreStats
+from kvstore.session import Session
+from kvstore.stats import StoreStats
+from kvstore.store.borrowed_writes import write_borrowing
+from kvstore.store.fleet import Fleet
+from kvstore.store.lookup_counts import LookupCounts
+from kvstore.store.lookup_legs import match_leg, prefix_leg
+from kvstore.store.pins import Pin, PinLedger
+from kvstore.store.prefetch import Prefetcher
+from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_out
 from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.base import ChunkRecord, Tier, TierName
+from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.cpu import CpuTier
-from kvstore.tiers.disk.evicted import EvictedChunk
 from kvstore.tiers.disk.tier import DiskTier
 from kvstore.tiers.disk.tuning import DiskTuning
 from kvstore.tiers.gpu import GpuTier
-from kvstore.tiers.remote.address import parse_remote_url
-from kvstore.tiers.remote.link import RemoteLink
-from kvstore.tiers.remote.names import RemoteNames
-from kvstore.tiers.remote.tier import RemoteTier
 
 __all__ = ["TieredStore"]
 
 logger = logging.getLogger(__name__)
-
-_LAYERS_PER_STEP = 4
-"""Layers a layer-by-layer retrieve copies per step. Each step is one copy per chunk (its layers are contiguous in
-the chunk), so an 8B prompt of 60 chunks takes 480 host-to-device copies instead of 3,840 for K and V of every layer:
-the per-copy host cost competed with the prefill's own kernel launches. The first step (4 of 32 layers, from pinned
-memory) lands while layer 0 computes (measured: docs/design-notes.md#store)."""
 
 
 def _no_op() -> None:
@@ -141,16 +129,13 @@ class TieredStore:
         self._gpu: GpuTier | None = None
         self._cpu: CpuTier | None = None
         self._disk: DiskTier | None = None
-        self._remote: RemoteTier | None = None
-        self._directory_sync: DirectorySync | None = None
-        self._recent_runs = RecentRuns()  # the evict policy's runs, to continue them (fleet_publish)
-        self._tiers: list[Tier] = []  # the local tiers, fastest first (the remote is not one: it cannot pin)
+        self._fleet = Fleet(None, None)  # the shared tiers (none until _open_tiers), which cannot pin
+        self._tiers: list[Tier] = []  # the local tiers, fastest first
         self._ledger = PinLedger()
         self._lookup_counts = LookupCounts(self.config.chunk_size)
         self._catalog: ContentCatalog | None = None
         self._prefetcher: Prefetcher | None = None
-        self._scratch_lock = threading.Lock()
-        self._scratch: torch.Tensor | None = None
+        self._disk_reads: DiskReads | None = None
         try:
             with _collector_paused():
                 self._open_content()  # first: the disk tier's recovery feeds the content index's rebuild
@@ -169,6 +154,7 @@ class TieredStore:
 
     def _open_tiers(self) -> None:
         config = self.config
+        self._fleet = Fleet.open(config, self.layout, self._catalog)
         if TierName.DISK in config.tiers:
             rebuild = self._catalog.start_rebuild() if self._catalog is not None else None
             self._disk = DiskTier(
@@ -181,8 +167,9 @@ class TieredStore:
                 # with a cpu tier, writes borrow its slots (put_borrowed): staging serves only rare spills
                 tuning=DiskTuning(preallocate_staging=TierName.CPU not in config.tiers),
                 content_records=None if rebuild is None else rebuild.add,  # one pass over the meta records
-                on_evict=self._evicted_to_remote if self._writes_on_eviction() else None,
+                on_evict=self._fleet.evicted if self._fleet.writes_on_eviction else None,
             )
+            self._disk_reads = DiskReads(self._disk, self.layout, config.chunk_size)
             if rebuild is not None:
                 num_indexed = rebuild.finish()
                 if num_indexed:
@@ -198,28 +185,8 @@ class TieredStore:
                 spill=self._spill_to_cpu,
             )
         self._tiers = [tier for tier in (self._gpu, self._cpu, self._disk) if tier is not None]
-        if TierName.REMOTE in config.tiers:
-            self._open_remote()
-        if self._cpu is not None and config.promote_on_hit and (self._disk or self._remote):
-            self._prefetcher = Prefetcher(self._cpu, self._ledger, disk=self._disk, remote=self._remote)
-
-    def _open_remote(self) -> None:
-        config = self.config
-        assert config.remote_url is not None, "StoreConfig checks that the remote tier has a URL"
-        link = RemoteLink(
-            parse_remote_url(config.remote_url, password=config.remote_password),
-            timeout_s=config.remote_timeout_ms / 1000,
-        )
-        self._remote = RemoteTier(
-            link,
-            RemoteNames.for_layout(config.remote_namespace, self.layout, config.chunk_size),
-            self.layout,
-            config.chunk_size,
-            host_id=int.from_bytes(os.urandom(8), "little"),
-            zstd_level=config.disk_zstd_level,
-            max_queued_bytes=config.remote_max_queued_bytes,
-        )
-        self._directory_sync = DirectorySync(self._remote, self._catalog, interval_s=DEFAULT_SYNC_INTERVAL_S)
+        if self._cpu is not None and config.promote_on_hit and (self._disk or self._fleet.tiers):
+            self._prefetcher = Prefetcher(self._cpu, self._ledger, disk=self._disk)
 
     def _open_content(self) -> None:
         if not self.config.enable_blend:
@@ -239,29 +206,13 @@ class TieredStore:
             self._spill_to_disk(record, kv)
 
     def _spill_to_disk(self, record: ChunkRecord, kv: torch.Tensor) -> None:
-        """Memory victim -> disk, unless the write-through already put it there (without a disk tier, under the
-        remote's ``evict`` policy: -> the remote)."""
+        """Memory victim -> disk, unless the write-through already put it there (without a disk tier: the fleet's,
+        under the ``evict`` write policy)."""
         if self._disk is not None:
             if not self._disk.contains(record.key):
                 self._disk.put(record, kv)
-        elif self._remote is not None and self._writes_on_eviction() and self._remote.put(record, kv):
-            self._publish_records(self._remote, [record])
-
-    def _writes_on_eviction(self) -> bool:
-        return TierName.REMOTE in self.config.tiers and self.config.remote_write == "evict"
-
-    def _evicted_to_remote(self, chunks: Sequence[EvictedChunk]) -> None:
-        """The disk's capacity victims -> the remote (on the disk writer thread: only queues work)."""
-        if self._remote is not None:
-            self._publish_records(self._remote, self._remote.put_evicted(chunks))
-
-    def _publish_records(self, remote: RemoteTier, records: Sequence[ChunkRecord]) -> None:
-        """Publish chunks that reached the remote one by one (evicted), as runs wherever parent links join them."""
-        for run in records_in_runs(records):
-            publish_records(remote, run, self._fingerprint_bits(), self._recent_runs)
-
-    def _fingerprint_bits(self) -> int:
-        return self._catalog.index.fingerprint_bits if self._catalog is not None else DEFAULT_FINGERPRINT_BITS
+        else:
+            self._fleet.spilled(record, kv)
 
     def _chunk_bounds(self, tokens: TokenArray) -> list[int]:
         return chunk_bounds(tokens, self.config.chunk_size, self.config.chunk_separator)
@@ -361,8 +312,7 @@ class TieredStore:
             logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, num_chunks)
         if catalog is not None:
             self._register_runs(catalog, token_array, keys, bounds, committed, shields)
-        if self._remote is not None and new_indexes and not self._writes_on_eviction():
-            self._publish_runs(self._remote, token_array, keys, bounds, new_indexes)
+        self._fleet.stored(token_array, keys, bounds, new_indexes)
         return StoreResult(
             num_chunks=num_chunks,
             num_new_chunks=num_new,
@@ -388,54 +338,12 @@ class TieredStore:
         for tier in self._tiers:
             if not tier.put(record, kv):
                 continue
-            if self._disk is not None and tier is not self._disk:
-                self._write_through(tier, record, kv)
-            if self._remote is not None and not self._writes_on_eviction():
-                self._write_remote(self._remote, tier, record, kv)
+            disk = self._disk
+            if disk is not None and tier is not disk:  # off the caller's path, borrowing the cpu slot
+                write_borrowing(tier, record, kv, put=disk.put, put_borrowed=disk.put_borrowed)
+            self._fleet.wrote(tier, record, kv)
             return tier
         return None
-
-    def _write_remote(self, remote: RemoteTier, tier: Tier, record: ChunkRecord, kv: torch.Tensor) -> None:
-        """Write a new chunk through to the remote, off the caller's path (borrowing its cpu slot when it has one)."""
-        if remote.knows(record.key):
-            return
-        if isinstance(tier, ArenaTier) and tier.device.type == "cpu" and tier.pin(record.key):
-
-            def unpin() -> None:
-                tier.unpin(record.key)
-
-            remote.put_borrowed(record, tier.view(record.key), on_done=unpin)
-        else:
-            remote.put(record, kv)
-
-    def _publish_runs(
-        self,
-        remote: RemoteTier,
-        tokens: TokenArray,
-        keys: Sequence[PrefixKey],
-        bounds: Sequence[int],
-        new_indexes: Sequence[int],
-    ) -> None:
-        """Publish each run of consecutive new chunks to the fleet directory, behind the chunks' own writes."""
-        bits = self._fingerprint_bits()
-        run_start = 0
-        for position in range(1, len(new_indexes) + 1):
-            if position < len(new_indexes) and new_indexes[position] == new_indexes[position - 1] + 1:
-                continue
-            first, last = new_indexes[run_start], new_indexes[position - 1]
-            publish_span(remote, tokens, keys[first : last + 1], bounds[first : last + 2], bits)
-            run_start = position
-
-    def _write_through(self, tier: Tier, record: ChunkRecord, kv: torch.Tensor) -> None:
-        assert self._disk is not None
-        if isinstance(tier, ArenaTier) and tier.device.type == "cpu" and tier.pin(record.key):
-            # Zero-copy: the disk writer reads the pinned slot and unpins it when done.
-            def unpin() -> None:
-                tier.unpin(record.key)
-
-            self._disk.put_borrowed(record, tier.view(record.key), on_done=unpin)
-        else:
-            self._disk.put(record, kv)
 
     def _register_runs(
         self,
@@ -501,10 +409,18 @@ class TieredStore:
         bounds = self._chunk_bounds(token_array)
         keys = keys_at_bounds(self._namespace, token_array, bounds)
         pins: list[Pin] = []
-        segments = self._prefix_leg(keys, bounds, pins, catalog if use_blend else None)
+
+        def pin(key: PrefixKey) -> TierName | None:
+            return self._pin_fastest(key, pins)
+
+        segmented = self.config.enable_segmented_prefix
+        segments = prefix_leg(keys, bounds, pin, catalog if use_blend else None, segmented_prefix=segmented)
         if use_blend:
             assert catalog is not None
-            segments = self._match_leg(token_array, keys, bounds, segments, pins, catalog)
+            segments = match_leg(
+                token_array, keys, bounds, segments, catalog, pin,
+                namespace=self._namespace, separator=self.config.chunk_separator,
+            )  # fmt: skip
         plan_id = self._ledger.open_plan(session_id, pins)
         self._lookup_counts.add(len(token_array), segments)
         prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
@@ -513,9 +429,10 @@ class TieredStore:
             prefetches = tuple(
                 prefetcher.start(plan_id, segment.key) for segment in segments if segment.tier is TierName.DISK
             )
-            remote_keys = [segment.key for segment in segments if segment.tier is TierName.REMOTE]
-            if remote_keys:
-                prefetches += tuple(prefetcher.start_remote(plan_id, remote_keys))
+            for shared in self._fleet.tiers:
+                shared_keys = [segment.key for segment in segments if segment.tier is shared.name]
+                if shared_keys:
+                    prefetches += tuple(prefetcher.start_shared(plan_id, shared, shared_keys))
         return LookupPlan(
             plan_id=plan_id,
             session_id=session_id,
@@ -524,107 +441,19 @@ class TieredStore:
             prefetches=prefetches,
         )
 
-    def _prefix_leg(
-        self, keys: Sequence[PrefixKey], bounds: Sequence[int], pins: list[Pin], catalog: ContentCatalog | None
-    ) -> list[Segment]:
-        """Exact segments from the prefix keys (and blend segments from dedup aliases, when ``catalog`` is given).
-
-        A missing chunk ends the leg, or with segmented prefix becomes a gap: the chunks after it are still exact,
-        because their keys chain over every earlier token of the prompt.
-        """
-        segments: list[Segment] = []
-        for index, key in enumerate(keys):
-            start = bounds[index]
-            num_tokens = bounds[index + 1] - start
-            tier = self._pin_fastest(key, pins)
-            if tier is not None:
-                segments.append(
-                    Segment(start=start, num_tokens=num_tokens, key=key, source_start=start, exact=True, tier=tier)
-                )
-                continue
-            aliased = None
-            if catalog is not None:
-                aliased = catalog.resolve_alias(key, lambda target: self._pin_fastest(target, pins))
-            if aliased is not None:
-                target, tier = aliased
-                segments.append(
-                    Segment(
-                        start=start,
-                        num_tokens=num_tokens,
-                        key=target.key,
-                        source_start=target.source_start,
-                        exact=False,
-                        tier=tier,
-                    )
-                )
-                continue
-            if not self.config.enable_segmented_prefix:
-                break
-        return segments
-
-    def _match_leg(
-        self,
-        tokens: TokenArray,
-        keys: Sequence[PrefixKey],
-        bounds: Sequence[int],
-        segments: list[Segment],
-        pins: list[Pin],
-        catalog: ContentCatalog,
-    ) -> list[Segment]:
-        """Add content matches that do not overlap the prefix leg's segments; returns all segments sorted."""
-        catalog.sync()
-        chunk_index = {bound: index for index, bound in enumerate(bounds[:-1])}
-        starts = [segment.start for segment in segments]
-        ends = [segment.end for segment in segments]
-
-        def overlaps(found: Match) -> bool:
-            position = bisect.bisect_right(starts, found.query_start + found.num_tokens - 1)
-            return position > 0 and ends[position - 1] > found.query_start
-
-        separator = self.config.chunk_separator
-        run_starts = separator_run_starts(tokens, separator) if separator else ()
-        matches = catalog.match(
-            tokens, run_starts=run_starts, skip=overlaps, pin=lambda key: self._pin_fastest(key, pins)
-        )
-        for found, tier in matches:
-            index = chunk_index.get(found.query_start, -1)
-            exact = (
-                index >= 0
-                and found.source_start == found.query_start
-                and found.key
-                == chained_key(
-                    keys[index - 1] if index else self._namespace,
-                    tokens[found.query_start : found.query_start + found.num_tokens],
-                )
-            )
-            segments.append(
-                Segment(
-                    start=found.query_start,
-                    num_tokens=found.num_tokens,
-                    key=found.key,
-                    source_start=found.source_start,
-                    exact=exact,
-                    tier=tier,
-                )
-            )
-        segments.sort(key=lambda segment: segment.start)
-        return segments
-
     def _pin_fastest(self, key: PrefixKey, pins: list[Pin]) -> TierName | None:
-        """Pin the chunk in the fastest local tier holding it; a chunk only the remote holds is planned unpinned."""
+        """Pin the chunk in the fastest local tier holding it; a chunk only a shared tier holds is planned unpinned."""
         for tier in self._tiers:
             if tier.pin(key):
                 pins.append((tier, key))
                 return tier.name
-        if self._remote is not None and self._remote.knows(key):
-            return TierName.REMOTE
-        return None
+        return self._fleet.knows(key)
 
     def _is_local(self, key: PrefixKey) -> bool:
         return any(tier.contains(key) for tier in self._tiers)
 
     def _is_resident(self, key: PrefixKey) -> bool:
-        return self._is_local(key) or (self._remote is not None and self._remote.knows(key))
+        return self._is_local(key) or self._fleet.knows(key) is not None
 
     def _in_transit(self, key: PrefixKey) -> bool:
         return any(isinstance(tier, ArenaTier) and tier.in_transit(key) for tier in self._tiers)
@@ -674,11 +503,11 @@ class TieredStore:
             )
         loaded: list[Segment] = []
         try:
-            out = self._prepare_out(plan, out, device)
+            out = prepared_out(self.layout, plan, out, device)
             copies = self._load_segments(plan, pins, out, loaded, memory_only=memory_only)
             if progress is not None:
                 progress.segments_loaded(tuple(loaded))
-            self._copy_from_memory(copies, out.device, progress)
+            copy_from_memory(copies, out.device, progress, self.layout.num_layers)
         finally:
             self._unpin(pins)
         if self.config.promote_on_hit and self._gpu is not None:
@@ -698,7 +527,7 @@ class TieredStore:
         landed = {key for tier, key in pins if tier is self._cpu}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         prefix_cut = False
-        remote_reads = self._remote_reads(plan, landed)
+        shared_reads = self._fleet.reads(plan, landed)
         for segment in plan.segments:
             if segment.exact and prefix_cut:
                 continue
@@ -713,21 +542,20 @@ class TieredStore:
                 logger.warning("retrieve: chunk %s holds %d tokens, its plan says %d (a directory or index entry "
                                "of another length); tokens %d-%d become a gap", segment.key.hex(), view.shape[2],
                                segment.num_tokens, segment.start, segment.end)  # fmt: skip
-                if segment.tier is TierName.REMOTE and self._remote is not None:  # landed by a prefetch
-                    self._remote.count_inconsistent(segment.key)
+                self._fleet.count_inconsistent(segment)  # a shared chunk a prefetch landed
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 continue
             if memory_only:  # left to the caller to compute, as a failed load is
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 continue
-            if remote_reads is not None and segment.tier is TierName.REMOTE:
-                record = remote_reads.load_into(segment.key, place)
+            if shared_reads is not None and shared_reads.serves(segment):
+                record = shared_reads.load_into(segment.key, place)
                 if record is not None:
                     loaded.append(segment)
                     if self.config.promote_on_hit:
-                        self._put_new_chunk(record, place)  # into the local tiers (the remote knows it)
+                        self._put_new_chunk(record, place)  # into the local tiers (the shared one knows it)
                     continue
-            elif self._load_from_disk(segment.key, segment.num_tokens, place):
+            elif self._disk_reads is not None and self._disk_reads.load_into(segment.key, segment.num_tokens, place):
                 loaded.append(segment)
                 continue
             # A remote chunk Valkey evicted is an ordinary miss (the remote tier logs outages and corruption).
@@ -737,44 +565,8 @@ class TieredStore:
             prefix_cut = segment.exact and not self.config.enable_segmented_prefix
         return copies
 
-    def _remote_reads(self, plan: LookupPlan, landed: set[PrefixKey]) -> RemoteReads | None:
-        """The reads of the plan's remote segments that no prefetch landed, in plan order."""
-        if self._remote is None:
-            return None
-        keys = [s.key for s in plan.segments if s.tier is TierName.REMOTE and s.key not in landed]
-        return RemoteReads(self._remote, keys) if keys else None
-
     def _local_tier(self, name: TierName) -> Tier | None:
-        return None if name is TierName.REMOTE else self._tier(name)
-
-    def _copy_from_memory(
-        self,
-        copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        device: torch.device,
-        progress: RetrieveProgress | None,
-    ) -> None:
-        """Copy pinned chunks into the caller's buffer: whole chunks, or layers-first steps when someone watches.
-
-        Copies to a device are queued without waiting (pinned host memory, or device memory) and awaited once at
-        the end, before the caller's ``finally`` drops the pins: a chunk must not be evicted and overwritten while
-        a copy out of it is still in flight.
-        """
-        asynchronous = device.type == "cuda"
-        if progress is None:
-            for source, place in copies:
-                place.copy_(source, non_blocking=asynchronous)
-        else:
-            num_layers = self.layout.num_layers
-            for first in range(0, num_layers, _LAYERS_PER_STEP):
-                last = min(first + _LAYERS_PER_STEP, num_layers)
-                places = [place[first:last] for _, place in copies]
-                sources = [source[first:last] for source, _ in copies]
-                if places:  # one call queues the step's copies of every chunk
-                    torch._foreach_copy_(places, sources, non_blocking=asynchronous)
-                for layer in range(first, last):
-                    progress.layer_queued(layer)
-        if asynchronous and copies:
-            torch.cuda.current_stream(device).synchronize()
+        return next((tier for tier in self._tiers if tier.name is name), None)
 
     def release(self, plan: LookupPlan) -> None:
         """Drop the pins of a plan that will not be retrieved. Idempotent."""
@@ -787,39 +579,6 @@ class TieredStore:
     def _unpin(self, pins: Sequence[Pin]) -> None:
         for tier, key in pins:
             tier.unpin(key)
-
-    def _prepare_out(self, plan: LookupPlan, out: torch.Tensor | None, device: str | torch.device) -> torch.Tensor:
-        needed = plan.end
-        if out is None:
-            return torch.empty(self.layout.chunk_shape(needed), dtype=self.layout.dtype.torch_dtype, device=device)
-        if out.dim() != 5 or out.shape[2] < needed:
-            raise InvalidInputError(
-                f"out shape {list(out.shape)} cannot hold the plan's {needed} tokens; "
-                f"expected {list(self.layout.chunk_shape(needed))} (or more tokens)"
-            )
-        self.layout.check_kv(out[:, :, :needed], needed)
-        return out
-
-    def _load_from_disk(self, key: PrefixKey, num_tokens: int, out: torch.Tensor) -> bool:
-        assert self._disk is not None
-        if out.device.type == "cpu" and out.is_contiguous():
-            return self._disk.get_into(key, out)
-        with self._scratch_lock:
-            scratch = self._scratch_for(num_tokens)
-            if not self._disk.get_into(key, scratch):
-                return False
-            out.copy_(scratch)
-            return True
-
-    def _scratch_for(self, num_tokens: int) -> torch.Tensor:
-        if self._scratch is None:
-            self._scratch = torch.empty(
-                self.layout.chunk_bytes(self.config.chunk_size),
-                dtype=torch.uint8,
-                pin_memory=torch.cuda.is_available(),
-            )
-        raw = self._scratch[: self.layout.chunk_bytes(num_tokens)]
-        return raw.view(self.layout.dtype.torch_dtype).view(self.layout.chunk_shape(num_tokens))
 
     def _promote_to_gpu(self, segments: Sequence[Segment]) -> None:
         """Copy retrieved chunks that sit in the cpu tier into the gpu tier (after the plan's pins are gone, so
@@ -839,9 +598,9 @@ class TieredStore:
     # -- admin --------------------------------------------------------------------------------------------------
 
     def contains(self, key: PrefixKey) -> list[TierName]:
-        """Tiers that hold a chunk, fastest first (the remote: as far as this host knows)."""
+        """Tiers that hold a chunk, fastest first (shared tiers: as far as this host knows)."""
         held = [tier.name for tier in self._tiers if tier.contains(key)]
-        return [*held, TierName.REMOTE] if self._remote is not None and self._remote.knows(key) else held
+        return held + [shared.name for shared in self._fleet.tiers if shared.knows(key)]
 
     def evict(self, keys: Sequence[PrefixKey]) -> int:
         """Drop chunks from every local tier (pinned copies stay; the remote is the fleet's, and Valkey evicts
@@ -873,41 +632,25 @@ class TieredStore:
             self._disk.flush()
         if self._catalog is not None:
             self._catalog.sync()
-        if self._remote is not None:
-            self._remote.flush()
+        self._fleet.flush()
 
     def stats(self) -> StoreStats:
         return StoreStats(
-            tiers=tuple(self._lookup_counts.apply(tier.stats()) for tier in self._all_tiers()),
+            tiers=tuple(self._lookup_counts.apply(stats) for stats in self._tier_stats()),
             num_open_plans=self._ledger.num_open_plans,
             num_sessions=self._ledger.num_sessions,
             catalog=self._catalog.stats() if self._catalog is not None else None,
-            remote=self._remote_stats(),
+            remote=self._fleet.remote_stats(),
         )
 
-    def _remote_stats(self) -> RemoteStats | None:
-        if self._remote is None:
-            return None
-        available, outages, resets, failed, skipped, queued, records, bad = self._remote.link_stats()
-        return RemoteStats(
-            available=available,
-            outages=outages,
-            resets=resets,
-            failed_calls=failed,
-            skipped_calls=skipped,
-            queued_bytes=queued,
-            directory_records=records,
-            directory_bad_records=bad,
-        )
+    def _tier_stats(self) -> list[TierStats]:
+        return [*(tier.stats() for tier in self._tiers), *self._fleet.stats()]
 
     def sync_directory(self) -> int:
         """Read the fleet directory now instead of waiting for the background reader; returns the runs read (0
         without a remote tier)."""
         self._check_open()
-        return self._directory_sync.sync_now() if self._directory_sync is not None else 0
-
-    def _all_tiers(self) -> list[Tier | RemoteTier]:
-        return [*self._tiers, self._remote] if self._remote is not None else list(self._tiers)
+        return self._fleet.sync_now()
 
     def _tier(self, name: TierName) -> Tier:
         for tier in self._tiers:
@@ -928,13 +671,11 @@ class TieredStore:
     def _shutdown(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.shutdown()
-        if self._directory_sync is not None:
-            self._directory_sync.stop()
+        self._fleet.stop_reading()
         if self._catalog is not None:
             self._catalog.close()  # its last completions drop shields: tiers must still be open
         self._unpin(self._ledger.take_all())
-        if self._remote is not None:
-            self._remote.close()  # before the cpu tier: its writer may still read borrowed cpu slots
+        self._fleet.close()  # before the cpu tier: its writers may still read borrowed cpu slots
         # Disk first: closing it drains write-throughs that still read pinned memory slots.
         for tier in (self._disk, self._gpu, self._cpu):
             if tier is not None:

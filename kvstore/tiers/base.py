@@ -137,6 +137,10 @@ class Tier(abc.ABC):
         """Copy the chunk's KV into ``out`` (same shape as stored); ``False`` on a miss."""
 
     @abc.abstractmethod
+    def record(self, key: PrefixKey) -> ChunkRecord | None:
+        """The chunk's record (position, tokens, parent), or ``None`` when it is not resident."""
+
+    @abc.abstractmethod
     def pin(self, key: PrefixKey) -> bool:
         """Protect a resident chunk from eviction (counted); ``False`` when it is not resident."""
 

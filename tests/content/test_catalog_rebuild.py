@@ -82,7 +82,7 @@ def store_documents(store: TieredStore, layout: KVLayout, documents: Sequence[To
 
 def as_meta_v1(value: bytes) -> bytes:
     """A meta value rewritten as version 1 (written before parent keys existed): the 16-byte parent key dropped,
-    version 1, resealed (``kvstore.tiers.disk.format``: checksum = xxh3_64 of bytes [0, 48) and [56, end))."""
+    version 1, resealed (``kvstore.tiers.frames.meta``: checksum = xxh3_64 of bytes [0, 48) and [56, end))."""
     old = bytearray(value[:56]) + value[72:]
     struct.pack_into("<H", old, 0, 1)
     struct.pack_into("<Q", old, 48, xxhash.xxh3_64_intdigest(bytes(old[:48] + old[56:])))

@@ -14,7 +14,7 @@ import torch
 
 from kvstore import KVLayout, LayoutMismatchError, StoreConfig, TieredStore
 from kvstore.errors import StorageError
-from kvstore.inspection import check_data_dir
+from kvstore.store.inspection import check_data_dir
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk.format import frame_key
 from tests.factories import make_kv, make_tokens

@@ -14,9 +14,10 @@ from kvstore.bench.valkey_servers import ValkeyServer
 from kvstore.client import Client
 from kvstore.content.index import hash_chunks
 from kvstore.keys import as_token_array, chained_key
+from kvstore.remote_address import DEFAULT_NAMESPACE
 from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.directory import DirectoryRun, publish_command
-from kvstore.tiers.remote.names import DEFAULT_NAMESPACE, RemoteNames
+from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, running_server
 

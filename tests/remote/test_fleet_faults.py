@@ -20,9 +20,9 @@ from redis.crc import key_slot
 
 from kvstore.bench.valkey_servers import ValkeyCluster, ValkeyServer
 from kvstore.keys import prefix_keys
+from kvstore.remote_address import parse_remote_url
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
-from kvstore.tiers.remote.address import parse_remote_url
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens

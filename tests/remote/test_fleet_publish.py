@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from kvstore.bench.valkey_servers import ValkeyServer
-from kvstore.fleet_publish import RecentRuns, publish_records, records_in_runs
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.layout import KVLayout
+from kvstore.remote_address import parse_remote_url
+from kvstore.store.fleet_publish import RecentRuns, publish_records, records_in_runs
 from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.remote.address import parse_remote_url
 from kvstore.tiers.remote.directory import DirectoryRun
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvstore.bench.valkey_servers import ValkeyServer
-from kvstore.tiers.remote.address import parse_remote_url
+from kvstore.remote_address import parse_remote_url
 from kvstore.tiers.remote.link import RemoteLink
 
 

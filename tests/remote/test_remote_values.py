@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey, as_token_array, chained_key
 from kvstore.layout import KVLayout
+from kvstore.remote_address import check_namespace, parse_remote_url
 from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
-from kvstore.tiers.remote.address import parse_remote_url
+from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
 from kvstore.tiers.remote.directory import DirectoryRun, decode_run, encode_run
-from kvstore.tiers.remote.names import RemoteNames, check_namespace
+from kvstore.tiers.remote.names import RemoteNames
 from kvstore.tiers.remote.remote_value import decode_remote_value, decode_remote_value_into, encode_remote_value
 
 LAYOUT = KVLayout(model_id="remote-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvstore import Client
-from kvstore.inspection import check_data_dir
+from kvstore.store.inspection import check_data_dir
 from tests.server.conftest import REPO_ROOT, SERVER_LAYOUT, running_server
 from tests.server.storm_client import TOKENS_PER_SEQUENCE, sequence
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from kvstore.keys import PrefixKey
-from kvstore.lookup_counts import LookupCounts
 from kvstore.plan import LookupPlan, Segment
 from kvstore.server.usage.chunk_hits import ChunkHitCounter
 from kvstore.server.usage.plan_coverage import PlanCoverage
+from kvstore.store.lookup_counts import LookupCounts
 from kvstore.tiers.base import TierName, TierStats
 
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvstore.client import Client
-    from kvstore.sessions import Session
+    from kvstore.session import Session
 
 __all__ = ["VllmBlendEngine"]
 

@@ -8,7 +8,7 @@ From there:
   (``documents``; a document is what one store call added; kept in the data dir across restarts, ``documents_file``);
 - a plan's coverage: its exact, blend and gap tokens and chunks per tier (``plan_coverage``), which the Prometheus
   metrics count per engine (``kvstore.server.metrics``);
-- per tier, hits and misses are the store's own (``kvstore.lookup_counts``), not the server's.
+- per tier, hits and misses are the store's own (``kvstore.store.lookup_counts``), not the server's.
 
 The request handler tells the ledger what it stored and planned, and asks it for reports; it keeps no counter of
 its own.

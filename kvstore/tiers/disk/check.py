@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.keys import KEY_BYTES
-from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk.environment import DiskEnvironment
-from kvstore.tiers.disk.format import decode_meta, frame_key
+from kvstore.tiers.disk.format import frame_key
+from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
+from kvstore.tiers.frames.meta import decode_meta
 
 __all__ = ["DiskCheckReport", "check_data_dir"]
 

@@ -11,33 +11,14 @@ Threads: the disk writer thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from kvstore.keys import PrefixKey
 from kvstore.tiers.disk.environment import DiskEnvironment
 from kvstore.tiers.disk.format import frame_key
+from kvstore.tiers.frames.evicted import EvictedChunk
 
-__all__ = ["EvictedChunk", "EvictionSink", "read_evicted"]
-
-
-@dataclass(frozen=True, slots=True)
-class EvictedChunk:
-    """A capacity victim as the disk held it.
-
-    Attributes:
-        key: its prefix key.
-        meta: its meta record (``kvstore.tiers.disk.format``), checksum included.
-        frames: its encoded frames, in order.
-    """
-
-    key: PrefixKey
-    meta: bytes
-    frames: tuple[bytes, ...]
-
-
-EvictionSink = Callable[[Sequence[EvictedChunk]], None]
-"""Receives the victims of one eviction on the writer thread; it must only queue work (it holds the writer)."""
+__all__ = ["read_evicted"]
 
 
 def read_evicted(env: DiskEnvironment, keys: Sequence[PrefixKey]) -> list[EvictedChunk]:

@@ -22,17 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.keys import PrefixKey
-from kvstore.tiers.disk.codec import FrameCodec
-from kvstore.tiers.disk.codec_pool import CodecPool
 from kvstore.tiers.disk.commit import remove_unfinished_chunks
 from kvstore.tiers.disk.environment import DiskEnvironment, tune_malloc_for_large_values
-from kvstore.tiers.disk.evicted import EvictionSink
-from kvstore.tiers.disk.format import FrameGeometry
 from kvstore.tiers.disk.meta_batch import ContentRecords
 from kvstore.tiers.disk.records import recover_chunks
 from kvstore.tiers.disk.state import DiskState
 from kvstore.tiers.disk.tuning import DiskTuning
 from kvstore.tiers.disk.writer import DeleteJob, DiskWriter, WriterOptions
+from kvstore.tiers.frames.codec import FrameCodec
+from kvstore.tiers.frames.codec_pool import CodecPool
+from kvstore.tiers.frames.evicted import EvictionSink
+from kvstore.tiers.frames.meta import FrameGeometry
 
 __all__ = ["DiskParts", "close_disk_parts", "open_disk_parts"]
 

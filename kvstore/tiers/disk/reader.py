@@ -20,10 +20,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.keys import PrefixKey
-from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
-from kvstore.tiers.disk.codec_pool import CodecPool, TaskBatch
 from kvstore.tiers.disk.environment import PAGE_DAMAGE, DiskEnvironment
 from kvstore.tiers.disk.format import frame_key
+from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
+from kvstore.tiers.frames.codec_pool import CodecPool, TaskBatch
 
 __all__ = ["PageDamage", "read_chunk"]
 

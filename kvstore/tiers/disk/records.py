@@ -28,9 +28,9 @@ import numpy.typing as npt
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.disk.environment import DiskEnvironment
-from kvstore.tiers.disk.format import StoredChunk, decode_meta, decode_meta_values
 from kvstore.tiers.disk.meta_batch import ContentRecords, MetaBatch, read_meta_batches
 from kvstore.tiers.disk.recovered import RecoveredChunks
+from kvstore.tiers.frames.meta import StoredChunk, decode_meta, decode_meta_values
 
 __all__ = ["DiskTierInfo", "Recovery", "iter_content_records", "iter_stored_chunks", "read_stored_chunk",
            "recover_chunks"]  # fmt: skip

@@ -53,12 +53,8 @@ from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
 from kvstore.tiers.disk.check import DiskCheckReport, check_data_dir
-from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
 from kvstore.tiers.disk.entries import Admission, PendingWrite
 from kvstore.tiers.disk.environment import DiskEnvironment
-from kvstore.tiers.disk.evicted import EvictionSink
-from kvstore.tiers.disk.format import FrameGeometry, StoredChunk, balanced_frame_bytes
-from kvstore.tiers.disk.host_copy import copy_tensor
 from kvstore.tiers.disk.lifecycle import OwnedLifecycle
 from kvstore.tiers.disk.meta_batch import ContentRecords
 from kvstore.tiers.disk.opening import close_disk_parts, open_disk_parts
@@ -67,6 +63,10 @@ from kvstore.tiers.disk.records import DiskTierInfo, iter_content_records, iter_
 from kvstore.tiers.disk.staging import StagingPool
 from kvstore.tiers.disk.tuning import DiskTuning
 from kvstore.tiers.disk.writer import DeleteJob, WriteJob
+from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
+from kvstore.tiers.frames.evicted import EvictionSink
+from kvstore.tiers.frames.host_copy import copy_tensor
+from kvstore.tiers.frames.meta import FrameGeometry, StoredChunk, balanced_frame_bytes
 
 __all__ = ["ContentRecords", "DiskTier", "DiskTierInfo", "DiskTuning", "StoredChunk"]
 

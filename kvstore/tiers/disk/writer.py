@@ -43,15 +43,16 @@ import numpy.typing as npt
 
 from kvstore.errors import StorageError
 from kvstore.keys import PrefixKey
-from kvstore.tiers.disk.codec import FrameCodec
-from kvstore.tiers.disk.codec_pool import CodecPool, TaskBatch
 from kvstore.tiers.disk.commit import ChunkFrames, delete_chunks, discard_unfinished, plan_transactions
 from kvstore.tiers.disk.entries import PendingWrite
 from kvstore.tiers.disk.environment import DiskEnvironment, storage_error
-from kvstore.tiers.disk.evicted import EvictionSink, read_evicted
-from kvstore.tiers.disk.format import StoredChunk, encode_meta, meta_bytes, with_last_access
+from kvstore.tiers.disk.evicted import read_evicted
 from kvstore.tiers.disk.outage import DiskOutage
 from kvstore.tiers.disk.state import DiskState
+from kvstore.tiers.frames.codec import FrameCodec
+from kvstore.tiers.frames.codec_pool import CodecPool, TaskBatch
+from kvstore.tiers.frames.evicted import EvictionSink
+from kvstore.tiers.frames.meta import StoredChunk, encode_meta, meta_bytes, with_last_access
 
 __all__ = ["DeleteJob", "DiskWriter", "FlushJob", "WriteJob", "WriterOptions"]
 

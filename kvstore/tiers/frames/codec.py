@@ -4,8 +4,8 @@ Float KV compresses only in its high bytes (sign and exponent); the low mantissa
 is split into *byte planes* (plane ``p`` holds byte ``p`` of every element, little-endian), each plane is
 compressed on its own and kept compressed only when that pays (below ``keep_ratio`` of the plane), and the
 incompressible planes are stored raw. On random bf16 the high plane compresses and the low plane does not at all
-(measured: docs/design-notes.md#tiers-disk-codec), so a frame costs one zstd pass over half of its bytes (a 64 KiB probe
-rejects the low plane early).
+(measured: docs/design-notes.md#tiers-frames-codec), so a frame costs one zstd pass over half of its bytes (a
+64 KiB probe rejects the low plane early).
 
 Stored value layout (little-endian)::
 
@@ -170,7 +170,7 @@ class FrameCodec:
         zstd_level: zstd level for the planes. The codec keeps the level's strategy but uses a 64-entry hash
             table and 7-byte minimum matches: byte planes of floats are close to i.i.d. symbols, so zstd's
             gain is its entropy coding and short matches only cost time: on random bf16 both the ratio and the
-            speed went up (measured: docs/design-notes.md#tiers-disk-codec).
+            speed went up (measured: docs/design-notes.md#tiers-frames-codec).
         keep_ratio: keep a compressed plane only when it is smaller than this fraction of the raw plane.
     """
 

@@ -4,7 +4,7 @@
 the next parallel region. In a store that copies a chunk at a time, next to codec threads that need the cores, that
 spinning costs more than the parallel copy gains: on the 2-core dev machine it took CPU time from the disk tier's codec
 threads and held its put under target; on the 16-core H200 host the disk put went from below to above the speed of a raw
-write once the staging copy stopped using it (measured: docs/design-notes.md#tiers-disk-host-copy). A single-threaded
+write once the staging copy stopped using it (measured: docs/design-notes.md#tiers-frames-host-copy). A single-threaded
 copy of a chunk already runs at memory bandwidth.
 
 Used for the disk tier's staging copy. The memory tiers keep ``Tensor.copy_``: with torch on one thread (how

@@ -45,7 +45,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.tiers.remote.address import RemoteAddress
+from kvstore.remote_address import RemoteAddress
 
 __all__ = ["RemoteLink", "RemoteLinkStats"]
 

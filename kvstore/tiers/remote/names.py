@@ -18,37 +18,22 @@ Pure functions and immutable values; thread-safe.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
+from kvstore.remote_address import check_namespace
 
-__all__ = ["DEFAULT_NAMESPACE", "RemoteNames", "check_namespace"]
-
-DEFAULT_NAMESPACE = "kvstore"
-_NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
-
-
-def check_namespace(namespace: str) -> str:
-    """``namespace`` if it is 1-64 letters, digits, dots, dashes or underscores (no braces: they would move the
-    cluster hash tag)."""
-    if not isinstance(namespace, str) or _NAMESPACE_PATTERN.fullmatch(namespace) is None:
-        raise ConfigError(
-            f"remote namespace {namespace!r} must be 1-64 letters, digits, '.', '-' or '_' (e.g. kvstore-prod)"
-        )
-    return namespace
-
+__all__ = ["RemoteNames"]
 
 @dataclass(frozen=True, slots=True)
 class RemoteNames:
     """Key names of one deployment and model layout.
 
     Args:
-        namespace: the deployment's prefix (``check_namespace``).
+        namespace: the deployment's prefix (``kvstore.remote_address.check_namespace``).
         layout_tag: 16 hex digits identifying the layout and chunk size (``for_layout``).
         num_directory_shards: streams the content directory is spread over.
     """

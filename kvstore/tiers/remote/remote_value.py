@@ -9,9 +9,9 @@
     12          4      reserved, zero
     16          16     the chunk's prefix key (a value under another chunk's name is refused)
     32          8*F    stored bytes of each frame (u64)
-    32+8F       M      the chunk's meta record (``kvstore.tiers.disk.format``: tokens, positions, parent key, raw
+    32+8F       M      the chunk's meta record (``kvstore.tiers.frames.meta``: tokens, positions, parent key, raw
                        and frame bytes; sealed by its own xxh3 checksum)
-    32+8F+M     ...    frame 0 | frame 1 | ... (``kvstore.tiers.disk.codec``: byte planes, zstd, each checksummed)
+    32+8F+M     ...    frame 0 | frame 1 | ... (``kvstore.tiers.frames.codec``: byte planes, zstd, each checksummed)
 
 So the remote holds exactly what the disk tier holds, and one ``GET`` brings everything a host needs to land the
 chunk in its own tiers (its record included). Nothing in the header is trusted: the meta record and every frame
@@ -36,8 +36,8 @@ import numpy.typing as npt
 
 from kvstore.keys import PrefixKey, chained_key
 from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
-from kvstore.tiers.disk.format import StoredChunk, decode_meta, encode_meta
+from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
+from kvstore.tiers.frames.meta import StoredChunk, decode_meta, encode_meta
 
 __all__ = [
     "RemoteChunk",

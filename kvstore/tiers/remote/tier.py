@@ -51,10 +51,10 @@ import xxhash
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, TierName, TierStats
-from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
-from kvstore.tiers.disk.evicted import EvictedChunk
-from kvstore.tiers.disk.format import balanced_frame_bytes, decode_meta
-from kvstore.tiers.disk.host_copy import copy_tensor
+from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
+from kvstore.tiers.frames.evicted import EvictedChunk
+from kvstore.tiers.frames.host_copy import copy_tensor
+from kvstore.tiers.frames.meta import balanced_frame_bytes, decode_meta
 from kvstore.tiers.remote.directory import DirectoryFeed, DirectoryRun, publish_command
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames
@@ -65,6 +65,7 @@ from kvstore.tiers.remote.remote_value import (
     decode_remote_value_into,
     encode_remote_value,
 )
+from kvstore.tiers.shared import SharedTier
 
 __all__ = ["DEFAULT_MAX_QUEUED_BYTES", "RemoteTier"]
 
@@ -107,8 +108,8 @@ class _Flush:
 _Job = _ChunkWrite | _ValueWrite | _RunPublish | _Delete | _Flush
 
 
-class RemoteTier:
-    """The remote tier of one store.
+class RemoteTier(SharedTier[RemoteChunk]):
+    """The remote tier of one store (a ``SharedTier``: one Valkey, or a cluster, many hosts).
 
     Args:
         link: the connection (shared with nothing else).

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvstore import KVLayout, StoreConfig, TieredStore
-from kvstore.inspection import check_data_dir
 from kvstore.layout import RopeSpec
+from kvstore.store.inspection import check_data_dir
 from kvstore.tiers.base import TierName, TierStats
 from tests.factories import make_kv, make_tokens
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.keys import PrefixKey
-from kvstore.tiers.disk.format import decode_meta
 from kvstore.tiers.disk.meta_batch import decode_meta_batch, read_meta_batches
-from tests.tiers.disk.test_format import DEFECTS, spoiled, stored_chunk
+from kvstore.tiers.frames.meta import decode_meta
+from tests.tiers.frames.test_meta import DEFECTS, spoiled, stored_chunk
 
 RECORDS = st.lists(
     st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 300), st.sampled_from(DEFECTS), st.integers(0, 10**6)),

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
-from kvstore.tiers.disk.codec import FrameCodec, FrameStatus
+from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
 
 ELEMENT_SIZES = [1, 2, 3, 4, 8]
 CODECS = {size: FrameCodec(size) for size in ELEMENT_SIZES}

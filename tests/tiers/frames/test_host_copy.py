@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.tiers.disk.host_copy import copy_tensor
+from kvstore.tiers.frames.host_copy import copy_tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -12,13 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.keys import PrefixKey, as_token_array
-from kvstore.tiers.disk.format import (
-    StoredChunk,
-    decode_meta,
-    decode_meta_values,
-    encode_meta,
-)
 from kvstore.tiers.disk.meta_batch import decode_meta_batch
+from kvstore.tiers.frames.meta import StoredChunk, decode_meta, decode_meta_values, encode_meta
 
 FIELDS = [name for name in StoredChunk.__slots__ if name != "tokens"]
 

@@ -1,0 +1,28 @@
+"""The store: ``TieredStore`` and the modules it coordinates its tiers and its content index with.
+
+- ``tiered``: ``TieredStore``, the coordinator (store, lookup, retrieve, release, sessions, stats).
+- ``lookup_legs``: a lookup's prefix leg (exact segments) and match leg (content anywhere).
+- ``retrieve_copies``: a retrieve's copies into the caller's buffer (memory chunks, disk decodes).
+- ``borrowed_writes``: write-throughs that read a pinned cpu slot in place.
+- ``pins``: ``PinLedger``, the pins each open plan holds, by session.
+- ``prefetch``: promotions into the cpu tier that a lookup starts and a retrieve waits for.
+- ``lookup_counts``: the hit and miss counters of lookups.
+- ``fleet``: ``Fleet``, the shared tiers (``kvstore.tiers.shared.SharedTier``: the remote) and the fleet directory;
+  ``remote_reads`` (a retrieve's reads of shared chunks), ``fleet_publish`` (the runs this host publishes) and
+  ``fleet_sync`` (other hosts' runs into the content catalog) are its parts.
+- ``inspection``: an offline look at a data dir (``kvstore inspect``).
+
+``TieredStore`` is imported when first used, so importing one of these modules does not load the others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvstore.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from kvstore.store.tiered import TieredStore
+
+__getattr__, __dir__ = lazy_exports(__name__, {"kvstore.store.tiered": ("TieredStore",)})
+__all__ = ["TieredStore"]
