@@ -148,6 +148,13 @@ class Client:
             self._segments = ClientSegments(layout, self._attach, self._detach)
 
     @property
+    def client_token(self) -> str:
+        """The server's secret name for this connection: another client of the same server given it may retrieve or
+        release this client's plans (``retrieve(..., owner=token)``); a reconnected client has a new one."""
+        assert self._client_id is not None, "hello sets the token before the client is handed out"
+        return self._client_id
+
+    @property
     def shares_memory(self) -> bool:
         """Whether KV moves through shared memory (``buffer()`` works): the server is on this host."""
         return self._segments is not None
@@ -319,12 +326,16 @@ class Client:
         device: str | torch.device = "cpu",
         progress: RetrieveProgress | None = None,
         memory_only: bool = False,
+        owner: str | None = None,
     ) -> RetrieveResult:
         """``TieredStore.retrieve`` on the server. ``out`` made by ``buffer()`` (or a CUDA tensor, with CUDA IPC)
         is written by the server directly; otherwise the KV lands in the scratch segment and is copied out.
 
         The server moves the KV in one piece, so ``progress`` hears of the segments and of every layer at once,
-        after the whole retrieve."""
+        after the whole retrieve.
+
+        ``owner``: the ``client_token`` of the client that looked the plan up, when that is another client (one
+        process pins, another loads: a vLLM scheduler and its worker); the KV still lands in this client's memory."""
         layout = self._require_layout()
         needed = plan.end
         if out is not None and (out.dim() != 5 or out.shape[2] < needed):
@@ -339,7 +350,7 @@ class Client:
         def build() -> tuple[dict[str, object], memoryview | None]:
             staged.clear()
             bulk = self._bulk_for_retrieve(out, needed, staged)
-            return RetrieveArgs(plan_id=plan.plan_id, bulk=bulk, memory_only=memory_only).to_wire(), None
+            return RetrieveArgs(plan_id=plan.plan_id, bulk=bulk, memory_only=memory_only, owner=owner).to_wire(), None
 
         reply = self._call(Op.RETRIEVE, build)
         loaded = RetrievedSegments.from_wire(self._result(reply))
@@ -404,12 +415,12 @@ class Client:
             return source  # the reply frame's memory is this tensor's own
         return source.to(device, copy=True)
 
-    def release(self, plan: LookupPlan) -> None:
-        """Drop the pins of a plan that will not be retrieved. Idempotent."""
+    def release(self, plan: LookupPlan, *, owner: str | None = None) -> None:
+        """Drop the pins of a plan that will not be retrieved. Idempotent. ``owner``: as for ``retrieve``."""
         if plan.plan_id == UNPINNED_PLAN_ID:
             return
         try:
-            self._simple(Op.RELEASE, PlanArgs(plan_id=plan.plan_id).to_wire())
+            self._simple(Op.RELEASE, PlanArgs(plan_id=plan.plan_id, owner=owner).to_wire())
         except KVStoreError as exc:
             if "already retrieved or released" not in str(exc):
                 raise

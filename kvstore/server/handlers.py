@@ -185,7 +185,8 @@ class RequestHandler:
         if op is Op.RETRIEVE:
             return self._retrieve(request, client_id, RetrieveArgs.parse(args, limits))
         if op is Op.RELEASE:
-            open_plan = self._clients.take_plan(client_id, PlanArgs.parse(args, limits).plan_id)
+            plan_args = PlanArgs.parse(args, limits)
+            open_plan = self._clients.take_plan(plan_args.owner or client_id, plan_args.plan_id)
             self._host.require().release(open_plan.plan)
             return self._ok(request, {})
         if op is Op.END_SESSION:
@@ -304,7 +305,7 @@ class RequestHandler:
     def _retrieve(self, request: Request, client_id: str, args: RetrieveArgs) -> ReplyFrames:
         store = self._host.require()
         started_s = time.perf_counter()
-        plan = self._clients.take_plan(client_id, args.plan_id).plan
+        plan = self._clients.take_plan(args.owner or client_id, args.plan_id).plan  # the bulk is the caller's
         try:
             out = self._retrieve_target(client_id, args.bulk, store, plan)
         except BaseException:

@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 _MAX_NAME_CHARS = 128
+_MAX_CLIENT_TOKEN_CHARS = 64  # hello's client tokens are 16 hex digits
 _MAX_SESSION_CHARS = 256
 _MAX_HOST_ID_CHARS = 256
 _MAX_LAYOUT_JSON_CHARS = 64 * 1024
@@ -295,11 +296,13 @@ class LookupArgs:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetrieveArgs:
     """Load a plan's KV into ``bulk`` (for shm: exactly ``layout.chunk_bytes(plan end)`` bytes); with
-    ``memory_only`` skip what only the disk holds (``TieredStore.retrieve``)."""
+    ``memory_only`` skip what only the disk holds (``TieredStore.retrieve``); ``owner``: the token of the client that
+    looked the plan up, when that is another client of the server (a plan handed over: ``PlanArgs``)."""
 
     plan_id: int
     bulk: BulkRef
     memory_only: bool = False
+    owner: str | None = None
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> RetrieveArgs:
@@ -307,6 +310,7 @@ class RetrieveArgs:
             plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID),
             bulk=parse_bulk(fields.map_("bulk")),
             memory_only=bool(fields.bool_("memory_only", optional=True)),
+            owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
         )
         fields.finish()
         return parsed
@@ -315,23 +319,34 @@ class RetrieveArgs:
         wire: dict[str, object] = {"plan_id": self.plan_id, "bulk": self.bulk.to_wire()}
         if self.memory_only:  # only when asked: a server from before the field refuses unknown fields
             wire["memory_only"] = True
+        if self.owner is not None:
+            wire["owner"] = self.owner
         return wire
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PlanArgs:
-    """Names one plan (release)."""
+    """Names one plan (release): the client's own, or with ``owner`` another client's whose token the caller was
+    given (one process looks up and pins, another retrieves or releases: an engine's scheduler and its worker). The
+    token is the owner's secret (``hello``): knowing it is the permission."""
 
     plan_id: int
+    owner: str | None = None
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> PlanArgs:
-        parsed = cls(plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID))
+        parsed = cls(
+            plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID),
+            owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
+        )
         fields.finish()
         return parsed
 
     def to_wire(self) -> dict[str, object]:
-        return {"plan_id": self.plan_id}
+        wire: dict[str, object] = {"plan_id": self.plan_id}
+        if self.owner is not None:
+            wire["owner"] = self.owner
+        return wire
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

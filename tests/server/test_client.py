@@ -130,6 +130,25 @@ def test_an_unpinned_lookup_is_one_round_trip_that_leaves_no_pins(server: Server
         assert client.stats().num_open_plans == before
 
 
+def test_a_plan_is_handed_to_another_client_by_the_owners_token(server: ServerProcess) -> None:
+    """One process pins (a vLLM scheduler), another loads (its worker): the worker's client retrieves or releases
+    the plan under the owner's token, its KV landing in the worker's own memory; a wrong token names nothing."""
+    tokens, kv = make_tokens(64, seed=44), make_kv(SERVER_LAYOUT, 64, seed=44)
+    with Client(server.url, SERVER_LAYOUT) as scheduler, Client(server.url, SERVER_LAYOUT) as worker:
+        scheduler.store(tokens, kv)
+        before = scheduler.stats().num_open_plans
+        handed = scheduler.lookup(tokens)
+        result = worker.retrieve(handed, owner=scheduler.client_token)
+        assert torch.equal(result.kv, kv) and scheduler.stats().num_open_plans == before
+        released = scheduler.lookup(tokens)
+        worker.release(released, owner=scheduler.client_token)
+        assert scheduler.stats().num_open_plans == before
+        kept = scheduler.lookup(tokens)
+        with pytest.raises(ConfigError, match="another client"):
+            worker.retrieve(kept, owner=worker.client_token)
+        scheduler.retrieve(kept)
+
+
 def release_requests(server: ServerProcess) -> float:
     """The server's count of release requests answered (its metrics endpoint)."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:

@@ -19,8 +19,10 @@ and never lets cover the whole prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,10 +191,35 @@ def evict_to_disk(url: str, layout: KVLayout) -> None:
         client.evict_bytes(1 << 30, TierName.CPU)
 
 
+def store_requests(server: ServerProcess) -> dict[str, float]:
+    """The server's answered requests by operation (its metrics endpoint)."""
+    counts: dict[str, float] = {}
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("kvstore_requests_total{") and 'outcome="ok"' in line:
+                op = line.split('op="', 1)[1].split('"', 1)[0]
+                counts[op] = counts.get(op, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def open_plans(url: str) -> int:
     """The server's plans looked up and not yet retrieved or released: the connector's pins."""
     with Client(url, timeout_s=5.0) as admin:
         return admin.stats().num_open_plans
+
+
+def worker_loads(url: str, layout: KVLayout, *loads: LoadSpec) -> None:
+    """What the worker does with each handed load's plan: retrieve it under the scheduler's token (a real client of
+    its own, as the worker's link is), which takes the plan's pins."""
+    with Client(url, layout) as worker:
+        for load in loads:
+            assert load.plan is not None and load.plan_owner is not None, "the scheduler hands its pinned plan over"
+            worker.retrieve(load.plan, owner=load.plan_owner)
+
+
+def without_plan(load: LoadSpec) -> LoadSpec:
+    """A load as the scheduler describes it, without the handed plan (its segments are the store's)."""
+    return dataclasses.replace(load, plan=None, plan_owner=None)
 
 
 def store_clients(url: str) -> tuple[ClientSummary, ...]:
@@ -309,7 +336,7 @@ def test_a_stored_prefix_is_computed_tokens_and_one_load_into_the_requests_first
     blocks = new_request_blocks(output, "hit")
     assert len(blocks) == -(-num_prompt_tokens // block_size)
     metadata = metadata_of(output)
-    assert metadata.loads == [
+    assert [without_plan(load) for load in metadata.loads] == [
         LoadSpec(
             request_id="hit",
             token_ids=tuple(tokens),
@@ -319,7 +346,9 @@ def test_a_stored_prefix_is_computed_tokens_and_one_load_into_the_requests_first
             is_async=False,
         )
     ]
-    assert open_plans(store.url) == 1
+    assert open_plans(store.url) == 1, "the scheduler's pinned plan, handed to the worker with the load"
+    worker_loads(store.url, layout, *metadata.loads)
+    assert open_plans(store.url) == 0, "the worker's retrieve took the pins: no release round trip"
     finish_step(scheduler, output, finished_loads={"hit"})
     assert open_plans(store.url) == 0
 
@@ -339,6 +368,7 @@ def test_a_wholly_stored_prompt_leaves_its_last_block_to_compute(
     (load,) = metadata_of(output).loads
     assert (load.start, load.end) == (0, 80)
     assert metadata_of(output).saves == []  # the store holds every chunk already
+    worker_loads(store.url, layout, load)
     finish_step(scheduler, output, finished_loads={"whole"})
     assert open_plans(store.url) == 0
 
@@ -363,7 +393,7 @@ def test_with_vllms_prefix_cache_the_load_starts_after_its_own_hit(
     blocks = new_request_blocks(output, "second")
     assert blocks[:3] == first_blocks[:3]  # vLLM's own hit: 48 tokens, three blocks
     assert num_computed_at_admission(output, "second") == 128
-    assert metadata_of(output).loads == [
+    assert [without_plan(load) for load in metadata_of(output).loads] == [
         LoadSpec(
             request_id="second",
             token_ids=tuple(tokens),
@@ -373,6 +403,7 @@ def test_with_vllms_prefix_cache_the_load_starts_after_its_own_hit(
             is_async=False,
         )
     ]
+    worker_loads(store.url, layout, *metadata_of(output).loads)
     finish_step(scheduler, output, finished_loads={"second"})
     assert open_plans(store.url) == 0
 
@@ -459,6 +490,7 @@ def test_under_chunked_prefill_the_save_comes_with_the_last_chunk(
     (load,) = metadata_of(first).loads
     assert (load.start, load.end, load.block_ids) == (0, 64, tuple(blocks[:4]))
     assert metadata_of(first).saves == []
+    worker_loads(store.url, layout, load)
     finish_step(scheduler, first, finished_loads={"chunked"})
     assert open_plans(store.url) == 0
 
@@ -488,44 +520,54 @@ def test_under_chunked_prefill_the_save_comes_with_the_last_chunk(
 # -- pins -------------------------------------------------------------------------------------------------------------
 
 
-def test_a_pin_lasts_until_the_worker_reports_the_load(
+def test_the_pin_goes_with_the_load_to_the_worker_whose_retrieve_takes_it(
     make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
 ) -> None:
+    """The scheduler pins (so nothing it offered is evicted before the load) and hands the plan to the worker with
+    the load: the worker's retrieve takes the pins, so a load costs 3 round trips (probe, pinned lookup, retrieve),
+    no release and no second lookup."""
     tokens = prompt(120, seed=9)
     preload(store.url, layout, tokens)
     scheduler = make_scheduler(store.url)
+    requests_before = store_requests(store)
     add_request(scheduler, "load", tokens)
     output = scheduler.schedule()
-    assert len(metadata_of(output).loads) == 1
+    (load,) = metadata_of(output).loads
     assert open_plans(store.url) == 1
 
-    finish_step(scheduler, output)  # the worker has not reported it yet
-    assert open_plans(store.url) == 1
-    output = scheduler.schedule()
+    worker_loads(store.url, layout, load)
     finish_step(scheduler, output, finished_loads={"load"})
+
     assert open_plans(store.url) == 0
+    sent = {op: count - requests_before.get(op, 0) for op, count in store_requests(store).items()}
+    assert {op: count for op, count in sent.items() if op in ("lookup", "retrieve", "release") and count} == {
+        "lookup": 2,
+        "retrieve": 1,
+    }
 
 
-def test_an_abort_before_the_load_drops_the_pin(
+def test_an_abort_after_the_load_was_handed_over_leaves_the_pin_to_the_worker(
     make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
 ) -> None:
+    """vLLM runs the step it scheduled whatever happens to the request meanwhile: the worker retrieves the plan."""
     tokens = prompt(120, seed=10)
     preload(store.url, layout, tokens)
     scheduler = make_scheduler(store.url)
     add_request(scheduler, "aborted", tokens)
     output = scheduler.schedule()
-    assert len(metadata_of(output).loads) == 1
-    assert open_plans(store.url) == 1
+    (load,) = metadata_of(output).loads
 
     scheduler.finish_requests("aborted", RequestStatus.FINISHED_ABORTED)
 
+    assert open_plans(store.url) == 1
+    worker_loads(store.url, layout, load)
     assert open_plans(store.url) == 0
     output = scheduler.schedule()
     assert output.finished_req_ids == {"aborted"}
     assert metadata_of(output) == KVStoreConnectorMetadata()
 
 
-def test_a_preempted_request_drops_its_pin_and_is_loaded_again_when_readmitted(
+def test_a_preempted_request_is_loaded_again_when_readmitted(
     make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
 ) -> None:
     # 7 usable blocks: "decoding" (32 tokens, 2 blocks) and "loading" (80 tokens, 64 stored, 5 blocks) fill them;
@@ -538,9 +580,9 @@ def test_a_preempted_request_drops_its_pin_and_is_loaded_again_when_readmitted(
     first = scheduler.schedule()
     (load,) = metadata_of(first).loads
     assert (load.request_id, load.start, load.end) == ("loading", 0, 64)
+    worker_loads(store.url, layout, load)  # the step runs: its load is retrieved
     # A pipelined engine schedules the next step before this one's report: the load is not reported yet.
     finish_step(scheduler, first)
-    assert open_plans(store.url) == 1
 
     second = scheduler.schedule()
 
@@ -560,11 +602,12 @@ def test_a_preempted_request_drops_its_pin_and_is_loaded_again_when_readmitted(
     assert resumed_blocks is not None
     assert (reload.start, reload.end, reload.block_ids) == (0, 64, tuple(resumed_blocks[0][:4]))
     assert open_plans(store.url) == 1
+    worker_loads(store.url, layout, reload)
     finish_step(scheduler, third, finished_loads={"loading"})
     assert open_plans(store.url) == 0
 
 
-def test_a_request_preempted_and_readmitted_in_one_step_keeps_the_pin_of_its_new_load(
+def test_a_request_preempted_and_readmitted_in_one_step_gets_the_plan_of_its_new_load(
     make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
 ) -> None:
     tokens = prompt(120, seed=13)
@@ -572,6 +615,7 @@ def test_a_request_preempted_and_readmitted_in_one_step_keeps_the_pin_of_its_new
     scheduler = make_scheduler(store.url)
     add_request(scheduler, "reset", tokens)
     first = scheduler.schedule()
+    worker_loads(store.url, layout, *metadata_of(first).loads)
     finish_step(scheduler, first, finished_loads={"reset"})
     assert open_plans(store.url) == 0
 
@@ -586,11 +630,12 @@ def test_a_request_preempted_and_readmitted_in_one_step_keeps_the_pin_of_its_new
     try:
         assert open_plans(store.url) == 1
     finally:
+        worker_loads(store.url, layout, load)
         finish_step(scheduler, second, finished_loads={"reset"})
         assert open_plans(store.url) == 0
 
 
-def test_an_async_disk_load_is_pinned_until_the_worker_reports_it_received(
+def test_an_async_disk_load_is_pinned_until_the_worker_retrieves_it(
     make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
 ) -> None:
     tokens = prompt(120, seed=14)
@@ -606,9 +651,10 @@ def test_an_async_disk_load_is_pinned_until_the_worker_reports_it_received(
     (load,) = metadata_of(first).loads
     assert (load.start, load.end, load.is_async) == (0, 96, True)
     assert open_plans(store.url) == 1
-    finish_step(scheduler, first)
+    finish_step(scheduler, first)  # the worker's load thread has not got to it yet
     assert open_plans(store.url) == 1
 
+    worker_loads(store.url, layout, load)
     second = scheduler.schedule()
     finish_step(scheduler, second, finished_recving={"disk"})
     assert open_plans(store.url) == 0
@@ -666,6 +712,7 @@ def test_a_load_that_falls_short_is_recomputed_from_its_first_missing_block_and_
     assert (load.start, load.end, load.is_async) == (0, 96, on_disk)
 
     block_size = scheduler.block_size
+    worker_loads(store.url, layout, load)
     finish_step(
         scheduler,
         first,
@@ -683,7 +730,7 @@ def test_a_load_that_falls_short_is_recomputed_from_its_first_missing_block_and_
     assert params == {"short": {"kvstore": {"loaded_tokens": num_loaded, "load_failed_tokens": 96 - num_loaded}}}
 
 
-def test_an_abort_during_an_async_disk_load_drops_the_pin_at_once(
+def test_an_abort_during_an_async_disk_load_ends_when_the_worker_is_done_with_it(
     make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
 ) -> None:
     tokens = prompt(120, seed=16)
@@ -692,14 +739,16 @@ def test_an_abort_during_an_async_disk_load_drops_the_pin_at_once(
     scheduler = make_scheduler(store.url)
     add_request(scheduler, "disk", tokens)
     first = scheduler.schedule()
-    assert metadata_of(first).loads[0].is_async
+    (load,) = metadata_of(first).loads
+    assert load.is_async
     assert open_plans(store.url) == 1
 
     scheduler.finish_requests("disk", RequestStatus.FINISHED_ABORTED)
 
-    assert open_plans(store.url) == 0
     # vLLM keeps the blocks until the worker says the load into them is over; then the request is gone.
     assert "disk" in scheduler.requests
+    worker_loads(store.url, layout, load)
+    assert open_plans(store.url) == 0
     finish_step(scheduler, scheduler.schedule(), finished_recving={"disk"})
     assert "disk" not in scheduler.requests
     assert open_plans(store.url) == 0

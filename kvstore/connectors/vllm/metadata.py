@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore.connectors.blend_hook import BlendOutcome
+from kvstore.plan import LookupPlan
 
 __all__ = [
     "BlendSpec",
@@ -36,6 +37,9 @@ class LoadSpec:
         start: the first token to load (vLLM's own block-aligned hit).
         end: one past the last token to load (block-aligned).
         is_async: load off the step; the worker reports completion through ``get_finished``.
+        plan: the scheduler's pinned plan of the prompt, handed over: the worker retrieves (or releases) it instead
+            of looking the prompt up again; ``None``: the worker looks it up itself.
+        plan_owner: the scheduler's ``client_token``, which lets the worker's client retrieve that plan.
     """
 
     request_id: str
@@ -44,6 +48,8 @@ class LoadSpec:
     start: int
     end: int
     is_async: bool
+    plan: LookupPlan | None = None
+    plan_owner: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

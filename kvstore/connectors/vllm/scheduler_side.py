@@ -4,12 +4,15 @@ keep it there until the workers have loaded it, and when a prompt's KV is comple
 Per request::
 
     get_num_new_matched_tokens   lookup without pins (one round trip): side-effect free, may repeat
-    update_state_after_alloc     the hit is taken: look up again *pinned*, queue a LoadSpec for the workers
-    build_connector_meta         hand queued loads to the workers; once a step completes the prefill, a SaveSpec
-                                 for the chunks the store lacks
-    update_connector_output      the workers report finished loads (and how many tokens each put in place): drop
-                                 their pins; a load that fell short marks the request, which is then never offered
-                                 a hit again (vLLM recomputes it, instead of retrying a load that keeps failing)
+    update_state_after_alloc     the hit is taken: look up again *pinned*, queue a LoadSpec for the workers that
+                                 carries the pinned plan and this side's client token
+    build_connector_meta         hand queued loads to the workers, their plans with them (the worker retrieves the
+                                 plan under the token, or releases it: a load is 3 round trips, probe, pinned
+                                 lookup, retrieve); once a step completes the prefill, a SaveSpec for the chunks
+                                 the store lacks
+    update_connector_output      the workers report finished loads (and how many tokens each put in place); a load
+                                 that fell short marks the request, which is then never offered a hit again (vLLM
+                                 recomputes it, instead of retrying a load that keeps failing)
     request_finished / preempt   drop whatever is still pinned or queued; the response's ``kv_transfer_params``
                                  say what was loaded: ``{"kvstore": {"loaded_tokens": N, "load_failed_tokens": M}}``
 
@@ -98,7 +101,8 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     store_prefix_tokens: int = 0
     saved: bool = False
-    pinned: LookupPlan | None = None
+    pinned: LookupPlan | None = None  # until its load goes to the worker, which retrieves or releases it
+    pin_owner: str | None = None  # the scheduler's client token the plan was pinned under
     planned_load_tokens: int = 0  # the load queued or in flight (0: none)
     loaded_tokens: int = 0
     load_failed_tokens: int = 0
@@ -258,7 +262,10 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0]
         first, last = start // self._block_size, end // self._block_size
         self._release_pin(tracked)
-        tracked.pinned = self._link.call("pin", lambda client: client.lookup(tracked.prompt, blend=False))
+        pinned = self._link.call(
+            "pin", lambda client: (client.lookup(tracked.prompt, blend=False), client.client_token)
+        )
+        tracked.pinned, tracked.pin_owner = pinned if pinned is not None else (None, None)
         tracked.planned_load_tokens = end - start
         self._queued_loads[request_id] = LoadSpec(
             request_id=request_id,
@@ -267,6 +274,8 @@ class SchedulerSide:
             start=start,
             end=end,
             is_async=probe.load_async,
+            plan=tracked.pinned,
+            plan_owner=tracked.pin_owner,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
@@ -275,6 +284,10 @@ class SchedulerSide:
             blends=list(self._queued_blends.values()),
             step_tokens=scheduler_output.total_num_scheduled_tokens,
         )
+        for request_id in self._queued_loads:  # the worker retrieves (or releases) the handed plan: not ours now
+            handed = self._tracked.get(request_id)
+            if handed is not None:
+                handed.pinned = handed.pin_owner = None
         self._queued_loads.clear()
         self._queued_blends.clear()
         cached = scheduler_output.scheduled_cached_reqs
@@ -450,9 +463,12 @@ class SchedulerSide:
         )
 
     def _release_pin(self, tracked: _Tracked) -> None:
-        plan, tracked.pinned = tracked.pinned, None
+        """Release a pin this side still holds (a load that never reached a worker), under the token it was taken
+        with: a link that reconnected since has a new one, and the server dropped the old client's plans anyway."""
+        plan, owner = tracked.pinned, tracked.pin_owner
+        tracked.pinned = tracked.pin_owner = None
         if plan is not None:
-            self._link.call("release", lambda client: client.release(plan))
+            self._link.call("release", lambda client: client.release(plan, owner=owner))
 
 
 def _probe(client: Client, prompt: tuple[int, ...], *, blend: bool = False) -> _Probe:

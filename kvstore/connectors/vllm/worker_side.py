@@ -389,23 +389,25 @@ class WorkerSide:
 
     def _retrieve(self, client: Client, spec: LoadSpec, buffers: LoadBuffers) -> _Fetched:
         started = time.perf_counter()
-        # a sync load's engine thread waits for this fetch: a store that does not answer a lookup costs it the lookup
-        # timeout, not the transfer timeout (issue 27)
-        plan = client.lookup(spec.token_ids, blend=False, timeout_s=self._settings.lookup_timeout_s)
+        plan, owner = spec.plan, spec.plan_owner  # the scheduler's pinned plan: retrieved or released here
+        if plan is None:
+            # a sync load's engine thread waits for this fetch: a store that does not answer a lookup costs it the
+            # lookup timeout, not the transfer timeout (issue 27)
+            plan = client.lookup(spec.token_ids, blend=False, timeout_s=self._settings.lookup_timeout_s)
         usable = min(spec.end, plan.num_prefix_tokens)
         usable -= usable % self._block_size
         if usable <= spec.start:
-            client.release(plan)
+            client.release(plan, owner=owner)
             return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started)
         try:
             out = buffers.take(client, plan.end) if self._caches[0].device.type == "cpu" else None
         except KVStoreError:
-            client.release(plan)
+            client.release(plan, owner=owner)
             raise
         try:
-            result = client.retrieve(plan, out)
+            result = client.retrieve(plan, out, owner=owner)
         except KVStoreError:
-            client.release(plan)
+            client.release(plan, owner=owner)
             buffers.give_back(out)
             raise
         usable = min(usable, exact_prefix_tokens(result.segments))  # a chunk that failed its checksum is a gap
