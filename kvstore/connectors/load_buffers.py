@@ -57,16 +57,20 @@ class LoadBuffers:
         With ``create=False`` only a kept buffer is taken and nothing else happens (``None`` when none fits): no
         request reaches the server, so an engine thread may call it whatever state the store is in.
 
-        With ``exact=True`` only a buffer of exactly ``num_tokens`` fits (a save's staging: ``Client.store`` takes
-        the KV of exactly its tokens), and creating one releases the client's other free buffers, so a pool of save
-        staging holds one free buffer however many prompt lengths it saw.
+        With ``exact=True`` the tensor handed out has exactly ``num_tokens`` (a save's staging: gather and
+        ``Client.store`` take the KV of exactly its tokens): a kept buffer with room is reinterpreted over its first
+        bytes as a contiguous ``[L, 2, num_tokens, H, D]`` (a slice of its token axis would not be contiguous), so one
+        buffer as large as the longest save serves every shorter one without a new segment and its first touch.
 
         Raises:
             KVStoreError: the server refused to map a new buffer, or did not answer.
         """
 
         def fits(kept: _Kept) -> bool:
-            return kept.num_tokens == num_tokens if exact else kept.num_tokens >= num_tokens
+            return kept.num_tokens >= num_tokens
+
+        def handed_out(buffer: torch.Tensor) -> torch.Tensor:
+            return _first_tokens(buffer, num_tokens) if exact else buffer
 
         chosen: _Kept | None = None
         if not create:
@@ -77,7 +81,7 @@ class LoadBuffers:
                 chosen = min(fitting, key=lambda kept: kept.num_tokens)
                 self._free.remove(chosen)
                 self._in_use[_key(chosen.buffer)] = chosen
-            return chosen.buffer
+            return handed_out(chosen.buffer)
         unfit: list[_Kept] = []
         with self._lock:
             for kept in sorted(self._free, key=lambda kept: kept.num_tokens):
@@ -85,8 +89,8 @@ class LoadBuffers:
                     self._free.remove(kept)  # its connection is gone: the server no longer maps it
                 elif chosen is None and fits(kept):
                     chosen = kept
-                elif chosen is None or exact:
-                    unfit.append(kept)  # too small (or, for exact, another size): released, not kept
+                elif chosen is None:
+                    unfit.append(kept)  # too small: released, not kept
             for kept in unfit:
                 self._free.remove(kept)
             if chosen is not None:
@@ -95,7 +99,7 @@ class LoadBuffers:
         for kept in unfit:
             _release(kept)
         if chosen is not None:
-            return chosen.buffer
+            return handed_out(chosen.buffer)
         if not client.shares_memory:
             return None
         buffer = client.buffer(num_tokens)  # a server that does not answer is an outage for the caller's link
@@ -123,6 +127,13 @@ class LoadBuffers:
         """Buffers held, free or in use."""
         with self._lock:
             return len(self._free) + len(self._in_use)
+
+
+def _first_tokens(buffer: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``buffer``'s first bytes as a contiguous ``[L, 2, num_tokens, H, D]`` (same storage: the server's region)."""
+    layers, planes, _, heads, head_dim = buffer.shape
+    shape = (layers, planes, num_tokens, heads, head_dim)
+    return buffer.view(-1)[: layers * planes * num_tokens * heads * head_dim].view(shape)
 
 
 def _key(buffer: torch.Tensor) -> int:

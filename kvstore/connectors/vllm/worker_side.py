@@ -478,10 +478,10 @@ class WorkerSide:
     # -- saves ----------------------------------------------------------------------------------------------------
 
     def _new_save(self, spec: SaveSpec) -> _PendingSave:
-        """Staging for a save: on the cpu, a kept shared-memory buffer the server reads directly. On the engine
-        thread (``save_kv_layer``), so it never asks the server anything: without a kept buffer of exactly the
-        save's tokens (a larger one crashed the engine: gather and store take exactly them) it stages in plain
-        memory, and the save thread keeps a shared one of that size for the next save."""
+        """Staging for a save: on the cpu, a kept shared-memory buffer the server reads directly (as a contiguous
+        view of exactly the save's tokens: gather and store take exactly them). On the engine thread
+        (``save_kv_layer``), so it never asks the server anything: without a kept buffer large enough it stages in
+        plain memory, and the save thread keeps a shared one of that size for the next saves."""
         num_tokens = spec.end - spec.start
         device = self._caches[0].device
         staging = None
