@@ -61,7 +61,16 @@ def test_version_takes_well_under_a_second() -> None:
 def test_ctrl_c_while_a_command_loads_is_one_line_and_exit_130(argv: list[str], tmp_path: Path) -> None:
     """SIGINT lands while torch is being imported (``-X importtime`` tells when: its first modules are done)."""
     command = [sys.executable, "-X", "importtime", "-m", "kvstore.cli.main", *argv, "--data-dir", str(tmp_path / "d")]
-    with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT) as process:
+    with subprocess.Popen(
+        command,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        # Ctrl-C as a terminal delivers it: a test run started in the background of a non-interactive shell
+        # (`make test &`) ignores SIGINT, and a child would inherit that and never see the signal.
+        preexec_fn=_default_sigint,
+    ) as process:
         assert process.stderr is not None and process.stdout is not None
         for line in process.stderr:
             if line.split("|")[-1].strip() == "torch._utils":  # torch's import has begun; it takes seconds more
@@ -108,3 +117,7 @@ def test_a_group_alone_prints_its_help_not_an_error(argv: list[str], capsys: pyt
 def test_a_mistyped_command_is_suggested_though_not_loaded(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(["serv"], capsys)
     assert code == 2 and err.strip() == "kvstore: error: No such command 'serv'. Did you mean 'serve'?"
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
