@@ -364,11 +364,6 @@ class SchedulerSide:
         self._tracked.clear()
         self._link.close()
 
-    @property
-    def num_pinned_plans(self) -> int:
-        """Plans this side still holds pinned (0 once every load finished or its request ended)."""
-        return sum(tracked.pinned is not None for tracked in self._tracked.values())
-
     # -- helpers ------------------------------------------------------------------------------------------------
 
     def _queue_blend(

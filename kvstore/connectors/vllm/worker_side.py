@@ -1,10 +1,10 @@
 """The connector's worker half (vLLM's worker process): KV between the store and vLLM's paged blocks.
 
 Loads. A synchronous load (the hit is in a memory tier) is fetched on a background thread as soon as the step starts
-(``start_load_kv``): a pinned lookup of the prompt's prefix, then one retrieve into a shared-memory buffer the server
-writes directly (kept for the next load: ``LoadBuffers``). Entering each attention layer (``wait_for_layer_load``)
-waits for that fetch and scatters that one layer into the request's blocks, so layer 0's attention does not wait
-for the other layers' copies. An asynchronous
+(``start_load_kv``): one retrieve of the plan the scheduler pinned and handed over (``LoadSpec.plan``; a lookup of
+its own only when there is none) into a shared-memory buffer the server writes directly (kept for the next load:
+``LoadBuffers``). Entering each attention layer (``wait_for_layer_load``) waits for that fetch and scatters that one
+layer into the request's blocks, so layer 0's attention does not wait for the other layers' copies. An asynchronous
 load (the hit is on disk) runs whole on its own thread while the engine keeps stepping other requests, and is
 reported done through ``get_finished``.
 
