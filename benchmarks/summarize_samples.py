@@ -6,7 +6,7 @@ Why the slot: on SmolLM2 a blended (or reused) prompt loses planted-fact answers
 first and later documents were cached without it in front of them (docs/benchmarks.md, "Blend quality on SmolLM2").
 Only queries that finished in every mode count, so a run cut short by a time limit is summarised as far as it got.
 
-    .venv/bin/python benchmarks/summarize_samples.py docs/results/h200_quality/*.samples.jsonl [--json]
+    .venv/bin/python benchmarks/summarize_samples.py benchmarks/results/h200_quality/*.samples.jsonl [--json]
 """
 
 from __future__ import annotations
