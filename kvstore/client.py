@@ -327,6 +327,7 @@ class Client:
         progress: RetrieveProgress | None = None,
         memory_only: bool = False,
         owner: str | None = None,
+        start: int = 0,
     ) -> RetrieveResult:
         """``TieredStore.retrieve`` on the server. ``out`` made by ``buffer()`` (or a CUDA tensor, with CUDA IPC)
         is written by the server directly; otherwise the KV lands in the scratch segment and is copied out.
@@ -335,9 +336,13 @@ class Client:
         after the whole retrieve.
 
         ``owner``: the ``client_token`` of the client that looked the plan up, when that is another client (one
-        process pins, another loads: a vLLM scheduler and its worker); the KV still lands in this client's memory."""
+        process pins, another loads: a vLLM scheduler and its worker); the KV still lands in this client's memory.
+        ``start``: the tokens ``[0, start)`` are the caller's already (an engine's own prefix cache); only
+        ``[start, plan.end)`` is moved, and ``out`` holds just those."""
         layout = self._require_layout()
-        needed = plan.end
+        if not 0 <= start <= plan.end:
+            raise InvalidInputError(f"retrieve start {start} is outside the plan's [0, {plan.end}]")
+        needed = plan.end - start
         if out is not None and (out.dim() != 5 or out.shape[2] < needed):
             raise InvalidInputError(
                 f"out shape {list(out.shape)} cannot hold the plan's {needed} tokens; "
@@ -350,16 +355,17 @@ class Client:
         def build() -> tuple[dict[str, object], memoryview | None]:
             staged.clear()
             bulk = self._bulk_for_retrieve(out, needed, staged)
-            return RetrieveArgs(plan_id=plan.plan_id, bulk=bulk, memory_only=memory_only, owner=owner).to_wire(), None
+            args = RetrieveArgs(plan_id=plan.plan_id, bulk=bulk, memory_only=memory_only, owner=owner, start=start)
+            return args.to_wire(), None
 
         reply = self._call(Op.RETRIEVE, build)
         loaded = RetrievedSegments.from_wire(self._result(reply))
-        kv = self._landed_kv(loaded.end, out, device, staged, reply.payload)
+        kv = self._landed_kv(max(0, loaded.end - start), out, device, staged, reply.payload)
         if progress is not None:
             progress.segments_loaded(loaded.segments)
             for layer in range(layout.num_layers):
                 progress.layer_queued(layer)
-        return RetrieveResult(segments=loaded.segments, num_query_tokens=loaded.num_query_tokens, kv=kv)
+        return RetrieveResult(segments=loaded.segments, num_query_tokens=loaded.num_query_tokens, kv=kv, start=start)
 
     def _bulk_for_retrieve(self, out: torch.Tensor | None, needed: int, staged: list[torch.Tensor]) -> BulkRef:
         layout = self._require_layout()
@@ -394,7 +400,8 @@ class Client:
         staged: list[torch.Tensor],
         payload: memoryview | None,
     ) -> torch.Tensor:
-        """The retrieved KV as the caller wants it: a view of ``out``, or a new tensor on ``device``."""
+        """The retrieved KV as the caller wants it (``end`` tokens from the retrieve's start): a view of ``out``, or
+        a new tensor on ``device``."""
         layout = self._require_layout()
         if staged:  # the server wrote into the scratch segment, laid out for the plan's length
             source = staged[0][:, :, :end]

@@ -75,26 +75,29 @@ class Gap:
         return self.end - self.start
 
 
-def gaps_between(segments: tuple[Segment, ...], num_query_tokens: int) -> tuple[Gap, ...]:
-    """The ranges of ``[0, num_query_tokens)`` no segment covers (segments sorted, non-overlapping)."""
+def gaps_between(segments: tuple[Segment, ...], num_query_tokens: int, start: int = 0) -> tuple[Gap, ...]:
+    """The ranges of ``[start, num_query_tokens)`` no segment covers (segments sorted, non-overlapping; the first
+    may begin before ``start``)."""
     gaps: list[Gap] = []
-    cursor = 0
+    cursor = start
     for segment in segments:
         if segment.start > cursor:
             gaps.append(Gap(start=cursor, end=segment.start))
-        cursor = segment.end
+        cursor = max(cursor, segment.end)
     if cursor < num_query_tokens:
         gaps.append(Gap(start=cursor, end=num_query_tokens))
     return tuple(gaps)
 
 
-def exact_prefix_tokens(segments: tuple[Segment, ...]) -> int:
-    """Tokens covered from position 0 by contiguous exact segments: what a prefix-only engine can skip."""
-    cursor = 0
+def exact_prefix_tokens(segments: tuple[Segment, ...], start: int = 0) -> int:
+    """Tokens covered from position 0 by contiguous exact segments: what a prefix-only engine can skip. ``start``:
+    tokens the caller already holds (a retrieve from ``start``), counted as covered; the first segment may begin
+    before it."""
+    cursor = start
     for segment in segments:
-        if not segment.exact or segment.start != cursor:
+        if not segment.exact or segment.start > cursor:
             break
-        cursor = segment.end
+        cursor = max(cursor, segment.end)
     return cursor
 
 
@@ -179,22 +182,27 @@ class RetrieveResult:
         segments: the segments whose KV was loaded (a chunk that turned out corrupt on disk is missing here and
             its range is a gap; without segmented prefix the exact segments after it are dropped too).
         num_query_tokens: length of the prompt.
-        kv: ``[num_layers, 2, end, num_kv_heads, head_dim]`` where ``end`` is the last loaded segment's end; gaps
-            are left as they were (a view of the caller's buffer when one was given).
+        kv: ``[num_layers, 2, end - start, num_kv_heads, head_dim]`` where ``end`` is the last loaded segment's
+            end (``start`` when none loaded): token ``start + i`` at index ``i``; gaps are left as they were (a view
+            of the caller's buffer when one was given).
+        start: the first token retrieved; the caller holds ``[0, start)`` (``retrieve(start=...)``), and the
+            segments that end there are neither loaded nor listed (the first listed may begin before it).
     """
 
     segments: tuple[Segment, ...]
     num_query_tokens: int
     kv: torch.Tensor
+    start: int = 0
 
     @property
     def gaps(self) -> tuple[Gap, ...]:
-        return gaps_between(self.segments, self.num_query_tokens)
+        """The ranges of ``[start, num_query_tokens)`` not loaded."""
+        return gaps_between(self.segments, self.num_query_tokens, self.start)
 
     @property
     def num_prefix_tokens(self) -> int:
-        """Leading tokens loaded from exact segments without a gap."""
-        return exact_prefix_tokens(self.segments)
+        """Leading tokens loaded (or held by the caller, before ``start``) from exact segments without a gap."""
+        return exact_prefix_tokens(self.segments, self.start)
 
     @property
     def num_cached_tokens(self) -> int:

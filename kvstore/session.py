@@ -39,6 +39,7 @@ class SessionOwner(Protocol):
         device: str | torch.device = ...,
         progress: RetrieveProgress | None = ...,
         memory_only: bool = ...,
+        start: int = ...,
     ) -> RetrieveResult: ...
 
     def release(self, plan: LookupPlan) -> None: ...
@@ -79,9 +80,10 @@ class Session:
         device: str | torch.device = "cpu",
         progress: RetrieveProgress | None = None,
         memory_only: bool = False,
+        start: int = 0,
     ) -> RetrieveResult:
         """``TieredStore.retrieve``."""
-        return self._owner.retrieve(plan, out, device=device, progress=progress, memory_only=memory_only)
+        return self._owner.retrieve(plan, out, device=device, progress=progress, memory_only=memory_only, start=start)
 
     def release(self, plan: LookupPlan) -> None:
         """``TieredStore.release``."""

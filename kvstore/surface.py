@@ -53,6 +53,7 @@ class StoreSurface(Protocol):
         device: str | torch.device = "cpu",
         progress: RetrieveProgress | None = None,
         memory_only: bool = False,
+        start: int = 0,
     ) -> RetrieveResult: ...
 
     def release(self, plan: LookupPlan) -> None: ...

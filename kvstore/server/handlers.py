@@ -307,12 +307,12 @@ class RequestHandler:
         started_s = time.perf_counter()
         plan = self._clients.take_plan(args.owner or client_id, args.plan_id).plan  # the bulk is the caller's
         try:
-            out = self._retrieve_target(client_id, args.bulk, store, plan)
+            out = self._retrieve_target(client_id, args, store, plan)
         except BaseException:
             store.release(plan)  # the plan left the registry: its pins must not leak
             raise
         try:
-            result = store.retrieve(plan, out, memory_only=args.memory_only)
+            result = store.retrieve(plan, out, memory_only=args.memory_only, start=args.start)
         except InvalidInputError:
             raise
         except ConfigError as exc:  # its session ended between our registry and the store's ledger
@@ -336,20 +336,26 @@ class RequestHandler:
         return ReplyFrames(encode_ok(request.request_id, reply), payload)
 
     def _retrieve_target(
-        self, client_id: str, bulk: BulkRef, store: TieredStore, plan: LookupPlan
+        self, client_id: str, args: RetrieveArgs, store: TieredStore, plan: LookupPlan
     ) -> torch.Tensor | None:
-        """Where a retrieve writes: a client's region or tensor, or ``None`` (inline: the store allocates)."""
+        """Where a retrieve writes tokens ``[start, plan end)``: a client's region or tensor, or ``None`` (inline:
+        the store allocates)."""
         layout = store.layout
-        if isinstance(bulk, InlineBulk):
+        if args.start > plan.end:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT, f"retrieve start {args.start} is past the plan's end ({plan.end})"
+            )
+        num_tokens = plan.end - args.start
+        if isinstance(args.bulk, InlineBulk):
             limit = self._identity.limits.max_payload_bytes
-            if layout.chunk_bytes(plan.end) > limit:
+            if layout.chunk_bytes(num_tokens) > limit:
                 raise RequestError(
                     ErrorCode.TOO_LARGE,
-                    f"the plan's KV is {layout.chunk_bytes(plan.end):,} bytes, over the inline limit of {limit:,}; "
+                    f"the plan's KV is {layout.chunk_bytes(num_tokens):,} bytes, over the inline limit of {limit:,}; "
                     "retrieve through shared memory (same host) or look up a shorter prompt",
                 )
             return None
-        return self._bulk_tensor(client_id, bulk, layout, plan.end, None)
+        return self._bulk_tensor(client_id, args.bulk, layout, num_tokens, None)
 
     def _bulk_tensor(
         self, client_id: str, bulk: BulkRef, layout: KVLayout, num_tokens: int, payload: memoryview | None

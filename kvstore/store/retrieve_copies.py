@@ -16,7 +16,7 @@ import torch
 from kvstore.errors import InvalidInputError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan, RetrieveProgress
+from kvstore.plan import RetrieveProgress
 from kvstore.tiers.base import Tier
 
 __all__ = ["LAYERS_PER_STEP", "DiskReads", "copy_from_memory", "prepared_out"]
@@ -28,15 +28,12 @@ the per-copy host cost competed with the prefill's own kernel launches. The firs
 memory) lands while layer 0 computes (measured: docs/design-notes.md#store)."""
 
 
-def prepared_out(
-    layout: KVLayout, plan: LookupPlan, out: torch.Tensor | None, device: str | torch.device
-) -> torch.Tensor:
-    """``out`` checked to hold the plan's tokens in the layout, or a new tensor on ``device``.
+def prepared_out(layout: KVLayout, needed: int, out: torch.Tensor | None, device: str | torch.device) -> torch.Tensor:
+    """``out`` checked to hold ``needed`` tokens in the layout, or a new tensor on ``device``.
 
     Raises:
         InvalidInputError: ``out`` has the wrong shape or dtype.
     """
-    needed = plan.end
     if out is None:
         return torch.empty(layout.chunk_shape(needed), dtype=layout.dtype.torch_dtype, device=device)
     if out.dim() != 5 or out.shape[2] < needed:
@@ -54,8 +51,8 @@ def copy_from_memory(
     progress: RetrieveProgress | None,
     num_layers: int,
 ) -> None:
-    """Copy pinned chunks (``(chunk view, place)`` pairs) into the caller's buffer: whole chunks, or layers-first
-    steps when someone watches.
+    """Copy pinned chunks and decoded tails (``(source, place)`` pairs) into the caller's buffer: whole chunks, or
+    layers-first steps when someone watches.
 
     Copies to a device are queued without waiting (pinned host memory, or device memory) and awaited once at the end,
     before the caller drops the pins: a chunk must not be evicted and overwritten while a copy out of it is still in

@@ -468,13 +468,15 @@ class TieredStore:
         device: str | torch.device = "cpu",
         progress: RetrieveProgress | None = None,
         memory_only: bool = False,
+        start: int = 0,
     ) -> RetrieveResult:
         """Load the KV of a plan's segments to their places in the prompt, then release the plan's pins.
 
         Args:
             plan: from ``lookup``; each plan is retrieved (or released) once.
-            out: a buffer ``[num_layers, 2, >= plan.end, num_kv_heads, head_dim]`` of the layout's dtype on any
-                device; gaps are left untouched. When omitted a tensor is allocated on ``device``.
+            out: a buffer ``[num_layers, 2, >= plan.end - start, num_kv_heads, head_dim]`` of the layout's dtype
+                on any device, token ``start + i`` at index ``i``; gaps are left untouched. When omitted a tensor
+                is allocated on ``device``.
             device: where to allocate when ``out`` is omitted.
             progress: when given, the chunks held in memory tiers are copied a few layers at a time (every
                 chunk's layers 0-3, then 4-7, ...) and ``progress`` hears of each layer (``RetrieveProgress``): a
@@ -484,6 +486,9 @@ class TieredStore:
                 others become gaps at once, without waiting for the disk. Their prefetches go on and leave the
                 chunks in the cpu tier for the next lookup. For a caller that recomputes faster than the disk
                 reads (``kvstore.blend.load_cost``).
+            start: the caller already holds the prompt's tokens ``[0, start)`` (an engine's own prefix cache): only
+                ``[start, plan.end)`` is loaded, and ``out`` holds only those. Segments that end by ``start`` are
+                not read; one that straddles it is read whole and its tail copied.
 
         Returns:
             The segments loaded and the KV (a view of ``out`` when given). A chunk that fails to load (corrupt on
@@ -491,9 +496,11 @@ class TieredStore:
 
         Raises:
             ConfigError: the plan was already retrieved or released, or its session ended.
-            InvalidInputError: ``out`` has the wrong shape or dtype.
+            InvalidInputError: ``out`` has the wrong shape or dtype, or ``start`` is outside ``[0, plan.end]``.
         """
         self._check_open()
+        if not 0 <= start <= plan.end:
+            raise InvalidInputError(f"retrieve start {start} is outside the plan's [0, {plan.end}]")
         if not memory_only:
             plan.wait()
         pins = self._ledger.take_plan(plan.plan_id)
@@ -503,8 +510,8 @@ class TieredStore:
             )
         loaded: list[Segment] = []
         try:
-            out = prepared_out(self.layout, plan, out, device)
-            copies = self._load_segments(plan, pins, out, loaded, memory_only=memory_only)
+            out = prepared_out(self.layout, plan.end - start, out, device)
+            copies = self._load_segments(plan, pins, out, loaded, memory_only=memory_only, start=start)
             if progress is not None:
                 progress.segments_loaded(tuple(loaded))
             copy_from_memory(copies, out.device, progress, self.layout.num_layers)
@@ -512,31 +519,43 @@ class TieredStore:
             self._unpin(pins)
         if self.config.promote_on_hit and self._gpu is not None:
             self._promote_to_gpu([segment for segment in loaded if segment.tier is not TierName.GPU])
-        end = loaded[-1].end if loaded else 0
-        return RetrieveResult(segments=tuple(loaded), num_query_tokens=plan.num_query_tokens, kv=out[:, :, :end])
+        end = loaded[-1].end if loaded else start
+        return RetrieveResult(
+            segments=tuple(loaded), num_query_tokens=plan.num_query_tokens, kv=out[:, :, : end - start], start=start
+        )
 
     def _load_segments(
-        self, plan: LookupPlan, pins: Sequence[Pin], out: torch.Tensor, loaded: list[Segment], *, memory_only: bool
+        self,
+        plan: LookupPlan,
+        pins: Sequence[Pin],
+        out: torch.Tensor,
+        loaded: list[Segment],
+        *,
+        memory_only: bool,
+        start: int,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Decode the plan's disk chunks into ``out`` (unless ``memory_only``) and append every segment that will
-        be served to ``loaded``.
+        be served to ``loaded``; ``out`` begins at token ``start``, and segments ending by it are skipped.
 
-        Returns the ``(pinned chunk view, place in out)`` pairs of the chunks in memory tiers, still to be copied:
-        those copies cannot fail, so the segments are final before any of them runs.
+        Returns the ``(source, place in out)`` pairs still to be copied: pinned chunk views of the memory tiers, and
+        the tail of a decoded chunk that straddles ``start``. Those copies cannot fail, so the segments are final
+        before any of them runs.
         """
         landed = {key for tier, key in pins if tier is self._cpu}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         prefix_cut = False
         shared_reads = self._fleet.reads(plan, landed)
         for segment in plan.segments:
-            if segment.exact and prefix_cut:
+            if (segment.exact and prefix_cut) or segment.end <= start:
                 continue
-            place = out[:, :, segment.start : segment.end]
+            held = max(0, start - segment.start)  # the segment's leading tokens the caller already holds
+            target = out[:, :, segment.start + held - start : segment.end - start]
             tier = self._cpu if segment.key in landed else self._local_tier(segment.tier)
             if isinstance(tier, ArenaTier):
                 view = tier.view(segment.key)
-                if view.shape == place.shape:  # a copy must never broadcast one token's KV over a longer segment
-                    copies.append((view, place))
+                # a copy must never broadcast one token's KV over a longer segment
+                if view.shape[2] == segment.num_tokens:
+                    copies.append((view[:, :, held:], target))
                     loaded.append(segment)
                     continue
                 logger.warning("retrieve: chunk %s holds %d tokens, its plan says %d (a directory or index entry "
@@ -548,15 +567,16 @@ class TieredStore:
             if memory_only:  # left to the caller to compute, as a failed load is
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 continue
+            place = target if held == 0 else self._whole_chunk(segment, out)
             if shared_reads is not None and shared_reads.serves(segment):
                 record = shared_reads.load_into(segment.key, place)
                 if record is not None:
-                    loaded.append(segment)
+                    self._served_decoded(segment, place, held, target, loaded, copies)
                     if self.config.promote_on_hit:
                         self._put_new_chunk(record, place)  # into the local tiers (the shared one knows it)
                     continue
             elif self._disk_reads is not None and self._disk_reads.load_into(segment.key, segment.num_tokens, place):
-                loaded.append(segment)
+                self._served_decoded(segment, place, held, target, loaded, copies)
                 continue
             # A remote chunk Valkey evicted is an ordinary miss (the remote tier logs outages and corruption).
             logger.log(logging.DEBUG if segment.tier is TierName.REMOTE else logging.WARNING,
@@ -564,6 +584,24 @@ class TieredStore:
                        segment.key.hex(), segment.tier.value, segment.start, segment.end)  # fmt: skip
             prefix_cut = segment.exact and not self.config.enable_segmented_prefix
         return copies
+
+    def _whole_chunk(self, segment: Segment, out: torch.Tensor) -> torch.Tensor:
+        """Room to decode a chunk whole beside ``out``, when only its tail belongs there."""
+        return torch.empty(self.layout.chunk_shape(segment.num_tokens), dtype=out.dtype, device=out.device)
+
+    @staticmethod
+    def _served_decoded(
+        segment: Segment,
+        place: torch.Tensor,
+        held: int,
+        target: torch.Tensor,
+        loaded: list[Segment],
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """A decoded segment is served; one decoded whole aside (it straddles the start) still has its tail to copy."""
+        loaded.append(segment)
+        if held:
+            copies.append((place[:, :, held:], target))
 
     def _local_tier(self, name: TierName) -> Tier | None:
         return next((tier for tier in self._tiers if tier.name is name), None)

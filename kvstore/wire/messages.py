@@ -10,7 +10,8 @@ prompt is a 60 KB memcpy, not 15k msgpack ints to decode). Chunk keys are 16-byt
     goodbye      -                                                 - (plans, sessions, segments dropped)
     store        tokens, bulk (BulkRef), durable, start | absent   StoreResult (of the chunks from start)
     lookup       tokens, session_id | nil, blend | nil             plan: plan_id, num_query_tokens, segments (rows)
-    retrieve     plan_id, bulk (where the KV goes)                 loaded segments, end (+ inline payload)
+    retrieve     plan_id, bulk (where the KV goes), start | absent, loaded segments from start, end (+ inline payload
+                 memory_only | absent, owner | absent              of tokens [start, end))
     release      plan_id                                           -
     end_session  session_id                                        -
     flush        -                                                 -
@@ -27,7 +28,8 @@ A ``BulkRef`` says where a request's KV is (store) or should go (retrieve): ``{"
 frame), ``{"kind": "shm", "segment_id", "offset", "nbytes"}`` (a region of a segment this client attached), or
 ``{"kind": "cuda_ipc", ...}`` (a CUDA tensor shared by handle, ``cuda_ipc``). A store's bulk holds the KV of
 ``tokens[start:]`` only; ``start`` (a chunk boundary, 0 when absent) is sent only when it is not 0, so a server
-from before the field still takes every other store.
+from before the field still takes every other store. A retrieve's ``start`` (any token) likewise: the caller holds
+``[0, start)``, and only ``[start, end)`` travels.
 
 Pure values; thread-safe.
 """
@@ -80,6 +82,7 @@ _MAX_LAYOUT_JSON_CHARS = 64 * 1024
 _MAX_SEGMENT_ID = 2**31 - 1
 _MAX_PLAN_ID = 2**63 - 1
 _MAX_OFFSET = 2**48
+_MAX_RETRIEVE_START = 2**40  # a token position; the store checks it against the plan
 _SHM_ALIGN_BYTES = 64
 _MAX_LAYOUT_DIM = 1 << 16
 
@@ -295,14 +298,16 @@ class LookupArgs:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetrieveArgs:
-    """Load a plan's KV into ``bulk`` (for shm: exactly ``layout.chunk_bytes(plan end)`` bytes); with
-    ``memory_only`` skip what only the disk holds (``TieredStore.retrieve``); ``owner``: the token of the client that
-    looked the plan up, when that is another client of the server (a plan handed over: ``PlanArgs``)."""
+    """Load a plan's KV from token ``start`` into ``bulk`` (for shm: exactly ``layout.chunk_bytes(plan end - start)``
+    bytes); with ``memory_only`` skip what only the disk holds (``TieredStore.retrieve``); ``owner``: the token of
+    the client that looked the plan up, when that is another client of the server (a plan handed over: ``PlanArgs``).
+    """
 
     plan_id: int
     bulk: BulkRef
     memory_only: bool = False
     owner: str | None = None
+    start: int = 0
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> RetrieveArgs:
@@ -311,6 +316,7 @@ class RetrieveArgs:
             bulk=parse_bulk(fields.map_("bulk")),
             memory_only=bool(fields.bool_("memory_only", optional=True)),
             owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
+            start=fields.int_("start", 0, _MAX_RETRIEVE_START, optional=True) or 0,
         )
         fields.finish()
         return parsed
@@ -321,6 +327,8 @@ class RetrieveArgs:
             wire["memory_only"] = True
         if self.owner is not None:
             wire["owner"] = self.owner
+        if self.start:
+            wire["start"] = self.start
         return wire
 
 

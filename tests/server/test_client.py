@@ -149,6 +149,35 @@ def test_a_plan_is_handed_to_another_client_by_the_owners_token(server: ServerPr
         scheduler.retrieve(kept)
 
 
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_a_retrieve_from_start_moves_only_the_tokens_after_it(server: ServerProcess, transport: str) -> None:
+    """An engine whose own prefix cache holds ``[0, start)`` retrieves from ``start``: the bytes that travel (the
+    server's bulk count) are the tail's, into a buffer sized for the tail; a start past the plan is refused before
+    anything is sent."""
+    num_tokens, start = 3 * CHUNK_SIZE + 5, CHUNK_SIZE + 7
+    tokens, kv = make_tokens(num_tokens, seed=45), make_kv(SERVER_LAYOUT, num_tokens, seed=45)
+    with Client(server.url, SERVER_LAYOUT, transport=transport) as client:
+        client.store(tokens, kv)
+        before = retrieved_bytes(server, transport)
+        out = client.buffer(num_tokens - start) if transport == "shm" else None
+        result = client.retrieve(client.lookup(tokens), out, start=start)
+        assert torch.equal(result.kv, kv[:, :, start:]) and result.num_prefix_tokens == num_tokens
+        assert [segment.start for segment in result.segments] == [CHUNK_SIZE, 2 * CHUNK_SIZE, 3 * CHUNK_SIZE]
+        assert retrieved_bytes(server, transport) - before == SERVER_LAYOUT.chunk_bytes(num_tokens - start)
+        plan = client.lookup(tokens)
+        with pytest.raises(InvalidInputError, match="outside the plan"):
+            client.retrieve(plan, start=num_tokens + 1)
+        assert torch.equal(client.retrieve(plan, start=num_tokens).kv, kv[:, :, :0]), "refused before it was sent"
+
+
+def retrieved_bytes(server: ServerProcess, transport: str) -> float:
+    """The server's count of KV bytes retrieved through ``transport`` (its metrics endpoint)."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    prefix = f'kvstore_bulk_bytes_total{{direction="retrieved",transport="{transport}"}} '
+    return sum(float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix))
+
+
 def release_requests(server: ServerProcess) -> float:
     """The server's count of release requests answered (its metrics endpoint)."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
@@ -289,4 +318,3 @@ def test_metrics_count_requests_latency_and_bytes(server: ServerProcess) -> None
     assert values['kvstore_tier_used_bytes{tier="cpu"}'] > 0
     assert values['kvstore_requests_total{op="lookup",outcome="ok"}'] >= 1
     assert "kvstore_blend_strikes_total" in values and "kvstore_lookup_coverage_ratio_count" in values
-

@@ -192,6 +192,27 @@ def test_inline_retrieves_over_the_limit_are_refused_and_release_the_plan(harnes
     assert store.stats().num_open_plans == 0, "the refused plan's pins were released"
 
 
+def test_a_retrieve_from_start_replies_with_the_tail_and_a_start_past_the_plan_releases_it(harness: Harness) -> None:
+    client = harness.hello()
+    tokens = as_token_array(make_tokens(40, seed=7))
+    kv, _ = kv_bytes(40, 7)
+    store = harness.host.require()
+    store.store(tokens, kv)
+    lookup = LookupArgs(tokens=tokens, session_id=None, blend=None).to_wire()
+    plan, _ = harness.ok(Op.LOOKUP, lookup, client)
+    retrieve = RetrieveArgs(plan_id=plan.required_int("plan_id", 0, 2**62), bulk=InlineBulk(), start=CHUNK_SIZE + 3)
+    result, raw = harness.ok(Op.RETRIEVE, retrieve.to_wire(), client)
+    loaded = RetrievedSegments.from_wire(result)
+    assert [segment.start for segment in loaded.segments] == [CHUNK_SIZE, 2 * CHUNK_SIZE] and loaded.end == 40
+    tail = kv[:, :, CHUNK_SIZE + 3 :].contiguous()
+    assert raw.payload is not None and bytes(raw.payload) == tail.view(torch.uint8).numpy().tobytes()
+    plan, _ = harness.ok(Op.LOOKUP, lookup, client)
+    past = RetrieveArgs(plan_id=plan.required_int("plan_id", 0, 2**62), bulk=InlineBulk(), start=41)
+    assert harness.code(Op.RETRIEVE, past.to_wire(), client) == ErrorCode.INVALID_ARGUMENT
+    assert store.stats().num_open_plans == 0, "the refused plan's pins were released"
+    assert "start" not in RetrieveArgs(plan_id=1, bulk=InlineBulk()).to_wire(), "sent only when not 0"
+
+
 def test_admin_ops_and_their_errors(harness: Harness) -> None:
     client = harness.hello()
     admin = harness.hello(layout=None, pid=4343)

@@ -32,7 +32,7 @@ from kvstore import Client
 from kvstore.bench.remote_fleet import lookup_when_known
 from kvstore.bench.valkey_servers import ValkeyServer
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.plan import LookupPlan, Segment, exact_prefix_tokens
+from kvstore.plan import LookupPlan, Segment
 from kvstore.tiers.base import TierName
 from tests.factories import flip_frame_bit, make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess, running_server
@@ -133,29 +133,31 @@ def _stored_kv(segment: Segment, prompt: npt.NDArray[np.int64], documents: tuple
 
 
 def _retrieve(
-    transport: str, client: Client, plan: LookupPlan, load_buffers: LoadBuffers
+    transport: str, client: Client, plan: LookupPlan, load_buffers: LoadBuffers, start: int
 ) -> tuple[list[Segment], torch.Tensor, int]:
-    """Retrieve through one transport: the segments reported served, the KV as the caller sees it, and how many
-    tokens from 0 the caller may use (the connector uses the exact prefix only)."""
+    """Retrieve tokens ``[start, end)`` through one transport: the segments reported served, the KV as the caller
+    sees it (token ``start + i`` at index ``i``), and up to which token the caller may use it (the connector uses the
+    exact prefix only)."""
     if transport in ("inline", "shm_scratch"):
-        result = client.retrieve(plan)
+        result = client.retrieve(plan, start=start)
         assert transport == "inline" or result.kv.device.type == "cpu"
-        return list(result.segments), result.kv, result.kv.shape[2]
+        return list(result.segments), result.kv, start + result.kv.shape[2]
+    needed = plan.end - start
     if transport == "shm_region":
-        out = client.buffer(plan.end + 5)  # a region longer than the plan, as a caller's buffer may be
+        out = client.buffer(needed + 5)  # a region longer than the plan, as a caller's buffer may be
         out.fill_(UNWRITTEN)
     elif transport in ("caller_out", "cuda_ipc"):
         device = "cuda" if transport == "cuda_ipc" else "cpu"
-        shape, dtype = SERVER_LAYOUT.chunk_shape(plan.end + 3), SERVER_LAYOUT.dtype.torch_dtype
+        shape, dtype = SERVER_LAYOUT.chunk_shape(needed + 3), SERVER_LAYOUT.dtype.torch_dtype
         out = torch.full(shape, UNWRITTEN, dtype=dtype, device=device)
     else:  # the connector's kept buffers: not refilled, so an earlier load's KV lies past what this one writes
-        kept = load_buffers.take(client, plan.end)
+        kept = load_buffers.take(client, needed)
         assert kept is not None, "the server is on this host: the connector gets a shared buffer"
         out = kept
     try:
-        result = client.retrieve(plan, out)
+        result = client.retrieve(plan, out, start=start)
         assert result.kv.numel() == 0 or result.kv.data_ptr() == out.data_ptr(), "the KV lands in the caller's buffer"
-        usable = exact_prefix_tokens(result.segments) if transport == "connector_buffer" else result.kv.shape[2]
+        usable = result.num_prefix_tokens if transport == "connector_buffer" else start + result.kv.shape[2]
         return list(result.segments), result.kv.cpu().clone(), usable
     finally:
         if transport == "connector_buffer":
@@ -169,16 +171,20 @@ def _assert_served_as_stored(
     plan: LookupPlan,
     prompt: npt.NDArray[np.int64],
     documents: tuple[Document, ...],
+    start: int,
 ) -> None:
     planned = list(plan.segments)
     assert all(segment in planned for segment in served), "only planned segments are reported served"
+    assert all(segment.end > start for segment in served), "a segment the caller holds already is not served"
     assert served == sorted(served, key=lambda segment: segment.start), "in prompt order"
-    end = served[-1].end if served else 0
-    assert kv.shape[2] >= min(end, usable), f"the KV holds the served tokens: {kv.shape[2]} < {end}"
+    end = served[-1].end if served else start
+    assert kv.shape[2] >= min(end, usable) - start, f"the KV holds the served tokens: {kv.shape[2]} < {end} - {start}"
     for segment in served:
         if segment.end > usable:
             continue
-        same = torch.equal(kv[:, :, segment.start : segment.end], _stored_kv(segment, prompt, documents))
+        first = max(segment.start, start)  # a segment straddling the start is served from there
+        stored = _stored_kv(segment, prompt, documents)[:, :, first - segment.start :]
+        same = torch.equal(kv[:, :, first - start : segment.end - start], stored)
         assert same, f"segment {segment} is reported served but its KV differs from what was stored"
 
 
@@ -193,13 +199,14 @@ def _wait_until_remote_available(client: Client, timeout_s: float = 20.0) -> Non
     raise AssertionError(f"the remote stayed unavailable for {timeout_s:g} s")
 
 
-def _expected_served(plan: LookupPlan, failed: set[bytes], segmented: bool) -> list[Segment]:
-    """What a disk-only store serves when ``failed`` chunks cannot load: the rest, except that without segmented
-    prefix an exact segment after a failed exact one is dropped too (its prefix is gone)."""
+def _expected_served(plan: LookupPlan, failed: set[bytes], segmented: bool, start: int) -> list[Segment]:
+    """What a disk-only store serves from ``start`` when ``failed`` chunks cannot load: the rest, except that
+    without segmented prefix an exact segment after a failed exact one is dropped too (its prefix is gone). A
+    segment that ends by ``start`` is the caller's: neither read nor served."""
     served: list[Segment] = []
     cut = False
     for segment in plan.segments:
-        if segment.exact and cut:
+        if segment.end <= start or (segment.exact and cut):
             continue
         if segment.key in failed:
             cut = cut or (segment.exact and not segmented)
@@ -215,6 +222,7 @@ DISK_CASES = {
     "num_chunks": st.integers(2, 6),
     "tail": st.integers(0, CHUNK_SIZE - 1),
     "victims": st.lists(st.integers(0, 7), min_size=1, max_size=2, unique=True),
+    "start": st.sampled_from((0, 0, 1, CHUNK_SIZE - 1, CHUNK_SIZE, 2 * CHUNK_SIZE + 5, 10**6)),  # 10**6: the end
 }
 
 
@@ -248,6 +256,7 @@ def _check_disk_shortfall(
     num_chunks: int,
     tail: int,
     victims: list[int],
+    start: int,
 ) -> None:
     name = "disk_segmented" if segmented else "disk_cut"
     server = getattr(hosts, name)
@@ -274,9 +283,11 @@ def _check_disk_shortfall(
         else:
             assert client.evict(sorted(chosen)) == 0, "a planned chunk is pinned: its copy stays until the retrieve"
             failed = set()
-    served, kv, usable = _retrieve(transport, client, plan, load_buffers)
-    _assert_served_as_stored(served, kv, usable, plan, prompt, documents)
-    assert served == _expected_served(plan, failed, segmented), "exactly the chunks that loaded are reported served"
+    start = min(start, plan.end)
+    served, kv, usable = _retrieve(transport, client, plan, load_buffers, start)
+    _assert_served_as_stored(served, kv, usable, plan, prompt, documents, start)
+    expected = _expected_served(plan, failed, segmented, start)
+    assert served == expected, "exactly the chunks that loaded are reported served"
     assert server.process.poll() is None
 
 
@@ -285,6 +296,7 @@ REMOTE_CASES = {
     "shape": st.sampled_from(("alone", "moved")),
     "num_chunks": st.integers(2, 6),
     "victim": st.integers(0, 7),
+    "start": st.sampled_from((0, 0, 1, CHUNK_SIZE + 3)),
 }
 
 
@@ -315,6 +327,7 @@ def _check_remote_shortfall(
     shape: str,
     num_chunks: int,
     victim: int,
+    start: int,
 ) -> None:
     """Another host stored the document; this one has no memory tier, so every chunk is read from Valkey at
     retrieve time. A value gone, or a Valkey that stops answering, leaves gaps; a remote outage that an earlier
@@ -331,20 +344,22 @@ def _check_remote_shortfall(
     reader.release(known)
     assert {segment.tier for segment in known.segments} == {TierName.REMOTE}, "the reader holds nothing locally"
     plan = reader.lookup(prompt)
-    victim_key = plan.segments[victim % len(plan.segments)].key
+    victim_segment = plan.segments[victim % len(plan.segments)]
+    victim_key = victim_segment.key
+    start = min(start, victim_segment.end - 1)  # the caller does not hold the victim: it is read
     if shortfall == "remote_value_gone":
         with hosts.valkey.client() as valkey:
             names = list(valkey.scan_iter(match=f"*{{{victim_key.hex()}}}"))
             assert len(names) == 1, f"one value per chunk: {names}"
             valkey.delete(*names)
-        served, kv, usable = _retrieve(transport, reader, plan, load_buffers)
+        served, kv, usable = _retrieve(transport, reader, plan, load_buffers, start)
     else:
         hosts.valkey.pause()
         try:
-            served, kv, usable = _retrieve(transport, reader, plan, load_buffers)
+            served, kv, usable = _retrieve(transport, reader, plan, load_buffers, start)
         finally:
             hosts.valkey.resume()
-    _assert_served_as_stored(served, kv, usable, plan, prompt, (document,))
+    _assert_served_as_stored(served, kv, usable, plan, prompt, (document,), start)
     assert victim_key not in {segment.key for segment in served}, "the chunk that could not load is not served"
     assert len(served) < len(plan.segments), "the serve came up short"
     assert hosts.fleet_reader.process.poll() is None

@@ -15,7 +15,8 @@ dir, each step building on the last:
     engine 2  the same server,       second (hits what engine 1 stored), query0 at ratio 1.0, query1-3 at the
               kvstore.blend on       default ratio (CacheBlend inside vLLM over engine 1's documents), third (opted
                                      out), [no pins left; server killed], third
-    engine 3  embedded default       first (a new engine and a new private server on the data dir: a disk hit)
+    engine 3  embedded default,      shared_prefix (a new engine and a new private server on the data dir: a disk
+              vLLM's prefix cache on  hit), first (vLLM's own cache hits the shared blocks, the store loads the rest)
 
 The blended queries are also run through the standalone ``LayerwiseBlender`` (Hugging Face modules, its own store
 holding the same documents), which must recompute the same positions and answer the planted facts as often.
@@ -156,10 +157,19 @@ def test_engines_store_share_survive_a_killed_server_and_restart_from_disk_with_
     assert after_kill.token_ids[:MAX_TOKENS] == cold["third"]
 
     embedded = {"kvstore.data_dir": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size": "512MiB"}
-    (restarted,) = run_engine(connector_spec(vllm_model_dir, vllm_env, [prompts["first"]], embedded))
+    restarted, behind_vllms_hit = run_engine(
+        connector_spec(
+            vllm_model_dir, vllm_env, [prompts["shared_prefix"], prompts["first"]], embedded, enable_prefix_caching=True
+        )
+    )
     assert restarted.num_cached_tokens == FULL_HIT_TOKENS, "the cache survived the kill and the restart on disk"
     assert restarted.kvstore_loaded_tokens == FULL_HIT_TOKENS, "loaded from disk, not recomputed after a failed load"
-    assert restarted.token_ids == cold["first"]
+    assert restarted.token_ids == cold["shared_prefix"]
+    # vLLM's own prefix cache now holds the blocks shared with shared_prefix (stored by engine 1): the store loads
+    # only what lies after them (a retrieve from vLLM's hit: the tokens before it never travel)
+    assert behind_vllms_hit.num_cached_tokens == FULL_HIT_TOKENS
+    assert behind_vllms_hit.kvstore_loaded_tokens == FULL_HIT_TOKENS - SHARED_PREFIX_TOKENS
+    assert behind_vllms_hit.token_ids == cold["first"]
     assert not (data_dir / "serve.json").exists(), "the private server stopped with its engine"
 
 

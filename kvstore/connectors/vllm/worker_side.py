@@ -39,6 +39,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,6 @@ from kvstore.connectors.vllm.metadata import (
 )
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout
-from kvstore.plan import exact_prefix_tokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,19 +72,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Fetched:
-    """A load's KV as retrieved: ``kv`` covers tokens ``[0, loaded_end)`` at least (``None`` when nothing); ``buffer``
-    is the load buffer it lies in, to give back once the KV is in the blocks."""
+    """A load's KV as retrieved: ``kv`` covers tokens ``[spec.start, loaded_end)`` at least, from index 0 (``None``
+    when nothing); ``buffer`` is the load buffer it lies in, to give back once the KV is in the blocks;
+    ``block_ids``: the blocks the loaded tokens fill, on the cache's device (made once on the fetch thread, not per
+    layer on the engine's)."""
 
     kv: torch.Tensor | None
     loaded_end: int
     seconds: float
     buffer: torch.Tensor | None = None
+    block_ids: torch.Tensor | None = None
 
 
 @dataclass(slots=True, kw_only=True)
 class _PendingSave:
     spec: SaveSpec
     staging: torch.Tensor
+    block_ids: torch.Tensor  # on the cache's device, made once for every layer's gather
     num_layers_gathered: int = 0
 
 
@@ -261,8 +265,7 @@ class WorkerSide:
         for save in self._saves:
             if save.num_layers_gathered != layer:
                 continue  # a layer was skipped: this save is incomplete and will be dropped
-            ids = torch.tensor(save.spec.block_ids, dtype=torch.int64, device=paged.cache.device)
-            paged.gather(ids, save.staging[layer])
+            paged.gather(save.block_ids, save.staging[layer])
             save.num_layers_gathered += 1
 
     def wait_for_save(self) -> None:
@@ -400,20 +403,27 @@ class WorkerSide:
             client.release(plan, owner=owner)
             return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started)
         try:
-            out = buffers.take(client, plan.end) if self._caches[0].device.type == "cpu" else None
+            # vLLM holds [0, start) itself: only the rest travels
+            out = buffers.take(client, plan.end - spec.start) if self._caches[0].device.type == "cpu" else None
         except KVStoreError:
             client.release(plan, owner=owner)
             raise
         try:
-            result = client.retrieve(plan, out, owner=owner)
+            result = client.retrieve(plan, out, owner=owner, start=spec.start)
         except KVStoreError:
             client.release(plan, owner=owner)
             buffers.give_back(out)
             raise
-        usable = min(usable, exact_prefix_tokens(result.segments))  # a chunk that failed its checksum is a gap
+        usable = min(usable, result.num_prefix_tokens)  # a chunk that failed its checksum is a gap
         usable -= usable % self._block_size
+        loaded_end = max(usable, spec.start)
+        num_blocks = (loaded_end - spec.start) // self._block_size
         return _Fetched(
-            kv=result.kv, loaded_end=max(usable, spec.start), seconds=time.perf_counter() - started, buffer=out
+            kv=result.kv,
+            loaded_end=loaded_end,
+            seconds=time.perf_counter() - started,
+            buffer=out,
+            block_ids=self._device_block_ids(spec.block_ids[:num_blocks]),
         )
 
     def _scatter_layer(self, layer: int) -> None:
@@ -440,14 +450,14 @@ class WorkerSide:
         return _loaded_tokens(spec, fetched), self._account_load(spec, fetched)
 
     def _scatter(self, layer: int, spec: LoadSpec, fetched: _Fetched) -> None:
-        if fetched.kv is None or fetched.loaded_end <= spec.start:
+        if fetched.kv is None or fetched.block_ids is None or fetched.loaded_end <= spec.start:
             return
         paged = self._layers[layer]
-        device = paged.cache.device
-        num_blocks = (fetched.loaded_end - spec.start) // self._block_size
-        ids = torch.tensor(spec.block_ids[:num_blocks], dtype=torch.int64, device=device)
-        source = fetched.kv[layer, :, spec.start : fetched.loaded_end]
-        paged.scatter(ids, source.to(device, non_blocking=True))
+        source = fetched.kv[layer, :, : fetched.loaded_end - spec.start]  # the retrieve began at spec.start
+        paged.scatter(fetched.block_ids, source.to(paged.cache.device, non_blocking=True))
+
+    def _device_block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self._caches[0].device)
 
     def _account_load(self, spec: LoadSpec, fetched: _Fetched) -> set[int]:
         """Count a load and report the blocks it could not fill (once, on its first layer)."""
@@ -492,7 +502,7 @@ class WorkerSide:
             staging = torch.empty(
                 self._layout.chunk_shape(num_tokens), dtype=self._layout.dtype.torch_dtype, device=device
             )
-        return _PendingSave(spec=spec, staging=staging)
+        return _PendingSave(spec=spec, staging=staging, block_ids=self._device_block_ids(spec.block_ids))
 
     def _store(self, save: _PendingSave) -> None:
         """Send a gathered prompt to the store (on the save thread); a failure is logged, never raised."""
