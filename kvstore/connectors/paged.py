@@ -332,19 +332,27 @@ def _wide_blocks(cache: torch.Tensor, block_format: BlockFormat) -> torch.Tensor
 def _check_chunk_layer(
     layer_cache: torch.Tensor, block_format: BlockFormat, block_ids: torch.Tensor, chunk_layer: torch.Tensor
 ) -> int:
-    expected = (block_format.num_kv_heads, block_format.head_dim)
-    if chunk_layer.dim() != 4 or chunk_layer.shape[0] != 2 or tuple(chunk_layer.shape[2:]) != expected:
-        raise InvalidInputError(
-            f"chunk layer shape {list(chunk_layer.shape)} is not [2, tokens, {expected[0]}, {expected[1]}]"
-        )
+    """The chunk layer's token count, after checking it fits the blocks. Every copy runs this on the engine's
+    path (a layer of a long prompt copies in tens of microseconds on a GPU), so it reads shape and strides once
+    and builds no views."""
+    heads, head_dim = block_format.num_kv_heads, block_format.head_dim
+    shape = chunk_layer.shape
+    if len(shape) != 4 or shape[0] != 2 or shape[2] != heads or shape[3] != head_dim:
+        raise InvalidInputError(f"chunk layer shape {list(shape)} is not [2, tokens, {heads}, {head_dim}]")
     if chunk_layer.dtype != layer_cache.dtype or chunk_layer.device != layer_cache.device:
         raise InvalidInputError(
             f"chunk layer is {chunk_layer.dtype} on {chunk_layer.device}; the paged cache is {layer_cache.dtype} "
             f"on {layer_cache.device}"
         )
-    if not chunk_layer[0].is_contiguous() or not chunk_layer[1].is_contiguous():
+    num_tokens = shape[1]
+    _, token_stride, head_stride, dim_stride = chunk_layer.stride()
+    # each plane [tokens, heads, head_dim] contiguous (a stride of a size-1 axis is free)
+    if (
+        (head_dim > 1 and dim_stride != 1)
+        or (heads > 1 and head_stride != head_dim)
+        or (num_tokens > 1 and token_stride != heads * head_dim)
+    ):
         raise InvalidInputError("each plane of a chunk layer must be contiguous ([tokens, heads, head_dim])")
-    num_tokens = chunk_layer.shape[1]
     if num_tokens > len(block_ids) * block_format.block_size:
         raise InvalidInputError(
             f"{num_tokens} tokens do not fit in {len(block_ids)} blocks of {block_format.block_size} slots"
