@@ -39,7 +39,7 @@ from kvstore.presets import PRESET_NAMES, preset_layout
 from kvstore.server.host_facts import HostFacts, free_disk_bytes
 from kvstore.server.loop import LoopOptions
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk.environment import recorded_layout
+from kvstore.tiers.disk.layout_copy import recorded_layout
 
 __all__ = [
     "ENV_PREFIX",

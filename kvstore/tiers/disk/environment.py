@@ -55,7 +55,6 @@ __all__ = [
     "PAGE_DAMAGE",
     "DataDirInfo",
     "DiskEnvironment",
-    "recorded_layout",
     "storage_error",
     "tune_malloc_for_large_values",
 ]
@@ -63,7 +62,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MAX_DBS = 4
-_INFO_MAP_BYTES = 64 << 20  # a read-only open only to read the info record
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
@@ -415,21 +413,3 @@ def _make_data_dir(path: Path) -> None:
         raise StorageError(f"cannot create data dir {path}: {exc.strerror}; choose a writable --data-dir") from None
     if not path.is_dir():
         raise StorageError(f"data dir {path} is not a directory; choose another --data-dir")
-
-
-def recorded_layout(data_dir: Path) -> tuple[KVLayout, int] | None:
-    """The layout and chunk size a data dir recorded, or ``None`` for a fresh dir (no ``data.mdb``): what a server
-    resolving its settings needs to know of the dir, read-only, before the store opens it.
-
-    Raises:
-        StorageError: ``data.mdb`` exists but cannot be opened (damaged, not LMDB) or its record is unreadable: the
-            server must not start on it as if the dir were fresh, and must write nothing there.
-    """
-    if not (data_dir / DATA_FILE).is_file():
-        return None
-    env = DiskEnvironment(data_dir, read_only=True, map_size_bytes=_INFO_MAP_BYTES)  # damage: StorageError
-    try:
-        info = env.read_info()
-    finally:
-        env.close()
-    return (info.layout, info.chunk_size) if info is not None else None

@@ -24,6 +24,7 @@ from pathlib import Path
 from kvstore.keys import PrefixKey
 from kvstore.tiers.disk.commit import remove_unfinished_chunks
 from kvstore.tiers.disk.environment import DiskEnvironment, tune_malloc_for_large_values
+from kvstore.tiers.disk.layout_copy import keep_layout_copy
 from kvstore.tiers.disk.meta_batch import ContentRecords
 from kvstore.tiers.disk.records import recover_chunks
 from kvstore.tiers.disk.state import DiskState
@@ -77,7 +78,11 @@ def open_disk_parts(
         max_readers=tuning.max_readers,
     )
     try:
-        env.check_info(geometry.layout, geometry.chunk_size, capacity_bytes)
+        try:
+            env.check_info(geometry.layout, geometry.chunk_size, capacity_bytes)
+        finally:
+            if not read_only:  # what the next start reads first; repaired even when this open is refused
+                keep_layout_copy(env)
         index = DiskState(capacity_bytes)
         if not read_only:
             remove_unfinished_chunks(env)
