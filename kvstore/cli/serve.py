@@ -97,6 +97,18 @@ def serve_command(
         "--remote-write",
         help="through: new chunks go to the remote at once; evict: only when they leave the disk (default: through).",
     ),
+    kv_events: str | None = typer.Option(
+        None,
+        "--kv-events",
+        help="Publish the store's residency as vLLM KV events for routers: tcp://*:5557 binds, tcp://HOST:PORT "
+        "connects (default: off).",
+    ),
+    kv_events_replay: str | None = typer.Option(
+        None, "--kv-events-replay", help="Bind a replay and snapshot socket for KV events, e.g. tcp://*:5558."
+    ),
+    kv_events_topic: str | None = typer.Option(
+        None, "--kv-events-topic", help="The topic frame of every KV event message (default: empty)."
+    ),
     config: Path | None = typer.Option(
         None, "--config", help='TOML file; keys are the flags\' names (cpu_size = "8GiB"). Flags > KVSTORE_* > file.'
     ),
@@ -126,6 +138,8 @@ def serve_command(
         kvstore serve --config kvstore.toml --port 6000
 
         kvstore serve --tiers cpu,disk,remote --remote-url valkey://cache:6379
+
+        kvstore serve --kv-events tcp://*:5557 --kv-events-replay tcp://*:5558
     """
     from kvstore.server.app import run_server
     from kvstore.server.host_facts import probe_host
@@ -152,6 +166,9 @@ def serve_command(
         remote_namespace=remote_namespace,
         remote_timeout_ms=remote_timeout_ms,
         remote_write=remote_write,
+        kv_events=kv_events,
+        kv_events_replay=kv_events_replay,
+        kv_events_topic=kv_events_topic,
     )
     settings = resolve_settings(flags, probe_host(), config)
     stop = threading.Event()

@@ -65,6 +65,8 @@ class EmbeddedServerSettings:
         remote_url: ``kvstore serve --remote-url``: the fleet's Valkey (``tiers`` must end in ``remote``; the
             password comes from the engine's ``KVSTORE_REMOTE_PASSWORD``, which the server inherits).
         remote_namespace: ``kvstore serve --remote-namespace``.
+        kv_events: ``kvstore serve --kv-events``: publish the store's residency as vLLM KV events for a router.
+        kv_events_replay: ``kvstore serve --kv-events-replay``: their replay and snapshot socket.
         enable_blend: keep the content index (set from ``kvstore.blend``, not a key of its own).
     """
 
@@ -78,13 +80,14 @@ class EmbeddedServerSettings:
     config: Path | None = None
     remote_url: str | None = None
     remote_namespace: str | None = None
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
     enable_blend: bool = False
 
     def serve_flags(self) -> list[str]:
         """``kvstore serve`` flags for these settings (the data dir included)."""
         flags = ["--data-dir", str(self.data_dir)] + (["--enable-blend"] if self.enable_blend else [])
-        names = ("tiers", "cpu_size", "gpu_size", "disk_size", "chunk_size", "config", "remote_url", "remote_namespace")
-        for name in names:
+        for name in _SERVE_FLAGS:
             value = getattr(self, name)
             if value is not None:
                 flags += ["--" + name.replace("_", "-"), str(value)]
@@ -142,6 +145,11 @@ class ConnectorSettings:
     blend_passes_per_step: int = 1
 
 
+_SERVE_FLAGS = (
+    "tiers", "cpu_size", "gpu_size", "disk_size", "chunk_size", "config", "remote_url", "remote_namespace", "kv_events",
+    "kv_events_replay",
+)  # fmt: skip
+"""The embedded settings passed as ``kvstore serve --NAME VALUE`` as they are."""
 _EMBEDDED_KEYS = {field.name: field.type for field in fields(EmbeddedServerSettings) if field.name != "enable_blend"}
 _TOP_KEYS = {field.name: field.type for field in fields(ConnectorSettings) if field.name != "embedded"}
 _TIMEOUTS = ("lookup_timeout_s", "transfer_timeout_s", "retry_s")
@@ -175,7 +183,7 @@ def parse_connector_settings(extra_config: Mapping[str, object] | None) -> Conne
 
 def _checked(key: str, name: str, value: object) -> object:
     """The value converted to the setting's type, or one line saying what is wrong."""
-    if name in ("url", "model_id", "tiers", "remote_url", "remote_namespace"):
+    if name in ("url", "model_id", "tiers", "remote_url", "remote_namespace", "kv_events", "kv_events_replay"):
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{key} must be a non-empty string, not {value!r}")
         if name == "url":

@@ -30,6 +30,7 @@ from kvstore.errors import KVStoreError, ServerUnavailableError
 from kvstore.server.clients import ClientRegistry
 from kvstore.server.handlers import RequestHandler, ServerIdentity
 from kvstore.server.host_facts import probe_host
+from kvstore.server.kv_events.publisher import KVEventPublisher
 from kvstore.server.loop import KVServer
 from kvstore.server.metrics import MetricsServer, ServerMetrics
 from kvstore.server.settings import ServeFlags, ServerSettings, resolve_settings
@@ -102,9 +103,14 @@ def _serve(
     serving = threading.Event()
     handler = RequestHandler(host, clients, identity, metrics, is_serving=serving.is_set)
     server = KVServer(handler, settings.loop)
+    events: KVEventPublisher | None = None
     try:
+        if settings.kv_events is not None:
+            events = KVEventPublisher(settings.kv_events, lambda: host.store, config.chunk_size)
         metrics_server = MetricsServer(settings.loop.host, settings.metrics_port, metrics, handler.health)
     except BaseException:
+        if events is not None:
+            events.close()
         server.close()
         raise
     metrics_url = f"http://{settings.loop.host}:{metrics_server.port}/metrics"
@@ -128,6 +134,8 @@ def _serve(
             handler.give_back(departure)
         metrics_server.close()
         server.close()
+        if events is not None:
+            events.close()
         try:
             handler.save_document_hits()
         except KVStoreError as exc:  # shutdown must complete; the counts of the last minute are what is lost

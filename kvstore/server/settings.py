@@ -37,6 +37,7 @@ from kvstore.errors import ConfigError, LayoutMismatchError, StorageError
 from kvstore.layout import KVDtype, KVLayout
 from kvstore.presets import PRESET_NAMES, preset_layout
 from kvstore.server.host_facts import HostFacts, free_disk_bytes
+from kvstore.server.kv_events.options import KVEventOptions
 from kvstore.server.loop import LoopOptions
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk.layout_copy import recorded_layout
@@ -91,6 +92,9 @@ class ServeFlags:
     remote_namespace: str | None = None
     remote_timeout_ms: int | None = None
     remote_write: str | None = None
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str | None = None
 
 
 def flag_name(setting: str) -> str:
@@ -218,6 +222,7 @@ class ServerSettings:
         layout: the layout to open with at start-up; ``None``: the first client's.
         loop: address, workers, plan TTL.
         metrics_port: HTTP port of ``/metrics`` and ``/healthz`` (0: any free port).
+        kv_events: where the store's residency is published as vLLM KV events; ``None``: nowhere.
         given_by: each setting that was given (not defaulted) -> where: ``--cpu-size``, ``KVSTORE_CPU_SIZE`` or
             ``FILE cpu_size``.
     """
@@ -226,6 +231,7 @@ class ServerSettings:
     layout: KVLayout | None
     loop: LoopOptions
     metrics_port: int
+    kv_events: KVEventOptions | None = None
     given_by: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -330,7 +336,12 @@ def resolve_settings(
     )
     _check_room_for_a_chunk(store, layout)
     return ServerSettings(
-        store=store, layout=layout, loop=_loop_options(merged), metrics_port=_metrics_port(merged), given_by=given_by
+        store=store,
+        layout=layout,
+        loop=_loop_options(merged),
+        metrics_port=_metrics_port(merged),
+        kv_events=_kv_events(merged),
+        given_by=given_by,
     )
 
 
@@ -439,6 +450,22 @@ def _loop_options(flags: ServeFlags) -> LoopOptions:
         num_control_workers=workers,
         num_bulk_workers=workers,
         plan_ttl_s=plan_ttl_s,
+    )
+
+
+def _kv_events(flags: ServeFlags) -> KVEventOptions | None:
+    if flags.kv_events is None:
+        if flags.kv_events_replay is not None or flags.kv_events_topic is not None:
+            raise ConfigError("--kv-events-replay and --kv-events-topic need --kv-events (where events are published)")
+        return None
+    endpoints = [("--kv-events", flags.kv_events)]
+    if flags.kv_events_replay is not None:
+        endpoints.append(("--kv-events-replay", flags.kv_events_replay))
+    for flag, endpoint in endpoints:
+        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")) or any(c.isspace() for c in endpoint):
+            raise ConfigError(f"{flag} {endpoint!r} is not a ZeroMQ endpoint (e.g. tcp://*:5557 or tcp://router:5557)")
+    return KVEventOptions(
+        endpoint=flags.kv_events, replay_endpoint=flags.kv_events_replay, topic=flags.kv_events_topic or ""
     )
 
 

@@ -74,6 +74,7 @@ from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk.tier import DiskTier
 from kvstore.tiers.disk.tuning import DiskTuning
 from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.residency import ResidencyListener
 
 __all__ = ["TieredStore"]
 
@@ -639,6 +640,19 @@ class TieredStore:
         """Tiers that hold a chunk, fastest first (shared tiers: as far as this host knows)."""
         held = [tier.name for tier in self._tiers if tier.contains(key)]
         return held + [shared.name for shared in self._fleet.tiers if shared.knows(key)]
+
+    def watch_residency(self, listener: ResidencyListener) -> None:
+        """Tell ``listener`` of every chunk that becomes or stops being resident in a local tier, from now on
+        (``tiers.residency``: it is called under the tiers' locks, so it must only take note)."""
+        for tier in self._tiers:
+            tier.watch(listener)
+
+    def residency(self) -> Iterator[tuple[TierName, ChunkRecord]]:
+        """Every chunk resident in a local tier, tier by tier (for a listener that starts late: a chunk that comes
+        or goes meanwhile may be yielded or not, and its listener call settles it)."""
+        for tier in self._tiers:
+            for record in tier.resident_records():
+                yield tier.name, record
 
     def evict(self, keys: Sequence[PrefixKey]) -> int:
         """Drop chunks from every local tier (pinned copies stay; the remote is the fleet's, and Valkey evicts

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,7 @@ from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, SpillCallback, Tier, TierName, TierStats
+from kvstore.tiers.residency import SILENT, ResidencyListener
 
 __all__ = ["ArenaTier", "FillCallback"]
 
@@ -114,6 +115,7 @@ class ArenaTier(Tier):
         self._spilling: set[PrefixKey] = set()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._counters = _Counters()
+        self._residency = SILENT
         self._closed = False
         logger.info(
             "%s tier: %d slots of %.1f MiB on %s%s",
@@ -201,6 +203,7 @@ class ArenaTier(Tier):
                 if filled:
                     self._resident[record.key] = slot
                     self._counters.puts += 1
+                    self._residency.stored(self.name, record)
                 else:
                     self._free_slots.append(slot.index)
         return filled
@@ -213,6 +216,7 @@ class ArenaTier(Tier):
             if slot.pins == 0:
                 del self._resident[key]
                 self._counters.evictions += 1
+                self._residency.removed(self.name, (key,))
                 return slot.index, slot.record
         return None, None
 
@@ -274,10 +278,12 @@ class ArenaTier(Tier):
             del self._resident[key]
             self._free_slots.append(slot.index)
             self._counters.evictions += 1
+            self._residency.removed(self.name, (key,))
             return True
 
     def evict_bytes(self, num_bytes: int) -> int:
         freed = 0
+        removed: list[PrefixKey] = []
         with self._slots_lock:
             for key in [key for key, slot in self._resident.items() if slot.pins == 0]:
                 if freed >= num_bytes:
@@ -286,11 +292,23 @@ class ArenaTier(Tier):
                 self._free_slots.append(slot.index)
                 self._counters.evictions += 1
                 freed += self.layout.chunk_bytes(slot.record.num_tokens)
+                removed.append(key)
+            if removed:
+                self._residency.removed(self.name, removed)
         return freed
 
     def keys(self) -> list[PrefixKey]:
         with self._slots_lock:
             return list(self._resident)
+
+    def watch(self, listener: ResidencyListener) -> None:
+        with self._slots_lock:
+            self._residency = listener
+
+    def resident_records(self) -> Iterator[ChunkRecord]:
+        with self._slots_lock:
+            records = [slot.record for slot in self._resident.values()]
+        return iter(records)
 
     def stats(self) -> TierStats:
         with self._slots_lock:

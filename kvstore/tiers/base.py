@@ -10,6 +10,7 @@ Contract shared by all tiers:
   (not an exception) when no room can be made because every resident chunk is pinned.
 - ``get_into`` fills a caller's buffer and returns ``False`` on a miss, a vanished chunk or a corrupt one.
 - A pinned chunk is never evicted; pins are reference counts.
+- A watched tier tells its listener of every chunk that becomes or stops being resident (``watch``).
 - All methods are thread-safe.
 """
 
@@ -17,13 +18,17 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvstore.keys import PrefixKey, TokenArray
+
+if TYPE_CHECKING:
+    from kvstore.tiers.residency import ResidencyListener
 
 __all__ = ["ChunkRecord", "SpillCallback", "Tier", "TierName", "TierStats"]
 
@@ -163,6 +168,16 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def keys(self) -> list[PrefixKey]:
         """Resident keys, least recently used first."""
+
+    @abc.abstractmethod
+    def watch(self, listener: ResidencyListener) -> None:
+        """Tell ``listener`` of every residency change from now on (``tiers.residency``); one listener at a time."""
+
+    @abc.abstractmethod
+    def resident_records(self) -> Iterator[ChunkRecord]:
+        """The record of every resident chunk (a pending disk write counts), for a listener that starts late: a
+        chunk that comes or goes while this runs may be yielded or not, and its ``stored`` or ``removed`` call is
+        what settles it."""
 
     @abc.abstractmethod
     def stats(self) -> TierStats:

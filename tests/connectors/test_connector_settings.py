@@ -39,6 +39,8 @@ EMBEDDED_VALUES: dict[str, object] = {
     "config": "kvstore.toml",
     "remote_url": "valkey://cache:6379",
     "remote_namespace": "fleet-a",
+    "kv_events": "tcp://*:5557",
+    "kv_events_replay": "tcp://*:5558",
 }
 
 
@@ -78,6 +80,8 @@ def test_every_embedded_key_is_parsed_into_its_type() -> None:
             config=Path("kvstore.toml"),
             remote_url="valkey://cache:6379",
             remote_namespace="fleet-a",
+            kv_events="tcp://*:5557",
+            kv_events_replay="tcp://*:5558",
         ),
         model_id="org/model",
         lookup_timeout_s=1.0,
@@ -112,6 +116,8 @@ def test_serve_flags_name_every_given_setting() -> None:
         "--config", "kvstore.toml",
         "--remote-url", "valkey://cache:6379",
         "--remote-namespace", "fleet-a",
+        "--kv-events", "tcp://*:5557",
+        "--kv-events-replay", "tcp://*:5558",
     ]  # fmt: skip
 
 

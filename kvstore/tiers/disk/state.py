@@ -33,6 +33,7 @@ from kvstore.keys import PrefixKey
 from kvstore.tiers.base import ChunkRecord, TierName, TierStats
 from kvstore.tiers.disk.entries import Admission, DiskCounters, IndexEntry, PendingWrite, ReadTicket
 from kvstore.tiers.disk.recovered import RecoveredChunks, RecoveredRows
+from kvstore.tiers.residency import SILENT, ResidencyListener
 
 __all__ = ["DiskState"]
 
@@ -58,6 +59,12 @@ class DiskState:
         self._num_pinned = 0
         self._dirty_access: dict[PrefixKey, int] = {}
         self._counters = DiskCounters()
+        self._residency = SILENT
+
+    def watch(self, listener: ResidencyListener) -> None:
+        """Tell ``listener`` of every chunk admitted (resident from then on) or removed, under the lock."""
+        with self._lock:
+            self._residency = listener
 
     def load(self, chunks: RecoveredChunks) -> None:
         """Fill the index from the data dir's meta records (at open, before any other call)."""
@@ -90,6 +97,11 @@ class DiskState:
         with self._lock:
             entry = self._entries.get(key)
             return None if entry is None or entry.pending is None else entry.pending.record
+
+    def pending_records(self) -> list[ChunkRecord]:
+        """The records of the chunks admitted and not yet committed (resident, but not in LMDB yet)."""
+        with self._lock:
+            return [entry.pending.record for entry in self._entries.values() if entry.pending is not None]
 
     def keys(self) -> list[PrefixKey]:
         """Resident keys, least recently used first."""
@@ -143,6 +155,7 @@ class DiskState:
             )
             self._pending_bound_bytes += stored_bound_bytes
             self._raw_bytes += raw_bytes
+            self._residency.stored(TierName.DISK, pending.record)
             return Admission.ADMITTED
 
     def commit(self, key: PrefixKey, *, stored_bytes: int, num_frames: int, frame_bytes: int) -> None:
@@ -172,6 +185,7 @@ class DiskState:
                 self._counters.rejected_puts += 1
             else:
                 self._counters.write_errors += 1
+            self._residency.removed(TierName.DISK, (key,))
             self._pending_done.notify_all()
 
     def wait_for_readers(self, pending: PendingWrite) -> None:
@@ -342,6 +356,7 @@ class DiskState:
 
     def _remove_locked(self, key: PrefixKey, entry: IndexEntry) -> None:
         del self._entries[key]
+        self._residency.removed(TierName.DISK, (key,))
         self._dirty_access.pop(key, None)
         self._stored_bytes -= entry.stored_bytes
         self._raw_bytes -= entry.raw_bytes

@@ -67,6 +67,7 @@ from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
 from kvstore.tiers.frames.evicted import EvictionSink
 from kvstore.tiers.frames.host_copy import copy_tensor
 from kvstore.tiers.frames.meta import FrameGeometry, StoredChunk, balanced_frame_bytes
+from kvstore.tiers.residency import ResidencyListener
 
 __all__ = ["ContentRecords", "DiskTier", "DiskTierInfo", "DiskTuning", "StoredChunk"]
 
@@ -266,6 +267,24 @@ class DiskTier(Tier):
             if last_access_ns > chunk.last_access_ns:  # a hit not yet persisted (a copy is not free: only then)
                 chunk = dataclasses.replace(chunk, last_access_ns=last_access_ns)
             yield chunk
+
+    def watch(self, listener: ResidencyListener) -> None:
+        self._index.watch(listener)
+
+    def resident_records(self) -> Iterator[ChunkRecord]:
+        """The chunks admitted and not yet committed, then every committed one from its meta record (a batch at a
+        time, as a content index rebuilds)."""
+        self._check_usable()
+        yield from self._index.pending_records()
+        for batch in self.iter_content_records():
+            parents = batch.parent_keys
+            for index, key in enumerate(batch.keys):
+                yield ChunkRecord(
+                    key=key,
+                    source_start=int(batch.source_starts[index]),
+                    tokens=batch.tokens[batch.token_starts[index] : batch.token_ends[index]],
+                    parent_key=parents[index],
+                )
 
     def iter_content_records(self, batch_size: int = 1024) -> Iterator[ContentRecords]:
         """The key, parent key, source start and tokens of every committed chunk, in key order, in batches of up to

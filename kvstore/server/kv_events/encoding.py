@@ -1,0 +1,80 @@
+"""vLLM's KV event structs as msgpack bytes, without vLLM or msgspec.
+
+vLLM publishes ``KVEventBatch`` (``vllm/distributed/kv_events.py``): a msgspec struct encoded as an array
+``[ts, events]`` (``array_like``, ``data_parallel_rank`` omitted when unset), whose events are tagged structs
+encoded as maps with a ``"type"`` key naming the class (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
+A consumer decodes these bytes with vLLM's own ``msgspec.msgpack.Decoder(KVEventBatch)``; tests do exactly that.
+
+What kvstore puts in them:
+
+- ``block_hashes``: one 16-byte chunk key per event (``kvstore.keys``: ``key_i = xxh3_128(key_{i-1} || tokens of
+  chunk i as little-endian uint32)``, ``key_{-1}`` the layout's namespace), as msgpack ``bin`` (vLLM's
+  ``ExternalBlockHash`` is ``bytes | int``);
+- ``parent_block_hash``: the previous chunk's key, ``None`` for a sequence's first chunk;
+- ``token_ids``: the chunk's tokens; ``block_size``: the store's chunk size (a last chunk may be shorter);
+- ``medium``: the tier (``MEDIUMS``).
+
+Token ids are the bulk of a stored event (256 of them a chunk by default), so they are encoded with numpy as
+msgpack ``uint 32`` items (``0xce`` and 4 big-endian bytes): valid msgpack that every decoder reads as ints, built
+in one vectorised step instead of an object per token.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import msgpack
+import numpy as np
+
+from kvstore.keys import PrefixKey, TokenArray
+from kvstore.tiers.base import TierName
+
+__all__ = ["MEDIUMS", "all_blocks_cleared", "batch", "block_removed", "block_stored"]
+
+MEDIUMS = {TierName.GPU: "GPU", TierName.CPU: "CPU", TierName.DISK: "STORAGE", TierName.REMOTE: "REMOTE"}
+"""``medium`` per tier: vLLM's own names for the gpu, cpu and disk levels (``MEDIUM_GPU``, ``MEDIUM_CPU``,
+``MEDIUM_STORAGE``), and ``REMOTE`` for the tier a fleet shares."""
+
+_UINT32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])
+# the map's first pair; the header is written per event
+
+
+def block_stored(key: PrefixKey, parent: PrefixKey | None, tokens: TokenArray, block_size: int, medium: str) -> bytes:
+    """One ``BlockStored`` event: a map of its eight fields that have no default (a fixmap of 8 pairs, written in
+    three pieces around the token ids)."""
+    head = bytes([0x88]) + _pack({"type": "BlockStored", "block_hashes": [key], "parent_block_hash": parent})[1:]
+    items = np.empty(len(tokens), dtype=_UINT32_ITEM)
+    items["marker"] = 0xCE
+    items["value"] = tokens
+    token_ids = b"\xa9token_ids" + b"\xdd" + struct.pack(">I", len(tokens)) + items.tobytes()
+    rest = _pack({"block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None})[1:]
+    return head + token_ids + rest
+
+
+def block_removed(keys: Sequence[PrefixKey], medium: str) -> bytes:
+    """One ``BlockRemoved`` event for ``keys`` of one tier."""
+    return _pack({"type": "BlockRemoved", "block_hashes": list(keys), "medium": medium})
+
+
+def all_blocks_cleared() -> bytes:
+    """``AllBlocksCleared``: whatever a consumer holds of this publisher is gone (a start, a reset)."""
+    return _pack({"type": "AllBlocksCleared"})
+
+
+def batch(ts: float, events: Sequence[bytes]) -> bytes:
+    """A ``KVEventBatch`` of encoded events: ``[ts, [events...]]``."""
+    return b"\x92" + _pack(ts) + _array_header(len(events)) + b"".join(events)
+
+
+def _pack(value: object) -> bytes:
+    packed: bytes = msgpack.packb(value)
+    return packed
+
+
+def _array_header(length: int) -> bytes:
+    if length < 16:
+        return bytes([0x90 | length])
+    if length < 1 << 16:
+        return b"\xdc" + struct.pack(">H", length)
+    return b"\xdd" + struct.pack(">I", length)

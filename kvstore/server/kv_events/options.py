@@ -1,0 +1,31 @@
+"""Where a server publishes its KV events, and how it batches them (``kvstore serve --kv-events``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["KVEventOptions"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVEventOptions:
+    """Where and how events go.
+
+    Args:
+        endpoint: the PUB socket: bound when it names no host (``tcp://*:5557``) or is ``ipc://`` / ``inproc://``,
+            else connected (to a router that binds, as llm-d's does), as vLLM does.
+        replay_endpoint: the ROUTER socket for replay and snapshot requests, always bound; ``None``: none.
+        topic: the first frame of every message.
+        buffer_steps: batches kept for replay.
+        buffer_bytes: the most bytes those batches may hold (the oldest go first).
+        max_events: the most events in one batch.
+        interval_s: how long changes wait to join a batch.
+    """
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    buffer_bytes: int = 256 << 20
+    max_events: int = 1000
+    interval_s: float = 0.005

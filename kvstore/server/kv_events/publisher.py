@@ -1,0 +1,221 @@
+"""Publishes the store's residency as vLLM KV events over ZeroMQ, with replay and a snapshot for late joiners.
+
+The wire is vLLM's (``ZmqEventPublisher``), so a router that subscribes to vLLM engines subscribes to kvstore the
+same way: a PUB socket sends ``(topic, seq, payload)`` -- ``seq`` an 8-byte big-endian batch number from 0, the
+payload a ``KVEventBatch`` (``encoding``). The replay socket (ROUTER, optional) answers a request frame of 8
+big-endian bytes ``n`` with every kept batch from ``n`` on, each as ``(topic, seq, payload)``, then the end marker
+``(b"", seq -1, b"")``. kvstore adds one request: ``b"snapshot"`` answers the store's whole residency as
+``BlockStored`` batches, every one carrying the same ``seq`` S (the last batch published before the snapshot was
+read), then the end marker. A late joiner subscribes first, asks for a snapshot, applies it, then applies the
+batches after S (from what it buffered, or a replay from S + 1): it then holds exactly what the store holds
+(``docs/routing.md``; each event is a set operation, so the batches after S that the snapshot already reflects
+change nothing).
+
+Batch 0 is ``AllBlocksCleared`` (a consumer drops what it held of an earlier run of this server); once the store
+opens (at start, or at the first client's layout) its residency follows as ``BlockStored`` batches, then every
+change the tiers report (``tiers.residency``) in the order they made them, a batch every ``interval_s`` or
+``max_events`` events.
+
+Threads: the tiers call ``stored`` / ``removed`` from any thread (an append to a queue); one thread owns both
+sockets, encodes and sends.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import zmq
+
+from kvstore.errors import ConfigError
+from kvstore.keys import PrefixKey
+from kvstore.server.kv_events.encoding import MEDIUMS, all_blocks_cleared, batch, block_removed, block_stored
+from kvstore.server.kv_events.options import KVEventOptions
+from kvstore.store import TieredStore
+from kvstore.tiers.base import ChunkRecord, TierName
+
+__all__ = ["END_SEQ", "SNAPSHOT_REQUEST", "KVEventPublisher"]
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The ``seq`` frame that ends a replay or snapshot answer (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
+
+SNAPSHOT_REQUEST = b"snapshot"
+"""A replay request for the store's whole residency instead of kept batches."""
+
+_Change = tuple[TierName, ChunkRecord | tuple[PrefixKey, ...]]
+
+
+class KVEventPublisher:
+    """The server's KV event publisher: a ``ResidencyListener`` of the store, once it opens.
+
+    Args:
+        options: sockets and batching.
+        store_of: the store once it is open, else ``None`` (asked until it is).
+        block_size: the store's chunk size (every ``BlockStored``'s ``block_size``).
+    """
+
+    def __init__(self, options: KVEventOptions, store_of: Callable[[], TieredStore | None], block_size: int) -> None:
+        self._options = options
+        self._store_of = store_of
+        self._block_size = block_size
+        self._changes: collections.deque[_Change] = collections.deque()
+        self._kept: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._kept_bytes = 0
+        self._next_seq = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvstore-kv-events", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    # -- ResidencyListener (any thread, under a tier's lock: only a note) ------------------------------------------
+
+    def stored(self, tier: TierName, record: ChunkRecord) -> None:
+        self._changes.append((tier, record))
+
+    def removed(self, tier: TierName, keys: Sequence[PrefixKey]) -> None:
+        self._changes.append((tier, tuple(keys)))
+
+    # -- lifecycle --------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Publish what is queued, then close the sockets."""
+        self._stop.set()
+        self._thread.join()
+
+    # -- the publisher thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        try:
+            pub, replay = self._open_sockets(context)
+        except (zmq.ZMQError, ValueError) as exc:
+            self._failure = ConfigError(f"--kv-events: cannot open {self._options.endpoint}: {exc}")
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._send(pub, [all_blocks_cleared()])
+            watching = False
+            poller = zmq.Poller()
+            if replay is not None:
+                poller.register(replay, zmq.POLLIN)
+            while True:
+                stopping = self._stop.is_set()
+                if not watching and (store := self._store_of()) is not None:
+                    store.watch_residency(self)  # first: a change while the snapshot is read is queued, not lost
+                    for events in _batched(self._snapshot_events(store), self._options.max_events):
+                        self._send(pub, events)
+                    watching = True
+                wait_ms = 0 if stopping else max(1, int(1000 * self._options.interval_s))
+                if replay is not None and dict(poller.poll(wait_ms)):
+                    self._answer(replay, self._store_of() if watching else None)
+                elif replay is None and not stopping:
+                    time.sleep(self._options.interval_s)
+                while self._changes:
+                    self._send(pub, self._take_changes())
+                if stopping:
+                    break
+        except Exception:  # the thread's boundary: events stop, the store goes on
+            logger.exception("kv events: the publisher failed; no more events are published")
+        finally:
+            pub.close(linger=1000)
+            if replay is not None:
+                replay.close(linger=0)
+
+    def _open_sockets(
+        self, context: zmq.Context[zmq.Socket[bytes]]
+    ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        options = self._options
+        pub = context.socket(zmq.PUB)
+        pub.set_hwm(100_000)
+        try:
+            if _binds(options.endpoint):
+                pub.bind(options.endpoint)
+            else:
+                pub.connect(options.endpoint)
+            replay = None
+            if options.replay_endpoint is not None:
+                replay = context.socket(zmq.ROUTER)
+                replay.bind(options.replay_endpoint)
+        except BaseException:
+            pub.close(linger=0)
+            raise
+        logger.info("kv events: publishing on %s%s", options.endpoint,
+                    f", replay on {options.replay_endpoint}" if options.replay_endpoint else "")  # fmt: skip
+        return pub, replay
+
+    def _take_changes(self) -> list[bytes]:
+        events: list[bytes] = []
+        while self._changes and len(events) < self._options.max_events:
+            tier, change = self._changes.popleft()
+            if isinstance(change, ChunkRecord):
+                events.append(self._stored_event(tier, change))
+            else:
+                events.append(block_removed(change, MEDIUMS[tier]))
+        return events
+
+    def _stored_event(self, tier: TierName, record: ChunkRecord) -> bytes:
+        return block_stored(record.key, record.parent_key, record.tokens, self._block_size, MEDIUMS[tier])
+
+    def _snapshot_events(self, store: TieredStore) -> Iterator[bytes]:
+        for tier, record in store.residency():
+            yield self._stored_event(tier, record)
+
+    def _send(self, pub: zmq.Socket[bytes], events: list[bytes]) -> None:
+        seq = self._next_seq
+        payload = batch(time.time(), events)
+        pub.send_multipart((self._options.topic.encode(), seq.to_bytes(8, "big"), payload))
+        self._kept.append((seq, payload))
+        self._kept_bytes += len(payload)
+        while len(self._kept) > self._options.buffer_steps or self._kept_bytes > self._options.buffer_bytes:
+            self._kept_bytes -= len(self._kept.popleft()[1])
+        self._next_seq = seq + 1
+
+    def _answer(self, replay: zmq.Socket[bytes], store: TieredStore | None) -> None:
+        """One replay or snapshot request."""
+        frames = replay.recv_multipart()
+        topic = self._options.topic.encode()
+        if len(frames) != 3:
+            logger.warning("kv events: a replay request of %d frames, not 3 (identity, empty, request); ignored",
+                           len(frames))  # fmt: skip
+            return
+        client, _, request = frames
+        if request == SNAPSHOT_REQUEST:
+            last = (self._next_seq - 1).to_bytes(8, "big")  # batch 0 is always sent first: never negative
+            events = self._snapshot_events(store) if store is not None else iter(())
+            for chunk in _batched(events, self._options.max_events):
+                replay.send_multipart((client, b"", topic, last, batch(time.time(), chunk)))
+        elif len(request) == 8:
+            first = int.from_bytes(request, "big")
+            for seq, payload in self._kept:
+                if seq >= first:
+                    replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        else:
+            logger.warning("kv events: a replay request of %d bytes is neither a sequence number nor %r; ignored",
+                           len(request), SNAPSHOT_REQUEST)  # fmt: skip
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard host or a local transport binds, a named host is connected to."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _batched(events: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
+    chunk: list[bytes] = []
+    for event in events:
+        chunk.append(event)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

@@ -1,0 +1,151 @@
+"""A KV event consumer as a router would write one: it mirrors a publisher's residency from the event stream, and
+joins late through a snapshot and a replay (the protocol in ``kvstore.server.kv_events.publisher``).
+
+Events are decoded by a function the test picks: plain msgpack here, vLLM's own msgspec structs in the vLLM suite.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgpack
+import zmq
+
+from kvstore.server.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
+
+Event = dict[str, object]
+Decode = Callable[[bytes], list[Event]]
+
+
+def decode_with_msgpack(payload: bytes) -> list[Event]:
+    """A ``KVEventBatch`` payload's events as maps (``ts`` and the rank dropped)."""
+    fields = msgpack.unpackb(payload)
+    assert isinstance(fields, list) and len(fields) in (2, 3) and isinstance(fields[0], float), fields
+    return list(fields[1])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class ResidencyMirror:
+    """What a publisher holds, rebuilt from its events: ``(medium, block hash)`` pairs and each stored block's
+    parent, tokens and block size."""
+
+    decode: Decode = decode_with_msgpack
+    resident: set[tuple[str, bytes]] = field(default_factory=set)
+    stored: dict[bytes, Event] = field(default_factory=dict)
+    last_seq: int = -1
+    cleared: int = 0
+
+    def apply(self, seq: int, payload: bytes) -> None:
+        for event in self.decode(payload):
+            kind = event["type"]
+            if kind == "AllBlocksCleared":
+                self.resident.clear()
+                self.cleared += 1
+                continue
+            hashes = event["block_hashes"]
+            assert isinstance(hashes, list)
+            for block_hash in hashes:
+                if kind == "BlockStored":
+                    self.resident.add((str(event["medium"]), block_hash))
+                    self.stored[block_hash] = event
+                else:
+                    assert kind == "BlockRemoved", event
+                    self.resident.discard((str(event["medium"]), block_hash))
+        self.last_seq = max(self.last_seq, seq)
+
+
+class Subscriber:
+    """A SUB socket bound on loopback (the publisher connects to it, as to llm-d's), read into a mirror; a gap in the
+    sequence (batches sent before the subscription reached the publisher, or dropped) is filled by a replay."""
+
+    def __init__(self, mirror: ResidencyMirror, replay_endpoint: str, topic: bytes = b"") -> None:
+        self.mirror = mirror
+        self.replay_endpoint = replay_endpoint
+        self.num_replayed = 0
+        self.port = free_port()
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.seqs: list[int] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def receive(self, quiet_s: float = 1.0, timeout_s: float = 60.0) -> int:
+        """Apply batches until none came for ``quiet_s``, replaying what the subscription missed before and after;
+        returns how many came live.
+
+        A bound SUB sends its subscription to a connecting PUB only once it processes commands (libzmq: when it is
+        polled), so what was published before is never delivered: a consumer catches up by replay."""
+        self._sub.poll(0)
+        self._catch_up(None)
+        count = 0
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._sub.poll(int(quiet_s * 1000)):
+            _, seq_bytes, payload = self._sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            self.seqs.append(seq)
+            if seq <= self.mirror.last_seq:
+                continue  # replayed already
+            self._catch_up(seq)
+            self.mirror.apply(seq, payload)
+            count += 1
+        self._catch_up(None)
+        return count
+
+    def _catch_up(self, before: int | None) -> None:
+        """Replay what came after the mirror's last batch (and before ``before``, when given)."""
+        if before is not None and before == self.mirror.last_seq + 1:
+            return
+        for seq, payload in request(self.replay_endpoint, (self.mirror.last_seq + 1).to_bytes(8, "big")):
+            if before is None or seq < before:
+                self.mirror.apply(seq, payload)
+                self.num_replayed += 1
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        self._context.term()
+
+
+def request(replay_endpoint: str, message: bytes, timeout_s: float = 60.0) -> list[tuple[int, bytes]]:
+    """One replay or snapshot request: the ``(seq, payload)`` batches answered before the end marker."""
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(replay_endpoint)
+    try:
+        dealer.send_multipart((b"", message))
+        answered: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert dealer.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "no end marker in time"
+            _, _, seq_bytes, payload = dealer.recv_multipart()
+            if seq_bytes == END_SEQ:
+                return answered
+            answered.append((int.from_bytes(seq_bytes, "big"), payload))
+    finally:
+        dealer.close(linger=0)
+        context.term()
+
+
+def join_late(replay_endpoint: str, mirror: ResidencyMirror) -> float:
+    """Rebuild ``mirror`` from a snapshot and the batches published after it; returns the seconds it took."""
+    started = time.perf_counter()
+    snapshot = request(replay_endpoint, SNAPSHOT_REQUEST)
+    seq = snapshot[0][0] if snapshot else -1
+    for batch_seq, payload in snapshot:
+        assert batch_seq == seq, "every snapshot batch carries the seq it was read after"
+        mirror.apply(seq, payload)
+    for replay_seq, payload in request(replay_endpoint, (seq + 1).to_bytes(8, "big")):
+        mirror.apply(replay_seq, payload)
+    return time.perf_counter() - started
