@@ -4,7 +4,7 @@
 - ``loop``: the ROUTER socket, worker pools and janitor; ``app``: start-up and shutdown of the whole server;
 - ``settings``, ``host_facts``, ``store_host``: flags and config file, checks before start-up, the one store and
   its layout (``serve.json``, where a running server is found, is ``kvstore.data_dir.server_record``);
-- ``metrics``: Prometheus ``/metrics`` and ``/healthz``;
+- ``metrics``: Prometheus ``/metrics`` and ``/healthz``; ``kv_events``: the residency as vLLM KV events for routers;
 - ``usage``: what lookups used, per chunk, per stored document (kept in the data dir across restarts) and per plan
   (``UsageLedger``, the one vocabulary of hits).
 

@@ -14,11 +14,11 @@ import pytest
 
 from kvstore import Client
 from kvstore.keys import PrefixKey, as_token_array, prefix_keys
+from kvstore.server.kv_events.consumer import ResidencyMirror, Subscriber, free_port, join_late
 from kvstore.server.kv_events.encoding import MEDIUMS
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, ServerProcess, running_server
-from tests.server.kv_event_mirror import ResidencyMirror, Subscriber, free_port, join_late
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from kvstore import Client
 from kvstore.keys import as_token_array, prefix_keys
+from kvstore.server.kv_events.consumer import Event, ResidencyMirror, Subscriber, free_port, join_late
 from kvstore.server.kv_events.encoding import MEDIUMS
 from tests.factories import make_kv, make_tokens
 from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, running_server
-from tests.server.kv_event_mirror import Event, ResidencyMirror, Subscriber, free_port, join_late
 
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 

@@ -90,8 +90,8 @@ def test_a_damaged_data_file_behind_a_readable_copy_still_refuses_the_store(
         data_file.seek(16)
         data_file.write(b"\xff\xff\xff\xff")
     assert recorded_layout(path) == (small_layout, CHUNK), "the copy answers; the store's open finds the damage"
-    with pytest.raises(StorageError, match="data.mdb is damaged"):
+    with pytest.raises(StorageError, match=r"data\.mdb is damaged"):
         open_tier(path, small_layout)
     (path / LAYOUT_FILE).unlink()
-    with pytest.raises(StorageError, match="data.mdb is damaged"):
+    with pytest.raises(StorageError, match=r"data\.mdb is damaged"):
         recorded_layout(path)

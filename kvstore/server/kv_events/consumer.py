@@ -1,7 +1,12 @@
-"""A KV event consumer as a router would write one: it mirrors a publisher's residency from the event stream, and
-joins late through a snapshot and a replay (the protocol in ``kvstore.server.kv_events.publisher``).
+"""A reference consumer of kvstore's KV events: what a router does with them, in a few lines of Python.
 
-Events are decoded by a function the test picks: plain msgpack here, vLLM's own msgspec structs in the vLLM suite.
+``ResidencyMirror`` rebuilds a publisher's residency (``(medium, block hash)`` pairs) from its batches;
+``Subscriber`` reads the PUB stream into one and fills every gap in the sequence by replay; ``join_late`` rebuilds a
+mirror from a snapshot and the batches after it (the protocol in ``kvstore.server.kv_events.publisher``). Events are
+decoded by a function the caller picks: plain msgpack (``decode_with_msgpack``), or vLLM's own msgspec structs where
+vLLM is installed. Used by the tests and the benchmark, and a starting point for a router's own consumer.
+
+Not thread-safe: one thread per subscriber.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import zmq
 
 from kvstore.server.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
 
+__all__ = ["ResidencyMirror", "Subscriber", "decode_with_msgpack", "free_port", "join_late", "request"]
+
 Event = dict[str, object]
 Decode = Callable[[bytes], list[Event]]
 
@@ -23,11 +30,13 @@ Decode = Callable[[bytes], list[Event]]
 def decode_with_msgpack(payload: bytes) -> list[Event]:
     """A ``KVEventBatch`` payload's events as maps (``ts`` and the rank dropped)."""
     fields = msgpack.unpackb(payload)
-    assert isinstance(fields, list) and len(fields) in (2, 3) and isinstance(fields[0], float), fields
+    if not (isinstance(fields, list) and len(fields) in (2, 3) and isinstance(fields[0], float)):
+        raise ValueError(f"not a KVEventBatch: {fields!r:.200}")
     return list(fields[1])
 
 
 def free_port() -> int:
+    """A TCP port free on loopback now (for a socket the caller binds next)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -52,13 +61,13 @@ class ResidencyMirror:
                 self.cleared += 1
                 continue
             hashes = event["block_hashes"]
-            assert isinstance(hashes, list)
+            if not isinstance(hashes, list) or kind not in ("BlockStored", "BlockRemoved"):
+                raise ValueError(f"not a kv event kvstore publishes: {event!r:.200}")
             for block_hash in hashes:
                 if kind == "BlockStored":
                     self.resident.add((str(event["medium"]), block_hash))
                     self.stored[block_hash] = event
                 else:
-                    assert kind == "BlockRemoved", event
                     self.resident.discard((str(event["medium"]), block_hash))
         self.last_seq = max(self.last_seq, seq)
 
@@ -128,7 +137,8 @@ def request(replay_endpoint: str, message: bytes, timeout_s: float = 60.0) -> li
         answered: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + timeout_s
         while True:
-            assert dealer.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), "no end marker in time"
+            if not dealer.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                raise TimeoutError(f"no end of the answer from {replay_endpoint} within {timeout_s:g} s")
             _, _, seq_bytes, payload = dealer.recv_multipart()
             if seq_bytes == END_SEQ:
                 return answered
@@ -144,7 +154,8 @@ def join_late(replay_endpoint: str, mirror: ResidencyMirror) -> float:
     snapshot = request(replay_endpoint, SNAPSHOT_REQUEST)
     seq = snapshot[0][0] if snapshot else -1
     for batch_seq, payload in snapshot:
-        assert batch_seq == seq, "every snapshot batch carries the seq it was read after"
+        if batch_seq != seq:
+            raise ValueError(f"a snapshot batch carries seq {batch_seq}, its first {seq}: not one snapshot")
         mirror.apply(seq, payload)
     for replay_seq, payload in request(replay_endpoint, (seq + 1).to_bytes(8, "big")):
         mirror.apply(replay_seq, payload)
