@@ -107,6 +107,7 @@ def _serve(
     try:
         if settings.kv_events is not None:
             events = KVEventPublisher(settings.kv_events, lambda: host.store, config.chunk_size)
+            metrics.watch_kv_events(events.stats)
         metrics_server = MetricsServer(settings.loop.host, settings.metrics_port, metrics, handler.health)
     except BaseException:
         if events is not None:

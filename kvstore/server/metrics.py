@@ -15,7 +15,9 @@ Three kinds of figures:
   per tier hits, misses, puts, rejected puts, evictions, corrupt reads (counters), capacity, used and stored
   bytes, chunks and pinned chunks (gauges); the content index's entries, aliases and strikes; with a remote tier
   its availability, outages, failed and skipped calls, queued bytes and fleet directory records
-  (``kvstore_remote_*``); open plans, sessions and connected clients.
+  (``kvstore_remote_*``); open plans, sessions and connected clients;
+- with ``--kv-events``, the event publisher's batches, events by type, queued changes and replay requests
+  (``kvstore_kv_events_*``), read from the publisher at scrape time.
 
 Threads: the HTTP server runs ``ThreadingHTTPServer`` threads (named ``kvstore-metrics``); prometheus-client's
 metrics are thread-safe; the collector calls ``stats()``, which is. Request workers resolve engines concurrently:
@@ -37,6 +39,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError
+from kvstore.server.kv_events.options import KVEventStats
 from kvstore.server.usage.plan_coverage import PlanCoverage
 from kvstore.stats import RemoteStats, StoreStats
 from kvstore.tiers.base import TierName
@@ -144,6 +147,33 @@ def _remote_metrics(remote: RemoteStats) -> Iterator[Metric]:
     queued = GaugeMetricFamily("kvstore_remote_queued_bytes", "Chunk bytes waiting to be written to the remote.")
     queued.add_metric([], remote.queued_bytes)
     yield queued
+
+
+class _KVEventCollector(Collector):
+    """The KV event publisher's counts (``kvstore serve --kv-events``), read at each scrape."""
+
+    def __init__(self, stats: Callable[[], KVEventStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        batches = CounterMetricFamily("kvstore_kv_events_batches", "KV event batches published (seq of the next one).")
+        batches.add_metric([], stats.batches)
+        yield batches
+        events = CounterMetricFamily("kvstore_kv_events", "KV events published, by vLLM event type.", labels=["type"])
+        for kind, count in stats.events.items():
+            events.add_metric([kind], count)
+        yield events
+        queued = GaugeMetricFamily("kvstore_kv_events_queued", "Residency changes heard and not yet published.")
+        queued.add_metric([], stats.queued)
+        yield queued
+        requests = CounterMetricFamily(
+            "kvstore_kv_events_requests", "Replay socket requests answered, by kind (replay, snapshot, invalid).",
+            labels=["kind"],
+        )  # fmt: skip
+        for kind, count in stats.requests.items():
+            requests.add_metric([kind], count)
+        yield requests
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -367,6 +397,10 @@ class ServerMetrics:
             cached = coverage.num_exact_tokens + coverage.num_blend_tokens
             self.coverage_ratio.observe(cached / coverage.num_query_tokens)
             self.blend_coverage_ratio.observe(coverage.num_blend_tokens / coverage.num_query_tokens)
+
+    def watch_kv_events(self, stats: Callable[[], KVEventStats]) -> None:
+        """Export the KV event publisher's counts (``kvstore_kv_events_*``)."""
+        self.registry.register(_KVEventCollector(stats))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,6 +5,7 @@ sockets; events decoded with plain msgpack here, with vLLM's own structs in ``te
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +93,22 @@ def test_a_subscriber_and_a_late_joiner_rebuild_the_exact_residency_through_an_e
     late = ResidencyMirror()
     join_late(subscriber.replay_endpoint, late)
     assert late.resident == truth, "a snapshot and the batches after it are the residency"
+    resident_key = min(key for _, key in truth)
+    assert late.stored[resident_key]["token_ids"] == mirror.stored[resident_key]["token_ids"] != []
+    by_keys = ResidencyMirror()
+    join_late(subscriber.replay_endpoint, by_keys, with_tokens=False)
+    assert by_keys.resident == truth and by_keys.stored[resident_key]["token_ids"] == []
+    metrics = scrape(server.metrics_url)
+    assert metrics['kvstore_kv_events_requests_total{kind="snapshot"}'] == 2
+    assert metrics['kvstore_kv_events_total{type="BlockStored"}'] >= len(all_keys)
+    assert metrics['kvstore_kv_events_total{type="BlockRemoved"}'] > 200 and metrics["kvstore_kv_events_queued"] == 0
+    assert metrics["kvstore_kv_events_batches_total"] == mirror.last_seq + 1
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line[:1] != "#"}
 
 
 def test_a_restarted_server_clears_then_publishes_what_its_disk_recovered(tmp_path: Path) -> None:

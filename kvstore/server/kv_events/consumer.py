@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import msgpack
 import zmq
 
-from kvstore.server.kv_events.publisher import END_SEQ, SNAPSHOT_REQUEST
+from kvstore.server.kv_events.publisher import END_SEQ, KEYS_SNAPSHOT_REQUEST, SNAPSHOT_REQUEST
 
 __all__ = ["ResidencyMirror", "Subscriber", "decode_with_msgpack", "free_port", "join_late", "request"]
 
@@ -76,7 +76,9 @@ class Subscriber:
     """A SUB socket bound on loopback (the publisher connects to it, as to llm-d's), read into a mirror; a gap in the
     sequence (batches sent before the subscription reached the publisher, or dropped) is filled by a replay."""
 
-    def __init__(self, mirror: ResidencyMirror, replay_endpoint: str, topic: bytes = b"") -> None:
+    def __init__(
+        self, mirror: ResidencyMirror, replay_endpoint: str, topic: bytes = b"", high_water_mark: int = 1000
+    ) -> None:
         self.mirror = mirror
         self.replay_endpoint = replay_endpoint
         self.num_replayed = 0
@@ -84,6 +86,7 @@ class Subscriber:
         self._context = zmq.Context()
         self._sub = self._context.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sub.set_hwm(high_water_mark)  # batches queued before a reader takes them; more are dropped (replayed)
         self._sub.bind(f"tcp://127.0.0.1:{self.port}")
         self.seqs: list[int] = []
 
@@ -148,10 +151,11 @@ def request(replay_endpoint: str, message: bytes, timeout_s: float = 60.0) -> li
         context.term()
 
 
-def join_late(replay_endpoint: str, mirror: ResidencyMirror) -> float:
-    """Rebuild ``mirror`` from a snapshot and the batches published after it; returns the seconds it took."""
+def join_late(replay_endpoint: str, mirror: ResidencyMirror, *, with_tokens: bool = True) -> float:
+    """Rebuild ``mirror`` from a snapshot and the batches published after it; returns the seconds it took.
+    ``with_tokens=False`` asks for the residency alone (``KEYS_SNAPSHOT_REQUEST``: no token ids)."""
     started = time.perf_counter()
-    snapshot = request(replay_endpoint, SNAPSHOT_REQUEST)
+    snapshot = request(replay_endpoint, SNAPSHOT_REQUEST if with_tokens else KEYS_SNAPSHOT_REQUEST)
     seq = snapshot[0][0] if snapshot else -1
     for batch_seq, payload in snapshot:
         if batch_seq != seq:

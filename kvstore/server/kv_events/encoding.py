@@ -27,29 +27,40 @@ from collections.abc import Sequence
 import msgpack
 import numpy as np
 
-from kvstore.keys import PrefixKey, TokenArray
-from kvstore.tiers.base import TierName
+from kvstore.keys import PrefixKey
+from kvstore.tiers.base import ChunkRecord, TierName
 
-__all__ = ["MEDIUMS", "all_blocks_cleared", "batch", "block_removed", "block_stored"]
+__all__ = ["MEDIUMS", "all_blocks_cleared", "batch", "block_removed", "blocks_stored"]
 
 MEDIUMS = {TierName.GPU: "GPU", TierName.CPU: "CPU", TierName.DISK: "STORAGE", TierName.REMOTE: "REMOTE"}
 """``medium`` per tier: vLLM's own names for the gpu, cpu and disk levels (``MEDIUM_GPU``, ``MEDIUM_CPU``,
 ``MEDIUM_STORAGE``), and ``REMOTE`` for the tier a fleet shares."""
 
-_UINT32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])
-# the map's first pair; the header is written per event
+_UINT32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])  # a msgpack "uint 32": 0xce, then big-endian
+_KEY_BIN = b"\xc4\x10"  # msgpack bin 8 of 16 bytes: a chunk key
 
 
-def block_stored(key: PrefixKey, parent: PrefixKey | None, tokens: TokenArray, block_size: int, medium: str) -> bytes:
-    """One ``BlockStored`` event: a map of its eight fields that have no default (a fixmap of 8 pairs, written in
-    three pieces around the token ids)."""
-    head = bytes([0x88]) + _pack({"type": "BlockStored", "block_hashes": [key], "parent_block_hash": parent})[1:]
-    items = np.empty(len(tokens), dtype=_UINT32_ITEM)
+def blocks_stored(
+    records: Sequence[ChunkRecord], block_size: int, medium: str, *, with_tokens: bool = True
+) -> list[bytes]:
+    """One ``BlockStored`` event per record: a map of the eight fields without a default, its fixed parts written
+    once, the token ids of every record encoded in one numpy pass. ``with_tokens=False`` leaves ``token_ids`` empty
+    (a snapshot of residency alone)."""
+    lengths = [record.num_tokens if with_tokens else 0 for record in records]
+    items = np.empty(sum(lengths), dtype=_UINT32_ITEM)
     items["marker"] = 0xCE
-    items["value"] = tokens
-    token_ids = b"\xa9token_ids" + b"\xdd" + struct.pack(">I", len(tokens)) + items.tobytes()
-    rest = _pack({"block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None})[1:]
-    return head + token_ids + rest
+    if with_tokens and records:
+        items["value"] = np.concatenate([record.tokens for record in records])
+    token_bytes = items.tobytes()
+    tail = _pack({"block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None})[1:]
+    events = []
+    offset = 0
+    for record, length in zip(records, lengths, strict=True):
+        parent = _KEY_BIN + record.parent_key if record.parent_key is not None else b"\xc0"
+        token_ids = _array_header(length) + token_bytes[offset : offset + 5 * length]
+        offset += 5 * length
+        events.append(_STORED_HEAD + record.key + _PARENT_FIELD + parent + _TOKEN_IDS_FIELD + token_ids + tail)
+    return events
 
 
 def block_removed(keys: Sequence[PrefixKey], medium: str) -> bytes:
@@ -70,6 +81,11 @@ def batch(ts: float, events: Sequence[bytes]) -> bytes:
 def _pack(value: object) -> bytes:
     packed: bytes = msgpack.packb(value)
     return packed
+
+
+_STORED_HEAD = b"\x88" + _pack("type") + _pack("BlockStored") + _pack("block_hashes") + b"\x91" + _KEY_BIN
+_PARENT_FIELD = _pack("parent_block_hash")
+_TOKEN_IDS_FIELD = _pack("token_ids")
 
 
 def _array_header(length: int) -> bytes:

@@ -1,10 +1,11 @@
-"""Where a server publishes its KV events, and how it batches them (``kvstore serve --kv-events``)."""
+"""Where a server publishes its KV events and how it batches them (``kvstore serve --kv-events``), and what it
+published (the ``kvstore_kv_events_*`` metrics)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KVEventOptions"]
+__all__ = ["KVEventOptions", "KVEventStats"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -28,4 +29,21 @@ class KVEventOptions:
     buffer_steps: int = 10_000
     buffer_bytes: int = 256 << 20
     max_events: int = 1000
-    interval_s: float = 0.005
+    interval_s: float = 0.02
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVEventStats:
+    """What a publisher did since it started.
+
+    Args:
+        batches: batches published (snapshot answers not counted).
+        events: events published, by type (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
+        queued: residency changes heard and not yet published.
+        requests: replay socket requests answered, by kind (``replay``, ``snapshot``, ``invalid``).
+    """
+
+    batches: int
+    events: dict[str, int]
+    queued: int
+    requests: dict[str, int]

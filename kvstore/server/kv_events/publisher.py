@@ -26,18 +26,18 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import zmq
 
 from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey
-from kvstore.server.kv_events.encoding import MEDIUMS, all_blocks_cleared, batch, block_removed, block_stored
-from kvstore.server.kv_events.options import KVEventOptions
+from kvstore.server.kv_events.encoding import MEDIUMS, all_blocks_cleared, batch, block_removed, blocks_stored
+from kvstore.server.kv_events.options import KVEventOptions, KVEventStats
 from kvstore.store import TieredStore
 from kvstore.tiers.base import ChunkRecord, TierName
 
-__all__ = ["END_SEQ", "SNAPSHOT_REQUEST", "KVEventPublisher"]
+__all__ = ["END_SEQ", "KEYS_SNAPSHOT_REQUEST", "SNAPSHOT_REQUEST", "KVEventPublisher"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 SNAPSHOT_REQUEST = b"snapshot"
 """A replay request for the store's whole residency instead of kept batches."""
+
+KEYS_SNAPSHOT_REQUEST = b"snapshot-keys"
+"""A snapshot whose ``BlockStored`` events leave ``token_ids`` empty: the residency alone, for a router that keys
+blocks by their hashes or learned their tokens before (a tenth of the bytes to send and decode)."""
 
 _Change = tuple[TierName, ChunkRecord | tuple[PrefixKey, ...]]
 
@@ -67,6 +71,8 @@ class KVEventPublisher:
         self._kept: collections.deque[tuple[int, bytes]] = collections.deque()
         self._kept_bytes = 0
         self._next_seq = 0
+        self._events = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}  # written by its thread only
+        self._requests = {"replay": 0, "snapshot": 0, "invalid": 0}
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._failure: BaseException | None = None
@@ -83,6 +89,12 @@ class KVEventPublisher:
 
     def removed(self, tier: TierName, keys: Sequence[PrefixKey]) -> None:
         self._changes.append((tier, tuple(keys)))
+
+    def stats(self) -> KVEventStats:
+        """Counts so far (read from any thread: each is one int its thread writes)."""
+        return KVEventStats(
+            batches=self._next_seq, events=dict(self._events), queued=len(self._changes), requests=dict(self._requests)
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------------------------
 
@@ -104,6 +116,7 @@ class KVEventPublisher:
         self._ready.set()
         try:
             self._send(pub, [all_blocks_cleared()])
+            self._events["AllBlocksCleared"] += 1
             watching = False
             poller = zmq.Poller()
             if replay is not None:
@@ -112,8 +125,9 @@ class KVEventPublisher:
                 stopping = self._stop.is_set()
                 if not watching and (store := self._store_of()) is not None:
                     store.watch_residency(self)  # first: a change while the snapshot is read is queued, not lost
-                    for events in _batched(self._snapshot_events(store), self._options.max_events):
+                    for events in self._snapshot_batches(store, with_tokens=True):
                         self._send(pub, events)
+                        self._events["BlockStored"] += len(events)
                     watching = True
                 wait_ms = 0 if stopping else max(1, int(1000 * self._options.interval_s))
                 if replay is not None and dict(poller.poll(wait_ms)):
@@ -154,21 +168,45 @@ class KVEventPublisher:
         return pub, replay
 
     def _take_changes(self) -> list[bytes]:
+        """Up to ``max_events`` queued changes as events, in order; a run of chunks stored in one tier is encoded
+        in one pass."""
         events: list[bytes] = []
-        while self._changes and len(events) < self._options.max_events:
+        run: list[ChunkRecord] = []
+        run_tier: TierName | None = None
+        while self._changes and len(events) + len(run) < self._options.max_events:
             tier, change = self._changes.popleft()
+            if isinstance(change, ChunkRecord) and tier is run_tier:
+                run.append(change)
+                continue
+            if run_tier is not None:
+                events += self._stored(run, run_tier)
+            run, run_tier = [], None
             if isinstance(change, ChunkRecord):
-                events.append(self._stored_event(tier, change))
+                run, run_tier = [change], tier
             else:
                 events.append(block_removed(change, MEDIUMS[tier]))
+                self._events["BlockRemoved"] += 1
+        if run_tier is not None:
+            events += self._stored(run, run_tier)
         return events
 
-    def _stored_event(self, tier: TierName, record: ChunkRecord) -> bytes:
-        return block_stored(record.key, record.parent_key, record.tokens, self._block_size, MEDIUMS[tier])
+    def _stored(self, records: list[ChunkRecord], tier: TierName, *, with_tokens: bool = True) -> list[bytes]:
+        self._events["BlockStored"] += len(records)
+        return blocks_stored(records, self._block_size, MEDIUMS[tier], with_tokens=with_tokens)
 
-    def _snapshot_events(self, store: TieredStore) -> Iterator[bytes]:
+    def _snapshot_batches(self, store: TieredStore, *, with_tokens: bool) -> Iterator[list[bytes]]:
+        """The store's residency as ``BlockStored`` batches of up to ``max_events``, tier by tier."""
+        size = self._options.max_events
+        records: list[ChunkRecord] = []
+        medium = ""
         for tier, record in store.residency():
-            yield self._stored_event(tier, record)
+            if records and (MEDIUMS[tier] != medium or len(records) == size):
+                yield blocks_stored(records, self._block_size, medium, with_tokens=with_tokens)
+                records = []
+            records.append(record)
+            medium = MEDIUMS[tier]
+        if records:
+            yield blocks_stored(records, self._block_size, medium, with_tokens=with_tokens)
 
     def _send(self, pub: zmq.Socket[bytes], events: list[bytes]) -> None:
         seq = self._next_seq
@@ -189,17 +227,20 @@ class KVEventPublisher:
                            len(frames))  # fmt: skip
             return
         client, _, request = frames
-        if request == SNAPSHOT_REQUEST:
+        if request in (SNAPSHOT_REQUEST, KEYS_SNAPSHOT_REQUEST):
+            self._requests["snapshot"] += 1
             last = (self._next_seq - 1).to_bytes(8, "big")  # batch 0 is always sent first: never negative
-            events = self._snapshot_events(store) if store is not None else iter(())
-            for chunk in _batched(events, self._options.max_events):
-                replay.send_multipart((client, b"", topic, last, batch(time.time(), chunk)))
+            if store is not None:
+                for events in self._snapshot_batches(store, with_tokens=request == SNAPSHOT_REQUEST):
+                    replay.send_multipart((client, b"", topic, last, batch(time.time(), events)))
         elif len(request) == 8:
+            self._requests["replay"] += 1
             first = int.from_bytes(request, "big")
             for seq, payload in self._kept:
                 if seq >= first:
                     replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
         else:
+            self._requests["invalid"] += 1
             logger.warning("kv events: a replay request of %d bytes is neither a sequence number nor %r; ignored",
                            len(request), SNAPSHOT_REQUEST)  # fmt: skip
         replay.send_multipart((client, b"", b"", END_SEQ, b""))
@@ -208,14 +249,3 @@ class KVEventPublisher:
 def _binds(endpoint: str) -> bool:
     """vLLM's rule: a wildcard host or a local transport binds, a named host is connected to."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-
-
-def _batched(events: Iterable[bytes], size: int) -> Iterator[list[bytes]]:
-    chunk: list[bytes] = []
-    for event in events:
-        chunk.append(event)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk

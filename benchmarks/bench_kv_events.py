@@ -1,0 +1,209 @@
+"""KV events (``kvstore serve --kv-events``): what publishing costs, and whether a consumer holds the exact residency.
+
+Two phases, on real ``kvstore serve`` processes (tiers cpu,disk) and real ZeroMQ sockets:
+
+- **cost**: two servers of the same settings, one publishing events, one not; the events are read by a subscriber
+  in this process (a router on the same two cores), then, in a second run, by nobody (the publisher's own cost).
+  Rounds alternate between the servers: each round stores ``--docs`` new documents of ``--doc-chunks`` chunks
+  (chunks/s: every chunk is a ``BlockStored`` and, once the cpu tier is full, a ``BlockRemoved`` too) and looks
+  each up once (lookups/s). The figure is events-on over events-off, per rate, the median of the rounds; target
+  >= 0.98 (publishing costs <= 2%).
+- **residency**: one publishing server; ``--chunks`` chunks stored through a cpu tier of ``--cpu-chunks`` and a disk
+  of ``--disk-chunks`` (evictions from both), every third document looked up again (promotions), some evicted by
+  key. The subscriber's mirror (gaps filled by replay) is compared with the server's own answer for every key (0
+  phantom and 0 missing blocks is the target); then a late joiner rebuilds it from a snapshot and a replay, timed
+  (target <= 1 s at 100K chunks), with the chunks' token ids and with keys only (``snapshot-keys``).
+
+The layout is small (one layer, one KV head of 8 dims: 8 KiB a 256-token chunk) so that per-chunk costs -- where
+events live -- dominate, not KV bytes. Prints one JSON object per figure with ``--json``.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_kv_events.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from kvstore import Client
+from kvstore.bench.serve_process import ServeProcess, start_serve_process
+from kvstore.keys import PrefixKey, as_token_array, prefix_keys
+from kvstore.layout import KVLayout, RopeSpec
+from kvstore.server.kv_events.consumer import ResidencyMirror, Subscriber, free_port, join_late
+from kvstore.server.kv_events.encoding import MEDIUMS
+from kvstore.tiers.base import TierName
+
+LAYOUT = KVLayout(model_id="bench/kv-events", num_layers=1, num_kv_heads=1, head_dim=8, rope=RopeSpec(theta=1e4))
+CHUNK = 256
+TARGET_COST_RATIO = 0.98
+TARGET_JOIN_S = 1.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--docs", type=int, default=200)
+    parser.add_argument("--doc-chunks", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=100_000)
+    parser.add_argument("--cpu-chunks", type=int, default=2_000)
+    parser.add_argument("--disk-chunks", type=int, default=80_000)
+    parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--skip-residency", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-kv-events-") as scratch:
+        root = Path(scratch)
+        if not args.skip_cost:
+            rows += cost_rows(root / "cost-subscribed", args, subscribed=True)
+            rows += cost_rows(root / "cost-unsubscribed", args, subscribed=False)
+        if not args.skip_residency:
+            rows += residency_rows(root / "residency", args)
+    for row in rows:
+        print(json.dumps(row) if args.json else "  ".join(f"{key}={value}" for key, value in row.items()))
+    return 0 if all(row.get("met", True) for row in rows) else 1
+
+
+@contextmanager
+def server(directory: Path, name: str, flags: list[str]) -> Iterator[ServeProcess]:
+    directory.mkdir(parents=True, exist_ok=True)
+    process = start_serve_process(LAYOUT, CHUNK, directory, ["--data-dir", str(directory / name), *flags], name=name)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def sizes(cpu_chunks: int, disk_chunks: int) -> list[str]:
+    chunk_bytes = LAYOUT.chunk_bytes(CHUNK)
+    return ["--tiers", "cpu,disk", "--cpu-size", str(cpu_chunks * chunk_bytes), "--disk-size",
+            str(disk_chunks * (chunk_bytes + 512))]  # fmt: skip
+
+
+def document(seed: int, num_chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 2**17, num_chunks * CHUNK, dtype=np.int64)
+    kv = rng.standard_normal(LAYOUT.chunk_shape(num_chunks * CHUNK), dtype=np.float32)
+    return tokens, kv
+
+
+def cost_rows(root: Path, args: argparse.Namespace, *, subscribed: bool) -> list[dict[str, object]]:
+    """``subscribed``: a subscriber in this process reads every batch (a router on this host, sharing its cores);
+    else the events go to a bound socket nobody reads (the publisher's own cost: ZeroMQ drops them unsent)."""
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    subscriber = Subscriber(ResidencyMirror(), replay, high_water_mark=10_000_000)
+    flags = sizes(args.docs * args.doc_chunks // 4, 10 * args.rounds * args.docs * args.doc_chunks)
+    endpoint = subscriber.endpoint if subscribed else f"tcp://*:{free_port()}"
+    events_flags = [*flags, "--kv-events", endpoint, "--kv-events-replay", replay]
+    rates: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    try:
+        with server(root, "on", events_flags) as on, server(root, "off", flags) as off:
+            clients = {"on": Client(on.url, LAYOUT), "off": Client(off.url, LAYOUT)}
+            documents = [document(seed, args.doc_chunks) for seed in range(args.docs)]
+            for round_index in range(args.rounds):
+                for side in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
+                    rates[side].append(store_and_look_up(clients[side], documents, salt=round_index))
+            for client in clients.values():
+                client.close()
+            subscriber.receive(quiet_s=1.0)
+    finally:
+        subscriber.close()
+    rows: list[dict[str, object]] = []
+    for index, rate in enumerate(("store_chunks_per_s", "lookups_per_s")):
+        on_rate = statistics.median(pair[index] for pair in rates["on"])
+        off_rate = statistics.median(pair[index] for pair in rates["off"])
+        ratio = on_rate / off_rate
+        rows.append({"phase": "cost", "subscriber": "this host" if subscribed else "none", "rate": rate,
+                     "events_on": round(on_rate, 1), "events_off": round(off_rate, 1), "ratio": round(ratio, 4),
+                     "target": TARGET_COST_RATIO, "met": ratio >= TARGET_COST_RATIO,
+                     "rounds": args.rounds})  # fmt: skip
+    return rows
+
+
+def store_and_look_up(client: Client, documents: list[tuple[np.ndarray, np.ndarray]], salt: int) -> tuple[float, float]:
+    """Store every document under new keys (the first token salted), then look each up: (chunks/s, lookups/s)."""
+    import torch
+
+    salted = []
+    for tokens, kv in documents:
+        tokens = tokens.copy()
+        tokens[0] = 2**18 + salt
+        salted.append((tokens, torch.from_numpy(kv).to(LAYOUT.dtype.torch_dtype)))
+    started = time.perf_counter()
+    for tokens, kv in salted:
+        client.store(tokens, kv)
+    stored_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for tokens, _ in salted:
+        client.release(client.lookup(tokens))
+    looked_s = time.perf_counter() - started
+    num_chunks = sum(len(tokens) // CHUNK for tokens, _ in salted)
+    return num_chunks / stored_s, len(salted) / looked_s
+
+
+def residency_rows(root: Path, args: argparse.Namespace) -> list[dict[str, object]]:
+    import torch
+
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    subscriber = Subscriber(ResidencyMirror(), replay, high_water_mark=10_000_000)
+    flags = [*sizes(args.cpu_chunks, args.disk_chunks), "--kv-events", subscriber.endpoint]
+    flags += ["--kv-events-replay", replay]
+    doc_chunks = 16
+    num_documents = args.chunks // doc_chunks
+    keys: list[PrefixKey] = []
+    try:
+        with server(root, "residency", flags) as process, Client(process.url, LAYOUT) as client:
+            started = time.perf_counter()
+            for seed in range(num_documents):
+                tokens, kv = document(seed, doc_chunks)
+                client.store(tokens, torch.from_numpy(kv).to(LAYOUT.dtype.torch_dtype))
+                document_keys = prefix_keys(LAYOUT.namespace, as_token_array(tokens), CHUNK)
+                keys += document_keys
+                if seed % 3 == 0 and seed:
+                    older, _ = document(seed // 2, doc_chunks)
+                    client.release(client.lookup(older))  # a hit promotes it from the disk into the cpu tier
+                if seed % 50 == 0:
+                    client.evict(document_keys[:2])
+                if seed % 500 == 0:
+                    subscriber.receive(quiet_s=0.01, timeout_s=0.5)  # a router reads as it goes
+            client.flush()
+            store_s = time.perf_counter() - started
+            subscriber.receive(quiet_s=2.0)
+            truth = {(MEDIUMS[tier], key) for key in keys for tier in client.chunk(key).tiers}
+            stats = client.stats()
+            late, by_keys = ResidencyMirror(), ResidencyMirror()
+            join_s = join_late(replay, late)
+            keys_join_s = join_late(replay, by_keys, with_tokens=False)
+    finally:
+        subscriber.close()
+    mirror = subscriber.mirror.resident
+    cpu, disk = stats.tier(TierName.CPU), stats.tier(TierName.DISK)
+    assert cpu is not None and disk is not None
+    phantom, missing = len(mirror - truth), len(truth - mirror)
+    return [
+        {"phase": "residency", "chunks_stored": len(keys), "store_s": round(store_s, 1), "resident": len(truth),
+         "cpu_evictions": cpu.evictions, "disk_evictions": disk.evictions, "batches": len(subscriber.seqs),
+         "replayed_batches": subscriber.num_replayed, "phantom": phantom, "missing": missing,
+         "met": phantom == 0 and missing == 0},
+        *(
+            {"phase": "late_join", "snapshot": kind, "resident": len(truth), "snapshot_and_replay_s": round(seconds, 3),
+             "exact": joined.resident == truth, "target_s": TARGET_JOIN_S,
+             "met": joined.resident == truth and seconds <= TARGET_JOIN_S}
+            for kind, joined, seconds in (("with token ids", late, join_s), ("keys only", by_keys, keys_join_s))
+        ),
+    ]  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
