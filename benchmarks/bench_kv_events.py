@@ -8,6 +8,7 @@ Two phases, on real ``kvstore serve`` processes (tiers cpu,disk) and real ZeroMQ
   (chunks/s: every chunk is a ``BlockStored`` and, once the cpu tier is full, a ``BlockRemoved`` too) and looks
   each up once (lookups/s). The figure is events-on over events-off, per rate, the median of the rounds; target
   >= 0.98 (publishing costs <= 2%).
+- **publisher**: the publisher's own CPU time per residency change, in this process (no server, no subscriber).
 - **residency**: one publishing server; ``--chunks`` chunks stored through a cpu tier of ``--cpu-chunks`` and a disk
   of ``--disk-chunks`` (evictions from both), every third document looked up again (promotions), some evicted by
   key. The subscriber's mirror (gaps filled by replay) is compared with the server's own answer for every key (0
@@ -25,12 +26,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,7 +44,9 @@ from kvstore.keys import PrefixKey, as_token_array, prefix_keys
 from kvstore.layout import KVLayout, RopeSpec
 from kvstore.server.kv_events.consumer import ResidencyMirror, Subscriber, free_port, join_late
 from kvstore.server.kv_events.encoding import MEDIUMS
-from kvstore.tiers.base import TierName
+from kvstore.server.kv_events.options import KVEventOptions
+from kvstore.server.kv_events.publisher import KVEventPublisher
+from kvstore.tiers.base import ChunkRecord, TierName
 
 LAYOUT = KVLayout(model_id="bench/kv-events", num_layers=1, num_kv_heads=1, head_dim=8, rope=RopeSpec(theta=1e4))
 CHUNK = 256
@@ -65,9 +69,10 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-kv-events-") as scratch:
         root = Path(scratch)
+        rows += publisher_rows(args)
         if not args.skip_cost:
-            rows += cost_rows(root / "cost-subscribed", args, subscribed=True)
             rows += cost_rows(root / "cost-unsubscribed", args, subscribed=False)
+            rows += cost_rows(root / "cost-subscribed", args, subscribed=True)
         if not args.skip_residency:
             rows += residency_rows(root / "residency", args)
     for row in rows:
@@ -150,6 +155,47 @@ def store_and_look_up(client: Client, documents: list[tuple[np.ndarray, np.ndarr
     looked_s = time.perf_counter() - started
     num_chunks = sum(len(tokens) // CHUNK for tokens, _ in salted)
     return num_chunks / stored_s, len(salted) / looked_s
+
+
+def publisher_rows(args: argparse.Namespace) -> list[dict[str, object]]:
+    """The publisher's own CPU: this process feeds it ``--chunks`` stored and as many removed changes at about 3,000
+    of each a second (the cost phase's store rate), and its CPU time is compared with the same feed into a plain
+    queue nobody reads."""
+    records = [
+        ChunkRecord(
+            key=PrefixKey(bytes(rng.bytes(16))), source_start=0, tokens=rng.integers(0, 2**17, CHUNK, dtype="<u4")
+        )
+        for rng in [np.random.default_rng(7)]
+        for _ in range(1000)
+    ]
+
+    def feed(
+        stored: Callable[[TierName, ChunkRecord], None], removed: Callable[[TierName, tuple[PrefixKey]], None]
+    ) -> float:
+        started = time.process_time()
+        for index in range(args.chunks):
+            record = records[index % len(records)]
+            stored(TierName.CPU, record)
+            removed(TierName.CPU, (record.key,))
+            if index % 30 == 29:
+                time.sleep(0.01)
+        return time.process_time() - started
+
+    queue: collections.deque[object] = collections.deque()
+    baseline_s = feed(lambda tier, record: queue.append((tier, record)), lambda tier, keys: queue.append((tier, keys)))
+    publisher = KVEventPublisher(KVEventOptions(endpoint=f"tcp://*:{free_port()}"), lambda: None, CHUNK)
+    try:
+        started = time.process_time()
+        feed(publisher.stored, publisher.removed)
+        while publisher.stats().queued:
+            time.sleep(0.01)
+        publishing_s = time.process_time() - started
+    finally:
+        publisher.close()
+    changes = 2 * args.chunks
+    per_change_us = 1e6 * (publishing_s - baseline_s) / changes
+    return [{"phase": "publisher", "changes": changes, "cpu_us_per_change": round(per_change_us, 2),
+             "cpu_share_at_3000_chunks_per_s": round(2 * 3000 * per_change_us / 1e6, 4)}]  # fmt: skip
 
 
 def residency_rows(root: Path, args: argparse.Namespace) -> list[dict[str, object]]:

@@ -654,6 +654,12 @@ class TieredStore:
             for record in tier.resident_records():
                 yield tier.name, record
 
+    def resident_keys(self) -> Iterator[tuple[TierName, list[PrefixKey]]]:
+        """The keys resident in each local tier (from the tiers' memory: no disk read), for a residency snapshot
+        without records."""
+        for tier in self._tiers:
+            yield tier.name, tier.keys()
+
     def evict(self, keys: Sequence[PrefixKey]) -> int:
         """Drop chunks from every local tier (pinned copies stay; the remote is the fleet's, and Valkey evicts
         there). Returns how many chunk copies were dropped.

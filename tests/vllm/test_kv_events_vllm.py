@@ -45,12 +45,14 @@ def test_a_router_decoding_with_vllms_structs_rebuilds_the_residency(tmp_path: P
             client.flush()
             subscriber.receive(quiet_s=1.5)
             truth = {(MEDIUMS[tier], key) for key in keys for tier in client.chunk(key).tiers}
-            late = ResidencyMirror(decode=decode_with_vllm)
+            late, by_keys = ResidencyMirror(decode=decode_with_vllm), ResidencyMirror(decode=decode_with_vllm)
             join_late(replay, late)
+            join_late(replay, by_keys, with_tokens=False)
     finally:
         subscriber.close()
     assert {medium for medium, _ in truth} == {"CPU", "STORAGE"}
-    assert subscriber.mirror.resident == truth and late.resident == truth
+    assert subscriber.mirror.resident == truth and late.resident == truth and by_keys.resident == truth
+    assert all(event["token_ids"] == [] and event["parent_block_hash"] is None for event in by_keys.stored.values())
     stored = subscriber.mirror.stored[keys[1]]
     assert stored["block_size"] == CHUNK_SIZE and stored["parent_block_hash"] == keys[0]
     assert stored["token_ids"] == documents[0][CHUNK_SIZE : 2 * CHUNK_SIZE].tolist()

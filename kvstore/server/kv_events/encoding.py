@@ -30,7 +30,7 @@ import numpy as np
 from kvstore.keys import PrefixKey
 from kvstore.tiers.base import ChunkRecord, TierName
 
-__all__ = ["MEDIUMS", "all_blocks_cleared", "batch", "block_removed", "blocks_stored"]
+__all__ = ["MEDIUMS", "all_blocks_cleared", "batch", "block_removed", "blocks_resident", "blocks_stored"]
 
 MEDIUMS = {TierName.GPU: "GPU", TierName.CPU: "CPU", TierName.DISK: "STORAGE", TierName.REMOTE: "REMOTE"}
 """``medium`` per tier: vLLM's own names for the gpu, cpu and disk levels (``MEDIUM_GPU``, ``MEDIUM_CPU``,
@@ -40,27 +40,38 @@ _UINT32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])  # a msgpack "uint
 _KEY_BIN = b"\xc4\x10"  # msgpack bin 8 of 16 bytes: a chunk key
 
 
-def blocks_stored(
-    records: Sequence[ChunkRecord], block_size: int, medium: str, *, with_tokens: bool = True
-) -> list[bytes]:
-    """One ``BlockStored`` event per record: a map of the eight fields without a default, its fixed parts written
-    once, the token ids of every record encoded in one numpy pass. ``with_tokens=False`` leaves ``token_ids`` empty
-    (a snapshot of residency alone)."""
-    lengths = [record.num_tokens if with_tokens else 0 for record in records]
+def blocks_stored(records: Sequence[ChunkRecord], block_size: int, mediums: Sequence[str]) -> list[bytes]:
+    """One ``BlockStored`` event per record, in the medium at the same index: a map of the eight fields without a
+    default, its fixed parts written once, the token ids of every record encoded in one numpy pass."""
+    lengths = [record.num_tokens for record in records]
     items = np.empty(sum(lengths), dtype=_UINT32_ITEM)
     items["marker"] = 0xCE
-    if with_tokens and records:
+    if records:
         items["value"] = np.concatenate([record.tokens for record in records])
     token_bytes = items.tobytes()
-    tail = _pack({"block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None})[1:]
+    tails: dict[str, bytes] = {}
     events = []
     offset = 0
-    for record, length in zip(records, lengths, strict=True):
+    for record, length, medium in zip(records, lengths, mediums, strict=True):
+        tail = tails.get(medium)
+        if tail is None:
+            tail = tails[medium] = _pack({"block_size": block_size, "lora_id": None, "medium": medium,
+                                          "lora_name": None})[1:]  # fmt: skip
         parent = _KEY_BIN + record.parent_key if record.parent_key is not None else b"\xc0"
         token_ids = _array_header(length) + token_bytes[offset : offset + 5 * length]
         offset += 5 * length
         events.append(_STORED_HEAD + record.key + _PARENT_FIELD + parent + _TOKEN_IDS_FIELD + token_ids + tail)
     return events
+
+
+def blocks_resident(keys: Sequence[PrefixKey], block_size: int, medium: str) -> list[bytes]:
+    """``BlockStored`` events that say only that ``keys`` are resident: no token ids, no parent (a keys-only
+    snapshot, built from keys alone)."""
+    tail = _TOKEN_IDS_FIELD + b"\x90" + _pack({"block_size": block_size, "lora_id": None, "medium": medium,
+                                                "lora_name": None})[1:]  # fmt: skip
+    head = _STORED_HEAD
+    no_parent = _PARENT_FIELD + b"\xc0"
+    return [head + key + no_parent + tail for key in keys]
 
 
 def block_removed(keys: Sequence[PrefixKey], medium: str) -> bytes:

@@ -32,7 +32,14 @@ import zmq
 
 from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey
-from kvstore.server.kv_events.encoding import MEDIUMS, all_blocks_cleared, batch, block_removed, blocks_stored
+from kvstore.server.kv_events.encoding import (
+    MEDIUMS,
+    all_blocks_cleared,
+    batch,
+    block_removed,
+    blocks_resident,
+    blocks_stored,
+)
 from kvstore.server.kv_events.options import KVEventOptions, KVEventStats
 from kvstore.store import TieredStore
 from kvstore.tiers.base import ChunkRecord, TierName
@@ -48,8 +55,9 @@ SNAPSHOT_REQUEST = b"snapshot"
 """A replay request for the store's whole residency instead of kept batches."""
 
 KEYS_SNAPSHOT_REQUEST = b"snapshot-keys"
-"""A snapshot whose ``BlockStored`` events leave ``token_ids`` empty: the residency alone, for a router that keys
-blocks by their hashes or learned their tokens before (a tenth of the bytes to send and decode)."""
+"""A snapshot whose ``BlockStored`` events carry the block hash and medium only (``token_ids`` empty, no parent):
+the residency alone, read from the tiers' memory, for a router that keys blocks by hash or learned their tokens
+before (a tenth of the bytes to send and decode, and no disk read)."""
 
 _Change = tuple[TierName, ChunkRecord | tuple[PrefixKey, ...]]
 
@@ -125,7 +133,7 @@ class KVEventPublisher:
                 stopping = self._stop.is_set()
                 if not watching and (store := self._store_of()) is not None:
                     store.watch_residency(self)  # first: a change while the snapshot is read is queued, not lost
-                    for events in self._snapshot_batches(store, with_tokens=True):
+                    for events in self._snapshot_batches(store):
                         self._send(pub, events)
                         self._events["BlockStored"] += len(events)
                     watching = True
@@ -168,45 +176,53 @@ class KVEventPublisher:
         return pub, replay
 
     def _take_changes(self) -> list[bytes]:
-        """Up to ``max_events`` queued changes as events, in order; a run of chunks stored in one tier is encoded
-        in one pass."""
+        """Up to ``max_events`` queued changes as events, in order: the token ids of every stored chunk among them
+        encoded in one pass, and a run of removals from one tier one ``BlockRemoved`` of all their keys."""
+        changes = [self._changes.popleft() for _ in range(min(len(self._changes), self._options.max_events))]
+        stored = [(change, MEDIUMS[tier]) for tier, change in changes if isinstance(change, ChunkRecord)]
+        encoded = iter(blocks_stored([record for record, _ in stored], self._block_size, [m for _, m in stored]))
+        self._events["BlockStored"] += len(stored)
         events: list[bytes] = []
-        run: list[ChunkRecord] = []
-        run_tier: TierName | None = None
-        while self._changes and len(events) + len(run) < self._options.max_events:
-            tier, change = self._changes.popleft()
-            if isinstance(change, ChunkRecord) and tier is run_tier:
-                run.append(change)
-                continue
-            if run_tier is not None:
-                events += self._stored(run, run_tier)
-            run, run_tier = [], None
+        removed: list[PrefixKey] = []
+        removed_tier: TierName | None = None
+        for tier, change in changes:
+            if removed and (isinstance(change, ChunkRecord) or tier is not removed_tier):
+                events.append(self._removed(removed, removed_tier))
+                removed = []
             if isinstance(change, ChunkRecord):
-                run, run_tier = [change], tier
+                events.append(next(encoded))
             else:
-                events.append(block_removed(change, MEDIUMS[tier]))
-                self._events["BlockRemoved"] += 1
-        if run_tier is not None:
-            events += self._stored(run, run_tier)
+                removed += change
+                removed_tier = tier
+        if removed:
+            events.append(self._removed(removed, removed_tier))
         return events
 
-    def _stored(self, records: list[ChunkRecord], tier: TierName, *, with_tokens: bool = True) -> list[bytes]:
-        self._events["BlockStored"] += len(records)
-        return blocks_stored(records, self._block_size, MEDIUMS[tier], with_tokens=with_tokens)
+    def _removed(self, keys: list[PrefixKey], tier: TierName | None) -> bytes:
+        assert tier is not None, "a removal run has its tier"
+        self._events["BlockRemoved"] += 1
+        return block_removed(keys, MEDIUMS[tier])
 
-    def _snapshot_batches(self, store: TieredStore, *, with_tokens: bool) -> Iterator[list[bytes]]:
+    def _snapshot_batches(self, store: TieredStore) -> Iterator[list[bytes]]:
         """The store's residency as ``BlockStored`` batches of up to ``max_events``, tier by tier."""
         size = self._options.max_events
         records: list[ChunkRecord] = []
         medium = ""
         for tier, record in store.residency():
             if records and (MEDIUMS[tier] != medium or len(records) == size):
-                yield blocks_stored(records, self._block_size, medium, with_tokens=with_tokens)
+                yield blocks_stored(records, self._block_size, [medium] * len(records))
                 records = []
             records.append(record)
             medium = MEDIUMS[tier]
         if records:
-            yield blocks_stored(records, self._block_size, medium, with_tokens=with_tokens)
+            yield blocks_stored(records, self._block_size, [medium] * len(records))
+
+    def _keys_batches(self, store: TieredStore) -> Iterator[list[bytes]]:
+        """The store's residency as keys-only ``BlockStored`` batches, from the tiers' memory."""
+        size = self._options.max_events
+        for tier, keys in store.resident_keys():
+            for first in range(0, len(keys), size):
+                yield blocks_resident(keys[first : first + size], self._block_size, MEDIUMS[tier])
 
     def _send(self, pub: zmq.Socket[bytes], events: list[bytes]) -> None:
         seq = self._next_seq
@@ -231,7 +247,8 @@ class KVEventPublisher:
             self._requests["snapshot"] += 1
             last = (self._next_seq - 1).to_bytes(8, "big")  # batch 0 is always sent first: never negative
             if store is not None:
-                for events in self._snapshot_batches(store, with_tokens=request == SNAPSHOT_REQUEST):
+                batches = self._snapshot_batches(store) if request == SNAPSHOT_REQUEST else self._keys_batches(store)
+                for events in batches:
                     replay.send_multipart((client, b"", topic, last, batch(time.time(), events)))
         elif len(request) == 8:
             self._requests["replay"] += 1
