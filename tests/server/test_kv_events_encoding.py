@@ -13,14 +13,13 @@ from kvstore.server.kv_events.encoding import all_blocks_cleared, batch, block_r
 from kvstore.tiers.base import ChunkRecord
 
 keys = st.binary(min_size=16, max_size=16).map(PrefixKey)
-records = st.builds(
-    lambda key, parent, tokens: ChunkRecord(
-        key=key, source_start=0, tokens=np.array(tokens, dtype="<u4"), parent_key=parent
-    ),  # fmt: skip
-    keys,
-    st.none() | keys,
-    st.lists(st.integers(0, 2**32 - 1), max_size=300),
-)
+
+
+def chunk_record(key: PrefixKey, parent: PrefixKey | None, tokens: list[int]) -> ChunkRecord:
+    return ChunkRecord(key=key, source_start=0, tokens=np.array(tokens, dtype="<u4"), parent_key=parent)
+
+
+records = st.builds(chunk_record, keys, st.none() | keys, st.lists(st.integers(0, 2**32 - 1), max_size=300))
 
 
 @given(st.lists(records, max_size=40), st.lists(st.sampled_from(["GPU", "CPU", "STORAGE"]), min_size=40, max_size=40),
