@@ -33,6 +33,7 @@ FORBIDDEN = {
     "kvstore.version": ("kvstore.",),
     "kvstore.lazy_exports": ("kvstore.",),
     "kvstore.pids": ("kvstore.",),
+    "kvstore.collector": ("kvstore.",),
     "kvstore.layout": (*_VALUES, "kvstore.config"),
     "kvstore.keys": (*_VALUES, "kvstore.config"),
     "kvstore.plan": (*_VALUES, "kvstore.config"),

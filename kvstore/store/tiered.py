@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import contextlib
 import enum
-import gc
 import logging
 from collections.abc import Iterator, Sequence
 from types import TracebackType
@@ -46,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstore.collector import collector_paused
 from kvstore.config import StoreConfig, check_byte_count, tier_name
 from kvstore.content.catalog import ContentCatalog, Residency
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
@@ -85,23 +84,6 @@ def _no_op() -> None:
     pass
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a data dir opens.
-
-    Opening builds an index entry per stored chunk (a million objects for a million chunks), none of them garbage;
-    each allocation threshold crossed would start a collection that walks them all again, a large share of a 1M-chunk
-    open (measured: docs/design-notes.md#store). Reference counting still frees everything as usual meanwhile.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 class _Lifecycle(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
@@ -138,7 +120,7 @@ class TieredStore:
         self._prefetcher: Prefetcher | None = None
         self._disk_reads: DiskReads | None = None
         try:
-            with _collector_paused():
+            with collector_paused():
                 self._open_content()  # first: the disk tier's recovery feeds the content index's rebuild
                 self._open_tiers()
         except BaseException:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import msgpack
 import zmq
 
+from kvstore.collector import collector_paused
 from kvstore.server.kv_events.publisher import END_SEQ, KEYS_SNAPSHOT_REQUEST, SNAPSHOT_REQUEST
 
 __all__ = ["ResidencyMirror", "Subscriber", "decode_with_msgpack", "free_port", "join_late", "request"]
@@ -54,6 +55,12 @@ class ResidencyMirror:
     cleared: int = 0
 
     def apply(self, seq: int, payload: bytes) -> None:
+        """Apply one batch (the collector paused: a snapshot decodes into a hundred thousand objects at a time)."""
+        with collector_paused():
+            self._apply(payload)
+        self.last_seq = max(self.last_seq, seq)
+
+    def _apply(self, payload: bytes) -> None:
         for event in self.decode(payload):
             kind = event["type"]
             if kind == "AllBlocksCleared":
@@ -69,7 +76,6 @@ class ResidencyMirror:
                     self.stored[block_hash] = event
                 else:
                     self.resident.discard((str(event["medium"]), block_hash))
-        self.last_seq = max(self.last_seq, seq)
 
 
 class Subscriber:

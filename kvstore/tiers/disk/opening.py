@@ -13,14 +13,13 @@ garbage collector is paused (process-wide) while recovery reads the meta records
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.collector import collector_paused
 from kvstore.keys import PrefixKey
 from kvstore.tiers.disk.commit import remove_unfinished_chunks
 from kvstore.tiers.disk.environment import DiskEnvironment, tune_malloc_for_large_values
@@ -121,25 +120,6 @@ def close_disk_parts(parts: DiskParts) -> None:
         parts.env.close()
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while the meta records are read (restored after, as it was).
-
-    Recovery holds a batch of lmdb views and tuples at a time (a thousand records); each batch's survive young
-    collections and push the collector into full collections of the whole heap, which a process that imported torch
-    makes large: recovery ran several times slower with the collector on than paused (measured:
-    docs/design-notes.md#tiers-disk-opening). Nothing it allocates is cyclic garbage; reference counting frees every
-    batch as usual. ``TieredStore`` pauses it for its whole open too.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _recover(
     env: DiskEnvironment,
     index: DiskState,
@@ -149,7 +129,7 @@ def _recover(
 ) -> list[PrefixKey]:
     """Rebuild the index from the meta records; returns the keys of broken records."""
     started_s = time.perf_counter()
-    with _collector_paused():
+    with collector_paused():
         recovery = recover_chunks(env, geometry.layout, geometry.chunk_size, content_records)
         index.load(recovery.chunks)
     broken = recovery.broken_keys
