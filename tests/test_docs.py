@@ -59,6 +59,7 @@ def _exported_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     """Every family a server's registry exports (name as scraped, type, labels), each made to show its samples."""
     import dataclasses
 
+    from kvstore.server.kv_events.options import KVEventStats
     from kvstore.server.metrics import BulkTransfer, ServerMetrics
     from kvstore.server.usage.plan_coverage import PlanCoverage
     from kvstore.stats import CatalogStats, RegistrationStats, RemoteStats, StoreStats
@@ -83,6 +84,8 @@ def _exported_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     metrics.observe_store(transfer, engine)
     metrics.observe_retrieve(transfer, engine)
     metrics.requests.labels("lookup", "ok").inc()
+    events = KVEventStats(batches=1, events={"BlockStored": 1}, queued=0, requests={"snapshot": 1})
+    metrics.watch_kv_events(lambda: events)
     exported = {}
     for family in metrics.registry.collect():
         labels = tuple(sorted({label for sample in family.samples for label in sample.labels} - {"le"}))
