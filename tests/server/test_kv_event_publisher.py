@@ -1,0 +1,84 @@
+"""``KVEventPublisher`` in process over a real ``TieredStore`` and real ZeroMQ sockets: the store opening after the
+publisher (the first client's layout), the start's snapshot, replay from any batch, both snapshots, a bad request,
+the counts, and an endpoint it cannot open."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvstore import TieredStore
+from kvstore.errors import ConfigError
+from kvstore.keys import as_token_array, prefix_keys
+from kvstore.layout import KVLayout
+from kvstore.server.kv_events.consumer import ResidencyMirror, Subscriber, free_port, join_late, request
+from kvstore.server.kv_events.encoding import MEDIUMS
+from kvstore.server.kv_events.options import KVEventOptions
+from kvstore.server.kv_events.publisher import KVEventPublisher
+from tests.factories import make_kv, make_tokens, store_config
+
+CHUNK = 8
+
+
+@pytest.fixture
+def store(tmp_path: Path, small_layout: KVLayout) -> Iterator[TieredStore]:
+    config = store_config(tmp_path, small_layout, CHUNK, gpu_chunks=0, cpu_chunks=6, tiers=("cpu", "disk"))
+    with TieredStore(small_layout, config) as opened:
+        yield opened
+
+
+def truth(store: TieredStore) -> set[tuple[str, bytes]]:
+    return {(MEDIUMS[tier], key) for tier, keys in store.resident_keys() for key in keys}
+
+
+def test_a_publisher_follows_a_store_that_opens_after_it(store: TieredStore, small_layout: KVLayout) -> None:
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    subscriber = Subscriber(ResidencyMirror(), replay)
+    opened: list[TieredStore] = []
+    options = KVEventOptions(endpoint=subscriber.endpoint, replay_endpoint=replay, topic="t", max_events=4)
+    publisher = KVEventPublisher(options, lambda: opened[0] if opened else None, CHUNK)
+    try:
+        tokens = make_tokens(3 * CHUNK, seed=1)
+        store.store(tokens, make_kv(small_layout, 3 * CHUNK, seed=1))
+        store.flush()
+        assert request(replay, b"snapshot") == [], "no store yet: an empty snapshot"
+        opened.append(store)  # the store opens: its residency so far is published first
+        deadline = time.monotonic() + 10
+        while publisher.stats().events["BlockStored"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for seed in range(2, 6):
+            store.store(make_tokens(2 * CHUNK, seed=seed), make_kv(small_layout, 2 * CHUNK, seed=seed))
+        store.evict(prefix_keys(small_layout.namespace, as_token_array(tokens), CHUNK)[:1])
+        store.flush()
+        subscriber.receive(quiet_s=0.5)
+        assert subscriber.mirror.resident == truth(store) and subscriber.mirror.cleared == 1
+        from_two = request(replay, (2).to_bytes(8, "big"))
+        assert [seq for seq, _ in from_two] == list(range(2, subscriber.mirror.last_seq + 1))
+        late, by_keys = ResidencyMirror(), ResidencyMirror()
+        join_late(replay, late)
+        join_late(replay, by_keys, with_tokens=False)
+        assert late.resident == by_keys.resident == truth(store)
+        assert request(replay, b"what") == [], "a request that is neither a seq nor a snapshot gets the end alone"
+        stats = publisher.stats()
+        assert stats.batches == subscriber.mirror.last_seq + 1 and stats.queued == 0
+        assert stats.requests["snapshot"] == 3 and stats.requests["invalid"] == 1 and stats.requests["replay"] >= 3
+        assert stats.events["AllBlocksCleared"] == 1 and stats.events["BlockRemoved"] >= 1
+    finally:
+        publisher.close()
+        subscriber.close()
+
+
+def test_an_endpoint_it_cannot_open_is_a_one_line_config_error() -> None:
+    context = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(ConfigError, match=f"--kv-events: cannot open tcp://\\*:{port}"):
+            KVEventPublisher(KVEventOptions(endpoint=f"tcp://*:{port}"), lambda: None, CHUNK)
+    finally:
+        taken.close(linger=0)
+        context.term()
