@@ -43,6 +43,7 @@ from kvstore.server.kv_events.encoding import (
 from kvstore.server.kv_events.options import KVEventOptions, KVEventStats
 from kvstore.store import TieredStore
 from kvstore.tiers.base import ChunkRecord, TierName
+from kvstore.tiers.residency import SILENT
 
 __all__ = ["END_SEQ", "KEYS_SNAPSHOT_REQUEST", "SNAPSHOT_REQUEST", "KVEventPublisher"]
 
@@ -118,28 +119,30 @@ class KVEventPublisher:
         try:
             pub, replay = self._open_sockets(context)
         except (zmq.ZMQError, ValueError) as exc:
-            self._failure = ConfigError(f"--kv-events: cannot open {self._options.endpoint}: {exc}")
+            replay_endpoint = self._options.replay_endpoint
+            also = f" or --kv-events-replay {replay_endpoint}" if replay_endpoint else ""
+            self._failure = ConfigError(f"--kv-events: cannot open {self._options.endpoint}{also}: {exc}")
             self._ready.set()
             return
         self._ready.set()
+        watched: TieredStore | None = None
         try:
             self._send(pub, [all_blocks_cleared()])
             self._events["AllBlocksCleared"] += 1
-            watching = False
             poller = zmq.Poller()
             if replay is not None:
                 poller.register(replay, zmq.POLLIN)
             while True:
                 stopping = self._stop.is_set()
-                if not watching and (store := self._store_of()) is not None:
+                if watched is None and (store := self._store_of()) is not None:
                     store.watch_residency(self)  # first: a change while the snapshot is read is queued, not lost
+                    watched = store
                     for events in self._snapshot_batches(store):
                         self._send(pub, events)
                         self._events["BlockStored"] += len(events)
-                    watching = True
                 wait_ms = 0 if stopping else max(1, int(1000 * self._options.interval_s))
                 if replay is not None and dict(poller.poll(wait_ms)):
-                    self._answer(replay, self._store_of() if watching else None)
+                    self._answer(replay, watched)
                 elif replay is None and not stopping:
                     time.sleep(self._options.interval_s)
                 while self._changes:
@@ -148,6 +151,9 @@ class KVEventPublisher:
                     break
         except Exception:  # the thread's boundary: events stop, the store goes on
             logger.exception("kv events: the publisher failed; no more events are published")
+            if watched is not None:
+                watched.watch_residency(SILENT)  # nobody would take the queue's changes: stop hearing them
+            self._changes.clear()
         finally:
             pub.close(linger=1000)
             if replay is not None:
