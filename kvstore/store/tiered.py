@@ -551,15 +551,18 @@ class TieredStore:
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 continue
             place = target if held == 0 else self._whole_chunk(segment, out)
+            tail = [(place[:, :, held:], target)] if held else []  # a chunk decoded whole: its tail still to copy
             if shared_reads is not None and shared_reads.serves(segment):
                 record = shared_reads.load_into(segment.key, place)
                 if record is not None:
-                    self._served_decoded(segment, place, held, target, loaded, copies)
+                    loaded.append(segment)
+                    copies += tail
                     if self.config.promote_on_hit:
                         self._put_new_chunk(record, place)  # into the local tiers (the shared one knows it)
                     continue
             elif self._disk_reads is not None and self._disk_reads.load_into(segment.key, segment.num_tokens, place):
-                self._served_decoded(segment, place, held, target, loaded, copies)
+                loaded.append(segment)
+                copies += tail
                 continue
             # A remote chunk Valkey evicted is an ordinary miss (the remote tier logs outages and corruption).
             logger.log(logging.DEBUG if segment.tier is TierName.REMOTE else logging.WARNING,
@@ -571,20 +574,6 @@ class TieredStore:
     def _whole_chunk(self, segment: Segment, out: torch.Tensor) -> torch.Tensor:
         """Room to decode a chunk whole beside ``out``, when only its tail belongs there."""
         return torch.empty(self.layout.chunk_shape(segment.num_tokens), dtype=out.dtype, device=out.device)
-
-    @staticmethod
-    def _served_decoded(
-        segment: Segment,
-        place: torch.Tensor,
-        held: int,
-        target: torch.Tensor,
-        loaded: list[Segment],
-        copies: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        """A decoded segment is served; one decoded whole aside (it straddles the start) still has its tail to copy."""
-        loaded.append(segment)
-        if held:
-            copies.append((place[:, :, held:], target))
 
     def _local_tier(self, name: TierName) -> Tier | None:
         return next((tier for tier in self._tiers if tier.name is name), None)
