@@ -41,6 +41,7 @@ from kvstore.server.kv_events.options import KVEventOptions
 from kvstore.server.loop import LoopOptions
 from kvstore.tiers.base import TierName
 from kvstore.tiers.disk.layout_copy import recorded_layout
+from kvstore.wire.address import check_server_url
 
 __all__ = [
     "ENV_PREFIX",
@@ -462,8 +463,10 @@ def _kv_events(flags: ServeFlags) -> KVEventOptions | None:
     if flags.kv_events_replay is not None:
         endpoints.append(("--kv-events-replay", flags.kv_events_replay))
     for flag, endpoint in endpoints:
-        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")) or any(c.isspace() for c in endpoint):
-            raise ConfigError(f"{flag} {endpoint!r} is not a ZeroMQ endpoint (e.g. tcp://*:5557 or tcp://router:5557)")
+        try:
+            check_server_url(endpoint)  # a tcp:// host and port or an ipc:// path, as a server's address is
+        except ConfigError as exc:
+            raise ConfigError(f"{flag}: {exc} (events: tcp://*:5557 binds, tcp://router:5557 connects)") from None
     return KVEventOptions(
         endpoint=flags.kv_events, replay_endpoint=flags.kv_events_replay, topic=flags.kv_events_topic or ""
     )

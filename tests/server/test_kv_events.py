@@ -139,7 +139,7 @@ def test_kv_event_flags_are_checked_with_one_line_errors(tmp_path: Path) -> None
     from kvstore.server.host_facts import probe_host
     from kvstore.server.settings import ServeFlags, resolve_settings
 
-    with pytest.raises(ConfigError, match="--kv-events 'localhost:5557' is not a ZeroMQ endpoint"):
+    with pytest.raises(ConfigError, match="--kv-events: server URL 'localhost:5557' must look like"):
         resolve_settings(ServeFlags(tiers="cpu", kv_events="localhost:5557"), probe_host())
     with pytest.raises(ConfigError, match="need --kv-events"):
         resolve_settings(ServeFlags(tiers="cpu", kv_events_replay="tcp://*:5558"), probe_host())
