@@ -239,6 +239,10 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
             else "opened when the first client names the layout"
         )
         lines.append(f"data dir {data_dir}: {recovered}")
+    events = settings.kv_events
+    if events is not None:
+        replay = f", replay and snapshots on {events.replay_endpoint}" if events.replay_endpoint else ", no replay"
+        lines.append(f"kv events: published on {events.endpoint}{replay} (docs/routing.md)")
     lines.append(f'connect: kvstore.Client("{address.url}"); look: kvstore inspect --url {address.url}')
     return lines
 
