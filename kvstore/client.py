@@ -365,7 +365,9 @@ class Client:
             progress.segments_loaded(loaded.segments)
             for layer in range(layout.num_layers):
                 progress.layer_queued(layer)
-        return RetrieveResult(segments=loaded.segments, num_query_tokens=loaded.num_query_tokens, kv=kv, start=start)
+        return RetrieveResult(
+            segments=loaded.segments, num_query_tokens=loaded.num_query_tokens, kv=kv, start=start, misses=loaded.misses
+        )
 
     def _bulk_for_retrieve(self, out: torch.Tensor | None, needed: int, staged: list[torch.Tensor]) -> BulkRef:
         layout = self._require_layout()

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from kvstore.keys import PrefixKey
+from kvstore.misses import Miss
 from kvstore.tiers.base import TierName
 
 __all__ = ["UNPINNED_PLAN_ID", "Gap", "LookupPlan", "RetrieveProgress", "RetrieveResult", "Segment", "StoreResult"]
@@ -115,6 +116,8 @@ class LookupPlan:
         session_id: the session whose end releases the plan (``None``: only retrieve or release do).
         num_query_tokens: length of the prompt that was looked up.
         segments: cached ranges, sorted by ``start``, non-overlapping.
+        misses: the other ranges (the gaps), each with why it is not cached (``kvstore.misses``); with the segments
+            they tile the prompt.
         prefetches: one future per disk-resident segment being copied into the cpu tier; each resolves to whether
             the copy landed (a ``False`` is harmless: retrieve then reads the disk directly).
     """
@@ -123,6 +126,7 @@ class LookupPlan:
     session_id: str | None
     num_query_tokens: int
     segments: tuple[Segment, ...]
+    misses: tuple[Miss, ...] = ()
     prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
 
     @property
@@ -187,12 +191,16 @@ class RetrieveResult:
             of the caller's buffer when one was given).
         start: the first token retrieved; the caller holds ``[0, start)`` (``retrieve(start=...)``), and the
             segments that end there are neither loaded nor listed (the first listed may begin before it).
+        misses: the gaps of ``[start, num_query_tokens)``, each with its reason: the plan's, and the planned
+            segments that could not be served (``checksum``, ``evicted_remote``, ``remote_unavailable``,
+            ``disk_slower`` under ``memory_only``, ``behind_gap`` after one of those without segmented prefix).
     """
 
     segments: tuple[Segment, ...]
     num_query_tokens: int
     kv: torch.Tensor
     start: int = 0
+    misses: tuple[Miss, ...] = ()
 
     @property
     def gaps(self) -> tuple[Gap, ...]:

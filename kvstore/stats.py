@@ -6,11 +6,11 @@ Values only, so the client, the wire and the CLI can read a store's counters wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.tiers.base import TierName, TierStats
 
-__all__ = ["CatalogStats", "RegistrationStats", "RemoteStats", "StoreStats"]
+__all__ = ["CatalogStats", "LookupTotals", "RegistrationStats", "RemoteStats", "StoreStats"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +61,20 @@ class RemoteStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LookupTotals:
+    """Tokens looked up since the store opened, and the missed ones by reason (``kvstore.misses``).
+
+    ``missed_tokens`` counts each lookup's gaps under their reasons, and each retrieve's planned segments it could
+    not serve (``checksum``, ``remote_unavailable``, ...) under theirs: so for a lookup whose plan is retrieved, its
+    tokens served are its tokens looked up less its missed ones. Reasons are strings, so a client reads the
+    reasons of a newer server.
+    """
+
+    looked_up_tokens: int = 0
+    missed_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoreStats:
     """Counters of the store, each of its tiers (fastest first), with blending on its content catalog, and with a
     remote tier its link and directory."""
@@ -70,6 +84,7 @@ class StoreStats:
     num_sessions: int
     catalog: CatalogStats | None = None
     remote: RemoteStats | None = None
+    lookups: LookupTotals = field(default_factory=LookupTotals)
 
     def tier(self, name: TierName) -> TierStats | None:
         return next((stats for stats in self.tiers if stats.tier is name), None)

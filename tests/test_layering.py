@@ -36,6 +36,7 @@ FORBIDDEN = {
     "kvstore.collector": ("kvstore.",),
     "kvstore.layout": (*_VALUES, "kvstore.config"),
     "kvstore.keys": (*_VALUES, "kvstore.config"),
+    "kvstore.misses": (*_VALUES, "kvstore.config"),
     "kvstore.plan": (*_VALUES, "kvstore.config"),
     "kvstore.stats": (*_VALUES, "kvstore.config"),
     "kvstore.surface": (*_VALUES, "kvstore.config"),

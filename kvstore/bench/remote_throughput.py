@@ -32,6 +32,7 @@ import torch
 from kvstore.errors import StorageError
 from kvstore.keys import PrefixKey, as_token_array, chained_key
 from kvstore.layout import KVLayout
+from kvstore.misses import MissReason
 from kvstore.remote_address import parse_remote_url
 from kvstore.tiers.base import ChunkRecord
 from kvstore.tiers.remote.link import RemoteLink
@@ -91,7 +92,7 @@ def run_throughput(
         ]
         gets: list[tuple[str, Callable[[], object]]] = [
             ("raw_get", lambda: _call(link, lambda client: _get_all(client, link.is_cluster, raw_keys))),
-            ("get_frames", lambda: _require(all(tier.fetch(keys)), "fetch")),
+            ("get_frames", lambda: _require(not any(isinstance(c, MissReason) for c in tier.fetch(keys)), "fetch")),
         ]
         for repeat in range(repeats):
             _delete(link, [names.chunk(key) for key in keys] + raw_keys)
@@ -152,7 +153,7 @@ def _put_chunks(tier: RemoteTier, records: list[ChunkRecord], tensors: list[torc
 def _get_chunks(tier: RemoteTier, keys: list[PrefixKey], tensors: list[torch.Tensor]) -> None:
     out = torch.empty_like(tensors[0])
     for chunk in tier.fetch(keys):
-        _require(chunk is not None and tier.decode_into(chunk, out), "fetch and decode")
+        _require(not isinstance(chunk, MissReason) and tier.decode_into(chunk, out), "fetch and decode")
 
 
 def _set_pipeline(client: Any, raw_keys: list[bytes], values: list[tuple[PrefixKey, bytes]]) -> bool:

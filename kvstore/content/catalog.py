@@ -145,6 +145,7 @@ class ContentCatalog:
         run_starts: Sequence[int] = (),
         skip: Callable[[Match], bool],
         pin: Callable[[PrefixKey], _Pinned | None],
+        on_gone: Callable[[Match, bool], None] | None = None,
     ) -> list[tuple[Match, _Pinned]]:
         """The match leg: content matches in ``tokens`` that ``pin`` could pin, strikes applied to the rest.
 
@@ -154,6 +155,8 @@ class ContentCatalog:
                 separator.
             skip: matches the store does not want (e.g. overlapping an exact segment); neither pinned nor judged.
             pin: the store's "pin this chunk for the plan"; returns where it pinned it, or ``None``.
+            on_gone: told of each match whose chunk had left every tier and got a strike, and whether that strike
+                removed its entry (what a miss's reason is made of).
 
         Returns:
             Each kept match with what ``pin`` returned for it.
@@ -167,8 +170,12 @@ class ContentCatalog:
             if pinned is not None:
                 self._strikes.clear(found.key)
                 kept.append((found, pinned))
-            elif self._judge_missing(found.key) is Verdict.REMOVE:
+                continue
+            verdict = self._judge_missing(found.key)
+            if verdict is Verdict.REMOVE:
                 gone.append(found.key)
+            if on_gone is not None and verdict in (Verdict.STRUCK, Verdict.REMOVE):
+                on_gone(found, verdict is Verdict.REMOVE)
         if gone:
             self.index.remove(gone)
             logger.debug("removed %d index entries after their second strike", len(gone))

@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
+from collections.abc import Sequence
 
 from kvstore.keys import num_chunks
+from kvstore.misses import Miss, MissReason, tokens_by_reason
 from kvstore.plan import Segment
+from kvstore.stats import LookupTotals
 from kvstore.tiers.base import TierName, TierStats
 
 __all__ = ["LookupCounts"]
@@ -29,14 +32,33 @@ class LookupCounts:
         self._lock = threading.Lock()
         self._served: Counter[TierName] = Counter()
         self._looked_up = 0
+        self._looked_up_tokens = 0
+        self._missed_tokens: Counter[MissReason] = Counter()
 
-    def add(self, num_query_tokens: int, segments: list[Segment]) -> None:
-        """Count one plan: its segments (one chunk each) and the prompt chunks they leave uncovered."""
+    def add(self, num_query_tokens: int, segments: list[Segment], misses: Sequence[Miss] = ()) -> None:
+        """Count one plan: its segments (one chunk each), the prompt chunks they leave uncovered, and its tokens
+        looked up and missed by reason."""
         served = Counter(segment.tier for segment in segments)
         looked_up = max(num_chunks(num_query_tokens, self._chunk_size), len(segments))
+        missed = tokens_by_reason(misses)
         with self._lock:
             self._served.update(served)
             self._looked_up += looked_up
+            self._looked_up_tokens += num_query_tokens
+            self._missed_tokens.update(missed)
+
+    def add_dropped(self, dropped: Sequence[Miss]) -> None:
+        """Count the planned tokens a retrieve could not serve, by reason."""
+        missed = tokens_by_reason(dropped)
+        with self._lock:
+            self._missed_tokens.update(missed)
+
+    def totals(self) -> LookupTotals:
+        with self._lock:
+            return LookupTotals(
+                looked_up_tokens=self._looked_up_tokens,
+                missed_tokens={reason.value: count for reason, count in sorted(self._missed_tokens.items())},
+            )
 
     def apply(self, stats: TierStats) -> TierStats:
         """``stats`` with its tier's hits and misses."""

@@ -77,8 +77,10 @@ def match_leg(
     *,
     namespace: bytes,
     separator: Sequence[int],
+    on_gone: Callable[[Match, bool], None] | None = None,
 ) -> list[Segment]:
-    """Add content matches that do not overlap the prefix leg's segments; returns all segments sorted."""
+    """Add content matches that do not overlap the prefix leg's segments; returns all segments sorted (``on_gone``:
+    ``ContentCatalog.match``'s)."""
     catalog.sync()
     chunk_index = {bound: index for index, bound in enumerate(bounds[:-1])}
     starts = [segment.start for segment in segments]
@@ -89,7 +91,7 @@ def match_leg(
         return position > 0 and ends[position - 1] > found.query_start
 
     run_starts = separator_run_starts(tokens, separator) if separator else ()
-    matches = catalog.match(tokens, run_starts=run_starts, skip=overlaps, pin=pin)
+    matches = catalog.match(tokens, run_starts=run_starts, skip=overlaps, pin=pin, on_gone=on_gone)
     for found, tier in matches:
         index = chunk_index.get(found.query_start, -1)
         exact = (

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.keys import PrefixKey
+from kvstore.misses import MissReason
 from kvstore.store.pins import PinLedger
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import Tier
@@ -93,7 +94,7 @@ class Prefetcher:
     def _land_shared(self, plan_id: int, shared: SharedTier[Any], keys: Sequence[PrefixKey]) -> bool:
         landed = 0
         for chunk in shared.fetch(keys):
-            if chunk is None:
+            if isinstance(chunk, MissReason):
                 continue
             if self._cpu.put_with(chunk.record, functools.partial(shared.decode_into, chunk)):
                 landed += self._hand_to_plan(plan_id, chunk.record.key)

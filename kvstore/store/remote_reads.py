@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvstore.keys import PrefixKey
+from kvstore.misses import MissReason
 from kvstore.plan import Segment
 from kvstore.store.prefetch import REMOTE_FETCH_GROUP
 from kvstore.tiers.base import ChunkRecord
@@ -39,29 +40,29 @@ class RemoteReads:
         self._remote = remote
         self._keys = list(keys)
         self._position = {key: index for index, key in enumerate(self._keys)}
-        self._fetched: dict[PrefixKey, SharedChunk | None] = {}
+        self._fetched: dict[PrefixKey, SharedChunk | MissReason] = {}
 
     def serves(self, segment: Segment) -> bool:
         """Whether the retrieve reads this segment here (a shared segment no prefetch landed)."""
         return segment.key in self._position and segment.tier is self._remote.name
 
-    def load_into(self, key: PrefixKey, place: torch.Tensor) -> ChunkRecord | None:
-        """Decode chunk ``key`` into ``place`` (its shape, any device); its record, or ``None`` when it is gone,
-        corrupt, of another length, or the remote is down."""
+    def load_into(self, key: PrefixKey, place: torch.Tensor) -> ChunkRecord | MissReason:
+        """Decode chunk ``key`` into ``place`` (its shape, any device); its record, or why not: gone
+        (``EVICTED_REMOTE``), corrupt or of another length (``CHECKSUM``), the remote down (``REMOTE_UNAVAILABLE``)."""
         if key not in self._fetched:
-            start = self._position.get(key)
-            if start is None:
-                return None
+            start = self._position.get(key, len(self._keys))
             # A key the remote tier forgot since the lookup (its prefetch missed, or found the value damaged) is a
             # miss already: not fetched again.
             group = [k for k in self._keys[start : start + REMOTE_FETCH_GROUP] if self._remote.knows(k)]
             self._fetched.update(zip(group, self._remote.fetch(group), strict=True))
         chunk = self._fetched.pop(key, None)
-        if chunk is None:
-            return None
+        if chunk is None:  # forgotten before this read (a prefetch found it gone or damaged)
+            return self._remote.why_forgotten(key)
+        if isinstance(chunk, MissReason):
+            return chunk
         if chunk.record.num_tokens != place.shape[2]:  # never decoded into part of the place, nor broadcast over it
             self._remote.count_inconsistent(key)
             logger.warning("remote chunk %s holds %d tokens, the plan %d (a directory record of another length): "
                            "a counted miss", key.hex(), chunk.record.num_tokens, place.shape[2])  # fmt: skip
-            return None
-        return chunk.record if self._remote.decode_into(chunk, place) else None
+            return MissReason.CHECKSUM
+        return chunk.record if self._remote.decode_into(chunk, place) else MissReason.CHECKSUM

@@ -47,6 +47,7 @@ import torch
 from kvstore.collector import collector_paused
 from kvstore.config import StoreConfig, check_byte_count, tier_name
 from kvstore.content.catalog import ContentCatalog, Residency
+from kvstore.content.index import Match
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
 from kvstore.keys import (
     PrefixKey,
@@ -57,13 +58,16 @@ from kvstore.keys import (
     keys_at_bounds,
 )
 from kvstore.layout import KVLayout
+from kvstore.misses import Miss, MissReason
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
 from kvstore.session import Session
 from kvstore.stats import StoreStats
 from kvstore.store.borrowed_writes import write_borrowing
 from kvstore.store.fleet import Fleet
+from kvstore.store.ghosts import GhostTable, ResidencyRelay
 from kvstore.store.lookup_counts import LookupCounts
 from kvstore.store.lookup_legs import match_leg, prefix_leg
+from kvstore.store.miss_reasons import GoneMatch, gone_match_reason, lookup_misses, retrieve_misses
 from kvstore.store.pins import Pin, PinLedger
 from kvstore.store.prefetch import Prefetcher
 from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_out
@@ -116,6 +120,8 @@ class TieredStore:
         self._tiers: list[Tier] = []  # the local tiers, fastest first
         self._ledger = PinLedger()
         self._lookup_counts = LookupCounts(self.config.chunk_size)
+        self._ghosts = GhostTable()
+        self._residency = ResidencyRelay(self._ghosts)  # every local tier's one listener
         self._catalog: ContentCatalog | None = None
         self._prefetcher: Prefetcher | None = None
         self._disk_reads: DiskReads | None = None
@@ -168,6 +174,8 @@ class TieredStore:
                 spill=self._spill_to_cpu,
             )
         self._tiers = [tier for tier in (self._gpu, self._cpu, self._disk) if tier is not None]
+        for tier in self._tiers:
+            tier.watch(self._residency)
         if self._cpu is not None and config.promote_on_hit and (self._disk or self._fleet.tiers):
             self._prefetcher = Prefetcher(self._cpu, self._ledger, disk=self._disk)
 
@@ -398,14 +406,23 @@ class TieredStore:
 
         segmented = self.config.enable_segmented_prefix
         segments = prefix_leg(keys, bounds, pin, catalog if use_blend else None, segmented_prefix=segmented)
+        gone: list[GoneMatch] = []
+
+        def on_gone(found: Match, removed: bool) -> None:
+            reason = gone_match_reason(self._ghosts.dropped_by(found.key), removed=removed)
+            gone.append(GoneMatch(found.query_start, found.query_start + found.num_tokens, reason))
+
         if use_blend:
             assert catalog is not None
             segments = match_leg(
                 token_array, keys, bounds, segments, catalog, pin,
-                namespace=self._namespace, separator=self.config.chunk_separator,
+                namespace=self._namespace, separator=self.config.chunk_separator, on_gone=on_gone,
             )  # fmt: skip
         plan_id = self._ledger.open_plan(session_id, pins)
-        self._lookup_counts.add(len(token_array), segments)
+        misses = lookup_misses(
+            segments, bounds, keys, is_resident=self._is_resident, dropped_by=self._ghosts.dropped_by, gone=gone
+        )
+        self._lookup_counts.add(len(token_array), segments, misses)
         prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
         if self._prefetcher is not None:
             prefetcher = self._prefetcher
@@ -421,6 +438,7 @@ class TieredStore:
             session_id=session_id,
             num_query_tokens=len(token_array),
             segments=tuple(segments),
+            misses=misses,
             prefetches=prefetches,
         )
 
@@ -492,9 +510,10 @@ class TieredStore:
                 f"plan {plan.plan_id} was already retrieved or released (or its session ended); call lookup() again"
             )
         loaded: list[Segment] = []
+        dropped: list[Miss] = []
         try:
             out = prepared_out(self.layout, plan.end - start, out, device)
-            copies = self._load_segments(plan, pins, out, loaded, memory_only=memory_only, start=start)
+            copies = self._load_segments(plan, pins, out, loaded, dropped, memory_only=memory_only, start=start)
             if progress is not None:
                 progress.segments_loaded(tuple(loaded))
             copy_from_memory(copies, out.device, progress, self.layout.num_layers)
@@ -503,8 +522,13 @@ class TieredStore:
         if self.config.promote_on_hit and self._gpu is not None:
             self._promote_to_gpu([segment for segment in loaded if segment.tier is not TierName.GPU])
         end = loaded[-1].end if loaded else start
+        self._lookup_counts.add_dropped(retrieve_misses((), dropped, start))
         return RetrieveResult(
-            segments=tuple(loaded), num_query_tokens=plan.num_query_tokens, kv=out[:, :, : end - start], start=start
+            segments=tuple(loaded),
+            num_query_tokens=plan.num_query_tokens,
+            kv=out[:, :, : end - start],
+            start=start,
+            misses=retrieve_misses(plan.misses, dropped, start),
         )
 
     def _load_segments(
@@ -513,12 +537,14 @@ class TieredStore:
         pins: Sequence[Pin],
         out: torch.Tensor,
         loaded: list[Segment],
+        dropped: list[Miss],
         *,
         memory_only: bool,
         start: int,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Decode the plan's disk chunks into ``out`` (unless ``memory_only``) and append every segment that will
-        be served to ``loaded``; ``out`` begins at token ``start``, and segments ending by it are skipped.
+        be served to ``loaded``, and every other one to ``dropped`` with its reason; ``out`` begins at token
+        ``start``, and segments ending by it are skipped.
 
         Returns the ``(source, place in out)`` pairs still to be copied: pinned chunk views of the memory tiers, and
         the tail of a decoded chunk that straddles ``start``. Those copies cannot fail, so the segments are final
@@ -529,7 +555,10 @@ class TieredStore:
         prefix_cut = False
         shared_reads = self._fleet.reads(plan, landed)
         for segment in plan.segments:
-            if (segment.exact and prefix_cut) or segment.end <= start:
+            if segment.end <= start:
+                continue
+            if segment.exact and prefix_cut:
+                dropped.append(Miss(segment.start, segment.end, MissReason.BEHIND_GAP))
                 continue
             held = max(0, start - segment.start)  # the segment's leading tokens the caller already holds
             target = out[:, :, segment.start + held - start : segment.end - start]
@@ -546,20 +575,24 @@ class TieredStore:
                                segment.num_tokens, segment.start, segment.end)  # fmt: skip
                 self._fleet.count_inconsistent(segment)  # a shared chunk a prefetch landed
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
+                dropped.append(Miss(segment.start, segment.end, MissReason.CHECKSUM))
                 continue
             if memory_only:  # left to the caller to compute, as a failed load is
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
+                dropped.append(Miss(segment.start, segment.end, MissReason.DISK_SLOWER))
                 continue
             place = target if held == 0 else self._whole_chunk(segment, out)
             tail = [(place[:, :, held:], target)] if held else []  # a chunk decoded whole: its tail still to copy
+            reason = MissReason.CHECKSUM  # a pinned disk chunk that fails to load failed its checks
             if shared_reads is not None and shared_reads.serves(segment):
                 record = shared_reads.load_into(segment.key, place)
-                if record is not None:
+                if not isinstance(record, MissReason):
                     loaded.append(segment)
                     copies += tail
                     if self.config.promote_on_hit:
                         self._put_new_chunk(record, place)  # into the local tiers (the shared one knows it)
                     continue
+                reason = record
             elif self._disk_reads is not None and self._disk_reads.load_into(segment.key, segment.num_tokens, place):
                 loaded.append(segment)
                 copies += tail
@@ -569,6 +602,7 @@ class TieredStore:
                        "retrieve: chunk %s failed to load from the %s tier; tokens %d-%d become a gap",
                        segment.key.hex(), segment.tier.value, segment.start, segment.end)  # fmt: skip
             prefix_cut = segment.exact and not self.config.enable_segmented_prefix
+            dropped.append(Miss(segment.start, segment.end, reason))
         return copies
 
     def _whole_chunk(self, segment: Segment, out: torch.Tensor) -> torch.Tensor:
@@ -614,9 +648,9 @@ class TieredStore:
 
     def watch_residency(self, listener: ResidencyListener) -> None:
         """Tell ``listener`` of every chunk that becomes or stops being resident in a local tier, from now on
-        (``tiers.residency``: it is called under the tiers' locks, so it must only take note)."""
-        for tier in self._tiers:
-            tier.watch(listener)
+        (``tiers.residency``: it is called under the tiers' locks, so it must only take note); one listener at a
+        time (``SILENT``: stop)."""
+        self._residency.watch(listener)
 
     def residency(self) -> Iterator[tuple[TierName, ChunkRecord]]:
         """Every chunk resident in a local tier, tier by tier (for a listener that starts late: a chunk that comes
@@ -670,6 +704,7 @@ class TieredStore:
             num_sessions=self._ledger.num_sessions,
             catalog=self._catalog.stats() if self._catalog is not None else None,
             remote=self._fleet.remote_stats(),
+            lookups=self._lookup_counts.totals(),
         )
 
     def _tier_stats(self) -> list[TierStats]:

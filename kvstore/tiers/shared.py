@@ -25,6 +25,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from kvstore.keys import PrefixKey
+from kvstore.misses import MissReason
 from kvstore.tiers.base import ChunkRecord, TierName, TierStats
 from kvstore.tiers.frames.evicted import EvictedChunk
 
@@ -66,8 +67,13 @@ class SharedTier(abc.ABC, Generic[ChunkT]):
         """Queue chunks a local tier evicted, as stored; returns the records of those queued."""
 
     @abc.abstractmethod
-    def fetch(self, keys: Sequence[PrefixKey]) -> Sequence[ChunkT | None]:
-        """Read chunks in one round trip; ``None`` for each one gone, damaged, or when the tier is down."""
+    def fetch(self, keys: Sequence[PrefixKey]) -> Sequence[ChunkT | MissReason]:
+        """Read chunks in one round trip; for each one not read, why: ``EVICTED_REMOTE`` (gone), ``CHECKSUM``
+        (damaged) or ``REMOTE_UNAVAILABLE`` (the tier did not answer)."""
+
+    @abc.abstractmethod
+    def why_forgotten(self, key: PrefixKey) -> MissReason:
+        """Why a chunk this tier stopped knowing (a fetch found it gone or damaged) is not read."""
 
     @abc.abstractmethod
     def decode_into(self, chunk: ChunkT, out: torch.Tensor) -> bool:

@@ -71,6 +71,10 @@ class Fields:
     def has(self, name: str) -> bool:
         return name in self._raw
 
+    def names(self) -> list[str]:
+        """The map's keys, for a map keyed by data (a key that is not a string reads as a missing field)."""
+        return [str(key) for key in self._raw]
+
     def int_(self, name: str, low: int, high: int, *, optional: bool = False) -> int | None:
         """An int in ``[low, high]``; ``None`` only when ``optional`` and absent or nil."""
         value = self._take(name, optional)

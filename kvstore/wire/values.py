@@ -12,8 +12,11 @@ client decodes them back into the same classes, so code written against ``Tiered
 Why rows in one ``bin`` and not an array per segment: a 15k-token prompt has 60 segments, and packing or unpacking
 60 six-item msgpack arrays and checking their 360 values one by one cost a lookup several times what rows cost, on
 the two sides together (issue 5, lookup p50 <= 1 ms; measured: docs/design-notes.md#wire-values); ``struct`` packs and
-unpacks the rows in C. Gaps are not sent:
-``LookupPlan`` derives them from the segments. Decoding is strict (``Fields``, and each row checked): a server of
+unpacks the rows in C. Gaps are derived from the segments; their reasons (``kvstore.misses``) travel as rows too::
+
+    | start u64 | end u64 | reason u8 |      reason: the index in _REASON_BY_CODE (append only)
+
+Decoding is strict (``Fields``, and each row checked): a server of
 another version fails loudly, not subtly.
 
 Pure functions and frozen values; thread-safe.
@@ -28,8 +31,9 @@ from dataclasses import dataclass
 
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
+from kvstore.misses import Miss, MissReason
 from kvstore.plan import LookupPlan, RetrieveResult, Segment, StoreResult
-from kvstore.stats import CatalogStats, RemoteStats, StoreStats
+from kvstore.stats import CatalogStats, LookupTotals, RemoteStats, StoreStats
 from kvstore.tiers.base import TierName, TierStats
 from kvstore.wire.error_codes import ErrorCode, RequestError
 from kvstore.wire.fields import Fields
@@ -63,6 +67,10 @@ _SEGMENT_ROW = struct.Struct(f"<QIQBB{KEY_BYTES}s")  # start, num_tokens, source
 # The row's tier byte indexes this: never reorder.
 _TIER_BY_CODE = (TierName.GPU, TierName.CPU, TierName.DISK, TierName.REMOTE)
 _CODE_OF_TIER = {tier: code for code, tier in enumerate(_TIER_BY_CODE)}
+_MISS_ROW = struct.Struct("<QQB")  # start, end, reason
+# The row's reason byte indexes this: only ever append.
+_REASON_BY_CODE = tuple(MissReason)
+_CODE_OF_REASON = {reason: code for code, reason in enumerate(_REASON_BY_CODE)}
 _SEGMENT_SLOT_SETTERS = tuple(
     getattr(Segment, name).__set__ for name in ("start", "num_tokens", "key", "source_start", "exact", "tier")
 )  # in the order decode_segments unpacks them
@@ -117,6 +125,28 @@ def decode_segments(fields: Fields, name: str, num_query_tokens: int) -> tuple[S
     return tuple(segments)
 
 
+def encode_misses(misses: tuple[Miss, ...]) -> bytes:
+    """Misses as rows (module docstring), in order."""
+    pack, code_of_reason = _MISS_ROW.pack, _CODE_OF_REASON
+    return b"".join([pack(miss.start, miss.end, code_of_reason[miss.reason]) for miss in misses])
+
+
+def decode_misses(fields: Fields, name: str, num_query_tokens: int) -> tuple[Miss, ...]:
+    """Read the miss rows (absent: a server from before miss reasons), checking they are sorted, disjoint and
+    within the prompt."""
+    if not fields.has(name):
+        return ()
+    raw = fields.bytes_(name, max_length=_MAX_SEGMENTS * _MISS_ROW.size, multiple_of=_MISS_ROW.size)
+    misses: list[Miss] = []
+    cursor = 0
+    for index, (start, end, code) in enumerate(_MISS_ROW.iter_unpack(raw)):
+        if not (cursor <= start < end <= num_query_tokens and code < len(_REASON_BY_CODE)):
+            raise RequestError(ErrorCode.MALFORMED, f"{name}[{index}] = {(start, end, code)!r} is not a valid miss")
+        misses.append(Miss(start, end, _REASON_BY_CODE[code]))
+        cursor = end
+    return tuple(misses)
+
+
 def encode_plan(plan: LookupPlan, session_id: str | None) -> dict[str, object]:
     """A plan as the client sees it: ``session_id`` is the client's own name for the session."""
     return {
@@ -124,6 +154,7 @@ def encode_plan(plan: LookupPlan, session_id: str | None) -> dict[str, object]:
         "session_id": session_id,
         "num_query_tokens": plan.num_query_tokens,
         "segments": encode_segments(plan.segments),
+        "misses": encode_misses(plan.misses),
     }
 
 
@@ -133,27 +164,33 @@ def plan_from_wire(fields: Fields) -> LookupPlan:
     session_id = fields.str_("session_id", 256, optional=True)
     num_query_tokens = fields.required_int("num_query_tokens", 0, _MAX_POSITION)
     segments = decode_segments(fields, "segments", num_query_tokens)
+    misses = decode_misses(fields, "misses", num_query_tokens)
     fields.finish()
-    return LookupPlan(plan_id=plan_id, session_id=session_id, num_query_tokens=num_query_tokens, segments=segments)
+    return LookupPlan(
+        plan_id=plan_id, session_id=session_id, num_query_tokens=num_query_tokens, segments=segments, misses=misses
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetrievedSegments:
-    """A retrieve reply: the segments loaded, the prompt length, and the tokens of KV written (``end``)."""
+    """A retrieve reply: the segments loaded, the prompt length, the tokens of KV written (``end``) and the
+    misses with their reasons."""
 
     segments: tuple[Segment, ...]
     num_query_tokens: int
     end: int
+    misses: tuple[Miss, ...] = ()
 
     @classmethod
     def from_wire(cls, fields: Fields) -> RetrievedSegments:
         num_query_tokens = fields.required_int("num_query_tokens", 0, _MAX_POSITION)
         segments = decode_segments(fields, "segments", num_query_tokens)
         end = fields.required_int("end", 0, num_query_tokens)
+        misses = decode_misses(fields, "misses", num_query_tokens)
         fields.finish()
         if end != (segments[-1].end if segments else 0):
             raise RequestError(ErrorCode.MALFORMED, f"retrieve reply end={end} disagrees with its segments")
-        return cls(segments=segments, num_query_tokens=num_query_tokens, end=end)
+        return cls(segments=segments, num_query_tokens=num_query_tokens, end=end, misses=misses)
 
 
 def encode_retrieve_result(result: RetrieveResult) -> dict[str, object]:
@@ -161,6 +198,7 @@ def encode_retrieve_result(result: RetrieveResult) -> dict[str, object]:
         "segments": encode_segments(result.segments),
         "num_query_tokens": result.num_query_tokens,
         "end": result.segments[-1].end if result.segments else 0,
+        "misses": encode_misses(result.misses),
     }
 
 
@@ -213,6 +251,7 @@ def encode_stats(stats: StoreStats) -> dict[str, object]:
         "num_sessions": stats.num_sessions,
         "catalog": _encode_record(stats.catalog) if stats.catalog is not None else None,
         "remote": _encode_record(stats.remote) if stats.remote is not None else None,
+        "lookups": {"looked_up_tokens": stats.lookups.looked_up_tokens, "missed_tokens": stats.lookups.missed_tokens},
     }
 
 
@@ -227,10 +266,27 @@ def decode_stats(fields: Fields) -> StoreStats:
     catalog = _decode_record(CatalogStats, catalog_fields) if catalog_fields is not None else None
     remote_fields = fields.optional_map("remote")
     remote = _decode_record(RemoteStats, remote_fields) if remote_fields is not None else None
+    lookups_fields = fields.optional_map("lookups")
+    lookups = _decode_lookup_totals(lookups_fields) if lookups_fields is not None else LookupTotals()
     fields.finish()
     return StoreStats(
-        tiers=tiers, num_open_plans=num_open_plans, num_sessions=num_sessions, catalog=catalog, remote=remote
+        tiers=tiers,
+        num_open_plans=num_open_plans,
+        num_sessions=num_sessions,
+        catalog=catalog,
+        remote=remote,
+        lookups=lookups,
     )
+
+
+def _decode_lookup_totals(fields: Fields) -> LookupTotals:
+    looked_up_tokens = fields.required_int("looked_up_tokens", 0, _MAX_COUNT)
+    missed = fields.map_("missed_tokens")
+    # reasons are read as strings, so an older client reads a newer server's reasons
+    missed_tokens = {reason: missed.required_int(reason, 0, _MAX_COUNT) for reason in missed.names()}
+    missed.finish()
+    fields.finish()
+    return LookupTotals(looked_up_tokens=looked_up_tokens, missed_tokens=missed_tokens)
 
 
 # -- descriptions of the server ---------------------------------------------------------------------------------

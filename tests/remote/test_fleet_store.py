@@ -18,6 +18,7 @@ from kvstore.bench.valkey_servers import ValkeyCluster, ValkeyServer
 from kvstore.config import StoreConfig
 from kvstore.keys import PrefixKey, prefix_keys
 from kvstore.layout import KVLayout
+from kvstore.misses import MissReason, tokens_by_reason
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.directory import DirectoryRun, encode_run
@@ -163,6 +164,9 @@ def test_chunks_valkey_evicted_become_misses_and_struck_out_index_entries(tmp_pa
             assert [segment.source_start // CHUNK for segment in result.segments] == [
                 index for index, is_held in enumerate(held) if is_held
             ]
+            assert tokens_by_reason(result.misses) == {
+                MissReason.NEVER_STORED: 3, MissReason.EVICTED_REMOTE: CHUNK * held.count(False)
+            }
             for segment in result.segments:
                 source = slice(segment.source_start, segment.source_start + segment.num_tokens)
                 assert torch.equal(result.kv[:, :, segment.start : segment.end], first_kv[:, :, source])
@@ -195,7 +199,12 @@ def test_an_outage_keeps_the_local_tiers_serving_and_logs_once_each_way(
                 a.flush()
                 assert torch.equal(a.retrieve(a.lookup(tokens)).kv, kv)
             started = time.monotonic()
-            assert b.retrieve(b.lookup(stored)).segments == ()  # b's remote chunks are unreachable: misses
+            unreachable = b.retrieve(b.lookup(stored))
+            assert unreachable.segments == ()  # b's remote chunks are unreachable: misses
+            assert [(m.start, m.end, m.reason) for m in unreachable.misses] == [
+                (0, CHUNK, MissReason.REMOTE_UNAVAILABLE),
+                (CHUNK, len(stored), MissReason.BEHIND_GAP),  # not read: the prefix ended at the first chunk
+            ]
             assert time.monotonic() - started < 1.0
             down = [r for r in caplog.records if "unreachable" in r.getMessage()]
             assert len(down) == 2, [r.getMessage() for r in down]  # one per host
@@ -227,6 +236,9 @@ def test_a_hung_remote_costs_a_request_at_most_its_timeout(tmp_path: Path) -> No
         finally:
             server.resume()
         assert result.segments == ()
+        assert tokens_by_reason(result.misses) == {
+            MissReason.REMOTE_UNAVAILABLE: CHUNK, MissReason.BEHIND_GAP: len(tokens) - CHUNK
+        }
         assert waited < 0.6, f"retrieve waited {waited:.2f} s on a hung remote (timeout 0.15 s)"
 
 
@@ -246,6 +258,7 @@ def test_a_damaged_value_is_a_counted_miss_and_is_deleted(tmp_path: Path, valkey
             client.set(name, bytes(value))
         result = b.retrieve(b.lookup(tokens))
         assert [segment.start for segment in result.segments] == [0]
+        assert [(m.start, m.end, m.reason) for m in result.misses] == [(CHUNK, 2 * CHUNK, MissReason.CHECKSUM)]
         assert torch.equal(result.kv, kv[:, :, :CHUNK])
         assert b.stats().tier(TierName.REMOTE).corrupt_reads == 1
         b.flush()

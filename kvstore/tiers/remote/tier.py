@@ -50,6 +50,7 @@ import xxhash
 
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
+from kvstore.misses import MissReason
 from kvstore.tiers.base import ChunkRecord, TierName, TierStats
 from kvstore.tiers.frames.codec import FrameCodec, FrameStatus
 from kvstore.tiers.frames.evicted import EvictedChunk
@@ -74,6 +75,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_QUEUED_BYTES = 512 * 2**20
 _BATCH_BYTES = 32 * 2**20  # raw bytes of chunks encoded and sent in one pipeline
 _DEFAULT_MAX_RUNS_PER_SHARD = 1 << 20
+_REMEMBERED_CORRUPT = 4096  # keys whose values failed their checks, remembered to name the reason of their misses
 
 
 @dataclass(slots=True)
@@ -157,6 +159,7 @@ class RemoteTier(SharedTier[RemoteChunk]):
         self._puts = self._dropped_puts = self._failed_puts = 0
         self._raw_bytes_put = self._stored_bytes_put = 0
         self._hits = self._misses = self._corrupt_reads = self._forgotten = 0
+        self._dropped_corrupt: collections.OrderedDict[PrefixKey, None] = collections.OrderedDict()
         self._warned_full_queue = False
         self._epoch: bytes | None = None
         self._server_runs: frozenset[str] | None = None  # the servers' run ids at the last epoch check
@@ -169,6 +172,12 @@ class RemoteTier(SharedTier[RemoteChunk]):
     def knows(self, key: PrefixKey) -> bool:
         """Whether the remote is believed to hold the chunk (this host wrote it, or the directory says so)."""
         return key in self._known
+
+    def why_forgotten(self, key: PrefixKey) -> MissReason:
+        """Why a key this tier no longer knows is not read: its value failed its checks and was deleted (among
+        the last ``_REMEMBERED_CORRUPT`` such), else Valkey had evicted it."""
+        with self._state_lock:
+            return MissReason.CHECKSUM if key in self._dropped_corrupt else MissReason.EVICTED_REMOTE
 
     def learn(self, keys: Iterable[PrefixKey]) -> None:
         with self._state_lock:
@@ -432,8 +441,8 @@ class RemoteTier(SharedTier[RemoteChunk]):
 
     # -- reads --------------------------------------------------------------------------------------------------
 
-    def fetch(self, keys: Sequence[PrefixKey]) -> list[RemoteChunk | None]:
-        """Get many chunks' values in one round trip; ``None`` for a miss, a defective value or an outage.
+    def fetch(self, keys: Sequence[PrefixKey]) -> list[RemoteChunk | MissReason]:
+        """Get many chunks' values in one round trip; for each one not read, why (``SharedTier.fetch``).
 
         Misses of known keys are forgotten; defective values are counted and deleted in the background.
         """
@@ -448,16 +457,18 @@ class RemoteTier(SharedTier[RemoteChunk]):
         unanswered: bytes | bool | None = False  # the key's master did not answer: nothing learnt, nothing counted
         values = self.link.call_keyed(names, get_some, default=unanswered, what=f"get {len(keys)} chunks")
         namespace = self.layout.namespace
-        chunks: list[RemoteChunk | None] = [None] * len(keys)
+        chunks: list[RemoteChunk | MissReason] = [MissReason.REMOTE_UNAVAILABLE] * len(keys)
         missing: list[PrefixKey] = []
         corrupt: list[PrefixKey] = []
         for index, (key, value) in enumerate(zip(keys, values, strict=True)):
             if isinstance(value, bytes):
-                chunks[index] = decode_remote_value(key, value, namespace)
-                if chunks[index] is None:
+                chunk = decode_remote_value(key, value, namespace)
+                if chunk is None:
                     corrupt.append(key)
+                chunks[index] = chunk if chunk is not None else MissReason.CHECKSUM
             elif value is None:
                 missing.append(key)
+                chunks[index] = MissReason.EVICTED_REMOTE
         reached = sum(not isinstance(value, bool) for value in values)
         with self._state_lock:
             self._hits += reached - len(missing) - len(corrupt)
@@ -491,6 +502,9 @@ class RemoteTier(SharedTier[RemoteChunk]):
     def _drop_corrupt(self, keys: list[PrefixKey], cause: str) -> None:
         with self._state_lock:
             self._corrupt_reads += len(keys)
+            self._dropped_corrupt.update(dict.fromkeys(keys))
+            while len(self._dropped_corrupt) > _REMEMBERED_CORRUPT:
+                self._dropped_corrupt.popitem(last=False)
         self.forget(keys)
         logger.warning(
             "remote tier %s: %d chunk value(s) failed their checks (%s), e.g. %s; deleted, read as misses",
