@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import asdict
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -40,7 +41,8 @@ def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, ob
     """The JSON of ``kvstore inspect --url``.
 
     Each tier's ``hits``, ``misses`` and ``hit_ratio`` follow ``TierStats``'s one definition of a hit: a chunk
-    a lookup planned from that tier.
+    a lookup planned from that tier. ``lookups`` has the tokens looked up and the missed ones by reason
+    (``kvstore.misses``).
     """
     tiers = []
     for tier in stats.tiers:
@@ -65,6 +67,7 @@ def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, ob
         "num_sessions": stats.num_sessions,
         "catalog": asdict(stats.catalog) if stats.catalog is not None else None,
         "remote": asdict(stats.remote) if stats.remote is not None else None,
+        "lookups": asdict(stats.lookups),
         "clients": [asdict(client) for client in info.clients],
         "top_chunks": [asdict(chunk) for chunk in info.top_chunks],
     }
@@ -152,6 +155,7 @@ def _render(console: Console, report: dict[str, object]) -> None:
             f"{row['evictions']:,}", f"{row['corrupt_reads']:,}",
         )  # fmt: skip
     console.print(tiers)
+    _render_misses(console, report["lookups"])  # type: ignore[arg-type]
     clients = Table(title="clients")
     for column in ("name", "pid", "where", "open plans", "sessions", "segments"):
         clients.add_column(column)
@@ -169,6 +173,20 @@ def _render(console: Console, report: dict[str, object]) -> None:
         for chunk in top:  # type: ignore[attr-defined]
             hits.add_row(chunk["key"], f"{chunk['hits']:,}")
         console.print(hits)
+
+
+def _render_misses(console: Console, lookups: dict[str, Any]) -> None:
+    """Why looked-up tokens were not served, most tokens first, each as a share of all tokens looked up."""
+    looked_up = int(lookups["looked_up_tokens"])
+    missed: dict[str, int] = lookups["missed_tokens"]
+    table = Table(title=f"missed tokens by reason ({looked_up:,} tokens looked up)")
+    for column in ("reason", "tokens", "of looked up"):
+        table.add_column(column)
+    for reason, count in sorted(missed.items(), key=lambda item: -item[1]):
+        table.add_row(reason, f"{count:,}", f"{count / looked_up:.1%}" if looked_up else "-")
+    if not missed:
+        table.add_row("-", "0", "-")
+    console.print(table)
 
 
 def evict_on_server(

@@ -109,6 +109,15 @@ class _StoreCollector(Collector):
         sessions = GaugeMetricFamily("kvstore_sessions", "Sessions holding open plans.")
         sessions.add_metric([], stats.num_sessions)
         yield sessions
+        missed = CounterMetricFamily(
+            "kvstore_missed_tokens",
+            "Tokens not served, by reason (kvstore.misses): lookups' gaps (they add up to kvstore_lookup_tokens"
+            "{kind=\"gap\"}) and retrieves' planned tokens that could not be served.",
+            labels=["reason"],
+        )
+        for reason, count in stats.lookups.missed_tokens.items():
+            missed.add_metric([reason], count)
+        yield missed
         if stats.catalog is not None:
             catalog = stats.catalog
             strikes = CounterMetricFamily("kvstore_blend_strikes", "Index entries found pointing at a gone chunk.")
