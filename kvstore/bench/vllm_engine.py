@@ -143,6 +143,11 @@ class RequestResult:
         report = (self.kv_transfer_params or {}).get("kvstore")
         return None if report is None else int(report["loaded_tokens"])
 
+    @property
+    def kvstore_report(self) -> Mapping[str, Any]:
+        """kvstore's connector report on the request (empty: none)."""
+        return (self.kv_transfer_params or {}).get("kvstore") or {}
+
     def to_json(self) -> str:
         return json.dumps(
             {

@@ -52,9 +52,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.bench.miss_tally import MissTally, tally_misses
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult, engine_command
 from kvstore.connectors.hook_clock import TRACE_ENV
 from kvstore.errors import ConfigError
@@ -123,6 +124,7 @@ class VllmBenchRow:
     ttft_ms_samples: tuple[float, ...]
     connector_ms_p50: float | None = None
     connector_share_p50: float | None = None
+    misses: MissTally = field(default_factory=MissTally)
 
     def to_json_dict(self) -> dict[str, object]:
         return {
@@ -135,7 +137,7 @@ class VllmBenchRow:
             "ttft_ms_samples": [round(sample, 1) for sample in self.ttft_ms_samples],
             "connector_ms_p50": None if self.connector_ms_p50 is None else round(self.connector_ms_p50, 1),
             "connector_share_p50": None if self.connector_share_p50 is None else round(self.connector_share_p50, 5),
-        }
+        } | self.misses.to_json_dict()
 
 
 _PROSE_MODULES = (
@@ -245,6 +247,7 @@ def run_vllm_benchmark(
                 ttft_ms_samples=tuple(samples),
                 connector_ms_p50=statistics.median(on_path) if loaded and on_path else None,
                 connector_share_p50=statistics.median(shares) if loaded and shares else None,
+                misses=tally_misses(results),
             )
         )
     return rows

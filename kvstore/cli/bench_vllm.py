@@ -163,7 +163,7 @@ def _render(rows: list[VllmBenchRow]) -> None:
     table = Table(title="kvstore bench vllm (time to first token; speedup over cold in the same run)")
     columns = (
         "mode", "prompt tokens", "cached tokens (p50)", "kvstore loaded (p50)", "TTFT p50 ms", "speedup vs cold",
-        "connector ms (p50)",
+        "connector ms (p50)", "missed/looked up: reasons",
     )  # fmt: skip
     for column in columns:
         table.add_column(column)
@@ -172,8 +172,9 @@ def _render(rows: list[VllmBenchRow]) -> None:
         table.add_row(
             row.mode, f"{row.prompt_tokens:,}", f"{row.num_cached_tokens_p50:,.0f}", loaded, f"{row.ttft_ms_p50:,.1f}",
             f"{row.speedup_vs_cold:.2f}x", "-" if row.connector_ms_p50 is None else f"{row.connector_ms_p50:,.1f}",
+            row.misses.describe(),
         )  # fmt: skip
-    Console(width=120).print(table)
+    Console(width=160).print(table)
 
 
 def _print_blend(rows: list[VllmBlendRow], as_json: bool) -> None:

@@ -2,8 +2,8 @@
 
 It hears the tiers' residency changes (``tiers.residency``) beside whoever else watches them (the server's KV
 events), through ``ResidencyRelay``. A removal records the key with its tier; a store forgets it. The table keeps
-the last ``GHOST_CAPACITY`` removals (about 100 bytes each: 64 MiB at the default); a chunk dropped before those,
-or before the store opened, reads as never stored.
+the last ``GHOST_CAPACITY`` removals (about 140 bytes each with its key: 35 MiB when full); a chunk dropped
+before those, or before the store opened, reads as never stored.
 
 Threads: called under the tiers' locks (so it only takes note, under a lock of its own) and read by lookups.
 """
@@ -20,7 +20,7 @@ from kvstore.tiers.residency import SILENT, ResidencyListener
 
 __all__ = ["GHOST_CAPACITY", "GhostTable", "ResidencyRelay"]
 
-GHOST_CAPACITY = 1 << 19
+GHOST_CAPACITY = 1 << 18
 """Removals the ghost table remembers (the oldest are forgotten first)."""
 
 

@@ -45,7 +45,13 @@ from kvstore import Client, KVLayout
 from kvstore.connectors.blend_hook import BlendOutcome
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.vllm.engine_facts import engine_layout
-from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreWorkerMetadata, LoadSpec, SaveSpec
+from kvstore.connectors.vllm.metadata import (
+    KVStoreConnectorMetadata,
+    KVStoreConnectorStats,
+    KVStoreWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 from kvstore.tiers import TierName
 from kvstore.wire import ClientSummary
 from tests.factories import make_kv, make_tokens
@@ -160,6 +166,7 @@ def make_scheduler(vllm_model_dir: Path, layout: KVLayout) -> Iterator[Scheduler
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(config),
             block_size=shape.block_size,
+            log_stats=True,  # as an engine serving with stats: the connector's go into each step's output
         )
         schedulers.append(scheduler)
         return scheduler
@@ -255,11 +262,14 @@ def finish_step(
     finished_recving: Iterable[str] = (),
     invalid_block_ids: Iterable[int] = (),
     finished_blends: Mapping[str, BlendOutcome | None] | None = None,
+    load_misses: Mapping[str, dict[str, int]] | None = None,
+    connector_stats: list[dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any] | None]:
     """What the model runner returns for ``output``: a token for each request whose prefill (or decode) the step
     completed, none for a partial prefill chunk, and the worker connector's reports: ``finished_loads`` loaded
     whole (a worker reports at most what was planned; the scheduler side counts at most that), ``short_loads``
-    with the tokens they did load, ``finished_blends`` with how their blend pass went. Returns the
+    with the tokens they did load (``load_misses``: why not the rest), ``finished_blends`` with how their blend
+    pass went; the step's connector stats, as vLLM logs them, are appended to ``connector_stats``. Returns the
     ``kv_transfer_params`` of each request the step finished."""
     request_ids = list(output.num_scheduled_tokens)
     sampled = []
@@ -270,7 +280,9 @@ def finish_step(
     connector_output = KVConnectorOutput(
         finished_recving=set(finished_recving) or None,
         kv_connector_worker_meta=(
-            KVStoreWorkerMetadata(finished_loads=loads, finished_blends=dict(finished_blends or {}))
+            KVStoreWorkerMetadata(
+                finished_loads=loads, finished_blends=dict(finished_blends or {}), load_misses=dict(load_misses or {})
+            )
             if loads or finished_blends
             else None
         ),
@@ -283,6 +295,10 @@ def finish_step(
         kv_connector_output=connector_output,
     )
     engine_outputs = scheduler.update_from_output(output, runner_output)
+    for outputs in engine_outputs.values():
+        stats = outputs.scheduler_stats
+        if connector_stats is not None and stats is not None and stats.kv_connector_stats:
+            connector_stats.append(stats.kv_connector_stats)
     return {
         engine_output.request_id: engine_output.kv_transfer_params
         for outputs in engine_outputs.values()
@@ -683,10 +699,13 @@ def test_the_response_says_how_many_tokens_the_store_loaded(
 
     params = finish_step(scheduler, output, finished_loads={"loaded"})
 
+    looked_up = {"looked_up_tokens": 120}
     assert params == {
-        "loaded": {"kvstore": {"loaded_tokens": 64, "load_failed_tokens": 0}},
-        "missed": {"kvstore": {"loaded_tokens": 0, "load_failed_tokens": 0}},
-    }
+        "loaded": {"kvstore": {"loaded_tokens": 64, "load_failed_tokens": 0, **looked_up, "missed_tokens": 56,
+                               "miss_reasons": {"never_stored": 56}}},
+        "missed": {"kvstore": {"loaded_tokens": 0, "load_failed_tokens": 0, **looked_up, "missed_tokens": 120,
+                               "miss_reasons": {"never_stored": 120}}},
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -727,7 +746,17 @@ def test_a_load_that_falls_short_is_recomputed_from_its_first_missing_block_and_
     assert metadata_of(second).loads == []
     assert open_plans(store.url) == 0
     params = finish_step(scheduler, second)
-    assert params == {"short": {"kvstore": {"loaded_tokens": num_loaded, "load_failed_tokens": 96 - num_loaded}}}
+    failed = 96 - num_loaded
+    assert params == {
+        "short": {
+            "kvstore": {
+                "loaded_tokens": num_loaded, "load_failed_tokens": failed, "looked_up_tokens": 120,
+                # the worker named no reason: load_failed; [96, 120) holds the stored partial chunk's 4 tokens
+                # and 20 never stored, in one chunk of other tokens than the stored one
+                "missed_tokens": failed + 24, "miss_reasons": {"load_failed": failed, "never_stored": 24},
+            }
+        }
+    }  # fmt: skip
 
 
 def test_an_abort_during_an_async_disk_load_ends_when_the_worker_is_done_with_it(
@@ -801,3 +830,34 @@ def test_a_dead_store_costs_one_lookup_timeout_and_schedules_without_it(
     assert metadata_of(first).loads == []
     assert num_computed_at_admission(second, "second") == 0
     assert metadata_of(second).loads == []
+
+
+def test_a_short_load_is_missed_under_the_workers_reasons_and_the_engine_stats_add_them_up(
+    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
+) -> None:
+    """The worker names why its retrieve fell short (a chunk failed its checksum); the rest of the shortfall (the
+    tokens cut to a block) is load_failed; vLLM's stats of the step add the request's reasons up."""
+    tokens = prompt(130, seed=40)
+    preload(store.url, layout, tokens[:120])  # chunks [0, 96) and a partial one: the hit is 96 tokens
+    scheduler = make_scheduler(store.url)
+    add_request(scheduler, "short", tokens, max_tokens=1)
+    first = scheduler.schedule()
+    (load,) = metadata_of(first).loads
+    assert (load.start, load.end) == (0, 96)
+    worker_loads(store.url, layout, load)
+    finish_step(
+        scheduler, first, short_loads={"short": 32}, load_misses={"short": {"checksum": 32}},
+        invalid_block_ids=load.block_ids[32 // scheduler.block_size :],
+    )  # fmt: skip
+    connector_stats: list[dict[str, Any]] = []
+    params = finish_step(scheduler, scheduler.schedule(), connector_stats=connector_stats)
+    report = params["short"]["kvstore"]  # type: ignore[index]
+    assert report["looked_up_tokens"] == 130 and report["missed_tokens"] == 130 - 32
+    # [96, 120) is the stored partial chunk: the prompt's chunk there holds 130 - 96 tokens, never stored
+    assert report["miss_reasons"] == {"checksum": 32, "load_failed": 32, "never_stored": 34}
+    (stats,) = connector_stats
+    reduced = KVStoreConnectorStats(data=stats).reduce()
+    assert reduced["looked_up_tokens"] == 130
+    assert {name: count for name, count in reduced.items() if name.startswith("missed_")} == {
+        "missed_checksum": 32, "missed_load_failed": 32, "missed_never_stored": 34
+    }

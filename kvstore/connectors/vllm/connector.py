@@ -1,4 +1,4 @@
-"""``KVStoreConnector``: kvstore as vLLM's KV connector (v1 API; vLLM 0.32 and 0.33).
+"""``KVStoreConnector``: kvstore as vLLM's KV connector (v1 API; vLLM 0.32, 0.33 and 0.34).
 
 Loaded the way vLLM loads any out-of-tree connector::
 
@@ -12,21 +12,33 @@ vLLM's calls. Without ``kvstore.url`` the first instance starts a private ``kvst
 ``kvstore.data_dir`` (``embedded_server``) and the other finds it there.
 
 ``kv_role``: ``kv_both`` loads and stores, ``kv_consumer`` only loads, ``kv_producer`` only stores.
+
+Besides the hooks every connector implements, vLLM (0.32 to 0.34) reads:
+
+- ``get_transfer_results`` (its worker reads this, not ``get_finished``): the async loads that finished, and as
+  ``failed_recving`` those that put nothing in place. A load that fell short part-way is not one of them: its missing
+  blocks go to ``get_block_ids_with_load_errors``, so vLLM keeps what it loaded (``failed_recving`` would drop it all).
+- ``get_external_cache_hit_sources``: a hit's tokens by the kvstore tier that holds them (``gpu`` device, ``cpu``
+  host, ``disk`` disk; ``remote``, and the gaps a blend pass computes, ``external_unspecified``), which vLLM counts
+  in ``vllm:prompt_tokens_cached_by_source``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.connectors.hook_clock import HookClock
 from kvstore.connectors.settings import ConnectorSettings, parse_connector_settings
@@ -37,6 +49,7 @@ from kvstore.connectors.vllm.scheduler_side import SchedulerSide
 from kvstore.connectors.vllm.worker_side import WorkerSide
 from kvstore.errors import KVStoreError
 from kvstore.layout import KVLayout
+from kvstore.tiers.base import TierName
 
 if TYPE_CHECKING:
     import torch
@@ -49,13 +62,41 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStoreConnector"]
+__all__ = ["SOURCE_OF_TIER", "KVStoreConnector", "cache_hit_sources"]
 
 logger = logging.getLogger(__name__)
+
+SOURCE_OF_TIER: Mapping[TierName | None, CacheHitSource] = MappingProxyType(
+    {
+        TierName.GPU: CacheHitSource.DEVICE,
+        TierName.CPU: CacheHitSource.HOST,
+        TierName.DISK: CacheHitSource.DISK,
+        TierName.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,  # vLLM has no source for a store on another host
+        None: CacheHitSource.EXTERNAL_UNSPECIFIED,  # a blend pass's gaps: computed, held by no tier
+    }
+)
+"""vLLM's cache-hit source for the tokens a kvstore tier holds (``SchedulerSide.hit_tiers``)."""
 
 
 class KVStoreConnector(KVConnectorBase_V1):
     """kvstore behind vLLM's KV connector API.
+
+    Hooks left at vLLM's default, on purpose:
+
+    - ``may_load_async`` (vLLM 0.34): vLLM asks it as a request enters its waiting queues, before any lookup; with
+      ``--max-num-inflight-kv-loads``, ``True`` puts the request in a queue whose loads may start while the running
+      batch is full. Whether kvstore loads a hit asynchronously depends on where the prompt's chunks are (on disk),
+      which only a store round trip tells, so the honest cheap answer is the default (``False``, unless the request
+      asks for a P/D remote prefill). ``True`` for every request would make each miss and memory hit a false
+      positive, which vLLM keeps at the head of that queue while the batch is full, looking it up again (a round
+      trip) every step and holding back the real async loads behind it. With the default a disk hit still loads
+      asynchronously once admitted, and still counts against ``--max-num-inflight-kv-loads``.
+    - ``handle_preemptions``: for connectors whose saves read a request's blocks after the step that computed them,
+      which a preemption frees for another request. kvstore's saves copy the KV out of the blocks within that step
+      (``save_kv_layer``, on the compute stream on CUDA, ahead of any later step's writes) and send the copy
+      afterwards; async loads write only into the blocks of requests waiting for them, which vLLM never preempts
+      (it preempts running requests) and whose blocks it keeps, even when aborted, until the load reports finished.
+      The scheduler side drops a preempted request's queued load and pins itself (``build_connector_meta``).
 
     Raises (at construction, as one line):
         ConfigError: a bad ``kvstore.*`` setting, an unsupported vLLM, parallelism or KV cache, or an embedded
@@ -151,8 +192,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             worker.wait_for_save()
         worker.record_on_path(self._clock.end_step())
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished async loads, the failed ones among them (``FinishedLoads``); kvstore sends nothing."""
+        done = self._worker_side().get_finished()
+        return KVConnectorTransferResults(finished_recving=set(done.finished), failed_recving=set(done.failed))
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker_side().get_finished()
+        """The older form of ``get_transfer_results`` (no failures), for a caller that still reads it."""
+        return None, set(self._worker_side().get_finished().finished) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_failed_blocks()
@@ -161,7 +208,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._worker_side().take_worker_metadata()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._worker.take_stats() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._scheduler_side().take_stats()  # finished requests' looked-up and missed tokens
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
@@ -192,6 +241,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         with self._clock:
             return False, self._scheduler_side().request_finished(request)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        with self._clock:
+            return cache_hit_sources(self._scheduler_side().hit_tiers(request.request_id, num_external_tokens))
+
     # -- both ---------------------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -207,6 +260,15 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _scheduler_side(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side call reached a worker's connector"
         return self._scheduler
+
+
+def cache_hit_sources(tokens_by_tier: Mapping[TierName | None, int]) -> dict[CacheHitSource, int]:
+    """Tokens per kvstore tier as tokens per vLLM cache-hit source (``SOURCE_OF_TIER``), non-zero counts only."""
+    sources: dict[CacheHitSource, int] = {}
+    for tier, num_tokens in tokens_by_tier.items():
+        source = SOURCE_OF_TIER[tier]
+        sources[source] = sources.get(source, 0) + num_tokens
+    return {source: num_tokens for source, num_tokens in sources.items() if num_tokens}
 
 
 def _log_through_vllm() -> None:

@@ -1,8 +1,14 @@
 """What the connector needs to know about the vLLM engine it runs in, read from ``VllmConfig`` and checked at start.
 
-- The vLLM version: the connector speaks the KV connector v1 API of vLLM 0.32 and 0.33 (read from their sources:
-  the per-layer ``[blocks, heads, slots, 2*head_dim]`` cache, worker metadata, ``has_sync_kv_loads``). Another
-  version fails at start with one line rather than misbehaving in the middle of a request.
+- The vLLM version: the connector speaks the KV connector v1 API of vLLM 0.32, 0.33 and 0.34 (read from their
+  sources: the per-layer ``[blocks, heads, slots, 2*head_dim]`` cache, worker metadata, ``has_sync_kv_loads``,
+  ``get_transfer_results`` with ``failed_recving``, ``get_external_cache_hit_sources``). Another version fails at
+  start with one line rather than misbehaving in the middle of a request. What 0.34 changed that the connector
+  meets: a preempted request comes back among the step's new requests, with all its blocks (``resumed_req_ids`` is
+  gone from the scheduler's output; the scheduler side reads it only where it exists); and the scheduler asks
+  ``may_load_async`` (whether a request may load asynchronously, for ``--max-num-inflight-kv-loads``), which the
+  connector leaves at vLLM's default (``KVStoreConnector`` says why). 0.34's other new hooks (sleep mode,
+  ``kv_cache_access``, lookahead block hashes) keep their defaults.
 - The model's KV layout (layers, kv heads, head dim, dtype, RoPE) as kvstore's ``KVLayout``: the store checks it
   against what it holds, so two models never share KV.
 - A string ``kvstore.chunk_separator`` as the engine tokenizer's ids (the store cuts chunks by ids).
@@ -27,11 +33,18 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["SUPPORTED_VLLM", "check_engine_supported", "engine_layout", "resolve_chunk_separator", "vllm_version"]
+__all__ = [
+    "SUPPORTED_VLLM",
+    "check_engine_supported",
+    "check_vllm_version",
+    "engine_layout",
+    "resolve_chunk_separator",
+    "vllm_version",
+]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 32), (0, 33), (0, 34))
 """(major, minor) releases whose connector API this connector was written and tested against."""
 
 
@@ -39,13 +52,12 @@ def vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
-def check_engine_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
-    """Refuse, with one line, an engine the connector cannot serve correctly.
+def check_vllm_version(version: str) -> None:
+    """Refuse, with one line, a vLLM release outside ``SUPPORTED_VLLM`` (its patch and local parts do not matter).
 
     Raises:
-        ConfigError: an unsupported vLLM version, parallelism, hybrid KV cache or quantised KV cache.
+        ConfigError: ``version`` is another release, or not a version.
     """
-    version = vllm_version()
     parts = version.split(".")
     try:
         major_minor = (int(parts[0]), int(parts[1]))
@@ -54,6 +66,15 @@ def check_engine_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
     if major_minor not in SUPPORTED_VLLM:
         supported = ", ".join(f"{major}.{minor}" for major, minor in SUPPORTED_VLLM)
         raise ConfigError(f"kvstore's vLLM connector supports vLLM {supported}; this engine runs vLLM {version}")
+
+
+def check_engine_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, with one line, an engine the connector cannot serve correctly.
+
+    Raises:
+        ConfigError: an unsupported vLLM version, parallelism, hybrid KV cache or quantised KV cache.
+    """
+    check_vllm_version(vllm_version())
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
         raise ConfigError(

@@ -16,6 +16,7 @@ from kvstore.connectors.blend_hook import BlendOutcome
 from kvstore.plan import LookupPlan
 
 __all__ = [
+    "MISSED_PREFIX",
     "BlendSpec",
     "KVStoreConnectorMetadata",
     "KVStoreConnectorStats",
@@ -118,11 +119,14 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
             its blocks).
         prefill_steps: ``(ms, tokens)`` of forward steps without loads or passes: the engine's own prefill rate,
             which the blend gate weighs a pass against.
+        load_misses: request id -> why its load fell short: tokens by miss reason (``kvstore.misses``), as far as
+            the retrieve named them.
     """
 
     finished_loads: dict[str, int] = field(default_factory=dict)
     finished_blends: dict[str, BlendOutcome | None] = field(default_factory=dict)
     prefill_steps: list[tuple[float, int]] = field(default_factory=list)
+    load_misses: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge two workers' reports: a load counts only as far as every worker got, a blend only if every
@@ -135,7 +139,10 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
         for request_id, outcome in other.finished_blends.items():
             blends[request_id] = outcome if blends.get(request_id, outcome) is not None else None
         steps = self.prefill_steps or other.prefill_steps  # every worker ran the same steps
-        return KVStoreWorkerMetadata(finished_loads=merged, finished_blends=blends, prefill_steps=steps)
+        misses = self.load_misses | other.load_misses
+        return KVStoreWorkerMetadata(
+            finished_loads=merged, finished_blends=blends, prefill_steps=steps, load_misses=misses
+        )
 
 
 _COUNTERS = (
@@ -154,6 +161,9 @@ _COUNTERS = (
 _SECONDS = ("load_seconds", "save_seconds", "blend_seconds", "on_path_seconds")
 
 
+MISSED_PREFIX = "missed_"
+"""The stats' missed tokens of one reason are ``missed_<reason>``."""
+
 STALL_REPORT_S = 0.05
 """Engine-path time in one reporting interval that is worth a stats line even without a transfer."""
 
@@ -161,7 +171,9 @@ STALL_REPORT_S = 0.05
 @dataclass
 class KVStoreConnectorStats(KVConnectorStats):
     """The worker's transfer counters since the last report (vLLM logs ``reduce()`` every logging interval);
-    ``on_path_ms`` is the time the engine's thread spent inside the connector's hooks (``HookClock``)."""
+    ``on_path_ms`` is the time the engine's thread spent inside the connector's hooks (``HookClock``). The
+    scheduler's side adds the finished requests' ``looked_up_tokens`` and ``missed_<reason>`` tokens
+    (docs/miss-reasons.md), which vLLM aggregates with the workers'."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -172,7 +184,7 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def record(self, **amounts: float) -> None:
         for name, amount in amounts.items():
-            self.data[name] += amount
+            self.data[name] = self.data.get(name, 0) + amount
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, amount in other.data.items():
@@ -186,10 +198,13 @@ class KVStoreConnectorStats(KVConnectorStats):
         reduced["save_ms_mean"] = round(1000 * data.get("save_seconds", 0.0) / max(data.get("saves", 0), 1), 2)
         reduced["blend_ms_mean"] = round(1000 * data.get("blend_seconds", 0.0) / max(data.get("blends", 0), 1), 2)
         reduced["on_path_ms"] = round(1000 * data.get("on_path_seconds", 0.0), 2)
+        reduced["looked_up_tokens"] = data.get("looked_up_tokens", 0)
+        reduced |= {name: count for name, count in sorted(data.items()) if name.startswith(MISSED_PREFIX) and count}
         return reduced
 
     def is_empty(self) -> bool:
         """Nothing to report: no transfer, and no more than ``STALL_REPORT_S`` on the engine's path (a stall on a
         store in trouble is reported even when nothing was loaded or saved; the hooks' own microseconds are not)."""
-        transfers = any(self.data.get(name) for name in ("loads", "saves", "blends", "blend_failed"))
+        reported = ("loads", "saves", "blends", "blend_failed", "looked_up_tokens")
+        transfers = any(self.data.get(name) for name in reported)
         return not transfers and self.data.get("on_path_seconds", 0.0) < STALL_REPORT_S

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,13 +59,18 @@ from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.blend_gate import BlendGate, GateDecision, SpanMakeup, span_makeup
 from kvstore.connectors.vllm.blend_request import BlendChoice, blend_choice
 from kvstore.connectors.vllm.blend_span import blend_span_end
+from kvstore.connectors.vllm.hit_sources import tokens_by_tier
 from kvstore.connectors.vllm.metadata import (
+    MISSED_PREFIX,
     BlendSpec,
     KVStoreConnectorMetadata,
+    KVStoreConnectorStats,
     KVStoreWorkerMetadata,
     LoadSpec,
     SaveSpec,
 )
+from kvstore.connectors.vllm.request_misses import cached_tokens, request_misses
+from kvstore.misses import Miss, MissReason
 from kvstore.plan import LookupPlan, Segment
 from kvstore.tiers.base import TierName
 
@@ -87,10 +93,61 @@ class _Probe:
     first_disk_token: int | None
     load_async: bool = False
     segments: tuple[Segment, ...] = ()
+    misses: tuple[Miss, ...] = ()
     blend_end: int | None = None  # the end of a blend span worth a pass (None: the exact path)
     choice: BlendChoice | None = None
     makeup: SpanMakeup | None = None  # the blend span's tokens, for the gate to learn from the pass
     gate: GateDecision | None = None  # the gate's answer when it had one
+
+
+@dataclass(slots=True, kw_only=True)
+class _MissAccount:
+    """What a request's last admission looked up and what became of it, for its miss reasons
+    (``request_misses``'s arguments)."""
+
+    segments: tuple[Segment, ...]
+    misses: tuple[Miss, ...]
+    local_end: int
+    num_tokens: int
+    exact_end: int
+    gate_refused: bool = False
+    declined: MissReason | None = None
+    served_end: int = 0
+    undelivered: Counter[MissReason] = field(default_factory=Counter)
+
+    def report(self) -> dict[str, object]:
+        missed = request_misses(
+            self.segments, self.misses, local_end=self.local_end, num_tokens=self.num_tokens,
+            served_end=self.served_end, exact_end=self.exact_end, gate_refused=self.gate_refused,
+            declined=self.declined, undelivered=self.undelivered,
+        )  # fmt: skip
+        return {
+            "looked_up_tokens": self.num_tokens - self.local_end,
+            "missed_tokens": sum(missed.values()),
+            "miss_reasons": {reason.value: count for reason, count in missed.most_common()},
+        }
+
+    def fail_delivery(self, num_tokens: int, reasons: dict[str, int]) -> None:
+        """``num_tokens`` of the served span were not delivered: under the worker's ``reasons`` as far as they go,
+        the rest ``load_failed`` (a failed call, a block cut short)."""
+        for name, count in reasons.items():
+            taken = min(count, num_tokens)
+            self.undelivered[MissReason(name)] += taken
+            num_tokens -= taken
+        if num_tokens:
+            self.undelivered[MissReason.LOAD_FAILED] += num_tokens
+
+
+def _declined(prompt_tokens: int, local_end: int, previous: _MissAccount | None = None) -> _MissAccount:
+    """The account of a request the connector did not look up: what its ``previous`` probe cached is
+    ``load_failed`` (a load of it failed before, and it is not retried), the rest keeps its store reasons; without
+    one (the store unreachable) every looked-up token is ``load_failed``."""
+    if previous is not None:
+        return dataclasses.replace(
+            previous, local_end=local_end, served_end=local_end, declined=MissReason.LOAD_FAILED, undelivered=Counter()
+        )
+    miss = Miss(0, prompt_tokens, MissReason.LOAD_FAILED)
+    return _MissAccount(segments=(), misses=(miss,), local_end=local_end, num_tokens=prompt_tokens, exact_end=0)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -112,6 +169,8 @@ class _Tracked:
     blend: dict[str, object] | None = None
     makeup: SpanMakeup | None = None  # its planned pass's span
     gate: GateDecision | None = None
+    planned_segments: tuple[Segment, ...] = ()  # the probe's segments of the load or blend just planned
+    account: _MissAccount | None = None  # its last admission's looked-up tokens and their fate
 
     def transfer_params(self) -> dict[str, object]:
         """What the response's ``kv_transfer_params`` say about this request."""
@@ -127,12 +186,21 @@ class _Tracked:
             }
         if self.choice is not None and self.choice.notes:
             report["notes"] = list(self.choice.notes)
+        if self.account is not None:
+            report |= self.account.report()
         return {"kvstore": report}
 
     def record_blend(self, spec: BlendSpec, outcome: BlendOutcome | None) -> None:
         """The worker's report of the request's blend pass (``None``: it failed and vLLM recomputed the span)."""
         self.planned_blend = None
         span_tokens = spec.end - spec.local_end
+        account = self.account
+        if account is not None:
+            cached = cached_tokens(account.segments, spec.local_end, spec.end)
+            if outcome is None:
+                account.undelivered[MissReason.LOAD_FAILED] += cached
+            elif outcome.skipped_disk_tokens:
+                account.undelivered[MissReason.DISK_SLOWER] += min(cached, outcome.skipped_disk_tokens)
         if outcome is None:
             self.load_failed_tokens += span_tokens
             self.blend = {"failed": True, "span_tokens": span_tokens, "local_tokens": spec.local_end}
@@ -195,6 +263,8 @@ class SchedulerSide:
         self._queued_loads: dict[str, LoadSpec] = {}
         self._queued_blends: dict[str, BlendSpec] = {}
         self._answered: dict[str, dict[str, object]] = {}  # finished before their blend report came back
+        self._accounts: dict[str, _MissAccount] = {}  # the last probe's, until vLLM takes or leaves its hit
+        self._stats = KVStoreConnectorStats()  # finished requests' looked-up and missed tokens
 
     # -- vLLM's scheduler hooks ---------------------------------------------------------------------------------
 
@@ -204,13 +274,22 @@ class SchedulerSide:
             return 0, False
         tracked = self._tracked.get(request.request_id)
         if tracked is not None and tracked.load_failed_tokens:
+            self._accounts[request.request_id] = _declined(len(prompt), num_computed_tokens, tracked.account)
             return 0, False  # its load fell short once: vLLM recomputes rather than retry a store that failed it
         choice = blend_choice(self._settings, request.kv_transfer_params) if self._settings.blend else None
         blend = choice is not None and choice.enabled
         probe = self._link.call("lookup", lambda client: _probe(client, prompt, blend=blend))
         if probe is None:
             self._probes.pop(request.request_id, None)
+            self._accounts[request.request_id] = _declined(len(prompt), num_computed_tokens)
             return 0, False
+        account = _MissAccount(
+            segments=probe.segments,
+            misses=probe.misses,
+            local_end=num_computed_tokens,
+            num_tokens=len(prompt),
+            exact_end=probe.prefix_tokens,
+        )
         end = self._loadable_end(probe.prefix_tokens, len(prompt))
         if blend:
             blend_end = blend_span_end(
@@ -224,16 +303,21 @@ class SchedulerSide:
                 if gate.blend:
                     if len(self._queued_blends) >= self._settings.blend_passes_per_step:
                         self._probes.pop(request.request_id, None)
+                        self._accounts.pop(request.request_id, None)
                         return None, False  # this step's passes are taken: vLLM asks again in a later step
                     self._probes[request.request_id] = dataclasses.replace(
                         probe, blend_end=blend_end, choice=choice, makeup=makeup, gate=gate
                     )
+                    # the span's cached tokens are served; past its last whole block only a block's tail remains
+                    self._accounts[request.request_id] = dataclasses.replace(account, exact_end=len(prompt))
                     return blend_end - num_computed_tokens, False
+            account.gate_refused = gate is not None and not gate.blend
             probe = dataclasses.replace(probe, gate=gate)
         probe = dataclasses.replace(probe, choice=choice)
         from_disk = probe.first_disk_token is not None and probe.first_disk_token < end
         load_async = self._async_disk_loads and from_disk and end > num_computed_tokens
         self._probes[request.request_id] = dataclasses.replace(probe, load_async=load_async)
+        self._accounts[request.request_id] = account
         if end <= num_computed_tokens:
             return 0, False
         return end - num_computed_tokens, load_async
@@ -244,11 +328,16 @@ class SchedulerSide:
         tracked = self._tracked.get(request_id)
         if tracked is None:
             tracked = self._tracked[request_id] = _Tracked(prompt=tuple(request.prompt_token_ids or ()))
+        account = self._accounts.pop(request_id, None)
+        if account is not None:  # vLLM took num_external_tokens right after its own hit
+            account.served_end = account.local_end + max(0, num_external_tokens)
+            tracked.account = account
         if probe is not None:
             tracked.store_prefix_tokens = probe.prefix_tokens
             tracked.choice = probe.choice
             tracked.gate = probe.gate
             tracked.makeup = probe.makeup
+            tracked.planned_segments = probe.segments
         if num_external_tokens <= 0 or probe is None:
             if probe is not None:  # a (re)admission without a load: any older pin has no load left to serve
                 self._release_pin(tracked)
@@ -291,7 +380,8 @@ class SchedulerSide:
         self._queued_loads.clear()
         self._queued_blends.clear()
         cached = scheduler_output.scheduled_cached_reqs
-        readmitted = {request.req_id for request in scheduler_output.scheduled_new_reqs} | set(cached.resumed_req_ids)
+        resumed = set(getattr(cached, "resumed_req_ids", ()))  # vLLM 0.34 sends a resumed request as a new one
+        readmitted = {request.req_id for request in scheduler_output.scheduled_new_reqs} | resumed
         for preempted in set(scheduler_output.preempted_req_ids or ()) - readmitted:
             self._forget_blocks(preempted)  # a request readmitted in this same step keeps its new load's pin
         for new_request in scheduler_output.scheduled_new_reqs:
@@ -306,7 +396,7 @@ class SchedulerSide:
             if tracked is None:
                 continue
             new_blocks = cached.new_block_ids[index]
-            if request_id in cached.resumed_req_ids:
+            if request_id in resumed:
                 tracked.block_ids = list(new_blocks[0]) if new_blocks is not None else []
             elif new_blocks is not None:
                 tracked.block_ids.extend(new_blocks[0])
@@ -333,12 +423,17 @@ class SchedulerSide:
                 num_loaded = min(loaded[request_id], tracked.planned_load_tokens)
                 tracked.loaded_tokens += num_loaded
                 tracked.load_failed_tokens += tracked.planned_load_tokens - num_loaded
+                if tracked.account is not None and tracked.planned_load_tokens > num_loaded:
+                    assert isinstance(worker_meta, KVStoreWorkerMetadata)  # ``loaded`` came from it
+                    reasons = worker_meta.load_misses.get(request_id, {})
+                    tracked.account.fail_delivery(tracked.planned_load_tokens - num_loaded, reasons)
                 tracked.planned_load_tokens = 0
 
     def request_finished(self, request: Request) -> dict[str, object] | None:
         """Drop everything of a finished or aborted request (its blocks are vLLM's to free: saves copy out in the
         step that computes them, so nothing here ever holds a block); returns its ``kv_transfer_params``."""
         self._probes.pop(request.request_id, None)
+        self._accounts.pop(request.request_id, None)
         self._queued_loads.pop(request.request_id, None)
         self._queued_blends.pop(request.request_id, None)
         tracked = self._tracked.pop(request.request_id, None)
@@ -355,7 +450,39 @@ class SchedulerSide:
             # load filled every block, or vLLM, which reads failed blocks first, would have rescheduled the request.
             tracked.loaded_tokens += tracked.planned_load_tokens
             tracked.planned_load_tokens = 0
-        return tracked.transfer_params()
+        return self._finished_params(tracked)
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        """The finished requests' looked-up and missed tokens since the last call (``None``: none finished)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVStoreConnectorStats()
+        return stats
+
+    def _finished_params(self, tracked: _Tracked) -> dict[str, object]:
+        """A finished request's ``kv_transfer_params``, its looked-up and missed tokens counted into the stats."""
+        params = tracked.transfer_params()
+        report = params["kvstore"]
+        assert isinstance(report, dict)
+        if "looked_up_tokens" in report:
+            self._stats.record(looked_up_tokens=report["looked_up_tokens"])
+            self._stats.record(**{f"{MISSED_PREFIX}{name}": count for name, count in report["miss_reasons"].items()})
+        return params
+
+    def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[TierName | None, int]:
+        """The store tier that holds each of the ``num_external_tokens`` vLLM took for the request, as the probe behind
+        its planned load or blend saw them (``None``: tokens no tier holds, which the blend pass computes). The
+        external tokens are the last ones of the load or blend span; the counts sum to ``num_external_tokens``."""
+        if num_external_tokens <= 0:
+            return {}
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return {None: num_external_tokens}
+        blend = tracked.planned_blend
+        end = blend.end if blend is not None else self._loadable_end(tracked.store_prefix_tokens, len(tracked.prompt))
+        if end < num_external_tokens:  # not a hit this side planned: vLLM counts it, nothing here says where from
+            return {None: num_external_tokens}
+        return tokens_by_tier(tracked.planned_segments, end - num_external_tokens, end)
 
     def close(self) -> None:
         """Release every pin and close the link (a goodbye; an embedded server this process started stops)."""
@@ -401,7 +528,7 @@ class SchedulerSide:
         tracked.record_blend(tracked.planned_blend, outcome)
         answered = self._answered.pop(request_id, None)
         if answered is not None:  # finished in its blend step: complete the answer vLLM has not sent yet
-            answered.update(tracked.transfer_params())
+            answered.update(self._finished_params(tracked))
             self._tracked.pop(request_id, None)
 
     def _loadable_end(self, prefix_tokens: int, prompt_tokens: int) -> int:
@@ -474,4 +601,4 @@ def _probe(client: Client, prompt: tuple[int, ...], *, blend: bool = False) -> _
     first_disk = next(
         (segment.start for segment in plan.segments if segment.exact and segment.tier is TierName.DISK), None
     )
-    return _Probe(prefix_tokens=prefix_tokens, first_disk_token=first_disk, segments=plan.segments)
+    return _Probe(prefix_tokens=prefix_tokens, first_disk_token=first_disk, segments=plan.segments, misses=plan.misses)

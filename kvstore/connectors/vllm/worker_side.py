@@ -61,11 +61,12 @@ from kvstore.connectors.vllm.metadata import (
 )
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout
+from kvstore.misses import Miss, tokens_by_reason
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["WorkerSide"]
+__all__ = ["FinishedLoads", "WorkerSide"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,23 @@ class _Fetched:
     seconds: float
     buffer: torch.Tensor | None = None
     block_ids: torch.Tensor | None = None
+    misses: tuple[Miss, ...] = ()  # the retrieve's (or the plan's), with their reasons
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinishedLoads:
+    """The async loads that finished since the last look (``WorkerSide.get_finished``).
+
+    ``finished``: every one, whatever it loaded (vLLM lets a request out of its wait for KV only when its id comes
+    back as finished, failed or not). ``failed``: those of them that put none of their planned tokens into the
+    blocks (the store was gone, the load raised, the chunks were evicted): vLLM's ``failed_recving``. A load that
+    fell short part-way is not among them: its blocks past what it loaded are reported one by one
+    (``take_failed_blocks``), so vLLM keeps the part it did load and recomputes only the rest; ``failed_recving``
+    drops the whole load.
+    """
+
+    finished: frozenset[str] = frozenset()
+    failed: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -141,6 +159,7 @@ class WorkerSide:
         self._save_buffers = LoadBuffers()  # taken on the engine thread without a request, kept by the save thread
         self._failed_blocks: set[int] = set()
         self._finished_loads: dict[str, int] = {}  # request id -> tokens its load put into the blocks
+        self._load_misses: dict[str, dict[str, int]] = {}  # request id -> why its load fell short (tokens by reason)
         self._stats_lock = threading.Lock()
         self._stats = KVStoreConnectorStats()
 
@@ -167,7 +186,7 @@ class WorkerSide:
             if cache.dim() != 4 or tuple(cache.shape[1:]) != expected:
                 raise ConfigError(
                     f"vLLM KV cache {name} has shape {list(cache.shape)}; kvstore reads [blocks, {expected[0]} kv "
-                    f"heads, {expected[1]} slots, {expected[2]}] (vLLM 0.32/0.33)"
+                    f"heads, {expected[1]} slots, {expected[2]}] (vLLM 0.32 to 0.34)"
                 )
             if cache.dtype != layout.dtype.torch_dtype or cache.stride() != first.stride():
                 raise ConfigError(f"vLLM KV cache {name} is {cache.dtype}; the layout says {layout.dtype.value}")
@@ -293,14 +312,18 @@ class WorkerSide:
         self._saves = []
         self._save_futures = [future for future in self._save_futures if not future.done()]
 
-    def get_finished(self) -> set[str] | None:
-        """Async loads that finished since the last call (their failed blocks are reported with them)."""
-        done = {request_id for request_id, future in self._async_loads.items() if future.done()}
+    def get_finished(self) -> FinishedLoads:
+        """Async loads that finished since the last call, and which of them failed (their failed blocks are reported
+        with them: vLLM reads those after this, in the same step)."""
+        done = [request_id for request_id, future in self._async_loads.items() if future.done()]
+        failed: set[str] = set()
         for request_id in done:
             num_loaded, failed_blocks = self._async_loads.pop(request_id).result()
             self._failed_blocks |= failed_blocks
             self._finished_loads[request_id] = num_loaded
-        return done or None
+            if failed_blocks and not num_loaded:
+                failed.add(request_id)
+        return FinishedLoads(finished=frozenset(done), failed=frozenset(failed))
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -312,7 +335,11 @@ class WorkerSide:
         finished, self._finished_loads = self._finished_loads, {}
         blends, self._finished_blends = self._finished_blends, {}
         steps, self._prefill_steps = self._prefill_steps, []
-        return KVStoreWorkerMetadata(finished_loads=finished, finished_blends=blends, prefill_steps=steps)
+        with self._stats_lock:  # an async load's thread adds to it
+            misses, self._load_misses = self._load_misses, {}
+        return KVStoreWorkerMetadata(
+            finished_loads=finished, finished_blends=blends, prefill_steps=steps, load_misses=misses
+        )
 
     def record_on_path(self, seconds: float) -> None:
         """Count the time the engine's thread spent in this step's hooks (``HookClock``)."""
@@ -401,7 +428,7 @@ class WorkerSide:
         usable -= usable % self._block_size
         if usable <= spec.start:
             client.release(plan, owner=owner)
-            return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started)
+            return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started, misses=plan.misses)
         try:
             # vLLM holds [0, start) itself: only the rest travels
             out = buffers.take(client, plan.end - spec.start) if self._caches[0].device.type == "cpu" else None
@@ -424,6 +451,7 @@ class WorkerSide:
             seconds=time.perf_counter() - started,
             buffer=out,
             block_ids=self._device_block_ids(spec.block_ids[:num_blocks]),
+            misses=result.misses,
         )
 
     def _scatter_layer(self, layer: int) -> None:
@@ -476,6 +504,9 @@ class WorkerSide:
         self._failed_blocks |= failed if not spec.is_async else set()
         num_tokens = _loaded_tokens(spec, fetched)
         with self._stats_lock:
+            if failed:  # the scheduler names the rest of the shortfall (a failed call, a cut block) load_failed
+                reasons = tokens_by_reason(fetched.misses, fetched.loaded_end, spec.end)
+                self._load_misses[spec.request_id] = {reason.value: count for reason, count in reasons.items()}
             self._stats.record(
                 loads=1,
                 loaded_tokens=num_tokens,
@@ -544,7 +575,7 @@ def _loaded_tokens(spec: LoadSpec, fetched: _Fetched) -> int:
 
 
 def _packed_format(cache: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int) -> BlockFormat:
-    """vLLM 0.32/0.33's documented CUDA format: ``[blocks, heads, slots, K|V]`` with the tensor's own strides."""
+    """vLLM 0.32 to 0.34's documented CUDA format: ``[blocks, heads, slots, K|V]`` with the tensor's own strides."""
     _, head_stride, token_stride, dim_stride = cache.stride()
     key = PlaneMap(offset=0, token_stride=token_stride, head_stride=head_stride, dim_stride=dim_stride)
     value = PlaneMap(
