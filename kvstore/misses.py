@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from kvstore.tiers.base import TierName
 
-__all__ = ["Miss", "MissReason", "evicted_from", "tokens_by_reason"]
+__all__ = ["STORE_REASONS", "Miss", "MissReason", "evicted_from", "tokens_by_reason"]
 
 
 class MissReason(enum.StrEnum):
@@ -53,6 +53,21 @@ class MissReason(enum.StrEnum):
     BLOCK_BOUNDARY = "block_boundary"
     LOAD_FAILED = "load_failed"
 
+
+STORE_REASONS = (
+    MissReason.NEVER_STORED,
+    MissReason.EVICTED_GPU,
+    MissReason.EVICTED_CPU,
+    MissReason.EVICTED_DISK,
+    MissReason.EVICTED_REMOTE,
+    MissReason.EVICTED,
+    MissReason.TWO_STRIKE,
+    MissReason.CHECKSUM,
+    MissReason.REMOTE_UNAVAILABLE,
+    MissReason.DISK_SLOWER,
+    MissReason.BEHIND_GAP,
+)
+"""The reasons a store's lookups and retrieves give (the others are a connector's)."""
 
 _EVICTED = {
     TierName.GPU: MissReason.EVICTED_GPU,

@@ -39,6 +39,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError
+from kvstore.misses import STORE_REASONS
 from kvstore.server.kv_events.options import KVEventStats
 from kvstore.server.usage.plan_coverage import PlanCoverage
 from kvstore.stats import RemoteStats, StoreStats
@@ -115,8 +116,9 @@ class _StoreCollector(Collector):
             "{kind=\"gap\"}) and retrieves' planned tokens that could not be served.",
             labels=["reason"],
         )
-        for reason, count in stats.lookups.missed_tokens.items():
-            missed.add_metric([reason], count)
+        counted = stats.lookups.missed_tokens
+        for reason in dict.fromkeys([*(reason.value for reason in STORE_REASONS), *counted]):  # 0 until one occurs
+            missed.add_metric([reason], counted.get(reason, 0))
         yield missed
         if stats.catalog is not None:
             catalog = stats.catalog

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvstore.bench.miss_tally import MissTally
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult
 from kvstore.bench.vllm_ttft import (
     VllmBenchOptions,
@@ -92,7 +93,9 @@ def test_options_and_rows() -> None:
         ttft_ms_samples=(800.01, 812.345),
         connector_ms_p50=310.456,
         connector_share_p50=0.3821734,
+        misses=MissTally(looked_up_tokens=16000, missed_tokens=64, reasons={"block_boundary": 64}),
     )
+    assert row.misses.describe() == "64/16,000: block_boundary 64"
     assert row.to_json_dict() == {
         "mode": "kvstore_cpu_hit",
         "prompt_tokens": 8000,
@@ -103,6 +106,10 @@ def test_options_and_rows() -> None:
         "ttft_ms_samples": [800.0, 812.3],
         "connector_ms_p50": 310.5,
         "connector_share_p50": 0.38217,
+        "looked_up_tokens": 16000,
+        "missed_tokens": 64,
+        "miss_reasons": {"block_boundary": 64},
+        "miss_reasons_share": 1.0,
     }
 
 
