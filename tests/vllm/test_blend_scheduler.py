@@ -105,6 +105,9 @@ def test_a_prompt_with_a_document_at_a_new_position_is_one_blend_span_without_a_
     assert report["blend"]["exact_tokens"] == 64 and report["blend"]["blended_tokens"] == 64
     assert report["blend"]["recomputed_tokens"] == 11 and report["blend"]["reused_tokens"] == 117
     assert report["blend"]["computed_by_vllm"] == len(tokens) - 128
+    # the span's cached tokens are served; the question after it was never stored
+    assert (report["looked_up_tokens"], report["missed_tokens"]) == (len(tokens), 40)
+    assert report["miss_reasons"] == {"never_stored": 40}
 
 
 def test_a_request_that_opts_out_or_a_deployment_without_blend_takes_the_exact_prefix_only(
@@ -161,6 +164,7 @@ def test_a_failed_pass_is_recomputed_by_vllm_and_never_blended_again(
     params = finish_step(scheduler, again)
     assert params["fails"]["kvstore"]["blend"] == {"failed": True, "span_tokens": 128, "local_tokens": 0}
     assert params["fails"]["kvstore"]["load_failed_tokens"] == 128
+    assert params["fails"]["kvstore"]["miss_reasons"] == {"load_failed": 128, "never_stored": 40}
 
 
 @pytest.mark.parametrize("passes_per_step", [1, 2])
