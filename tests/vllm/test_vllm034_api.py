@@ -12,7 +12,7 @@
 - ``may_load_async`` (0.34 only) stays vLLM's default.
 
 No vLLM engine runs here (vLLM 0.34's CUDA wheel cannot run a model on a CPU host): the connector is built the way
-vLLM builds it, from a real ``VllmConfig`` (its device named: 0.34 infers none on a CPU host), and its hooks are
+vLLM builds it, from a real ``VllmConfig`` (``test_scheduler_side``'s), and its hooks are
 called as vLLM calls them, on a real ``kvstore serve`` holding the model's layout.
 """
 
@@ -27,7 +27,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -47,7 +47,15 @@ from kvstore.keys import PrefixKey
 from kvstore.plan import Segment
 from kvstore.tiers import TierName
 from tests.server.conftest import ServerProcess, running_server
-from tests.vllm.test_scheduler_side import CHUNK_SIZE, MAX_MODEL_LEN, STORE_FLAGS, evict_to_disk, preload, prompt
+from tests.vllm.test_scheduler_side import (
+    CHUNK_SIZE,
+    STORE_FLAGS,
+    EngineShape,
+    evict_to_disk,
+    preload,
+    prompt,
+    vllm_config,
+)
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32
@@ -64,25 +72,10 @@ Connect = Callable[..., KVStoreConnector]
 
 
 def engine_config(model_dir: Path, extra: Mapping[str, object]) -> VllmConfig:
-    """An engine with ``KVStoreConnector`` and ``kvstore.<key>`` settings ``extra``, on the cpu: the device is named
-    because vLLM 0.34's CUDA wheel infers none on a CPU host ("Failed to infer device type"), which is also why this
-    is not ``test_scheduler_side.vllm_config``."""
-    transfer = KVTransferConfig(
-        kv_connector="KVStoreConnector",
-        kv_connector_module_path="kvstore.connectors.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={f"kvstore.{key}": value for key, value in extra.items()},
-        kv_load_failure_policy="recompute",
-    )
-    return VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE),
-        scheduler_config=SchedulerConfig(
-            max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False, max_num_batched_tokens=MAX_MODEL_LEN
-        ),
-        device_config=DeviceConfig(device="cpu"),
-        kv_transfer_config=transfer,
-    )
+    """``test_scheduler_side``'s engine with ``KVStoreConnector`` and ``kvstore.<key>`` settings ``extra``, blocks of
+    ``BLOCK_SIZE``."""
+    shape = EngineShape(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+    return vllm_config(model_dir, shape, {f"kvstore.{key}": value for key, value in extra.items()})
 
 
 def layer_names(layout: KVLayout) -> list[str]:
