@@ -38,6 +38,7 @@ from kvstore.config import GIB, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.presets import preset_layout
+from kvstore.server.kv_events.consumer import free_port
 from kvstore.store import TieredStore
 from kvstore.surface import StoreSurface
 from kvstore.tiers.base import TierName
@@ -63,6 +64,8 @@ class ServerBenchOptions:
         num_repeats: timed bandwidth repeats per side and variant, after one untimed warm-up.
         chunk_size: tokens per chunk.
         seed: seed of the token ids and KV.
+        kv_events: the servers publish KV events (``--kv-events`` on a bound socket nobody reads): with a run
+            without, what publishing costs, each run's figures against the in-process store of the same run.
     """
 
     lookup_layout: str = "smollm2-135m"
@@ -73,6 +76,7 @@ class ServerBenchOptions:
     num_repeats: int = 5
     chunk_size: int = 256
     seed: int = 0
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         preset_layout(self.lookup_layout)
@@ -114,8 +118,11 @@ class ServerBenchRow:
         return values
 
 
-def _start_server(layout: KVLayout, chunk_size: int, cpu_bytes: int, directory: Path) -> ServeProcess:
-    return start_serve_process(layout, chunk_size, directory, ["--tiers", "cpu", "--cpu-size", str(cpu_bytes)])
+def _start_server(options: ServerBenchOptions, layout: KVLayout, cpu_bytes: int, directory: Path) -> ServeProcess:
+    flags = ["--tiers", "cpu", "--cpu-size", str(cpu_bytes)]
+    if options.kv_events:
+        flags += ["--kv-events", f"tcp://*:{free_port()}"]
+    return start_serve_process(layout, options.chunk_size, directory, flags)
 
 
 def _percentiles(samples_ms: list[float]) -> tuple[float, float, float, float]:
@@ -160,7 +167,7 @@ def _lookup_phase(options: ServerBenchOptions, directory: Path, say: Callable[[s
     config = StoreConfig(tiers=(TierName.CPU,), chunk_size=options.chunk_size, cpu_capacity_bytes=cpu_bytes)
     tokens = np.random.default_rng(options.seed).integers(0, 50_000, size=num_tokens)
     kv = _kv(layout, num_tokens, options.seed)
-    server = _start_server(layout, options.chunk_size, cpu_bytes, directory)
+    server = _start_server(options, layout, cpu_bytes, directory)
     try:
         client = Client(server.url, layout, name="kvstore bench server")
         with TieredStore(layout, config) as store, client:
@@ -221,7 +228,7 @@ def _bandwidth_phase(
     config = StoreConfig(tiers=(TierName.CPU,), chunk_size=options.chunk_size, cpu_capacity_bytes=cpu_bytes)
     kv = _kv(layout, num_tokens, options.seed)
     rng = np.random.default_rng(options.seed + 1)
-    server = _start_server(layout, options.chunk_size, cpu_bytes, directory)
+    server = _start_server(options, layout, cpu_bytes, directory)
     sides = {(op, variant, where): _Side() for op in ("store", "retrieve") for variant in ("tensor", "buffer")
              for where in ("server", "local")}  # fmt: skip
     try:

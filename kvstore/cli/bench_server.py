@@ -27,6 +27,9 @@ def bench_server_command(
     repeats: int = typer.Option(_DEFAULTS.num_repeats, "--repeats", help="Timed bandwidth repeats per side."),
     chunk_size: int = typer.Option(_DEFAULTS.chunk_size, "--chunk-size", help="Tokens per chunk."),
     seed: int = typer.Option(_DEFAULTS.seed, "--seed", help="Seed of the token ids and KV."),
+    kv_events: bool = typer.Option(
+        False, "--kv-events", help="The servers publish KV events (compare with a run without: their cost)."
+    ),
 ) -> None:
     """Lookup latency of a 15k-token prompt over loopback, and store/retrieve GB/s of 8B-shaped chunks through
     shared memory, each against the in-process TieredStore in the same run (servers: tiers cpu).
@@ -36,6 +39,8 @@ def bench_server_command(
         kvstore bench server --json
 
         kvstore bench server --lookups 1000 --repeats 10
+
+        kvstore bench server --json --kv-events
     """
     options = ServerBenchOptions(
         lookup_layout=lookup_layout,
@@ -46,6 +51,7 @@ def bench_server_command(
         num_repeats=repeats,
         chunk_size=chunk_size,
         seed=seed,
+        kv_events=kv_events,
     )
     rows: list[ServerBenchRow] = []
     with (
