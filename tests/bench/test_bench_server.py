@@ -12,8 +12,9 @@ from kvstore.cli.main import main
 pytestmark = pytest.mark.slow
 
 
-def test_bench_server_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "server", "--json", "--lookup-tokens", "512", "--lookups", "5", "--bulk-tokens", "64"]
+@pytest.mark.parametrize("events", [[], ["--kv-events"]], ids=["plain", "publishing-kv-events"])
+def test_bench_server_json_rows(capsys: pytest.CaptureFixture[str], events: list[str]) -> None:
+    argv = ["bench", "server", "--json", "--lookup-tokens", "512", "--lookups", "5", "--bulk-tokens", "64", *events]
     argv += ["--bulk-layout", "smollm2-135m", "--repeats", "1", "--chunk-size", "16"]
     with pytest.raises(SystemExit) as exited:
         main(argv)
