@@ -349,3 +349,12 @@ def test_may_load_async_stays_vllms_default(connect: Connect, store: ServerProce
     assert "may_load_async" not in vars(KVStoreConnector)
     connector = connect(KVConnectorRole.SCHEDULER, store.url)
     assert connector.may_load_async(new_request("plain", prompt(PROMPT_TOKENS, seed=349))) is False
+
+
+def test_a_best_effort_cache_does_not_ask_vllm_to_recompute_preempted_requests_for_its_saves(
+    connect: Connect, store: ServerProcess
+) -> None:
+    """vLLM recomputes a preempted request whose hand-off is pending when ``requires_kv_delivery``; a lost kvstore
+    save is only a later miss (the scheduler reads the property from its connector at start)."""
+    connector = connect(KVConnectorRole.SCHEDULER, store.url)
+    assert connector.requires_kv_delivery is False
