@@ -47,9 +47,9 @@ class LookupCounts:
             self._looked_up_tokens += num_query_tokens
             self._missed_tokens.update(missed)
 
-    def add_dropped(self, dropped: Sequence[Miss]) -> None:
-        """Count the planned tokens a retrieve could not serve, by reason."""
-        missed = tokens_by_reason(dropped)
+    def add_dropped(self, dropped: Sequence[Miss], start: int) -> None:
+        """Count the planned tokens from ``start`` on that a retrieve could not serve, by reason."""
+        missed = tokens_by_reason(dropped, start)
         with self._lock:
             self._missed_tokens.update(missed)
 

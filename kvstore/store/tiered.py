@@ -522,7 +522,7 @@ class TieredStore:
         if self.config.promote_on_hit and self._gpu is not None:
             self._promote_to_gpu([segment for segment in loaded if segment.tier is not TierName.GPU])
         end = loaded[-1].end if loaded else start
-        self._lookup_counts.add_dropped(retrieve_misses((), dropped, start))
+        self._lookup_counts.add_dropped(dropped, start)
         return RetrieveResult(
             segments=tuple(loaded),
             num_query_tokens=plan.num_query_tokens,
