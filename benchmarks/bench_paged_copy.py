@@ -10,8 +10,9 @@ K then V on the last axis) in its two physical orders:
 
 The block ids are a random sample of a larger pool, so blocks are scattered as in a busy engine. Variants:
 
-- ``current``: ``kvstore.connectors.paged`` as it is (one ``index_select`` / ``index_copy_`` per plane and layer
-  on 2-byte elements);
+- ``current``: ``kvstore.connectors.paged`` as the connector runs it: a ``PagedChunk`` per request (its checks and
+  views made once, inside the timed run), then one fused ``index_select`` / ``index_copy_`` per layer on 16-byte
+  elements;
 - ``wide16``: the same calls on the same memory reinterpreted as 16-byte elements (``complex128``; the copies are
   bitwise), with the block format's strides divided by 8 -- 8 times fewer index computations per byte;
 - ``wide16_fused``: 16-byte elements and both planes in one ``index_select`` / ``index_copy_`` per layer (a
@@ -21,8 +22,9 @@ The block ids are a random sample of a larger pool, so blocks are scattered as i
   one strided copy that splits K and V (two passes over the bytes);
 - ``triton``: a Triton kernel, one program per (block, plane), 16-byte loads (CUDA only, when Triton imports).
 
-Every variant is checked before it is timed: the gather (into a NaN-poisoned chunk) against a chunk built with plain
-indexing, the scatter against blocks written with plain indexing (untouched blocks included), bit for bit.
+Every variant is checked (on its first two layers) before it is timed: the gather (into a NaN-poisoned chunk)
+against a chunk built with plain indexing, the scatter against blocks written with plain indexing (untouched blocks
+included), bit for bit.
 
 Timing: CUDA events around the whole loop over layers (``time.perf_counter`` on CPU), ``--warmup`` untimed runs,
 then ``--repeats`` timed runs; p50/p90/p99/max in ms. GB/s are 10^9 chunk bytes per second, each byte counted once
@@ -53,7 +55,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvstore.connectors.paged import BlockFormat, PagedLayer, PlaneMap, gather_blocks, scatter_blocks
+from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayer, PlaneMap, gather_blocks, scatter_blocks
 
 try:
     import triton
@@ -62,6 +64,8 @@ except ImportError:  # the dev machine has no Triton; the H200 image has
     triton = None
 
 TARGET_RATIO = 0.7
+VERIFIED_LAYERS = 2
+"""Each variant is checked on this many layers (the same calls as every layer's; far less memory than all 32)."""
 WIDE_DTYPE = torch.complex128
 """A 16-byte element: copies of it are bitwise loads and stores of 128 bits."""
 
@@ -117,6 +121,19 @@ class Row:
 LayerCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """``copy(layer_cache, block_ids, chunk_layer)``: a gather (blocks -> chunk layer) or a scatter (the reverse)."""
 
+RequestCopy = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
+"""``copy(layer_caches, block_ids, chunk)``: one request's gather or scatter of every layer, one layer at a time."""
+
+
+def layer_by_layer(copy: LayerCopy) -> RequestCopy:
+    """A request's copy as one call of ``copy`` per layer."""
+
+    def run(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> None:
+        for layer, cache in enumerate(caches):
+            copy(cache, ids, chunk[layer])
+
+    return run
+
 
 def make_layer_cache(shape: Shape, layout: str, device: torch.device) -> torch.Tensor:
     """A layer of random KV with logical shape ``[pool_blocks, heads, block_size, 2*head_dim]``."""
@@ -159,18 +176,40 @@ def widen(block_format: BlockFormat, element_bytes: int) -> BlockFormat:
     )
 
 
-def variant_copies(name: str, shape: Shape, block_format: BlockFormat) -> tuple[LayerCopy, LayerCopy]:
-    """(gather, scatter) of one layer for variant ``name``."""
-    if name == "current":  # what the connector runs: one PagedLayer per layer tensor, its views built once
-        layers: dict[int, PagedLayer] = {}
+def variant_copies(name: str, shape: Shape, block_format: BlockFormat) -> tuple[RequestCopy, RequestCopy]:
+    """(gather, scatter) of a request for variant ``name``."""
+    if name == "current":
+        return connector_copies(block_format)
+    gather, scatter = layer_copies(name, shape, block_format)
+    return layer_by_layer(gather), layer_by_layer(scatter)
 
-        def layer_of(cache: torch.Tensor) -> PagedLayer:
-            return layers.setdefault(id(cache), PagedLayer(cache, block_format))
 
-        return (
-            lambda cache, ids, out: layer_of(cache).gather(ids, out),
-            lambda cache, ids, source: layer_of(cache).scatter(ids, source),
-        )
+def connector_copies(block_format: BlockFormat) -> tuple[RequestCopy, RequestCopy]:
+    """What the connector runs: one ``PagedLayer`` per layer tensor for the engine's life, one ``PagedChunk`` per
+    request (made inside the timed run), then one call per layer."""
+    layers: dict[int, PagedLayer] = {}
+
+    def request_copy(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> PagedChunk:
+        for cache in caches:
+            if id(cache) not in layers:  # once per layer tensor, as the connector does when vLLM registers them
+                layers[id(cache)] = PagedLayer(cache, block_format)
+        return PagedChunk([layers[id(cache)] for cache in caches], ids, chunk)
+
+    def gather(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> None:
+        copy = request_copy(caches, ids, chunk)
+        for layer in range(len(caches)):
+            copy.gather(layer)
+
+    def scatter(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> None:
+        copy = request_copy(caches, ids, chunk)
+        for layer in range(len(caches)):
+            copy.scatter(layer)
+
+    return gather, scatter
+
+
+def layer_copies(name: str, shape: Shape, block_format: BlockFormat) -> tuple[LayerCopy, LayerCopy]:
+    """(gather, scatter) of one layer for the exploratory variant ``name``."""
     wide_format = widen(block_format, shape.dtype.itemsize)
     if name == "wide16":
         return (
@@ -348,22 +387,25 @@ def reference_scatter(cache: torch.Tensor, ids: torch.Tensor, source: torch.Tens
     cache[ids, :, :, shape.head_dim :] = blocks[1]
 
 
-def verify(shape: Shape, caches: list[torch.Tensor], ids: torch.Tensor, gather: LayerCopy, scatter: LayerCopy) -> bool:
+def verify(
+    shape: Shape, caches: list[torch.Tensor], ids: torch.Tensor, gather: RequestCopy, scatter: RequestCopy
+) -> bool:
     device = caches[0].device
-    chunk_layer = torch.empty(2, shape.num_tokens, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
-    for cache in caches:
-        chunk_layer.fill_(math.nan)
-        gather(cache, ids, chunk_layer)
-        if not torch.equal(chunk_layer, reference_gather(cache, ids, shape)):
-            return False
-    for cache in caches:
-        source = torch.randn_like(chunk_layer)
-        expected = cache.clone()
-        reference_scatter(expected, ids, source, shape)
-        scatter(cache, ids, source)
-        if not torch.equal(cache, expected):
-            return False
-    return True
+    chunk = torch.full(
+        (len(caches), 2, shape.num_tokens, shape.num_kv_heads, shape.head_dim),
+        math.nan,
+        dtype=shape.dtype,
+        device=device,
+    )
+    gather(caches, ids, chunk)
+    if not all(torch.equal(chunk[layer], reference_gather(cache, ids, shape)) for layer, cache in enumerate(caches)):
+        return False
+    source = torch.randn_like(chunk)
+    expected = [cache.clone() for cache in caches]
+    for layer, cache in enumerate(expected):
+        reference_scatter(cache, ids, source[layer], shape)
+    scatter(caches, ids, source)
+    return all(torch.equal(cache, want) for cache, want in zip(caches, expected, strict=True))
 
 
 def time_runs(run: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> tuple[list[float], float]:
@@ -465,15 +507,13 @@ def measure_layout(
     rows = [row("copy", "baseline", "eager", baseline_ms, 0.0, True)]
     for variant in variants:
         gather, scatter = variant_copies(variant, shape, block_format)
-        verified = verify(shape, caches, ids, gather, scatter)
+        verified = verify(shape, caches[:VERIFIED_LAYERS], ids, gather, scatter)
 
-        def gather_all(gather: LayerCopy = gather) -> None:
-            for layer, cache in enumerate(caches):
-                gather(cache, ids, chunk[layer])
+        def gather_all(gather: RequestCopy = gather) -> None:
+            gather(caches, ids, chunk)
 
-        def scatter_all(scatter: LayerCopy = scatter) -> None:
-            for layer, cache in enumerate(caches):
-                scatter(cache, ids, chunk[layer])
+        def scatter_all(scatter: RequestCopy = scatter) -> None:
+            scatter(caches, ids, chunk)
 
         for op, run in (("gather", gather_all), ("scatter", scatter_all)):
             times_ms, issue_ms = time_runs(run, device, args.warmup, args.repeats)

@@ -11,8 +11,9 @@ is a strided array (an affine map from (slot, head, dim) to memory), the format 
 is one strided view plus one batched ``index_select`` / ``index_copy_`` per plane and layer: no Python loop over
 tokens or blocks. A format that is not strided (a packed tile layout) is refused with one line.
 
-A kvstore chunk's layer is ``[2, num_tokens, num_kv_heads, head_dim]`` (K plane, V plane): ``gather_blocks`` fills
-it from blocks, ``scatter_blocks`` writes it into blocks.
+A kvstore chunk's layer is ``[2, num_tokens, num_kv_heads, head_dim]`` (K plane, V plane). A connector binds a
+request's chunk of every layer to its blocks once (``PagedChunk``) and copies it layer by layer as the engine runs;
+``gather_blocks`` / ``scatter_blocks`` are the one-off copies of one layer.
 
 Pure torch; works on any device the tensors share. Not thread-safe per layer tensor (callers own their blocks).
 """
@@ -20,7 +21,7 @@ Pure torch; works on any device the tensors share. Not thread-safe per layer ten
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from kvstore.errors import ConfigError, InvalidInputError
 
 __all__ = [
     "BlockFormat",
+    "PagedChunk",
     "PagedLayer",
     "PlaneMap",
     "WriteSlots",
@@ -189,104 +191,134 @@ def _strided_plane(offsets: torch.Tensor, name: str) -> PlaneMap:
 
 
 class PagedLayer:
-    """One layer's paged KV tensor and the views its copies use, built once.
+    """One layer's paged KV tensor and the views of it every copy uses, built once per layer (a connector keeps one
+    per layer for the engine's life).
 
-    A copy per layer then costs a few checks, one view of the chunk and one index call (two per plane when the format
-    cannot be fused): on a GPU the copy of one layer of a long prompt is short (measured:
-    docs/design-notes.md#connectors-paged), so host work per call is what decides whether copies keep up with the
-    device.
-
-    Args:
+    Attributes:
         cache: the layer's tensor, dim 0 indexing blocks.
         block_format: where K and V sit in a block (``probe_block_format``).
+        planes: ``[blocks, slots, heads, head_dim]`` views of K and of V.
+        wide_blocks: ``[blocks, 2, slots, heads, head_dim / r]``, both planes in 16-byte elements, or ``None``
+            when the format cannot be fused (K and V with different strides, or not 16-byte aligned).
     """
 
     def __init__(self, cache: torch.Tensor, block_format: BlockFormat) -> None:
         self.cache = cache
         self.block_format = block_format
-        self._planes = (block_format.plane_view(cache, 0), block_format.plane_view(cache, 1))
-        self._wide_blocks = _wide_blocks(cache, block_format)
+        self.planes = (block_format.plane_view(cache, 0), block_format.plane_view(cache, 1))
+        self.wide_blocks = _wide_blocks(cache, block_format)
 
-    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the first ``out.shape[1]`` token slots of ``block_ids`` (in order) into ``out`` ``[2, tokens,
-        heads, head_dim]``; the last block may be partly used.
 
-        Raises:
-            InvalidInputError: ``out`` needs more blocks than given, or its shape or dtype does not fit.
-        """
-        block_format = self.block_format
-        num_tokens = _check_chunk_layer(self.cache, block_format, block_ids, out)
-        num_full = num_tokens // block_format.block_size
-        tail = num_tokens - num_full * block_format.block_size
-        wide_blocks = self._wide_blocks
-        chunk_blocks = self._wide_chunk(out, num_full) if num_full and wide_blocks is not None else None
-        if wide_blocks is not None and chunk_blocks is not None:
-            torch.index_select(wide_blocks, 0, block_ids[:num_full], out=chunk_blocks)
-        elif num_full:
-            for plane, view in enumerate(self._planes):
-                torch.index_select(view, 0, block_ids[:num_full], out=_plane_blocks(out, plane, num_full, block_format))
-        if tail:
-            last_block = int(block_ids[num_full])
-            for plane, view in enumerate(self._planes):
-                out[plane, num_full * block_format.block_size :].copy_(view[last_block][:tail])
+class PagedChunk:
+    """A chunk of every layer bound to one request's blocks, copied one layer at a time as an engine runs its
+    forward pass (a save gathers layer ``l`` once it is computed; a load scatters layer ``l`` before it runs).
 
-    def scatter(self, block_ids: torch.Tensor, source: torch.Tensor) -> None:
-        """Write ``source`` ``[2, tokens, heads, head_dim]`` into whole blocks ``block_ids`` (tokens = blocks x
-        block size).
+    The checks, the block ids of the whole blocks and the 16-byte views of the chunk are made here once per
+    request, so a layer's copy is one launch when the format fuses (two, one per plane, when it does not): on a GPU
+    a layer of a long prompt copies in tens of microseconds, so host work per layer decides whether eager copies
+    keep up with the device (measured: docs/benchmarks.md "Paged KV copies for vLLM"). A chunk that is not on the
+    cache's device (a load retrieved into host memory) passes through one layer-sized buffer on the device, made
+    once, so each layer is one host-device copy plus the launch.
 
-        Raises:
-            InvalidInputError: the token count is not ``len(block_ids) * block_size``, or shapes or dtypes differ.
-        """
-        block_format = self.block_format
-        num_tokens = _check_chunk_layer(self.cache, block_format, block_ids, source)
-        num_blocks = len(block_ids)
-        if num_tokens != num_blocks * block_format.block_size:
+    Args:
+        layers: every layer of the cache, in model order, all of one block format.
+        block_ids: the blocks in token order, on the cache's device.
+        chunk: ``[num_layers, 2, tokens, heads, head_dim]``. A gather fills its ``tokens`` slots from the first
+            blocks (the last one may be partly used); a scatter writes whole blocks (``tokens = blocks x
+            block_size``).
+
+    Raises:
+        InvalidInputError: the chunk's shape or dtype does not fit the cache, or it needs more blocks than given.
+    """
+
+    def __init__(self, layers: Sequence[PagedLayer], block_ids: torch.Tensor, chunk: torch.Tensor) -> None:
+        if not layers or chunk.dim() != 5 or chunk.shape[0] != len(layers):
             raise InvalidInputError(
-                f"a scatter fills whole blocks: {num_tokens} tokens for {num_blocks} blocks of "
-                f"{block_format.block_size}"
+                f"chunk shape {list(chunk.shape)} is not [{len(layers)} layers, 2, tokens, heads, head_dim]"
             )
-        wide_blocks = self._wide_blocks
-        chunk_blocks = self._wide_chunk(source, num_blocks) if wide_blocks is not None else None
-        if wide_blocks is not None and chunk_blocks is not None:
-            wide_blocks.index_copy_(0, block_ids, chunk_blocks)
-            return
-        for plane, view in enumerate(self._planes):
-            view.index_copy_(0, block_ids, _plane_blocks(source, plane, num_blocks, block_format))
+        first = layers[0]
+        block_format = first.block_format
+        self._layers = layers
+        self._chunk = chunk
+        self._block_ids = block_ids
+        self._through: torch.Tensor | None = None
+        layer_chunks = chunk
+        if chunk.device != first.cache.device:
+            self._through = torch.empty(chunk.shape[1:], dtype=chunk.dtype, device=first.cache.device)
+            layer_chunks = self._through.expand(chunk.shape)  # every layer passes through the same buffer
+        self.num_tokens = _check_chunk_layer(first.cache, block_format, block_ids, layer_chunks[0])
+        self._layer_chunks = layer_chunks
+        block_size = block_format.block_size
+        self._num_full = self.num_tokens // block_size
+        self._tail = self.num_tokens - self._num_full * block_size
+        self._full_ids = block_ids[: self._num_full]
+        self._tail_block = int(block_ids[self._num_full]) if self._tail else 0
+        self._whole_blocks = self.num_tokens == len(block_ids) * block_size
+        wide_blocks = [layer.wide_blocks for layer in layers]
+        self._wide_blocks: list[torch.Tensor] = [blocks for blocks in wide_blocks if blocks is not None]
+        fusable = len(self._wide_blocks) == len(layers)
+        self._wide_chunks = _wide_chunks(layer_chunks, self._num_full, block_format) if fusable else None
 
-    def _wide_chunk(self, chunk_layer: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
-        """``[num_blocks, 2, slots, heads, head_dim / r]`` of the chunk in 16-byte elements, or ``None`` when it
-        is not 16-byte aligned."""
-        ratio = _WIDE_DTYPE.itemsize // chunk_layer.element_size()
-        if chunk_layer.storage_offset() % ratio or chunk_layer.stride(0) % ratio or chunk_layer.data_ptr() % 16:
-            return None
-        try:
-            wide = chunk_layer.view(_WIDE_DTYPE)
-        except RuntimeError:
-            return None
-        block_format = self.block_format
-        slots, heads = block_format.block_size, block_format.num_kv_heads
-        wide_dim = block_format.head_dim // ratio
-        token_stride = heads * wide_dim
-        return torch.as_strided(
-            wide,
-            size=(num_blocks, 2, slots, heads, wide_dim),
-            stride=(slots * token_stride, chunk_layer.stride(0) // ratio, token_stride, wide_dim, 1),
-            storage_offset=wide.storage_offset(),
-        )
+    @property
+    def fused(self) -> bool:
+        """Whether a layer's copy is one call for both planes (16-byte elements), not one per plane."""
+        return self._wide_chunks is not None
+
+    def gather(self, layer: int) -> None:
+        """Copy layer ``layer`` of the blocks into the chunk."""
+        paged = self._layers[layer]
+        target = self._layer_chunks[layer]
+        num_full = self._num_full
+        if num_full:
+            if self._wide_chunks is not None:
+                torch.index_select(self._wide_blocks[layer], 0, self._full_ids, out=self._wide_chunks[layer])
+            else:
+                for plane, view in enumerate(paged.planes):
+                    out = _plane_blocks(target, plane, num_full, paged.block_format)
+                    torch.index_select(view, 0, self._full_ids, out=out)
+        if self._tail:
+            first_tail_token = num_full * paged.block_format.block_size
+            for plane, view in enumerate(paged.planes):
+                target[plane, first_tail_token:].copy_(view[self._tail_block][: self._tail])
+        if self._through is not None:
+            self._chunk[layer].copy_(self._through)  # blocking: the caller reads a host chunk next
+
+    def scatter(self, layer: int) -> None:
+        """Write layer ``layer`` of the chunk into the blocks.
+
+        Raises:
+            InvalidInputError: the chunk does not fill its blocks exactly.
+        """
+        paged = self._layers[layer]
+        if not self._whole_blocks:
+            raise InvalidInputError(
+                f"a scatter fills whole blocks: {self.num_tokens} tokens for {len(self._block_ids)} blocks of "
+                f"{paged.block_format.block_size}"
+            )
+        if self._through is not None:
+            self._through.copy_(self._chunk[layer], non_blocking=True)
+        if self._wide_chunks is not None:
+            self._wide_blocks[layer].index_copy_(0, self._block_ids, self._wide_chunks[layer])
+            return
+        source = self._layer_chunks[layer]
+        for plane, view in enumerate(paged.planes):
+            view.index_copy_(0, self._block_ids, _plane_blocks(source, plane, self._num_full, paged.block_format))
 
 
 def gather_blocks(
     layer_cache: torch.Tensor, block_format: BlockFormat, block_ids: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """``PagedLayer.gather`` for a one-off copy (a connector keeps one ``PagedLayer`` per layer)."""
-    PagedLayer(layer_cache, block_format).gather(block_ids, out)
+    """Fill ``out`` ``[2, tokens, heads, head_dim]`` from the first blocks of ``block_ids`` (a one-off copy of
+    one layer; a connector keeps a ``PagedChunk`` per request)."""
+    PagedChunk((PagedLayer(layer_cache, block_format),), block_ids, out.unsqueeze(0)).gather(0)
 
 
 def scatter_blocks(
     layer_cache: torch.Tensor, block_format: BlockFormat, block_ids: torch.Tensor, source: torch.Tensor
 ) -> None:
-    """``PagedLayer.scatter`` for a one-off copy (a connector keeps one ``PagedLayer`` per layer)."""
-    PagedLayer(layer_cache, block_format).scatter(block_ids, source)
+    """Write ``source`` ``[2, tokens, heads, head_dim]`` into whole blocks ``block_ids`` (a one-off copy of one
+    layer)."""
+    PagedChunk((PagedLayer(layer_cache, block_format),), block_ids, source.unsqueeze(0)).scatter(0)
 
 
 def _plane_blocks(chunk_layer: torch.Tensor, plane: int, num_blocks: int, block_format: BlockFormat) -> torch.Tensor:
@@ -326,6 +358,29 @@ def _wide_blocks(cache: torch.Tensor, block_format: BlockFormat) -> torch.Tensor
             1,
         ),
         storage_offset=wide.storage_offset() + key.offset // ratio,
+    )
+
+
+def _wide_chunks(layer_chunks: torch.Tensor, num_blocks: int, block_format: BlockFormat) -> torch.Tensor | None:
+    """``[layers, num_blocks, 2, slots, heads, head_dim / r]`` of a chunk's first blocks in 16-byte elements (each
+    plane already checked contiguous), or ``None`` when it is not 16-byte aligned."""
+    ratio = _WIDE_DTYPE.itemsize // layer_chunks.element_size()
+    layer_stride, plane_stride = layer_chunks.stride(0), layer_chunks.stride(1)
+    if layer_chunks.storage_offset() % ratio or layer_stride % ratio or plane_stride % ratio:
+        return None
+    if layer_chunks.data_ptr() % _WIDE_DTYPE.itemsize:
+        return None
+    try:
+        wide = layer_chunks.view(_WIDE_DTYPE)
+    except RuntimeError:
+        return None
+    slots, heads, wide_dim = block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio
+    token_stride = heads * wide_dim
+    return torch.as_strided(
+        wide,
+        size=(layer_chunks.shape[0], num_blocks, 2, slots, heads, wide_dim),
+        stride=(layer_stride // ratio, slots * token_stride, plane_stride // ratio, token_stride, wide_dim, 1),
+        storage_offset=wide.storage_offset(),
     )
 
 

@@ -8,12 +8,21 @@ no strided view can express. The real kernels are probed in tests/vllm (CPU) and
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.connectors.paged import BlockFormat, PagedLayer, gather_blocks, probe_block_format, scatter_blocks
+from kvstore.connectors.paged import (
+    BlockFormat,
+    PagedChunk,
+    PagedLayer,
+    gather_blocks,
+    probe_block_format,
+    scatter_blocks,
+)
 from kvstore.errors import ConfigError, InvalidInputError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -202,33 +211,76 @@ def test_the_fused_path_moves_what_the_per_plane_path_moves(dtype, monkeypatch: 
     cache = packed_cache(7, 2, 8, 16, dtype, tokens_outer=True)
     block_format = probe(cache, 16, write_packed)
     layer = PagedLayer(cache, block_format)
-    assert layer._wide_chunk(torch.empty(2, 24, 2, 16, dtype=dtype), 3) is not None
     written = fill(cache, 16, write_packed, [6, 1, 4], num_tokens=21)
-    fused = torch.empty(2, 21, 2, 16, dtype=dtype)
-    layer.gather(torch.tensor([6, 1, 4]), fused)
-    loaded = torch.randn(2, 16, 2, 16).to(dtype)
-    layer.scatter(torch.tensor([2, 5]), loaded)
+    fused = torch.empty(1, 2, 21, 2, 16, dtype=dtype)
+    gather = PagedChunk([layer], torch.tensor([6, 1, 4]), fused)
+    assert gather.fused
+    gather.gather(0)
+    loaded = torch.randn(1, 2, 16, 2, 16).to(dtype)
+    PagedChunk([layer], torch.tensor([2, 5]), loaded).scatter(0)
     after_fused = cache.clone()
 
     monkeypatch.setattr(paged, "_wide_blocks", lambda *args: None)
     per_plane_layer = PagedLayer(cache, block_format)
-    per_plane = torch.empty(2, 21, 2, 16, dtype=dtype)
-    per_plane_layer.gather(torch.tensor([6, 1, 4]), per_plane)
-    per_plane_layer.scatter(torch.tensor([2, 5]), loaded)
-    assert torch.equal(fused, written) and torch.equal(per_plane, written)
+    per_plane = torch.empty(1, 2, 21, 2, 16, dtype=dtype)
+    per_plane_gather = PagedChunk([per_plane_layer], torch.tensor([6, 1, 4]), per_plane)
+    assert not per_plane_gather.fused
+    per_plane_gather.gather(0)
+    PagedChunk([per_plane_layer], torch.tensor([2, 5]), loaded).scatter(0)
+    assert torch.equal(fused[0], written) and torch.equal(per_plane[0], written)
     assert torch.equal(cache, after_fused)
 
 
 def test_a_misaligned_chunk_or_a_transposed_format_takes_the_per_plane_path() -> None:
     cache = packed_cache(5, 2, 8, 16, torch.bfloat16, tokens_outer=False)
     layer = PagedLayer(cache, probe(cache, 16, write_packed))
-    backing = torch.zeros(2, 17, 2, 16, dtype=torch.bfloat16)
-    shifted = backing[:, 1:]  # planes contiguous, starting one token (64 bytes) in: still 16-byte aligned
-    assert layer._wide_chunk(shifted, 2) is not None
-    odd = torch.zeros(2 * 16 * 2 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 16, 2, 16)  # 2 bytes off
-    assert layer._wide_chunk(odd, 2) is None
+    backing = torch.zeros(1, 2, 17, 2, 16, dtype=torch.bfloat16)
+    shifted = backing[:, :, 1:]  # planes contiguous, starting one token (64 bytes) in: still 16-byte aligned
+    assert PagedChunk([layer], torch.tensor([3, 1]), shifted).fused
+    odd = torch.zeros(2 * 16 * 2 * 16 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 16, 2, 16)  # 2 bytes off
+    misaligned = PagedChunk([layer], torch.tensor([3, 1]), odd)
+    assert not misaligned.fused
     written = fill(cache, 16, write_packed, [3, 1], num_tokens=16)
-    layer.gather(torch.tensor([3, 1]), odd)
-    assert torch.equal(odd, written)
+    misaligned.gather(0)
+    assert torch.equal(odd[0], written)
     cpu_cache = torch.zeros(4, 2, 8, 32, dtype=torch.bfloat16)
-    assert PagedLayer(cpu_cache, probe(cpu_cache, 16, write_cpu_transposed))._wide_blocks is None
+    assert PagedLayer(cpu_cache, probe(cpu_cache, 16, write_cpu_transposed)).wide_blocks is None
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_request_chunk_copies_every_layer_to_and_from_its_own_blocks(fused, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``PagedChunk`` of three layers: layer l of the chunk goes to (and comes from) layer l's cache only; a
+    gather with a partly used last block fills exactly its tokens."""
+    import kvstore.connectors.paged as paged
+
+    if not fused:
+        monkeypatch.setattr(paged, "_wide_blocks", lambda *args: None)
+    caches = [packed_cache(6, 2, 4, 16, torch.bfloat16, tokens_outer=True) for _ in range(3)]
+    block_format = probe(caches[0], 16, write_packed)
+    layers = [PagedLayer(cache, block_format) for cache in caches]
+    ids = torch.tensor([4, 2, 5])
+    source = torch.randn(3, 2, 12, 2, 16).to(torch.bfloat16)
+    untouched = [cache[[0, 1, 3]].clone() for cache in caches]
+    scatter = PagedChunk(layers, ids, source)
+    assert scatter.fused is fused and scatter.num_tokens == 12
+    for layer in range(3):
+        scatter.scatter(layer)
+    assert all(torch.equal(cache[[0, 1, 3]], before) for cache, before in zip(caches, untouched, strict=True))
+    gathered = torch.full((3, 2, 10, 2, 16), math.nan, dtype=torch.bfloat16)
+    gather = PagedChunk(layers, ids, gathered)
+    for layer in range(3):
+        gather.gather(layer)
+    assert torch.equal(gathered, source[:, :, :10])
+
+
+def test_a_request_chunk_refuses_what_does_not_fit_in_one_line() -> None:
+    cache = packed_cache(6, 2, 4, 16, torch.bfloat16, tokens_outer=True)
+    layers = [PagedLayer(cache, probe(cache, 16, write_packed))]
+    with pytest.raises(InvalidInputError, match="layers"):
+        PagedChunk(layers, torch.tensor([1]), torch.zeros(2, 2, 4, 2, 16, dtype=torch.bfloat16))
+    with pytest.raises(InvalidInputError, match="do not fit"):
+        PagedChunk(layers, torch.tensor([1]), torch.zeros(1, 2, 5, 2, 16, dtype=torch.bfloat16))
+    partial = PagedChunk(layers, torch.tensor([1, 2]), torch.zeros(1, 2, 6, 2, 16, dtype=torch.bfloat16))
+    partial.gather(0)
+    with pytest.raises(InvalidInputError, match="whole blocks"):
+        partial.scatter(0)

@@ -12,7 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.connectors.paged import BlockFormat, PlaneMap, gather_blocks, probe_block_format, scatter_blocks
+from kvstore.connectors.paged import (
+    BlockFormat,
+    PagedChunk,
+    PagedLayer,
+    PlaneMap,
+    gather_blocks,
+    probe_block_format,
+    scatter_blocks,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -134,3 +142,30 @@ def test_round_trip_through_blocks_for_random_shapes_and_block_orders(seed):
     gathered = torch.full((2, num_tokens, heads, dim), float("nan"), dtype=dtype, device=CUDA)
     gather_blocks(cache, block_format, ids, gathered)
     assert torch.equal(gathered, chunk_layer[:, :num_tokens])
+
+
+@ORDERS
+def test_a_request_chunk_in_host_memory_passes_through_one_device_buffer(tokens_outer):
+    """A load retrieved into host memory: ``PagedChunk`` copies each layer through one device buffer (still the fused
+    call); a gather into host memory comes back bit for bit, its partly used last block included."""
+    heads, dim, slots, pool, layers = 8, 128, 16, 64, 3
+    caches = [packed_cache(pool, heads, slots, dim, torch.bfloat16, tokens_outer) for _ in range(layers)]
+    paged = [PagedLayer(cache, strides_format(cache, dim)) for cache in caches]
+    ids = torch.tensor([9, 3, 40, 17], device=CUDA)
+    untouched = [cache[[0, 1, 2]].clone() for cache in caches]
+    host = torch.randn(layers, 2, 4 * slots, heads, dim).to(torch.bfloat16)
+    scatter = PagedChunk(paged, ids, host)
+    assert scatter.fused
+    for layer in range(layers):
+        scatter.scatter(layer)
+    assert all(torch.equal(cache[[0, 1, 2]], before) for cache, before in zip(caches, untouched, strict=True))
+    gathered = torch.full((layers, 2, 4 * slots - 3, heads, dim), float("nan"), dtype=torch.bfloat16)
+    gather = PagedChunk(paged, ids, gathered)
+    for layer in range(layers):
+        gather.gather(layer)
+    assert torch.equal(gathered, host[:, :, : 4 * slots - 3])
+    on_device = torch.empty(layers, 2, 4 * slots, heads, dim, dtype=torch.bfloat16, device=CUDA)
+    device_gather = PagedChunk(paged, ids, on_device)
+    for layer in range(layers):
+        device_gather.gather(layer)
+    assert torch.equal(on_device.cpu(), host)

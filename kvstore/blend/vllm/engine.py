@@ -6,7 +6,7 @@ Built once per worker, at ``register_kv_caches``, by the factory kvstore's plugi
 pass cannot run exactly. Each ``run`` is one request's blended span ``[0, end)``: the layerwise pass
 (``run_blend_pass``, the same code as the standalone ``LayerwiseBlender``) looks the whole prompt up by content,
 loads its cached KV while it computes, re-rotates, selects at the check layer and recomputes; then every layer's
-tokens ``[local_end, end)`` go into the request's blocks (``PagedLayer.scatter``). Tokens below ``local_end`` are
+tokens ``[local_end, end)`` go into the request's blocks (``PagedChunk.scatter``). Tokens below ``local_end`` are
 vLLM's own prefix-cache blocks, possibly shared with other requests: read by nobody here and never written. The
 pass attends over the store's KV for them (the same tokens after the same prefix; a gap is computed).
 
@@ -36,7 +36,7 @@ from kvstore.blend.vllm.model_lookup import find_loaded_model
 from kvstore.blend.vllm.rope_gate import require_vllm_rope_gate
 from kvstore.connectors.blend_hook import BlendEngineContext, BlendOutcome
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import PagedLayer
+from kvstore.connectors.paged import PagedChunk, PagedLayer
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array
 
@@ -166,10 +166,10 @@ class VllmBlendEngine:
         """Every layer's tokens ``[local_end, end)`` into the request's blocks (whole blocks, in order)."""
         if end <= local_end:
             return
-        device = self._paged[0].cache.device
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
-        for layer, paged in enumerate(self._paged):
-            paged.scatter(ids, kv[layer, :, local_end:end].to(device))
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self._paged[0].cache.device)
+        copy = PagedChunk(self._paged, ids, kv[:, :, local_end:end])
+        for layer in range(len(self._paged)):
+            copy.scatter(layer)
 
     def close(self) -> None:
         """Join the loader thread. Idempotent."""

@@ -48,7 +48,7 @@ import torch
 from kvstore.client import Client
 from kvstore.connectors.blend_hook import BlendEngine, BlendEngineContext, BlendOutcome, blend_engine_factory
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import BlockFormat, PagedLayer, PlaneMap, probe_block_format
+from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayer, PlaneMap, probe_block_format
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.metadata import (
@@ -71,12 +71,13 @@ __all__ = ["FinishedLoads", "WorkerSide"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class _Fetched:
     """A load's KV as retrieved: ``kv`` covers tokens ``[spec.start, loaded_end)`` at least, from index 0 (``None``
     when nothing); ``buffer`` is the load buffer it lies in, to give back once the KV is in the blocks;
     ``block_ids``: the blocks the loaded tokens fill, on the cache's device (made once on the fetch thread, not per
-    layer on the engine's)."""
+    layer on the engine's); ``copy``: the loaded KV bound to those blocks, made at the first layer's scatter on the
+    thread that scatters (a device buffer it allocates belongs to that thread's stream)."""
 
     kv: torch.Tensor | None
     loaded_end: int
@@ -84,6 +85,7 @@ class _Fetched:
     buffer: torch.Tensor | None = None
     block_ids: torch.Tensor | None = None
     misses: tuple[Miss, ...] = ()  # the retrieve's (or the plan's), with their reasons
+    copy: PagedChunk | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,7 +108,7 @@ class FinishedLoads:
 class _PendingSave:
     spec: SaveSpec
     staging: torch.Tensor
-    block_ids: torch.Tensor  # on the cache's device, made once for every layer's gather
+    copy: PagedChunk  # the staging bound to the request's blocks, for every layer's gather
     num_layers_gathered: int = 0
 
 
@@ -280,11 +282,10 @@ class WorkerSide:
             return
         if layer == 0:
             self._saves = [self._new_save(spec) for spec in metadata.saves]
-        paged = self._layers[layer]
         for save in self._saves:
             if save.num_layers_gathered != layer:
                 continue  # a layer was skipped: this save is incomplete and will be dropped
-            paged.gather(save.block_ids, save.staging[layer])
+            save.copy.gather(layer)
             save.num_layers_gathered += 1
 
     def wait_for_save(self) -> None:
@@ -480,9 +481,11 @@ class WorkerSide:
     def _scatter(self, layer: int, spec: LoadSpec, fetched: _Fetched) -> None:
         if fetched.kv is None or fetched.block_ids is None or fetched.loaded_end <= spec.start:
             return
-        paged = self._layers[layer]
-        source = fetched.kv[layer, :, : fetched.loaded_end - spec.start]  # the retrieve began at spec.start
-        paged.scatter(fetched.block_ids, source.to(paged.cache.device, non_blocking=True))
+        if fetched.copy is None:  # the retrieve began at spec.start
+            fetched.copy = PagedChunk(
+                self._layers, fetched.block_ids, fetched.kv[:, :, : fetched.loaded_end - spec.start]
+            )
+        fetched.copy.scatter(layer)
 
     def _device_block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64, device=self._caches[0].device)
@@ -533,7 +536,9 @@ class WorkerSide:
             staging = torch.empty(
                 self._layout.chunk_shape(num_tokens), dtype=self._layout.dtype.torch_dtype, device=device
             )
-        return _PendingSave(spec=spec, staging=staging, block_ids=self._device_block_ids(spec.block_ids))
+        return _PendingSave(
+            spec=spec, staging=staging, copy=PagedChunk(self._layers, self._device_block_ids(spec.block_ids), staging)
+        )
 
     def _store(self, save: _PendingSave) -> None:
         """Send a gathered prompt to the store (on the save thread); a failure is logged, never raised."""
