@@ -101,7 +101,9 @@ def test_a_subscriber_and_a_late_joiner_rebuild_the_exact_residency_through_an_e
     metrics = scrape(server.metrics_url)
     assert metrics['kvstore_kv_events_requests_total{kind="snapshot"}'] == 2
     assert metrics['kvstore_kv_events_total{type="BlockStored"}'] >= len(all_keys)
-    assert metrics['kvstore_kv_events_total{type="BlockRemoved"}'] > 200 and metrics["kvstore_kv_events_queued"] == 0
+    # a batch's removals from one tier travel as one event: fewer events than the 200+ evictions, never none
+    removed_events = metrics['kvstore_kv_events_total{type="BlockRemoved"}']
+    assert 0 < removed_events < cpu.evictions + disk.evictions and metrics["kvstore_kv_events_queued"] == 0
     assert metrics["kvstore_kv_events_batches_total"] == mirror.last_seq + 1
 
 

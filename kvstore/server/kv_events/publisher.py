@@ -34,11 +34,13 @@ from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey
 from kvstore.server.kv_events.encoding import (
     MEDIUMS,
+    Change,
+    EncodedEvents,
     all_blocks_cleared,
     batch,
-    block_removed,
     blocks_resident,
     blocks_stored,
+    encode_changes,
 )
 from kvstore.server.kv_events.options import KVEventOptions, KVEventStats
 from kvstore.store import TieredStore
@@ -60,8 +62,6 @@ KEYS_SNAPSHOT_REQUEST = b"snapshot-keys"
 the residency alone, read from the tiers' memory, for a router that keys blocks by hash or learned their tokens
 before (a tenth of the bytes to send and decode, and no disk read)."""
 
-_Change = tuple[TierName, ChunkRecord | tuple[PrefixKey, ...]]
-
 
 class KVEventPublisher:
     """The server's KV event publisher: a ``ResidencyListener`` of the store, once it opens.
@@ -76,7 +76,7 @@ class KVEventPublisher:
         self._options = options
         self._store_of = store_of
         self._block_size = block_size
-        self._changes: collections.deque[_Change] = collections.deque()
+        self._changes: collections.deque[Change] = collections.deque()
         self._kept: collections.deque[tuple[int, bytes]] = collections.deque()
         self._kept_bytes = 0
         self._next_seq = 0
@@ -127,8 +127,7 @@ class KVEventPublisher:
         self._ready.set()
         watched: TieredStore | None = None
         try:
-            self._send(pub, [all_blocks_cleared()])
-            self._events["AllBlocksCleared"] += 1
+            self._send(pub, EncodedEvents(pieces=[all_blocks_cleared()], num_cleared=1))
             poller = zmq.Poller()
             if replay is not None:
                 poller.register(replay, zmq.POLLIN)
@@ -139,7 +138,6 @@ class KVEventPublisher:
                     watched = store
                     for events in self._snapshot_batches(store):
                         self._send(pub, events)
-                        self._events["BlockStored"] += len(events)
                 wait_ms = 0 if stopping else max(1, int(1000 * self._options.interval_s))
                 if replay is not None and dict(poller.poll(wait_ms)):
                     self._answer(replay, watched)
@@ -181,58 +179,39 @@ class KVEventPublisher:
                     f", replay on {options.replay_endpoint}" if options.replay_endpoint else "")  # fmt: skip
         return pub, replay
 
-    def _take_changes(self) -> list[bytes]:
-        """Up to ``max_events`` queued changes as events, in order: the token ids of every stored chunk among them
-        encoded in one pass, and a run of removals from one tier one ``BlockRemoved`` of all their keys."""
+    def _take_changes(self) -> EncodedEvents:
+        """Up to ``max_events`` queued changes as events (``encode_changes``: in as few runs as keep them exact)."""
         changes = [self._changes.popleft() for _ in range(min(len(self._changes), self._options.max_events))]
-        stored = [(change, MEDIUMS[tier]) for tier, change in changes if isinstance(change, ChunkRecord)]
-        encoded = iter(blocks_stored([record for record, _ in stored], self._block_size, [m for _, m in stored]))
-        self._events["BlockStored"] += len(stored)
-        events: list[bytes] = []
-        removed: list[PrefixKey] = []
-        removed_tier: TierName | None = None
-        for tier, change in changes:
-            if removed and (isinstance(change, ChunkRecord) or tier is not removed_tier):
-                events.append(self._removed(removed, removed_tier))
-                removed = []
-            if isinstance(change, ChunkRecord):
-                events.append(next(encoded))
-            else:
-                removed += change
-                removed_tier = tier
-        if removed:
-            events.append(self._removed(removed, removed_tier))
-        return events
+        return encode_changes(changes, self._block_size)
 
-    def _removed(self, keys: list[PrefixKey], tier: TierName | None) -> bytes:
-        assert tier is not None, "a removal run has its tier"
-        self._events["BlockRemoved"] += 1
-        return block_removed(keys, MEDIUMS[tier])
-
-    def _snapshot_batches(self, store: TieredStore) -> Iterator[list[bytes]]:
+    def _snapshot_batches(self, store: TieredStore) -> Iterator[EncodedEvents]:
         """The store's residency as ``BlockStored`` batches of up to ``max_events``, tier by tier."""
         size = self._options.max_events
         records: list[ChunkRecord] = []
         medium = ""
         for tier, record in store.residency():
             if records and (MEDIUMS[tier] != medium or len(records) == size):
-                yield blocks_stored(records, self._block_size, [medium] * len(records))
+                yield EncodedEvents(pieces=[blocks_stored(records, self._block_size, medium)], num_stored=len(records))
                 records = []
             records.append(record)
             medium = MEDIUMS[tier]
         if records:
-            yield blocks_stored(records, self._block_size, [medium] * len(records))
+            yield EncodedEvents(pieces=[blocks_stored(records, self._block_size, medium)], num_stored=len(records))
 
-    def _keys_batches(self, store: TieredStore) -> Iterator[list[bytes]]:
+    def _keys_batches(self, store: TieredStore) -> Iterator[EncodedEvents]:
         """The store's residency as keys-only ``BlockStored`` batches, from the tiers' memory."""
         size = self._options.max_events
         for tier, keys in store.resident_keys():
             for first in range(0, len(keys), size):
-                yield blocks_resident(keys[first : first + size], self._block_size, MEDIUMS[tier])
+                events = blocks_resident(keys[first : first + size], self._block_size, MEDIUMS[tier])
+                yield EncodedEvents(pieces=events, num_stored=len(events))
 
-    def _send(self, pub: zmq.Socket[bytes], events: list[bytes]) -> None:
+    def _send(self, pub: zmq.Socket[bytes], events: EncodedEvents) -> None:
         seq = self._next_seq
-        payload = batch(time.time(), events)
+        self._events["BlockStored"] += events.num_stored
+        self._events["BlockRemoved"] += events.num_removed
+        self._events["AllBlocksCleared"] += events.num_cleared
+        payload = batch(time.time(), events.pieces, events.num_events)
         pub.send_multipart((self._options.topic.encode(), seq.to_bytes(8, "big"), payload))
         self._kept.append((seq, payload))
         self._kept_bytes += len(payload)
@@ -255,7 +234,8 @@ class KVEventPublisher:
             if store is not None:
                 batches = self._snapshot_batches(store) if request == SNAPSHOT_REQUEST else self._keys_batches(store)
                 for events in batches:
-                    replay.send_multipart((client, b"", topic, last, batch(time.time(), events)))
+                    payload = batch(time.time(), events.pieces, events.num_events)
+                    replay.send_multipart((client, b"", topic, last, payload))
         elif len(request) == 8:
             self._requests["replay"] += 1
             first = int.from_bytes(request, "big")
