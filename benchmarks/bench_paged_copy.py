@@ -31,8 +31,11 @@ then ``--repeats`` timed runs; p50/p90/p99/max in ms. GB/s are 10^9 chunk bytes 
 (memory traffic is twice that: read and write). The baseline, in the same run, is one ``copy_`` of a contiguous
 tensor of the chunk's size into another; ``ratio`` is GB/s over the baseline's. ``host_issue_ms`` is the median time
 Python takes to issue one run's calls (no sync): near the device time, a run is bound by launches, not bytes.
-On CUDA each variant is also timed as a CUDA graph of the same run (``mode="graph"``), replayed: the device time of
-the copies alone, as when an engine's forward pass keeps the GPU busy while Python issues the next layer's copy.
+``current`` is also timed as ``eager_prepared``: its ``PagedChunk`` made before the clock starts, the per-layer
+calls alone (in an engine the chunk is bound while the device computes, so its host time does not leave the device
+idle; an idle device in this loop waits for it). On CUDA each variant is also timed as a CUDA graph of the same run
+(``mode="graph"``), replayed: the device time of the copies alone, as when an engine's forward pass keeps the GPU
+busy while Python issues the next layer's copy.
 
 Usage::
 
@@ -206,6 +209,22 @@ def connector_copies(block_format: BlockFormat) -> tuple[RequestCopy, RequestCop
             copy.scatter(layer)
 
     return gather, scatter
+
+
+def prepared_layer_copies(
+    caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor, block_format: BlockFormat, op: str
+) -> Callable[[], None]:
+    """The connector's per-layer calls alone, its ``PagedChunk`` made beforehand: in an engine the chunk is bound
+    while the device runs the forward pass (a save at its first layer, after that layer's kernels are queued), so
+    only the per-layer calls stand between the device's copies."""
+    copy = PagedChunk([PagedLayer(cache, block_format) for cache in caches], ids, chunk)
+    layer_copy = copy.gather if op == "gather" else copy.scatter
+
+    def run() -> None:
+        for layer in range(len(caches)):
+            layer_copy(layer)
+
+    return run
 
 
 def layer_copies(name: str, shape: Shape, block_format: BlockFormat) -> tuple[LayerCopy, LayerCopy]:
@@ -518,6 +537,10 @@ def measure_layout(
         for op, run in (("gather", gather_all), ("scatter", scatter_all)):
             times_ms, issue_ms = time_runs(run, device, args.warmup, args.repeats)
             rows.append(row(op, variant, "eager", times_ms, issue_ms, verified))
+            if variant == "current":
+                layer_run = prepared_layer_copies(caches, ids, chunk, block_format, op)
+                times_ms, issue_ms = time_runs(layer_run, device, args.warmup, args.repeats)
+                rows.append(row(op, variant, "eager_prepared", times_ms, issue_ms, verified))
             if args.profile and device.type == "cuda":
                 print_kernels(f"{layout} {variant} {op}", run)
             if device.type == "cuda" and not args.no_graphs:
