@@ -29,14 +29,16 @@ def test_every_layout_and_variant_is_verified_and_compared_with_the_copy_baselin
 
     expected = []
     for layout in ("LBNHC", "LBHNC"):
-        expected.append((layout, "baseline", "copy"))
-        for variant in ("current", "wide16", "wide16_fused", "whole_block"):  # no triton on CPU
-            expected += [(layout, variant, "gather"), (layout, variant, "scatter")]
-    assert [(row["layout"], row["variant"], row["op"]) for row in rows] == expected
+        expected.append((layout, "baseline", "copy", "eager"))
+        for op in ("gather", "scatter"):  # the connector's copies, also with the request bound beforehand
+            expected += [(layout, "current", op, "eager"), (layout, "current", op, "eager_prepared")]
+        for variant in ("wide16", "wide16_fused", "whole_block"):  # no triton on CPU
+            expected += [(layout, variant, "gather", "eager"), (layout, variant, "scatter", "eager")]
+    assert [(row["layout"], row["variant"], row["op"], row["mode"]) for row in rows] == expected
     payload_bytes = 2 * 2 * 32 * 2 * 16 * 2  # layers x planes x tokens x heads x head_dim x 2 bytes
     for row in rows:
         assert row["verified"] is True, row
-        assert row["mode"] == "eager" and row["device"] == "cpu" and row["dtype"] == "bfloat16"
+        assert row["device"] == "cpu" and row["dtype"] == "bfloat16"
         assert row["payload_bytes"] == payload_bytes and row["num_repeats"] == 3
         assert row["GBps"] > 0 and row["baseline_GBps"] > 0
         assert row["ratio"] == pytest.approx(row["GBps"] / row["baseline_GBps"], rel=2e-3)
@@ -53,7 +55,9 @@ def test_a_table_without_json() -> None:
     assert [line.split()[:4] for line in lines[1:]] == [
         ["LBHNC", "baseline", "eager", "copy"],
         ["LBHNC", "current", "eager", "gather"],
+        ["LBHNC", "current", "eager_prepared", "gather"],
         ["LBHNC", "current", "eager", "scatter"],
+        ["LBHNC", "current", "eager_prepared", "scatter"],
     ]
     assert all(line.endswith("yes") for line in lines[1:])
 
