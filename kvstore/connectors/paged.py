@@ -34,6 +34,7 @@ __all__ = [
     "PagedLayer",
     "PlaneMap",
     "WriteSlots",
+    "device_block_ids",
     "gather_blocks",
     "probe_block_format",
     "scatter_blocks",
@@ -252,7 +253,7 @@ class PagedChunk:
         self._num_full = self.num_tokens // block_size
         self._tail = self.num_tokens - self._num_full * block_size
         self._full_ids = block_ids[: self._num_full]
-        self._tail_block = int(block_ids[self._num_full]) if self._tail else 0
+        self._tail_ids = block_ids[self._num_full : self._num_full + 1]  # a view: no device sync to read it
         self._whole_blocks = self.num_tokens == len(block_ids) * block_size
         wide_blocks = [layer.wide_blocks for layer in layers]
         self._wide_blocks: list[torch.Tensor] = [blocks for blocks in wide_blocks if blocks is not None]
@@ -279,7 +280,7 @@ class PagedChunk:
         if self._tail:
             first_tail_token = num_full * paged.block_format.block_size
             for plane, view in enumerate(paged.planes):
-                target[plane, first_tail_token:].copy_(view[self._tail_block][: self._tail])
+                target[plane, first_tail_token:].copy_(view.index_select(0, self._tail_ids)[0, : self._tail])
         if self._through is not None:
             self._chunk[layer].copy_(self._through)  # blocking: the caller reads a host chunk next
 
@@ -303,6 +304,13 @@ class PagedChunk:
         source = self._layer_chunks[layer]
         for plane, view in enumerate(paged.planes):
             view.index_copy_(0, self._block_ids, _plane_blocks(source, plane, self._num_full, paged.block_format))
+
+
+def device_block_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Block ids as an int64 tensor on ``device``; on a GPU through pinned memory, so the copy queues behind the work
+    already on the stream instead of making the caller wait for it (a copy from pageable memory synchronizes)."""
+    ids = torch.tensor(block_ids, dtype=torch.int64)
+    return ids if device.type == "cpu" else ids.pin_memory().to(device, non_blocking=True)
 
 
 def gather_blocks(

@@ -36,7 +36,7 @@ from kvstore.blend.vllm.model_lookup import find_loaded_model
 from kvstore.blend.vllm.rope_gate import require_vllm_rope_gate
 from kvstore.connectors.blend_hook import BlendEngineContext, BlendOutcome
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import PagedChunk, PagedLayer
+from kvstore.connectors.paged import PagedChunk, PagedLayer, device_block_ids
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array
 
@@ -166,7 +166,7 @@ class VllmBlendEngine:
         """Every layer's tokens ``[local_end, end)`` into the request's blocks (whole blocks, in order)."""
         if end <= local_end:
             return
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self._paged[0].cache.device)
+        ids = device_block_ids(block_ids, self._paged[0].cache.device)
         copy = PagedChunk(self._paged, ids, kv[:, :, local_end:end])
         for layer in range(len(self._paged)):
             copy.scatter(layer)

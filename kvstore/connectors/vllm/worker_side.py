@@ -48,7 +48,14 @@ import torch
 from kvstore.client import Client
 from kvstore.connectors.blend_hook import BlendEngine, BlendEngineContext, BlendOutcome, blend_engine_factory
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayer, PlaneMap, probe_block_format
+from kvstore.connectors.paged import (
+    BlockFormat,
+    PagedChunk,
+    PagedLayer,
+    PlaneMap,
+    device_block_ids,
+    probe_block_format,
+)
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.metadata import (
@@ -488,7 +495,7 @@ class WorkerSide:
         fetched.copy.scatter(layer)
 
     def _device_block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.int64, device=self._caches[0].device)
+        return device_block_ids(block_ids, self._caches[0].device)
 
     def _account_load(self, spec: LoadSpec, fetched: _Fetched) -> set[int]:
         """Count a load and report the blocks it could not fill (once, on its first layer)."""
