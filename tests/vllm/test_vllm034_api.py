@@ -19,6 +19,7 @@ called as vLLM calls them, on a real ``kvstore serve`` holding the model's layou
 from __future__ import annotations
 
 import time
+import tomllib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -151,6 +152,14 @@ def admit(
 def test_vllm_0_34_is_accepted_beside_0_32_and_0_33(version: str) -> None:
     assert (0, 34) in SUPPORTED_VLLM
     check_vllm_version(version)
+
+
+def test_the_vllm_extra_installs_only_versions_the_connector_accepts() -> None:
+    """``pip install kvstore[vllm]`` must not pick a vLLM the connector refuses at start."""
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    (requirement,) = pyproject["project"]["optional-dependencies"]["vllm"]
+    lowest, newest = min(SUPPORTED_VLLM), max(SUPPORTED_VLLM)
+    assert requirement == f"vllm>={lowest[0]}.{lowest[1]},<{newest[0]}.{newest[1] + 1}"
 
 
 @pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0", "unknown"])
