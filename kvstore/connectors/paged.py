@@ -267,17 +267,16 @@ class PagedChunk:
 
     def gather(self, layer: int) -> None:
         """Copy layer ``layer`` of the blocks into the chunk."""
-        paged = self._layers[layer]
-        target = self._layer_chunks[layer]
         num_full = self._num_full
-        if num_full:
-            if self._wide_chunks is not None:
-                torch.index_select(self._wide_blocks[layer], 0, self._full_ids, out=self._wide_chunks[layer])
-            else:
-                for plane, view in enumerate(paged.planes):
-                    out = _plane_blocks(target, plane, num_full, paged.block_format)
-                    torch.index_select(view, 0, self._full_ids, out=out)
+        if num_full and self._wide_chunks is not None:  # the usual case: one launch and nothing else
+            torch.index_select(self._wide_blocks[layer], 0, self._full_ids, out=self._wide_chunks[layer])
+        elif num_full:
+            paged = self._layers[layer]
+            for plane, view in enumerate(paged.planes):
+                out = _plane_blocks(self._layer_chunks[layer], plane, num_full, paged.block_format)
+                torch.index_select(view, 0, self._full_ids, out=out)
         if self._tail:
+            paged, target = self._layers[layer], self._layer_chunks[layer]
             first_tail_token = num_full * paged.block_format.block_size
             for plane, view in enumerate(paged.planes):
                 target[plane, first_tail_token:].copy_(view.index_select(0, self._tail_ids)[0, : self._tail])
@@ -290,18 +289,17 @@ class PagedChunk:
         Raises:
             InvalidInputError: the chunk does not fill its blocks exactly.
         """
-        paged = self._layers[layer]
         if not self._whole_blocks:
             raise InvalidInputError(
                 f"a scatter fills whole blocks: {self.num_tokens} tokens for {len(self._block_ids)} blocks of "
-                f"{paged.block_format.block_size}"
+                f"{self._layers[layer].block_format.block_size}"
             )
         if self._through is not None:
             self._through.copy_(self._chunk[layer], non_blocking=True)
-        if self._wide_chunks is not None:
+        if self._wide_chunks is not None:  # the usual case: one launch and nothing else
             self._wide_blocks[layer].index_copy_(0, self._block_ids, self._wide_chunks[layer])
             return
-        source = self._layer_chunks[layer]
+        paged, source = self._layers[layer], self._layer_chunks[layer]
         for plane, view in enumerate(paged.planes):
             view.index_copy_(0, self._block_ids, _plane_blocks(source, plane, self._num_full, paged.block_format))
 

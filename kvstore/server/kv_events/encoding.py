@@ -129,13 +129,9 @@ class _Runs:
 def blocks_stored(records: Sequence[ChunkRecord], block_size: int, medium: str) -> bytes:
     """``BlockStored`` events of ``records`` in ``medium``, joined (grouped by block shape: a consumer applies them
     in any order, each key being stored once). Each is a map of the eight fields without a default."""
-    shapes = [(len(record.tokens), record.parent_key is not None) for record in records]
     groups: dict[tuple[int, bool], list[ChunkRecord]] = {}
-    if len(set(shapes)) == 1:
-        groups[shapes[0]] = list(records)
-    else:
-        for shape, record in zip(shapes, records, strict=True):
-            groups.setdefault(shape, []).append(record)
+    for record in records:
+        groups.setdefault((len(record.tokens), record.parent_key is not None), []).append(record)
     return b"".join(
         _same_shape_events(group[first : first + _ROWS_PER_PASS], block_size, medium)
         for group in groups.values()
@@ -147,8 +143,7 @@ def _same_shape_events(records: Sequence[ChunkRecord], block_size: int, medium: 
     """Events of records with one token count and all or none with a parent: rows of one structured array, the
     fixed bytes copied from a template row, the keys, parents and token ids written for all rows at once."""
     num_tokens, has_parent = len(records[0].tokens), records[0].parent_key is not None
-    tail = _pack({"block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None})[1:]
-    rows = np.repeat(_stored_template(num_tokens, has_parent, tail), len(records))
+    rows = np.repeat(_stored_template(num_tokens, has_parent, block_size, medium), len(records))
     rows["key"] = np.frombuffer(b"".join([record.key for record in records]), "V16")
     if has_parent:
         rows["parent"] = np.frombuffer(b"".join([record.parent_key or b"" for record in records]), "V16")
@@ -158,9 +153,10 @@ def _same_shape_events(records: Sequence[ChunkRecord], block_size: int, medium: 
 
 
 @functools.lru_cache(maxsize=1024)
-def _stored_template(num_tokens: int, has_parent: bool, tail: bytes) -> np.ndarray:
+def _stored_template(num_tokens: int, has_parent: bool, block_size: int, medium: str) -> np.ndarray:
     """One ``BlockStored`` row of a block shape, every fixed byte in place: ``head, key, parent field[, parent],
     token ids field and header, token items, tail`` (a packed structured dtype: no padding)."""
+    tail = _pack({"block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None})[1:]
 
     def constant(value: bytes) -> np.ndarray:
         return np.frombuffer(value, f"V{len(value)}")
