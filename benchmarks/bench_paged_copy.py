@@ -1,7 +1,7 @@
 """How fast KV moves between vLLM's paged CUDA cache and a kvstore chunk, against a plain device copy.
 
-The connector's save gathers a request's blocks of every layer into a chunk (``PagedLayer.gather``); its load
-scatters a chunk back into blocks (``PagedLayer.scatter``), one call per layer. This times both for one request over
+The connector's save gathers a request's blocks of every layer into a chunk (``PagedChunk.gather``); its load
+scatters a chunk back into blocks (``PagedChunk.scatter``), one call per layer. This times both for one request over
 all layers, in vLLM 0.32/0.33's packed CUDA format (logical ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``,
 K then V on the last axis) in its two physical orders:
 
@@ -10,9 +10,9 @@ K then V on the last axis) in its two physical orders:
 
 The block ids are a random sample of a larger pool, so blocks are scattered as in a busy engine. Variants:
 
-- ``current``: ``kvstore.connectors.paged`` as the connector runs it: a ``PagedChunk`` per request (its checks and
-  views made once, inside the timed run), then one fused ``index_select`` / ``index_copy_`` per layer on 16-byte
-  elements;
+- ``current``: ``kvstore.connectors.paged`` as the connector runs it: its ``PagedLayer`` list made once (as when
+  vLLM registers its caches), a ``PagedChunk`` per request (its checks made inside the timed run), then one fused
+  ``index_select`` / ``index_copy_`` per layer on 16-byte elements;
 - ``wide16``: the same calls on the same memory reinterpreted as 16-byte elements (``complex128``; the copies are
   bitwise), with the block format's strides divided by 8 -- 8 times fewer index computations per byte;
 - ``wide16_fused``: 16-byte elements and both planes in one ``index_select`` / ``index_copy_`` per layer (a
@@ -188,15 +188,14 @@ def variant_copies(name: str, shape: Shape, block_format: BlockFormat) -> tuple[
 
 
 def connector_copies(block_format: BlockFormat) -> tuple[RequestCopy, RequestCopy]:
-    """What the connector runs: one ``PagedLayer`` per layer tensor for the engine's life, one ``PagedChunk`` per
-    request (made inside the timed run), then one call per layer."""
-    layers: dict[int, PagedLayer] = {}
+    """What the connector runs: its list of ``PagedLayer`` made once, when the engine registers its layer tensors,
+    then per request one ``PagedChunk`` (made inside the timed run) and one call per layer."""
+    registered: dict[int, tuple[list[torch.Tensor], list[PagedLayer]]] = {}
 
     def request_copy(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> PagedChunk:
-        for cache in caches:
-            if id(cache) not in layers:  # once per layer tensor, as the connector does when vLLM registers them
-                layers[id(cache)] = PagedLayer(cache, block_format)
-        return PagedChunk([layers[id(cache)] for cache in caches], ids, chunk)
+        if id(caches) not in registered:  # the list is kept, so its id is not reused while registered
+            registered[id(caches)] = (caches, [PagedLayer(cache, block_format) for cache in caches])
+        return PagedChunk(registered[id(caches)][1], ids, chunk)
 
     def gather(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> None:
         copy = request_copy(caches, ids, chunk)

@@ -247,29 +247,28 @@ class PagedChunk:
         if chunk.device != first.cache.device:
             self._through = torch.empty(chunk.shape[1:], dtype=chunk.dtype, device=first.cache.device)
             layer_chunks = self._through.expand(chunk.shape)  # every layer passes through the same buffer
-        self.num_tokens = _check_chunk_layer(first.cache, block_format, block_ids, layer_chunks[0])
+        self.num_tokens = _check_chunk(first.cache, block_format, block_ids, layer_chunks)
         self._layer_chunks = layer_chunks
         block_size = block_format.block_size
         self._num_full = self.num_tokens // block_size
         self._tail = self.num_tokens - self._num_full * block_size
-        self._full_ids = block_ids[: self._num_full]
-        self._tail_ids = block_ids[self._num_full : self._num_full + 1]  # a view: no device sync to read it
+        # slices only where needed: each is a host-side op before the first launch, which an idle device waits for
+        self._full_ids = block_ids if self._num_full == len(block_ids) else block_ids[: self._num_full]
         self._whole_blocks = self.num_tokens == len(block_ids) * block_size
-        wide_blocks = [layer.wide_blocks for layer in layers]
-        self._wide_blocks: list[torch.Tensor] = [blocks for blocks in wide_blocks if blocks is not None]
+        self._wide_blocks = [layer.wide_blocks for layer in layers if layer.wide_blocks is not None]
         fusable = len(self._wide_blocks) == len(layers)
-        self._wide_chunks = _wide_chunks(layer_chunks, self._num_full, block_format) if fusable else None
+        self._wide_chunk = _WideChunk.of(layer_chunks, self._num_full, block_format) if fusable else None
 
     @property
     def fused(self) -> bool:
         """Whether a layer's copy is one call for both planes (16-byte elements), not one per plane."""
-        return self._wide_chunks is not None
+        return self._wide_chunk is not None
 
     def gather(self, layer: int) -> None:
         """Copy layer ``layer`` of the blocks into the chunk."""
         num_full = self._num_full
-        if num_full and self._wide_chunks is not None:  # the usual case: one launch and nothing else
-            torch.index_select(self._wide_blocks[layer], 0, self._full_ids, out=self._wide_chunks[layer])
+        if num_full and self._wide_chunk is not None:  # the usual case: one launch and nothing else
+            torch.index_select(self._wide_blocks[layer], 0, self._full_ids, out=self._wide_chunk.layer(layer))
         elif num_full:
             paged = self._layers[layer]
             for plane, view in enumerate(paged.planes):
@@ -278,8 +277,9 @@ class PagedChunk:
         if self._tail:
             paged, target = self._layers[layer], self._layer_chunks[layer]
             first_tail_token = num_full * paged.block_format.block_size
+            tail_ids = self._block_ids[num_full : num_full + 1]  # a view: no device sync to read it
             for plane, view in enumerate(paged.planes):
-                target[plane, first_tail_token:].copy_(view.index_select(0, self._tail_ids)[0, : self._tail])
+                target[plane, first_tail_token:].copy_(view.index_select(0, tail_ids)[0, : self._tail])
         if self._through is not None:
             self._chunk[layer].copy_(self._through)  # blocking: the caller reads a host chunk next
 
@@ -296,12 +296,54 @@ class PagedChunk:
             )
         if self._through is not None:
             self._through.copy_(self._chunk[layer], non_blocking=True)
-        if self._wide_chunks is not None:  # the usual case: one launch and nothing else
-            self._wide_blocks[layer].index_copy_(0, self._block_ids, self._wide_chunks[layer])
+        if self._wide_chunk is not None:  # the usual case: one launch and nothing else
+            self._wide_blocks[layer].index_copy_(0, self._block_ids, self._wide_chunk.layer(layer))
             return
         paged, source = self._layers[layer], self._layer_chunks[layer]
         for plane, view in enumerate(paged.planes):
             view.index_copy_(0, self._block_ids, _plane_blocks(source, plane, self._num_full, paged.block_format))
+
+
+@dataclass(slots=True)
+class _WideChunk:
+    """A chunk's first whole blocks of one layer as ``[blocks, 2, slots, heads, head_dim / r]`` 16-byte elements,
+    made per layer from integers computed once: one ``as_strided`` per call, and no view of every layer built
+    before the first layer's launch."""
+
+    wide: torch.Tensor
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    first_offset: int
+    layer_stride: int
+
+    @staticmethod
+    def of(layer_chunks: torch.Tensor, num_blocks: int, block_format: BlockFormat) -> _WideChunk | None:
+        """The chunk ``[layers, 2, tokens, heads, head_dim]`` (each plane already checked contiguous) in 16-byte
+        elements, or ``None`` when it is not 16-byte aligned."""
+        ratio = _WIDE_DTYPE.itemsize // layer_chunks.element_size()
+        layer_stride, plane_stride = layer_chunks.stride(0), layer_chunks.stride(1)
+        if layer_chunks.storage_offset() % ratio or layer_stride % ratio or plane_stride % ratio:
+            return None
+        if layer_chunks.data_ptr() % _WIDE_DTYPE.itemsize:
+            return None
+        try:
+            wide = layer_chunks.view(_WIDE_DTYPE)
+        except RuntimeError:
+            return None
+        slots, heads, wide_dim = block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio
+        token_stride = heads * wide_dim
+        return _WideChunk(
+            wide=wide,
+            size=(num_blocks, 2, slots, heads, wide_dim),
+            stride=(slots * token_stride, plane_stride // ratio, token_stride, wide_dim, 1),
+            first_offset=int(wide.storage_offset()),
+            layer_stride=layer_stride // ratio,
+        )
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return torch.as_strided(
+            self.wide, self.size, self.stride, storage_offset=self.first_offset + layer * self.layer_stride
+        )
 
 
 def device_block_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -367,46 +409,23 @@ def _wide_blocks(cache: torch.Tensor, block_format: BlockFormat) -> torch.Tensor
     )
 
 
-def _wide_chunks(layer_chunks: torch.Tensor, num_blocks: int, block_format: BlockFormat) -> torch.Tensor | None:
-    """``[layers, num_blocks, 2, slots, heads, head_dim / r]`` of a chunk's first blocks in 16-byte elements (each
-    plane already checked contiguous), or ``None`` when it is not 16-byte aligned."""
-    ratio = _WIDE_DTYPE.itemsize // layer_chunks.element_size()
-    layer_stride, plane_stride = layer_chunks.stride(0), layer_chunks.stride(1)
-    if layer_chunks.storage_offset() % ratio or layer_stride % ratio or plane_stride % ratio:
-        return None
-    if layer_chunks.data_ptr() % _WIDE_DTYPE.itemsize:
-        return None
-    try:
-        wide = layer_chunks.view(_WIDE_DTYPE)
-    except RuntimeError:
-        return None
-    slots, heads, wide_dim = block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio
-    token_stride = heads * wide_dim
-    return torch.as_strided(
-        wide,
-        size=(layer_chunks.shape[0], num_blocks, 2, slots, heads, wide_dim),
-        stride=(layer_stride // ratio, slots * token_stride, plane_stride // ratio, token_stride, wide_dim, 1),
-        storage_offset=wide.storage_offset(),
-    )
-
-
-def _check_chunk_layer(
-    layer_cache: torch.Tensor, block_format: BlockFormat, block_ids: torch.Tensor, chunk_layer: torch.Tensor
+def _check_chunk(
+    layer_cache: torch.Tensor, block_format: BlockFormat, block_ids: torch.Tensor, chunk: torch.Tensor
 ) -> int:
-    """The chunk layer's token count, after checking it fits the blocks. Every copy runs this on the engine's
-    path (a layer of a long prompt copies in tens of microseconds on a GPU), so it reads shape and strides once
-    and builds no views."""
+    """The token count of a chunk's layers ``[layers, 2, tokens, heads, head_dim]``, after checking they fit the
+    blocks. Every request runs this before its first layer's copy, so it reads shape and strides once and builds
+    no views (an idle device waits for it)."""
     heads, head_dim = block_format.num_kv_heads, block_format.head_dim
-    shape = chunk_layer.shape
+    shape = chunk.shape[1:]
     if len(shape) != 4 or shape[0] != 2 or shape[2] != heads or shape[3] != head_dim:
         raise InvalidInputError(f"chunk layer shape {list(shape)} is not [2, tokens, {heads}, {head_dim}]")
-    if chunk_layer.dtype != layer_cache.dtype or chunk_layer.device != layer_cache.device:
+    if chunk.dtype != layer_cache.dtype or chunk.device != layer_cache.device:
         raise InvalidInputError(
-            f"chunk layer is {chunk_layer.dtype} on {chunk_layer.device}; the paged cache is {layer_cache.dtype} "
+            f"chunk layer is {chunk.dtype} on {chunk.device}; the paged cache is {layer_cache.dtype} "
             f"on {layer_cache.device}"
         )
     num_tokens = shape[1]
-    _, token_stride, head_stride, dim_stride = chunk_layer.stride()
+    _, _, token_stride, head_stride, dim_stride = chunk.stride()
     # each plane [tokens, heads, head_dim] contiguous (a stride of a size-1 axis is free)
     if (
         (head_dim > 1 and dim_stride != 1)
