@@ -41,6 +41,7 @@ __all__ = [
     "checked_keys",
     "chunk_bounds",
     "key_from_hex",
+    "key_words",
     "keys_at_bounds",
     "num_chunks",
     "prefix_keys",
@@ -185,6 +186,11 @@ def checked_keys(keys: Sequence[object]) -> list[PrefixKey]:
             )
         checked.append(PrefixKey(key))
     return checked
+
+
+def key_words(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+    """16-byte keys as rows of two little-endian u64 words: how arrays of keys are compared, sorted and stored."""
+    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)
 
 
 def key_from_hex(text: str) -> PrefixKey:

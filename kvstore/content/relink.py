@@ -31,7 +31,7 @@ import numpy.typing as npt
 from numba import njit, types
 
 from kvstore.errors import InvalidInputError
-from kvstore.keys import KEY_BYTES, PrefixKey
+from kvstore.keys import KEY_BYTES, PrefixKey, key_words
 
 __all__ = ["SequenceRuns", "sequence_runs", "sequence_runs_of_words"]
 
@@ -97,10 +97,9 @@ def sequence_runs_of_words(
 
 def _words(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
     """Keys as rows of two little-endian 64-bit words."""
-    joined = b"".join(keys)
     if keys and set(map(len, keys)) != {KEY_BYTES}:
         raise InvalidInputError(f"every key and parent key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
-    return np.frombuffer(joined, dtype="<u8").reshape(len(keys), 2)
+    return key_words(keys)
 
 
 _WORDS = types.Array(types.uint64, 1, "C", readonly=True)

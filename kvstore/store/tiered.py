@@ -72,7 +72,7 @@ from kvstore.store.pins import Pin, PinLedger
 from kvstore.store.prefetch import Prefetcher
 from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_out
 from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
+from kvstore.tiers.base import ChunkRecord, ContentRecords, Tier, TierName, TierStats
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.disk.tier import DiskTier
 from kvstore.tiers.disk.tuning import DiskTuning
@@ -652,12 +652,13 @@ class TieredStore:
         time (``SILENT``: stop)."""
         self._residency.watch(listener)
 
-    def residency(self) -> Iterator[tuple[TierName, ChunkRecord]]:
-        """Every chunk resident in a local tier, tier by tier (for a listener that starts late: a chunk that comes
-        or goes meanwhile may be yielded or not, and its listener call settles it)."""
+    def residency(self) -> Iterator[tuple[TierName, ContentRecords]]:
+        """Every chunk resident in a local tier, tier by tier and a batch of records at a time (for a listener that
+        starts late: a chunk that comes or goes meanwhile may be yielded or not, and its listener call settles
+        it)."""
         for tier in self._tiers:
-            for record in tier.resident_records():
-                yield tier.name, record
+            for records in tier.resident_batches():
+                yield tier.name, records
 
     def resident_keys(self) -> Iterator[tuple[TierName, list[PrefixKey]]]:
         """The keys resident in each local tier (from the tiers' memory: no disk read), for a residency snapshot

@@ -33,7 +33,7 @@ import torch
 from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
-from kvstore.tiers.base import ChunkRecord, SpillCallback, Tier, TierName, TierStats
+from kvstore.tiers.base import ChunkRecord, ContentRecords, SpillCallback, Tier, TierName, TierStats
 from kvstore.tiers.residency import SILENT, ResidencyListener
 
 __all__ = ["ArenaTier", "FillCallback"]
@@ -44,6 +44,7 @@ FillCallback = Callable[[torch.Tensor], bool]
 """Writes a chunk into the slot view it is given; returns ``False`` when it could not (the slot is then freed)."""
 
 _MIB = 1024 * 1024
+_RECORDS_PER_BATCH = 1024  # resident_batches: as the disk tier reads its records
 
 
 @dataclass(slots=True)
@@ -305,10 +306,11 @@ class ArenaTier(Tier):
         with self._slots_lock:
             self._residency = listener
 
-    def resident_records(self) -> Iterator[ChunkRecord]:
+    def resident_batches(self) -> Iterator[ContentRecords]:
         with self._slots_lock:
             records = [slot.record for slot in self._resident.values()]
-        return iter(records)
+        for first in range(0, len(records), _RECORDS_PER_BATCH):
+            yield ContentRecords.of(records[first : first + _RECORDS_PER_BATCH])
 
     def stats(self) -> TierStats:
         with self._slots_lock:

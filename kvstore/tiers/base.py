@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from kvstore.keys import PrefixKey, TokenArray
+from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, key_words
 
 if TYPE_CHECKING:
     from kvstore.tiers.residency import ResidencyListener
 
-__all__ = ["ChunkRecord", "SpillCallback", "Tier", "TierName", "TierStats"]
+__all__ = ["ChunkRecord", "ContentRecords", "SpillCallback", "Tier", "TierName", "TierStats"]
 
 
 class TierName(enum.StrEnum):
@@ -69,6 +70,61 @@ class ChunkRecord:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ContentRecords:
+    """Many chunks' records without an object per chunk: what a content index rebuilds from
+    (``DiskTier.iter_content_records``) and what a residency snapshot encodes (``Tier.resident_batches``).
+
+    Chunk ``i`` has key ``keys[i]`` (also as two little-endian u64 words, ``key_words[i]``), parent key
+    ``parent_words[i]`` (``[0, 0]``: none known), source start ``source_starts[i]`` and tokens
+    ``tokens[token_starts[i]:token_ends[i]]``. The disk tier's ``tokens`` views a batch's meta values copied into one
+    buffer, so the spans skip each value's header.
+    """
+
+    keys: Sequence[PrefixKey]
+    key_words: npt.NDArray[np.uint64]
+    parent_words: npt.NDArray[np.uint64]
+    source_starts: npt.NDArray[np.uint64]
+    tokens: TokenArray
+    token_starts: npt.NDArray[np.int64]
+    token_ends: npt.NDArray[np.int64]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def parent_keys(self) -> list[PrefixKey | None]:
+        """Each chunk's parent key as bytes, ``None`` when none is known (built on demand: tools and tests)."""
+        joined = self.parent_words.astype("<u8", copy=False).tobytes()
+        known = cast(list[bool], self.parent_words.any(axis=1).tolist())
+        return [
+            PrefixKey(joined[offset : offset + KEY_BYTES]) if is_known else None
+            for offset, is_known in zip(range(0, len(joined), KEY_BYTES), known, strict=True)
+        ]
+
+    @staticmethod
+    def of(records: Sequence[ChunkRecord]) -> ContentRecords:
+        """``records`` in this form (a tier that holds record objects, for a reader of batches)."""
+        lengths = np.fromiter((record.num_tokens for record in records), dtype=np.int64, count=len(records))
+        ends = np.cumsum(lengths)
+        keys = [record.key for record in records]
+        return ContentRecords(
+            keys=keys,
+            key_words=key_words(keys),
+            parent_words=key_words([record.parent_key or _NO_KEY for record in records]),
+            source_starts=np.fromiter(
+                (record.source_start for record in records), dtype=np.uint64, count=len(records)
+            ),
+            tokens=np.concatenate([record.tokens for record in records]) if records else _NO_TOKENS,
+            token_starts=ends - lengths,
+            token_ends=ends,
+        )
+
+
+_NO_KEY = bytes(KEY_BYTES)
+_NO_TOKENS: TokenArray = np.zeros(0, dtype="<u4")
 
 
 SpillCallback = Callable[[ChunkRecord, torch.Tensor], None]
@@ -174,10 +230,10 @@ class Tier(abc.ABC):
         """Tell ``listener`` of every residency change from now on (``tiers.residency``); one listener at a time."""
 
     @abc.abstractmethod
-    def resident_records(self) -> Iterator[ChunkRecord]:
-        """The record of every resident chunk (a pending disk write counts), for a listener that starts late: a
-        chunk that comes or goes while this runs may be yielded or not, and its ``stored`` or ``removed`` call is
-        what settles it."""
+    def resident_batches(self) -> Iterator[ContentRecords]:
+        """The records of every resident chunk (a pending disk write counts), a batch at a time, for a listener that
+        starts late: a chunk that comes or goes while this runs may be yielded or not, and its ``stored`` or
+        ``removed`` call is what settles it."""
 
     @abc.abstractmethod
     def stats(self) -> TierStats:

@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from kvstore.content.catalog import ContentCatalog
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray
-from kvstore.tiers.disk.meta_batch import ContentRecords
+from kvstore.tiers.base import ContentRecords
 
 _NO_KEY = bytes(KEY_BYTES)  # a parent key of zeros means "none known", as on disk
 _BATCH_CHUNKS = 256

@@ -17,9 +17,10 @@ from kvstore.server.kv_events.encoding import (
     block_removed,
     blocks_resident,
     blocks_stored,
+    blocks_stored_batch,
     encode_changes,
 )
-from kvstore.tiers.base import ChunkRecord, TierName
+from kvstore.tiers.base import ChunkRecord, ContentRecords, TierName
 
 keys = st.binary(min_size=16, max_size=16).map(PrefixKey)
 
@@ -124,3 +125,42 @@ def test_many_records_of_mixed_shapes_are_each_encoded_once() -> None:
     for record in chunk_records:
         event = by_key[record.key]
         assert event["token_ids"] == record.tokens.tolist() and event["parent_block_hash"] == record.parent_key
+
+
+def with_gaps(records: ContentRecords, gap: int) -> ContentRecords:
+    """The same chunks with ``gap`` junk tokens before each one's span, as the disk tier's buffers skip headers."""
+    pieces, starts = [], []
+    at = 0
+    for start, end in zip(records.token_starts.tolist(), records.token_ends.tolist(), strict=True):
+        pieces += [np.full(gap, 0xDEAD, dtype="<u4"), records.tokens[start:end]]
+        starts.append(at + gap)
+        at += gap + end - start
+    spans = np.array(starts, dtype=np.int64)
+    return ContentRecords(
+        keys=records.keys, key_words=records.key_words, parent_words=records.parent_words,
+        source_starts=records.source_starts, tokens=np.concatenate([np.zeros(0, "<u4"), *pieces]),
+        token_starts=spans, token_ends=spans + (records.token_ends - records.token_starts),
+    )  # fmt: skip
+
+
+nonzero_keys = keys.filter(lambda key: any(key))  # a parent of 16 zero bytes reads as none in record arrays
+
+
+@given(st.lists(st.builds(chunk_record, keys, st.none() | nonzero_keys, st.lists(st.integers(0, 2**32 - 1),
+                                                                                  max_size=300)),
+                max_size=40, unique_by=lambda record: record.key),
+       st.integers(0, 40), st.integers(0, 40), st.integers(0, 3))  # fmt: skip
+def test_a_snapshot_encoded_from_record_arrays_is_what_the_records_encode_to(
+    chunk_records: list[ChunkRecord], first: int, stop: int, gap: int
+) -> None:
+    """``blocks_stored_batch`` (a snapshot, from a tier's arrays) and ``blocks_stored`` (changes, from record
+    objects) give a consumer the same events for the same chunks, whatever the spans' positions in the buffer."""
+    first, stop = sorted((min(first, len(chunk_records)), min(stop, len(chunk_records))))
+    records = with_gaps(ContentRecords.of(chunk_records), gap)
+    assert records.parent_keys == [record.parent_key for record in chunk_records]
+    chosen = chunk_records[first:stop]
+    from_arrays = [blocks_stored_batch(records, first, stop, 256, "STORAGE")]
+    from_objects = [blocks_stored(chosen, 256, "STORAGE")] if chosen else []
+    events_of = [msgpack.unpackb(batch(0.0, pieces, len(chosen)))[1] for pieces in (from_arrays, from_objects)]
+    by_key = [{event["block_hashes"][0]: event for event in events} for events in events_of]
+    assert len(events_of[0]) == len(chosen) and by_key[0] == by_key[1]

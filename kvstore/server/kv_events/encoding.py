@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from kvstore.keys import PrefixKey
-from kvstore.tiers.base import ChunkRecord, TierName
+from kvstore.tiers.base import ChunkRecord, ContentRecords, TierName
 
 __all__ = [
     "MEDIUMS",
@@ -42,6 +42,7 @@ __all__ = [
     "block_removed",
     "blocks_resident",
     "blocks_stored",
+    "blocks_stored_batch",
     "encode_changes",
 ]
 
@@ -140,15 +141,51 @@ def blocks_stored(records: Sequence[ChunkRecord], block_size: int, medium: str) 
 
 
 def _same_shape_events(records: Sequence[ChunkRecord], block_size: int, medium: str) -> bytes:
-    """Events of records with one token count and all or none with a parent: rows of one structured array, the
-    fixed bytes copied from a template row, the keys, parents and token ids written for all rows at once."""
+    """Events of records with one token count and all or none with a parent (``_rows``)."""
     num_tokens, has_parent = len(records[0].tokens), records[0].parent_key is not None
-    rows = np.repeat(_stored_template(num_tokens, has_parent, block_size, medium), len(records))
-    rows["key"] = np.frombuffer(b"".join([record.key for record in records]), "V16")
-    if has_parent:
-        rows["parent"] = np.frombuffer(b"".join([record.parent_key or b"" for record in records]), "V16")
-    if num_tokens:
-        rows["token_ids"]["value"] = np.concatenate([record.tokens for record in records]).reshape(-1, num_tokens)
+    keys = np.frombuffer(b"".join([record.key for record in records]), "V16")
+    parents = np.frombuffer(b"".join([record.parent_key or b"" for record in records]), "V16") if has_parent else None
+    tokens = np.concatenate([record.tokens for record in records]).reshape(-1, num_tokens) if num_tokens else None
+    return _rows(keys, parents, tokens, num_tokens, block_size, medium)
+
+
+def blocks_stored_batch(records: ContentRecords, first: int, stop: int, block_size: int, medium: str) -> bytes:
+    """``BlockStored`` events of chunks ``first:stop`` of ``records`` in ``medium``, joined: a snapshot's, built
+    from a tier's arrays with no object per chunk (grouped by block shape, as ``blocks_stored``)."""
+    lengths = records.token_ends[first:stop] - records.token_starts[first:stop]
+    parent_words = records.parent_words[first:stop].astype("<u8", copy=False)
+    has_parent = parent_words.any(axis=1)
+    keys = np.ascontiguousarray(records.key_words[first:stop], dtype="<u8").view("V16").reshape(-1)
+    parents = np.ascontiguousarray(parent_words).view("V16").reshape(-1)
+    starts = records.token_starts[first:stop]
+    pieces = []
+    for num_tokens in np.unique(lengths).tolist():
+        for with_parent in (False, True):
+            rows = np.flatnonzero((lengths == num_tokens) & (has_parent == with_parent))
+            for pass_first in range(0, len(rows), _ROWS_PER_PASS):
+                chosen = rows[pass_first : pass_first + _ROWS_PER_PASS]
+                tokens = records.tokens[starts[chosen, None] + np.arange(num_tokens)] if num_tokens else None
+                chosen_parents = parents[chosen] if with_parent else None
+                pieces.append(_rows(keys[chosen], chosen_parents, tokens, num_tokens, block_size, medium))
+    return b"".join(pieces)
+
+
+def _rows(
+    keys: np.ndarray,
+    parents: np.ndarray | None,
+    tokens: np.ndarray | None,
+    num_tokens: int,
+    block_size: int,
+    medium: str,
+) -> bytes:
+    """Events of one block shape as the rows of one structured array: the fixed bytes copied from a template row,
+    the keys, parents (``None``: no parent) and token ids ``[rows, num_tokens]`` written for all rows at once."""
+    rows = np.repeat(_stored_template(num_tokens, parents is not None, block_size, medium), len(keys))
+    rows["key"] = keys
+    if parents is not None:
+        rows["parent"] = parents
+    if tokens is not None:
+        rows["token_ids"]["value"] = tokens
     return rows.tobytes()
 
 

@@ -40,7 +40,7 @@ from kvstore.server.kv_events.encoding import (
     all_blocks_cleared,
     batch,
     blocks_resident,
-    blocks_stored,
+    blocks_stored_batch,
     encode_changes,
 )
 from kvstore.server.kv_events.options import KVEventOptions, KVEventStats
@@ -186,18 +186,23 @@ class KVEventPublisher:
         return encode_changes(changes, self._block_size)
 
     def _snapshot_batches(self, store: TieredStore) -> Iterator[EncodedEvents]:
-        """The store's residency as ``BlockStored`` batches of up to ``max_events``, tier by tier."""
+        """The store's residency as ``BlockStored`` batches of up to ``max_events``, encoded from the tiers' record
+        arrays (``blocks_stored_batch``)."""
         size = self._options.max_events
-        records: list[ChunkRecord] = []
-        medium = ""
-        for tier, record in store.residency():
-            if records and (MEDIUMS[tier] != medium or len(records) == size):
-                yield EncodedEvents(pieces=[blocks_stored(records, self._block_size, medium)], num_stored=len(records))
-                records = []
-            records.append(record)
-            medium = MEDIUMS[tier]
-        if records:
-            yield EncodedEvents(pieces=[blocks_stored(records, self._block_size, medium)], num_stored=len(records))
+        pieces: list[bytes] = []
+        num_events = 0
+        for tier, records in store.residency():
+            first = 0
+            while first < len(records):
+                stop = min(len(records), first + size - num_events)
+                pieces.append(blocks_stored_batch(records, first, stop, self._block_size, MEDIUMS[tier]))
+                num_events += stop - first
+                first = stop
+                if num_events == size:
+                    yield EncodedEvents(pieces=pieces, num_stored=num_events)
+                    pieces, num_events = [], 0
+        if num_events:
+            yield EncodedEvents(pieces=pieces, num_stored=num_events)
 
     def _keys_batches(self, store: TieredStore) -> Iterator[EncodedEvents]:
         """The store's residency as keys-only ``BlockStored`` batches, from the tiers' memory."""

@@ -27,40 +27,16 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray
+from kvstore.keys import key_words as key_words_of
+from kvstore.tiers.base import ContentRecords
 from kvstore.tiers.disk.meta_checksum import meta_digests
 
-__all__ = ["ContentRecords", "MetaBatch", "decode_meta_batch", "read_meta_batches"]
+__all__ = ["MetaBatch", "decode_meta_batch", "read_meta_batches"]
 
 _FIXED_BYTES = 56  # the fixed fields, version 1's whole header
 _TOKENS_WORD = {1: 14, 2: 18}  # version -> first token word
 _PADDING = bytes(4 * 18)  # after the last record, so reading the longest header (version 2) stays inside the buffer
 _NO_RECORDS = np.zeros(0, dtype=np.int64)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ContentRecords:
-    """What a content index needs of many chunk records (``DiskTier.iter_content_records``), without an object per
-    chunk: chunk ``i`` has key ``keys[i]`` (also as two little-endian u64 words, ``key_words[i]``), parent key
-    ``parent_words[i]`` (``[0, 0]``: none known), source start ``source_starts[i]`` and tokens
-    ``tokens[token_starts[i]:token_ends[i]]``. ``tokens`` views the batch's meta values copied into one buffer, so
-    the spans skip each value's header.
-    """
-
-    keys: Sequence[PrefixKey]
-    key_words: npt.NDArray[np.uint64]
-    parent_words: npt.NDArray[np.uint64]
-    source_starts: npt.NDArray[np.uint64]
-    tokens: TokenArray
-    token_starts: npt.NDArray[np.int64]
-    token_ends: npt.NDArray[np.int64]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @property
-    def parent_keys(self) -> list[PrefixKey | None]:
-        """Each chunk's parent key as bytes, ``None`` when none is known (built on demand: tools and tests)."""
-        return _keys_of(self.parent_words)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +134,7 @@ def decode_meta_batch(keys: Sequence[bytes | memoryview], values: Sequence[bytes
         key_list = [PrefixKey(bytes(key)) for key in keys]
         key_ok = np.fromiter((len(key) == KEY_BYTES for key in key_list), dtype=np.bool_, count=num_records)
         key_words = np.zeros((num_records, 2), dtype=np.uint64)
-        key_words[key_ok] = _words_of([key for key in key_list if len(key) == KEY_BYTES])
+        key_words[key_ok] = key_words_of([key for key in key_list if len(key) == KEY_BYTES])
     sizes = np.fromiter(map(len, values), dtype=np.int64, count=num_records)
     whole_words = sizes % 4 == 0
     if bool(whole_words.all()):
@@ -203,21 +179,6 @@ def decode_meta_batch(keys: Sequence[bytes | memoryview], values: Sequence[bytes
         token_ends=(starts[readable] + sizes[readable]) // 4,
         broken_keys=[] if all_readable else [key_list[index] for index in np.flatnonzero(~is_readable).tolist()],
     )
-
-
-def _words_of(keys: list[PrefixKey]) -> npt.NDArray[np.uint64]:
-    """16-byte keys as rows of two little-endian u64 words."""
-    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)
-
-
-def _keys_of(words: npt.NDArray[np.uint64]) -> list[PrefixKey | None]:
-    """Rows of two little-endian u64 words as 16-byte keys, ``None`` for ``[0, 0]``."""
-    joined = words.astype("<u8", copy=False).tobytes()
-    known = cast(list[bool], words.any(axis=1).tolist())
-    return [
-        PrefixKey(joined[offset : offset + KEY_BYTES]) if is_known else None
-        for offset, is_known in zip(range(0, len(joined), KEY_BYTES), known, strict=True)
-    ]
 
 
 def _word64(words: npt.NDArray[np.uint32], word_idx: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from kvstore.collector import collector_paused
 from kvstore.keys import PrefixKey
+from kvstore.tiers.base import ContentRecords
 from kvstore.tiers.disk.commit import remove_unfinished_chunks
 from kvstore.tiers.disk.environment import DiskEnvironment, tune_malloc_for_large_values
 from kvstore.tiers.disk.layout_copy import keep_layout_copy
-from kvstore.tiers.disk.meta_batch import ContentRecords
 from kvstore.tiers.disk.records import recover_chunks
 from kvstore.tiers.disk.state import DiskState
 from kvstore.tiers.disk.tuning import DiskTuning

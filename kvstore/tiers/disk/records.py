@@ -27,8 +27,9 @@ import numpy.typing as npt
 
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
+from kvstore.tiers.base import ContentRecords
 from kvstore.tiers.disk.environment import DiskEnvironment
-from kvstore.tiers.disk.meta_batch import ContentRecords, MetaBatch, read_meta_batches
+from kvstore.tiers.disk.meta_batch import MetaBatch, read_meta_batches
 from kvstore.tiers.disk.recovered import RecoveredChunks
 from kvstore.tiers.frames.meta import StoredChunk, decode_meta, decode_meta_values
 
@@ -111,7 +112,7 @@ def recover_chunks(
     parts: list[RecoveredChunks] = []
     broken: list[PrefixKey] = []
     bytes_per_token = layout.bytes_per_token
-    with env.read() as txn:
+    with env.read_copies() as txn:
         for batch in read_meta_batches(iter(txn.cursor(db=env.meta_db)), _ARRAY_BATCH_RECORDS):
             broken += batch.broken_keys
             consistent = (
@@ -178,7 +179,7 @@ def iter_content_records(
     read transaction; records that ``resident_mask`` says are not resident are left out."""
     resume_at: bytes | None = None  # the first key of the next transaction's batch
     while True:
-        with env.read() as txn:
+        with env.read_copies() as txn:
             cursor = txn.cursor(db=env.meta_db)
             if not (cursor.set_range(resume_at) if resume_at is not None else cursor.first()):
                 return

@@ -51,12 +51,11 @@ import torch
 from kvstore.errors import ConfigError, InvalidInputError, StorageError, StoreClosedError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
-from kvstore.tiers.base import ChunkRecord, Tier, TierName, TierStats
+from kvstore.tiers.base import ChunkRecord, ContentRecords, Tier, TierName, TierStats
 from kvstore.tiers.disk.check import DiskCheckReport, check_data_dir
 from kvstore.tiers.disk.entries import Admission, PendingWrite
 from kvstore.tiers.disk.environment import DiskEnvironment
 from kvstore.tiers.disk.lifecycle import OwnedLifecycle
-from kvstore.tiers.disk.meta_batch import ContentRecords
 from kvstore.tiers.disk.opening import close_disk_parts, open_disk_parts
 from kvstore.tiers.disk.reader import PageDamage, read_chunk
 from kvstore.tiers.disk.records import DiskTierInfo, iter_content_records, iter_stored_chunks, read_stored_chunk
@@ -271,20 +270,14 @@ class DiskTier(Tier):
     def watch(self, listener: ResidencyListener) -> None:
         self._index.watch(listener)
 
-    def resident_records(self) -> Iterator[ChunkRecord]:
+    def resident_batches(self) -> Iterator[ContentRecords]:
         """The chunks admitted and not yet committed, then every committed one from its meta record (a batch at a
         time, as a content index rebuilds)."""
         self._check_usable()
-        yield from self._index.pending_records()
-        for batch in self.iter_content_records():
-            parents = batch.parent_keys
-            for index, key in enumerate(batch.keys):
-                yield ChunkRecord(
-                    key=key,
-                    source_start=int(batch.source_starts[index]),
-                    tokens=batch.tokens[batch.token_starts[index] : batch.token_ends[index]],
-                    parent_key=parents[index],
-                )
+        pending = self._index.pending_records()
+        if pending:
+            yield ContentRecords.of(pending)
+        yield from self.iter_content_records()
 
     def iter_content_records(self, batch_size: int = 1024) -> Iterator[ContentRecords]:
         """The key, parent key, source start and tokens of every committed chunk, in key order, in batches of up to

@@ -11,8 +11,8 @@ import torch
 
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.layout import KVLayout
-from kvstore.tiers.base import ChunkRecord
-from kvstore.tiers.disk.tier import ContentRecords, DiskTier
+from kvstore.tiers.base import ChunkRecord, ContentRecords
+from kvstore.tiers.disk.tier import DiskTier
 from tests.factories import make_tokens
 
 CHUNK = 16
