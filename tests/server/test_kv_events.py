@@ -85,19 +85,19 @@ def test_a_subscriber_and_a_late_joiner_rebuild_the_exact_residency_through_an_e
     assert {medium for medium, _ in truth} == {"CPU", "STORAGE"}
 
     first = keys_of(stored[5])
-    event = mirror.stored[first[1]]
-    assert event["parent_block_hash"] == first[0] and event["block_size"] == CHUNK_SIZE
-    assert event["token_ids"] == stored[5][CHUNK_SIZE : 2 * CHUNK_SIZE].tolist()
-    assert mirror.stored[first[0]]["parent_block_hash"] is None
+    block = mirror.stored[first[1]]
+    assert block.parent_block_hash == first[0] and block.block_size == CHUNK_SIZE
+    assert block.token_ids.tolist() == stored[5][CHUNK_SIZE : 2 * CHUNK_SIZE].tolist()
+    assert mirror.stored[first[0]].parent_block_hash is None
 
     late = ResidencyMirror()
     join_late(subscriber.replay_endpoint, late)
     assert late.resident == truth, "a snapshot and the batches after it are the residency"
     resident_key = min(key for _, key in truth)
-    assert late.stored[resident_key]["token_ids"] == mirror.stored[resident_key]["token_ids"] != []
+    assert late.stored[resident_key].token_ids.tolist() == mirror.stored[resident_key].token_ids.tolist() != []
     by_keys = ResidencyMirror()
     join_late(subscriber.replay_endpoint, by_keys, with_tokens=False)
-    assert by_keys.resident == truth and by_keys.stored[resident_key]["token_ids"] == []
+    assert by_keys.resident == truth and by_keys.stored[resident_key].token_ids.size == 0
     metrics = scrape(server.metrics_url)
     assert metrics['kvstore_kv_events_requests_total{kind="snapshot"}'] == 2
     assert metrics['kvstore_kv_events_total{type="BlockStored"}'] >= len(all_keys)

@@ -1,10 +1,12 @@
 """A reference consumer of kvstore's KV events: what a router does with them, in a few lines of Python.
 
-``ResidencyMirror`` rebuilds a publisher's residency (``(medium, block hash)`` pairs) from its batches;
-``Subscriber`` reads the PUB stream into one and fills every gap in the sequence by replay; ``join_late`` rebuilds a
-mirror from a snapshot and the batches after it (the protocol in ``kvstore.server.kv_events.publisher``). Events are
-decoded by a function the caller picks: plain msgpack (``decode_with_msgpack``), or vLLM's own msgspec structs where
-vLLM is installed. Used by the tests and the benchmark, and a starting point for a router's own consumer.
+``ResidencyMirror`` rebuilds a publisher's residency (``(medium, block hash)`` pairs) and what each stored block
+holds from its batches; ``Subscriber`` reads the PUB stream into one and fills every gap in the sequence by replay;
+``join_late`` rebuilds a mirror from a snapshot and the batches after it (the protocol in
+``kvstore.server.kv_events.publisher``), applying each batch as it arrives. Events are decoded by a function the
+caller picks: ``decode_events`` (msgspec structs of vLLM's shape whose token ids are read as one array per event,
+the fast way for Python), or vLLM's own structs where vLLM is installed. Used by the tests and the benchmark, and a
+starting point for a router's own consumer.
 
 Not thread-safe: one thread per subscriber.
 """
@@ -13,27 +15,120 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
-import msgpack
+import msgspec
+import numpy as np
 import zmq
 
 from kvstore.collector import collector_paused
 from kvstore.server.kv_events.publisher import END_SEQ, KEYS_SNAPSHOT_REQUEST, SNAPSHOT_REQUEST
 
-__all__ = ["ResidencyMirror", "Subscriber", "decode_with_msgpack", "free_port", "join_late", "request"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEventBatch",
+    "ResidencyMirror",
+    "StoredBlock",
+    "Subscriber",
+    "answers",
+    "decode_events",
+    "free_port",
+    "join_late",
+    "request",
+    "token_array",
+    "token_arrays",
+]
 
-Event = dict[str, object]
-Decode = Callable[[bytes], list[Event]]
+BlockHash = bytes | int
+"""vLLM's ``ExternalBlockHash``: kvstore sends 16-byte keys."""
 
 
-def decode_with_msgpack(payload: bytes) -> list[Event]:
-    """A ``KVEventBatch`` payload's events as maps (``ts`` and the rank dropped)."""
-    fields = msgpack.unpackb(payload)
-    if not (isinstance(fields, list) and len(fields) in (2, 3) and isinstance(fields[0], float)):
-        raise ValueError(f"not a KVEventBatch: {fields!r:.200}")
-    return list(fields[1])
+class BlockStored(msgspec.Struct, tag=True, gc=False):
+    """vLLM's ``BlockStored`` as it travels, its token ids left as msgpack (``token_array`` reads them): a
+    Python consumer that builds an int object per token spends most of a snapshot's time on it."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+    """vLLM's ``BlockRemoved``."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
+    """vLLM's ``AllBlocksCleared``."""
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """vLLM's ``KVEventBatch``: ``[ts, events]`` (``data_parallel_rank`` when the sender sets it)."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+Decode = Callable[[bytes], Sequence[object]]
+"""A batch payload's events, each with vLLM's class name and attributes (these structs, or vLLM's own)."""
+
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_UINT32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])  # msgpack "uint 32", as kvstore encodes token ids
+_ARRAY_HEADERS = {0xDC: 3, 0xDD: 5}  # array 16 / array 32: header bytes
+
+
+def decode_events(payload: bytes) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+    """A ``KVEventBatch`` payload's events (``ts`` and the rank dropped).
+
+    Raises:
+        msgspec.DecodeError: the payload is not a ``KVEventBatch``.
+    """
+    return _DECODER.decode(payload).events
+
+
+def token_arrays(token_ids: Sequence[msgspec.Raw | Sequence[int]]) -> list[np.ndarray]:
+    """Each event's token ids as a uint32 array. Raw msgpack of one shape (how kvstore sends a batch's chunks:
+    ``uint 32`` items, as many in each) is read in one numpy pass for all of them; anything else one at a time
+    (``token_array``)."""
+    first = token_ids[0] if token_ids else None
+    if isinstance(first, msgspec.Raw) and all(isinstance(raw, msgspec.Raw) for raw in token_ids):
+        joined = b"".join(token_ids)  # type: ignore[arg-type]  # Raw is a bytes-like buffer
+        row_bytes = len(joined) // len(token_ids)
+        header_bytes, count = _array_header(memoryview(first))
+        one_shape = len(joined) == row_bytes * len(token_ids)
+        if header_bytes and one_shape and row_bytes == header_bytes + _UINT32_ITEM.itemsize * count:
+            table = np.frombuffer(joined, np.uint8).reshape(len(token_ids), row_bytes)
+            items = table[:, header_bytes:].view(_UINT32_ITEM)
+            same_header = bool((table[:, :header_bytes] == table[0, :header_bytes]).all())
+            if same_header and bool((items["marker"] == 0xCE).all()):
+                return list(items["value"].astype(np.uint32))
+    return [token_array(value) for value in token_ids]
+
+
+def token_array(token_ids: msgspec.Raw | Sequence[int]) -> np.ndarray:
+    """One event's token ids as a uint32 array (raw msgpack through msgspec; a sequence of ints as it is)."""
+    if isinstance(token_ids, msgspec.Raw):
+        return np.array(msgspec.msgpack.decode(token_ids, type=list[int]), dtype=np.uint32)
+    return np.asarray(token_ids, dtype=np.uint32)
+
+
+def _array_header(view: memoryview) -> tuple[int, int]:
+    """A msgpack array's header bytes and length (``(0, 0)``: not an array)."""
+    head = view[0] if len(view) else 0
+    if 0x90 <= head <= 0x9F:
+        return 1, head & 0x0F
+    header_bytes = _ARRAY_HEADERS.get(head, 0)
+    return (header_bytes, int.from_bytes(view[1:header_bytes], "big")) if header_bytes else (0, 0)
 
 
 def free_port() -> int:
@@ -43,14 +138,22 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+class StoredBlock(NamedTuple):
+    """What the last ``BlockStored`` of a block said of it (a tuple: a snapshot makes a hundred thousand)."""
+
+    parent_block_hash: BlockHash | None
+    token_ids: np.ndarray
+    block_size: int
+
+
 @dataclass
 class ResidencyMirror:
-    """What a publisher holds, rebuilt from its events: ``(medium, block hash)`` pairs and each stored block's
-    parent, tokens and block size."""
+    """What a publisher holds, rebuilt from its events: ``(medium, block hash)`` pairs, and each stored block's
+    parent, tokens and block size (an event of several blocks split into one per block)."""
 
-    decode: Decode = decode_with_msgpack
-    resident: set[tuple[str, bytes]] = field(default_factory=set)
-    stored: dict[bytes, Event] = field(default_factory=dict)
+    decode: Decode = decode_events
+    resident: set[tuple[str, BlockHash]] = field(default_factory=set)
+    stored: dict[BlockHash, StoredBlock] = field(default_factory=dict)
     last_seq: int = -1
     cleared: int = 0
 
@@ -61,21 +164,35 @@ class ResidencyMirror:
         self.last_seq = max(self.last_seq, seq)
 
     def _apply(self, payload: bytes) -> None:
-        for event in self.decode(payload):
-            kind = event["type"]
-            if kind == "AllBlocksCleared":
+        events = self.decode(payload)
+        stored = [event for event in events if type(event).__name__ == "BlockStored"]
+        tokens = iter(token_arrays([getattr(event, "token_ids", ()) for event in stored]))
+        for event in events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                self._stored(event, next(tokens))
+            elif kind == "BlockRemoved":
+                medium = str(getattr(event, "medium", None))
+                for block_hash in getattr(event, "block_hashes", ()):
+                    self.resident.discard((medium, block_hash))
+            elif kind == "AllBlocksCleared":
                 self.resident.clear()
                 self.cleared += 1
-                continue
-            hashes = event["block_hashes"]
-            if not isinstance(hashes, list) or kind not in ("BlockStored", "BlockRemoved"):
+            else:
                 raise ValueError(f"not a kv event kvstore publishes: {event!r:.200}")
-            for block_hash in hashes:
-                if kind == "BlockStored":
-                    self.resident.add((str(event["medium"]), block_hash))
-                    self.stored[block_hash] = event
-                else:
-                    self.resident.discard((str(event["medium"]), block_hash))
+
+    def _stored(self, event: Any, tokens: np.ndarray) -> None:
+        """``event``: a ``BlockStored`` of these structs or of vLLM's (the same fields)."""
+        medium, hashes, block_size = str(event.medium), event.block_hashes, event.block_size
+        if len(hashes) == 1:  # kvstore's: a chunk a block
+            self.resident.add((medium, hashes[0]))
+            self.stored[hashes[0]] = StoredBlock(event.parent_block_hash, tokens, block_size)
+            return
+        for index, block_hash in enumerate(hashes):
+            self.resident.add((medium, block_hash))
+            parent = event.parent_block_hash if index == 0 else hashes[index - 1]
+            self.stored[block_hash] = StoredBlock(parent, tokens[index * block_size : (index + 1) * block_size],
+                                                  block_size)  # fmt: skip
 
 
 class Subscriber:
@@ -136,37 +253,43 @@ class Subscriber:
         self._context.term()
 
 
-def request(replay_endpoint: str, message: bytes, timeout_s: float = 60.0) -> list[tuple[int, bytes]]:
-    """One replay or snapshot request: the ``(seq, payload)`` batches answered before the end marker."""
+def answers(replay_endpoint: str, message: bytes, timeout_s: float = 60.0) -> Iterator[tuple[int, bytes]]:
+    """One replay or snapshot request: the ``(seq, payload)`` batches of its answer as they arrive (a consumer
+    decodes one while the publisher encodes the next), until the end marker."""
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.connect(replay_endpoint)
     try:
         dealer.send_multipart((b"", message))
-        answered: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + timeout_s
         while True:
             if not dealer.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                 raise TimeoutError(f"no end of the answer from {replay_endpoint} within {timeout_s:g} s")
             _, _, seq_bytes, payload = dealer.recv_multipart()
             if seq_bytes == END_SEQ:
-                return answered
-            answered.append((int.from_bytes(seq_bytes, "big"), payload))
+                return
+            yield int.from_bytes(seq_bytes, "big"), payload
     finally:
         dealer.close(linger=0)
         context.term()
+
+
+def request(replay_endpoint: str, message: bytes, timeout_s: float = 60.0) -> list[tuple[int, bytes]]:
+    """One replay or snapshot request's whole answer (``answers``, collected)."""
+    return list(answers(replay_endpoint, message, timeout_s))
 
 
 def join_late(replay_endpoint: str, mirror: ResidencyMirror, *, with_tokens: bool = True) -> float:
     """Rebuild ``mirror`` from a snapshot and the batches published after it; returns the seconds it took.
     ``with_tokens=False`` asks for the residency alone (``KEYS_SNAPSHOT_REQUEST``: no token ids)."""
     started = time.perf_counter()
-    snapshot = request(replay_endpoint, SNAPSHOT_REQUEST if with_tokens else KEYS_SNAPSHOT_REQUEST)
-    seq = snapshot[0][0] if snapshot else -1
-    for batch_seq, payload in snapshot:
-        if batch_seq != seq:
+    seq: int | None = None
+    for batch_seq, payload in answers(replay_endpoint, SNAPSHOT_REQUEST if with_tokens else KEYS_SNAPSHOT_REQUEST):
+        if seq is not None and batch_seq != seq:
             raise ValueError(f"a snapshot batch carries seq {batch_seq}, its first {seq}: not one snapshot")
+        seq = batch_seq
         mirror.apply(seq, payload)
-    for replay_seq, payload in request(replay_endpoint, (seq + 1).to_bytes(8, "big")):
+    first_after = -1 if seq is None else seq
+    for replay_seq, payload in answers(replay_endpoint, (first_after + 1).to_bytes(8, "big")):
         mirror.apply(replay_seq, payload)
     return time.perf_counter() - started
