@@ -84,7 +84,7 @@ def _exported_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     metrics.observe_store(transfer, engine)
     metrics.observe_retrieve(transfer, engine)
     metrics.requests.labels("lookup", "ok").inc()
-    events = KVEventStats(batches=1, events={"BlockStored": 1}, queued=0, requests={"snapshot": 1})
+    events = KVEventStats(batches=1, events={"BlockStored": 1}, queued=0, requests={"snapshot": 1}, cpu_s=0.5)
     metrics.watch_kv_events(lambda: events)
     exported = {}
     for family in metrics.registry.collect():

@@ -19,16 +19,17 @@ from kvstore.layout import KVLayout
 
 __all__ = ["ServeProcess", "start_serve_process"]
 
-_READY = re.compile(r"listening on (tcp://\S+) ")
+_READY = re.compile(r"listening on (tcp://\S+) \(metrics (\S+)\)")
 _START_TIMEOUT_S = 120
 
 
 @dataclass(slots=True)
 class ServeProcess:
-    """A running ``kvstore serve`` and its ZeroMQ address."""
+    """A running ``kvstore serve``, its ZeroMQ address and the URL of its ``/metrics``."""
 
     process: subprocess.Popen[str]
     url: str
+    metrics_url: str
     stderr_path: Path
 
     def stop(self) -> None:
@@ -75,7 +76,8 @@ def start_serve_process(
         if not line:
             break
         if match := _READY.search(line):
-            return ServeProcess(process=process, url=match.group(1), stderr_path=stderr_path)
+            url, metrics_url = match.groups()
+            return ServeProcess(process=process, url=url, metrics_url=metrics_url, stderr_path=stderr_path)
     process.kill()
     process.wait()
     tail = stderr_path.read_text()[-400:].strip().splitlines()

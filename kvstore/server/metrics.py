@@ -185,6 +185,11 @@ class _KVEventCollector(Collector):
         for kind, count in stats.requests.items():
             requests.add_metric([kind], count)
         yield requests
+        cpu = CounterMetricFamily(
+            "kvstore_kv_events_cpu_seconds", "CPU time of the publisher's thread (encoding, sending, answering)."
+        )
+        cpu.add_metric([], stats.cpu_s)
+        yield cpu
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -105,6 +105,7 @@ def test_a_subscriber_and_a_late_joiner_rebuild_the_exact_residency_through_an_e
     removed_events = metrics['kvstore_kv_events_total{type="BlockRemoved"}']
     assert 0 < removed_events < cpu.evictions + disk.evictions and metrics["kvstore_kv_events_queued"] == 0
     assert metrics["kvstore_kv_events_batches_total"] == mirror.last_seq + 1
+    assert metrics["kvstore_kv_events_cpu_seconds_total"] > 0, "the publisher's thread reports what it spent"
 
 
 def scrape(metrics_url: str) -> dict[str, float]:

@@ -41,9 +41,12 @@ class KVEventStats:
         events: events published, by type (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``).
         queued: residency changes heard and not yet published.
         requests: replay socket requests answered, by kind (``replay``, ``snapshot``, ``invalid``).
+        cpu_s: CPU time the publisher's thread has spent (encoding, sending, answering requests): what publishing
+            costs the server, as of the thread's last pass (at most ``interval_s`` ago while it runs).
     """
 
     batches: int
     events: dict[str, int]
     queued: int
     requests: dict[str, int]
+    cpu_s: float

@@ -83,6 +83,7 @@ class KVEventPublisher:
         self._next_seq = 0
         self._events = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}  # written by its thread only
         self._requests = {"replay": 0, "snapshot": 0, "invalid": 0}
+        self._cpu_s = 0.0  # the thread's CPU time after its last pass, written by it only
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._failure: BaseException | None = None
@@ -103,7 +104,11 @@ class KVEventPublisher:
     def stats(self) -> KVEventStats:
         """Counts so far (read from any thread: each is one int its thread writes)."""
         return KVEventStats(
-            batches=self._next_seq, events=dict(self._events), queued=len(self._changes), requests=dict(self._requests)
+            batches=self._next_seq,
+            events=dict(self._events),
+            queued=len(self._changes),
+            requests=dict(self._requests),
+            cpu_s=self._cpu_s,
         )
 
     # -- lifecycle --------------------------------------------------------------------------------------------------
@@ -146,6 +151,7 @@ class KVEventPublisher:
                     time.sleep(self._options.interval_s)
                 while self._changes:
                     self._send(pub, self._take_changes())
+                self._cpu_s = time.thread_time()
                 if stopping:
                     break
         except Exception:  # the thread's boundary: events stop, the store goes on
