@@ -109,6 +109,12 @@ def serve_command(
     kv_events_topic: str | None = typer.Option(
         None, "--kv-events-topic", help="The topic frame of every KV event message (default: empty)."
     ),
+    kv_events_interval_ms: float | None = typer.Option(
+        None,
+        "--kv-events-interval-ms",
+        help="How long residency changes wait to join a KV event batch: a router sees them that much later; shorter "
+        "costs the server more CPU (default: 50).",
+    ),
     config: Path | None = typer.Option(
         None, "--config", help='TOML file; keys are the flags\' names (cpu_size = "8GiB"). Flags > KVSTORE_* > file.'
     ),
@@ -169,6 +175,7 @@ def serve_command(
         kv_events=kv_events,
         kv_events_replay=kv_events_replay,
         kv_events_topic=kv_events_topic,
+        kv_events_interval_ms=kv_events_interval_ms,
     )
     settings = resolve_settings(flags, probe_host(), config)
     stop = threading.Event()
@@ -242,7 +249,9 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
     events = settings.kv_events
     if events is not None:
         replay = f", replay and snapshots on {events.replay_endpoint}" if events.replay_endpoint else ", no replay"
-        lines.append(f"kv events: published on {events.endpoint}{replay} (docs/routing.md)")
+        lines.append(
+            f"kv events: published on {events.endpoint} every {1000 * events.interval_s:g} ms{replay} (docs/routing.md)"
+        )
     lines.append(f'connect: kvstore.Client("{address.url}"); look: kvstore inspect --url {address.url}')
     return lines
 

@@ -96,6 +96,7 @@ class ServeFlags:
     kv_events: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str | None = None
+    kv_events_interval_ms: float | None = None
 
 
 def flag_name(setting: str) -> str:
@@ -456,9 +457,16 @@ def _loop_options(flags: ServeFlags) -> LoopOptions:
 
 def _kv_events(flags: ServeFlags) -> KVEventOptions | None:
     if flags.kv_events is None:
-        if flags.kv_events_replay is not None or flags.kv_events_topic is not None:
-            raise ConfigError("--kv-events-replay and --kv-events-topic need --kv-events (where events are published)")
+        if any(value is not None for value in (flags.kv_events_replay, flags.kv_events_topic,
+                                                flags.kv_events_interval_ms)):  # fmt: skip
+            raise ConfigError(
+                "--kv-events-replay, --kv-events-topic and --kv-events-interval-ms need --kv-events (where events are "
+                "published)"
+            )
         return None
+    interval_ms = float(flags.kv_events_interval_ms) if flags.kv_events_interval_ms is not None else None
+    if interval_ms is not None and not (math.isfinite(interval_ms) and 1 <= interval_ms <= 10_000):
+        raise ConfigError(f"--kv-events-interval-ms {interval_ms:g} must be between 1 and 10000 milliseconds")
     endpoints = [("--kv-events", flags.kv_events)]
     if flags.kv_events_replay is not None:
         endpoints.append(("--kv-events-replay", flags.kv_events_replay))
@@ -467,9 +475,10 @@ def _kv_events(flags: ServeFlags) -> KVEventOptions | None:
             check_server_url(endpoint)  # a tcp:// host and port or an ipc:// path, as a server's address is
         except ConfigError as exc:
             raise ConfigError(f"{flag}: {exc} (events: tcp://*:5557 binds, tcp://router:5557 connects)") from None
-    return KVEventOptions(
+    options = KVEventOptions(
         endpoint=flags.kv_events, replay_endpoint=flags.kv_events_replay, topic=flags.kv_events_topic or ""
     )
+    return options if interval_ms is None else replace(options, interval_s=interval_ms / 1000)
 
 
 def _metrics_port(flags: ServeFlags) -> int:

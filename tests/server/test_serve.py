@@ -90,9 +90,13 @@ def test_the_start_up_lines_say_where_kv_events_go(tmp_path: Path) -> None:
     address = ServerAddress(url="tcp://127.0.0.1:1", metrics_url="http://127.0.0.1:2/metrics", disk_chunks=0)
     flags = ServeFlags(data_dir=tmp_path / "d", kv_events="tcp://*:5557", kv_events_replay="tcp://*:5558")
     lines = startup_lines(resolve_settings(flags, MACHINE, environ={}), address)
-    assert lines[-2] == "kv events: published on tcp://*:5557, replay and snapshots on tcp://*:5558 (docs/routing.md)"
-    alone = resolve_settings(ServeFlags(data_dir=tmp_path / "d", kv_events="tcp://*:5557"), MACHINE, environ={})
-    assert startup_lines(alone, address)[-2] == "kv events: published on tcp://*:5557, no replay (docs/routing.md)"
+    assert lines[-2] == (
+        "kv events: published on tcp://*:5557 every 50 ms, replay and snapshots on tcp://*:5558 (docs/routing.md)"
+    )
+    alone_flags = ServeFlags(data_dir=tmp_path / "d", kv_events="tcp://*:5557", kv_events_interval_ms=20)
+    alone = resolve_settings(alone_flags, MACHINE, environ={})
+    expected = "kv events: published on tcp://*:5557 every 20 ms, no replay (docs/routing.md)"
+    assert startup_lines(alone, address)[-2] == expected
     without = resolve_settings(ServeFlags(data_dir=tmp_path / "d"), MACHINE, environ={})
     assert not any(line.startswith("kv events") for line in startup_lines(without, address))
 
