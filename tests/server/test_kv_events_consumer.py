@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.keys import PrefixKey
-from kvstore.server.kv_events.consumer import ResidencyMirror, StoredBlock, token_arrays
+from kvstore.server.kv_events.consumer import BlockStored, KVEventBatch, ResidencyMirror, StoredBlock, token_arrays
 from kvstore.server.kv_events.encoding import batch, block_removed, blocks_stored
 from kvstore.tiers.base import ChunkRecord
 
@@ -50,3 +50,17 @@ def test_a_mirror_keeps_each_stored_blocks_fields_and_drops_removed_ones() -> No
     block = mirror.stored[keys[2]]
     assert isinstance(block, StoredBlock) and block.parent_block_hash == keys[1] and block.block_size == 16
     assert block.token_ids.tolist() == list(range(32, 48))
+
+
+def test_a_mirror_splits_an_event_of_several_blocks_into_one_per_block() -> None:
+    """vLLM's engines send one ``BlockStored`` for a run of blocks, its token ids all the blocks' in order: each
+    block gets its own slice, and its parent is the block before it."""
+    hashes = [b"a" * 16, b"b" * 16, b"c" * 16]
+    event = BlockStored(block_hashes=list(hashes), parent_block_hash=b"p" * 16,
+                        token_ids=msgspec.Raw(msgpack.packb(list(range(12)))), block_size=4, medium="GPU")  # fmt: skip
+    mirror = ResidencyMirror()
+    mirror.apply(7, msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[event])))
+    assert mirror.resident == {("GPU", block_hash) for block_hash in hashes} and mirror.last_seq == 7
+    assert [mirror.stored[block_hash].token_ids.tolist() for block_hash in hashes] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                                                      [8, 9, 10, 11]]  # fmt: skip
+    assert [mirror.stored[block_hash].parent_block_hash for block_hash in hashes] == [b"p" * 16, *hashes[:2]]
