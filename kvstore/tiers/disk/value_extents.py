@@ -35,6 +35,7 @@ _ROOT_OFFSET = 40  # md_root within an MDB_db record
 _NO_ROOT = 2**64 - 1  # P_INVALID: an empty tree
 _PAGES = types.Array(types.uint8, 1, "C", readonly=True)
 _FOUND = types.UniTuple(types.int64, 5)  # type: ignore[no-untyped-call]
+_STACK = types.Array(types.uint64, 1, "C")
 _FOUND_NOTHING, _NODE_PAST_PAGE, _BIG_KEY_PAST_PAGE, _BIG_VALUE_PAST_FILE, _INLINE_PAST_PAGE = range(5)
 
 
@@ -74,6 +75,17 @@ def _word(pages, at, num_bytes, little):  # type: ignore[no-untyped-def]
     return value
 
 
+@njit(_STACK(_STACK, types.int64, types.uint64), cache=True, nogil=True)
+def _pushed(stack, depth, page_number):  # type: ignore[no-untyped-def]
+    """``stack`` with ``page_number`` at ``depth`` (a copy twice as long when it is full)."""
+    if depth == stack.shape[0]:
+        grown = np.empty(2 * depth, dtype=np.uint64)
+        grown[:depth] = stack
+        stack = grown
+    stack[depth] = page_number
+    return stack
+
+
 @njit(_FOUND(_PAGES, types.int64, types.int64, types.int64, types.boolean), cache=True, nogil=True)
 def _walk(pages, page_size, last_page, main_root, little):  # type: ignore[no-untyped-def]
     """``(kind, page, node offset, value size, value's first page)`` of the first value found past its page or the
@@ -106,11 +118,7 @@ def _walk(pages, page_size, last_page, main_root, little):  # type: ignore[no-un
             key_bytes = _word(pages, base + offset + 6, 2, little)
             data_at = offset + _NODE_HEADER_BYTES + key_bytes
             if flags & _BRANCH:
-                if depth == stack.shape[0]:
-                    grown = np.empty(2 * depth, dtype=np.uint64)
-                    grown[:depth] = stack
-                    stack = grown
-                stack[depth] = np.uint64(low | high << 16 | node_flags << 32)
+                stack = _pushed(stack, depth, np.uint64(low | high << 16 | node_flags << 32))
                 depth += 1
                 continue
             size = low | high << 16
@@ -127,11 +135,7 @@ def _walk(pages, page_size, last_page, main_root, little):  # type: ignore[no-un
             elif node_flags & _SUB_DATABASE and not node_flags & _DUPLICATES and size >= _ROOT_OFFSET + 8:
                 sub_root = np.uint64(_word(pages, base + data_at + _ROOT_OFFSET, 8, little))
                 if sub_root != np.uint64(_NO_ROOT):
-                    if depth == stack.shape[0]:
-                        grown = np.empty(2 * depth, dtype=np.uint64)
-                        grown[:depth] = stack
-                        stack = grown
-                    stack[depth] = sub_root
+                    stack = _pushed(stack, depth, sub_root)
                     depth += 1
     return _FOUND_NOTHING, 0, 0, 0, 0
 

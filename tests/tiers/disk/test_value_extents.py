@@ -108,3 +108,20 @@ def test_a_child_that_is_not_a_tree_page_is_left_to_lmdb(tmp_path: Path) -> None
         assert value_past_end(fd, PAGE, NUM_PAGES - 1, main_root=5) is None
     finally:
         os.close(fd)
+
+
+def test_a_deep_wide_tree_is_walked_whole(tmp_path: Path) -> None:
+    """Three branch pages of 400 children each, the one real child last (walked first): the walk's stack holds
+    more pages than it starts with, and the damaged leaf under them is still found."""
+    junk = [_branch_node(b"", 1000 + index) for index in range(399)]  # past the last page: left to LMDB
+    pages = [bytes(PAGE), bytes(PAGE), _page(2, 0x02, [_sub_database(b"meta", 3)])]
+    pages += [_page(number, 0x01, [*junk, _branch_node(b"", number + 1)]) for number in (3, 4, 5)]
+    pages.append(_page(6, 0x02, [_node(b"small", PAGE, 0, b"hello")]))
+    path = tmp_path / "data.mdb"
+    path.write_bytes(b"".join(pages))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        reason = value_past_end(fd, PAGE, len(pages) - 1, main_root=2)
+    finally:
+        os.close(fd)
+    assert reason is not None and "of page 6 runs past its page" in reason
