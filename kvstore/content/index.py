@@ -50,7 +50,7 @@ from kvstore.content import fingerprint_table as table
 from kvstore.content.match_scan import scan_and_plan
 from kvstore.content.rolling_hash import window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, num_chunks
+from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, key_words, num_chunks
 
 __all__ = [
     "DEFAULT_FINGERPRINT_BITS",
@@ -361,7 +361,7 @@ class FingerprintIndex:
             raise ConfigError("every source start must lie in [0, 2**32 - its chunk's tokens)")
         if count and set(map(len, keys)) != {KEY_BYTES}:
             raise InvalidInputError(f"every prefix key must be {KEY_BYTES} bytes (kvstore.keys.PrefixKey)")
-        key_halves = np.frombuffer(b"".join(keys), dtype="<u8").reshape(count, 2)
+        key_halves = key_words(keys)
         entries = np.empty(count, dtype=np.int32)
         is_new = np.empty(count, dtype=np.bool_)
         with self._index_lock:
