@@ -11,7 +11,10 @@ Two phases, on real ``kvstore serve`` processes (tiers cpu,disk) and real ZeroMQ
   thread's, from ``/proc/PID/task/*/schedstat``, in nanoseconds): what publishing costs a server bound by its
   cores, steadier than rates on a VM whose other tenants come and go; and the publisher thread's own share of it
   (``kvstore_kv_events_cpu_seconds_total`` over the server's CPU in the same round), the direct cost without the
-  noise of comparing two processes.
+  noise of comparing two processes. ``--warmup-rounds`` come first, unmeasured, so that the publishing server's
+  replay ring (``--replay-mib``, its ``--kv-events-replay-mib``) is full: until it is, every batch kept is new
+  memory and its pages fault in; a long-running server's full ring recycles the memory of the batches it drops.
+  16 MiB (~6 MB of batches a round at this layout) stands for the default 256 MiB reached sooner.
 - **publisher**: the publisher's own CPU time per residency change, in this process (no server, no subscriber).
 - **residency**: one publishing server; ``--chunks`` chunks stored through a cpu tier of ``--cpu-chunks`` and a disk
   of ``--disk-chunks`` (evictions from both), every third document looked up again (promotions), some evicted by
@@ -75,6 +78,8 @@ def main() -> int:
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-residency", action="store_true")
     parser.add_argument("--interval-ms", type=float, help="the cost phase's --kv-events-interval-ms (default: its own)")
+    parser.add_argument("--warmup-rounds", type=int, default=3, help="cost phase: rounds before the measured ones")
+    parser.add_argument("--replay-mib", type=int, default=16, help="cost phase: the server's --kv-events-replay-mib")
     parser.add_argument("--join-late", metavar="REPLAY_ENDPOINT", help="(internal) be the late joiner, print JSON")
     parser.add_argument("--keys-only", action="store_true", help="(internal) with --join-late: snapshot-keys")
     args = parser.parse_args()
@@ -122,9 +127,11 @@ def cost_rows(root: Path, args: argparse.Namespace, *, subscribed: bool) -> list
     else the events go to a bound socket nobody reads (the publisher's own cost: ZeroMQ drops them unsent)."""
     replay = f"tcp://127.0.0.1:{free_port()}"
     subscriber = Subscriber(ResidencyMirror(), replay, high_water_mark=10_000_000)
-    flags = sizes(args.docs * args.doc_chunks // 4, 10 * args.rounds * args.docs * args.doc_chunks)
+    all_rounds = args.warmup_rounds + args.rounds
+    flags = sizes(args.docs * args.doc_chunks // 4, 10 * all_rounds * args.docs * args.doc_chunks)
     endpoint = subscriber.endpoint if subscribed else f"tcp://*:{free_port()}"
-    events_flags = [*flags, "--kv-events", endpoint, "--kv-events-replay", replay]
+    events_flags = [*flags, "--kv-events", endpoint, "--kv-events-replay", replay,
+                    "--kv-events-replay-mib", str(args.replay_mib)]  # fmt: skip
     if args.interval_ms is not None:
         events_flags += ["--kv-events-interval-ms", str(args.interval_ms)]
     interval_ms = args.interval_ms or 1000 * KVEventOptions(endpoint=endpoint).interval_s
@@ -136,8 +143,11 @@ def cost_rows(root: Path, args: argparse.Namespace, *, subscribed: bool) -> list
             clients = {"on": Client(on.url, LAYOUT), "off": Client(off.url, LAYOUT)}
             pids = {"on": on.process.pid, "off": off.process.pid}
             documents = [document(seed, args.doc_chunks) for seed in range(args.docs)]
-            for round_index in range(args.rounds):
+            for round_index in range(all_rounds):
                 for side in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
+                    if round_index < args.warmup_rounds:
+                        store_and_look_up(clients[side], documents, salt=round_index)
+                        continue
                     before, publisher_before = process_cpu_s(pids[side]), publisher_cpu(on.metrics_url)
                     rates[side].append(store_and_look_up(clients[side], documents, salt=round_index))
                     if subscribed:
@@ -172,7 +182,8 @@ def cost_rows(root: Path, args: argparse.Namespace, *, subscribed: bool) -> list
     rows.append({"phase": "cost", "subscriber": "this host" if subscribed else "none",
                  "rate": "publisher_share_of_server_cpu", "share": round(statistics.median(shares), 4),
                  "target": round(1 - TARGET_COST_RATIO, 4), "met": statistics.median(shares) <= 1 - TARGET_COST_RATIO,
-                 "rounds": args.rounds, "interval_ms": interval_ms,
+                 "rounds": args.rounds, "interval_ms": interval_ms, "warmup_rounds": args.warmup_rounds,
+                 "replay_mib": args.replay_mib,
                  "samples": [round(share, 4) for share in shares]})  # fmt: skip
     return rows
 

@@ -115,6 +115,12 @@ def serve_command(
         help="How long residency changes wait to join a KV event batch: a router sees them that much later; shorter "
         "costs the server more CPU (default: 50).",
     ),
+    kv_events_replay_mib: int | None = typer.Option(
+        None,
+        "--kv-events-replay-mib",
+        help="How many MiB of published KV event batches the server keeps for replay requests, the oldest dropped "
+        "first (default: 256).",
+    ),
     config: Path | None = typer.Option(
         None, "--config", help='TOML file; keys are the flags\' names (cpu_size = "8GiB"). Flags > KVSTORE_* > file.'
     ),
@@ -176,6 +182,7 @@ def serve_command(
         kv_events_replay=kv_events_replay,
         kv_events_topic=kv_events_topic,
         kv_events_interval_ms=kv_events_interval_ms,
+        kv_events_replay_mib=kv_events_replay_mib,
     )
     settings = resolve_settings(flags, probe_host(), config)
     stop = threading.Event()

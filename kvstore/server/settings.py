@@ -97,6 +97,7 @@ class ServeFlags:
     kv_events_replay: str | None = None
     kv_events_topic: str | None = None
     kv_events_interval_ms: float | None = None
+    kv_events_replay_mib: int | None = None
 
 
 def flag_name(setting: str) -> str:
@@ -458,15 +459,24 @@ def _loop_options(flags: ServeFlags) -> LoopOptions:
 def _kv_events(flags: ServeFlags) -> KVEventOptions | None:
     if flags.kv_events is None:
         if any(value is not None for value in (flags.kv_events_replay, flags.kv_events_topic,
-                                                flags.kv_events_interval_ms)):  # fmt: skip
+                                                flags.kv_events_interval_ms, flags.kv_events_replay_mib)):  # fmt: skip
             raise ConfigError(
-                "--kv-events-replay, --kv-events-topic and --kv-events-interval-ms need --kv-events (where events are "
-                "published)"
+                "--kv-events-replay, --kv-events-topic, --kv-events-interval-ms and --kv-events-replay-mib need "
+                "--kv-events (where events are published)"
             )
         return None
-    interval_ms = float(flags.kv_events_interval_ms) if flags.kv_events_interval_ms is not None else None
-    if interval_ms is not None and not (math.isfinite(interval_ms) and 1 <= interval_ms <= 10_000):
-        raise ConfigError(f"--kv-events-interval-ms {interval_ms:g} must be between 1 and 10000 milliseconds")
+    options = KVEventOptions(
+        endpoint=flags.kv_events, replay_endpoint=flags.kv_events_replay, topic=flags.kv_events_topic or ""
+    )
+    if flags.kv_events_interval_ms is not None:
+        interval_ms = float(flags.kv_events_interval_ms)
+        if not (math.isfinite(interval_ms) and 1 <= interval_ms <= 10_000):
+            raise ConfigError(f"--kv-events-interval-ms {interval_ms:g} must be between 1 and 10000 milliseconds")
+        options = replace(options, interval_s=interval_ms / 1000)
+    if flags.kv_events_replay_mib is not None:
+        if not 1 <= flags.kv_events_replay_mib <= 65_536:
+            raise ConfigError(f"--kv-events-replay-mib {flags.kv_events_replay_mib} must be between 1 and 65536")
+        options = replace(options, buffer_bytes=flags.kv_events_replay_mib << 20)
     endpoints = [("--kv-events", flags.kv_events)]
     if flags.kv_events_replay is not None:
         endpoints.append(("--kv-events-replay", flags.kv_events_replay))
@@ -475,10 +485,7 @@ def _kv_events(flags: ServeFlags) -> KVEventOptions | None:
             check_server_url(endpoint)  # a tcp:// host and port or an ipc:// path, as a server's address is
         except ConfigError as exc:
             raise ConfigError(f"{flag}: {exc} (events: tcp://*:5557 binds, tcp://router:5557 connects)") from None
-    options = KVEventOptions(
-        endpoint=flags.kv_events, replay_endpoint=flags.kv_events_replay, topic=flags.kv_events_topic or ""
-    )
-    return options if interval_ms is None else replace(options, interval_s=interval_ms / 1000)
+    return options
 
 
 def _metrics_port(flags: ServeFlags) -> int:

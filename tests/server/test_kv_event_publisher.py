@@ -1,6 +1,6 @@
 """``KVEventPublisher`` in process over a real ``TieredStore`` and real ZeroMQ sockets: the store opening after the
 publisher (the first client's layout), the start's snapshot, replay from any batch, both snapshots, a bad request,
-the counts, and an endpoint it cannot open."""
+the counts, the replay's byte budget, a close that publishes what is queued, and an endpoint it cannot open."""
 
 from __future__ import annotations
 
@@ -8,17 +8,19 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
 
 from kvstore import TieredStore
 from kvstore.errors import ConfigError
-from kvstore.keys import as_token_array, prefix_keys
+from kvstore.keys import PrefixKey, as_token_array, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.server.kv_events.consumer import ResidencyMirror, Subscriber, free_port, join_late, request
 from kvstore.server.kv_events.encoding import MEDIUMS
 from kvstore.server.kv_events.options import KVEventOptions
 from kvstore.server.kv_events.publisher import KVEventPublisher
+from kvstore.tiers.base import ChunkRecord, TierName
 from tests.factories import make_kv, make_tokens, store_config
 
 CHUNK = 8
@@ -70,6 +72,54 @@ def test_a_publisher_follows_a_store_that_opens_after_it(store: TieredStore, sma
     finally:
         publisher.close()
         subscriber.close()
+
+
+def records(count: int) -> list[ChunkRecord]:
+    rng = np.random.default_rng(3)
+    return [
+        ChunkRecord(key=PrefixKey(rng.bytes(16)), source_start=0, tokens=rng.integers(0, 1000, CHUNK, dtype="<u4"))
+        for _ in range(count)
+    ]
+
+
+def wait_until_published(publisher: KVEventPublisher, stored: int) -> None:
+    deadline = time.monotonic() + 10
+    while publisher.stats().events["BlockStored"] < stored and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert publisher.stats().events["BlockStored"] == stored
+
+
+def test_the_replay_keeps_the_newest_batches_that_fit_its_bytes() -> None:
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    options = KVEventOptions(endpoint=f"tcp://*:{free_port()}", replay_endpoint=replay, buffer_bytes=2_000,
+                             interval_s=0.001)  # fmt: skip
+    publisher = KVEventPublisher(options, lambda: None, CHUNK)
+    try:
+        for record in records(60):
+            publisher.stored(TierName.CPU, record)
+            time.sleep(0.003)  # a batch or so each
+        wait_until_published(publisher, 60)
+        kept = request(replay, (0).to_bytes(8, "big"))
+        last = publisher.stats().batches - 1
+        seqs = [seq for seq, _ in kept]
+        assert seqs == list(range(seqs[0], last + 1)) and seqs[0] > 0, "the newest batches, the oldest dropped"
+        assert sum(len(payload) for _, payload in kept) <= 2_000
+    finally:
+        publisher.close()
+
+
+def test_a_close_publishes_every_change_still_queued_at_once() -> None:
+    options = KVEventOptions(endpoint=f"tcp://*:{free_port()}", interval_s=10.0)
+    publisher = KVEventPublisher(options, lambda: None, CHUNK)
+    chunks = records(500)
+    for record in chunks:
+        publisher.stored(TierName.DISK, record)
+    publisher.removed(TierName.DISK, [record.key for record in chunks[:7]])
+    started = time.monotonic()
+    publisher.close()
+    assert time.monotonic() - started < 5, "a close does not wait out the batching interval"
+    stats = publisher.stats()
+    assert stats.queued == 0 and stats.events["BlockStored"] == 500 and stats.events["BlockRemoved"] == 1
 
 
 def test_an_endpoint_it_cannot_open_is_a_one_line_config_error() -> None:

@@ -148,12 +148,19 @@ def test_kv_event_flags_are_checked_with_one_line_errors(tmp_path: Path) -> None
         resolve_settings(ServeFlags(tiers="cpu", kv_events_replay="tcp://*:5558"), probe_host())
     with pytest.raises(ConfigError, match="need --kv-events"):
         resolve_settings(ServeFlags(tiers="cpu", kv_events_interval_ms=10), probe_host())
+    with pytest.raises(ConfigError, match="need --kv-events"):
+        resolve_settings(ServeFlags(tiers="cpu", kv_events_replay_mib=16), probe_host())
+    for mib in (0, 65_537):
+        with pytest.raises(ConfigError, match=r"--kv-events-replay-mib .* must be between 1 and 65536"):
+            resolve_settings(ServeFlags(tiers="cpu", kv_events="tcp://*:5557", kv_events_replay_mib=mib), probe_host())
     for interval_ms in (0, 20_000, float("nan")):
         with pytest.raises(ConfigError, match=r"--kv-events-interval-ms .* must be between 1 and 10000 milliseconds"):
             resolve_settings(ServeFlags(tiers="cpu", kv_events="tcp://*:5557", kv_events_interval_ms=interval_ms),
                              probe_host())  # fmt: skip
     settings = resolve_settings(ServeFlags(tiers="cpu", kv_events="tcp://*:5557", kv_events_topic="t"), probe_host())
     assert settings.kv_events is not None and settings.kv_events.topic == "t" and settings.kv_events.interval_s == 0.05
-    flags = ServeFlags(tiers="cpu", kv_events="tcp://*:5557", kv_events_interval_ms=20)
+    assert settings.kv_events.buffer_bytes == 256 << 20
+    flags = ServeFlags(tiers="cpu", kv_events="tcp://*:5557", kv_events_interval_ms=20, kv_events_replay_mib=16)
     settings = resolve_settings(flags, probe_host())
     assert settings.kv_events is not None and settings.kv_events.interval_s == 0.02
+    assert settings.kv_events.buffer_bytes == 16 << 20

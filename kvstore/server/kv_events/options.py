@@ -18,7 +18,7 @@ class KVEventOptions:
         replay_endpoint: the ROUTER socket for replay and snapshot requests, always bound; ``None``: none.
         topic: the first frame of every message.
         buffer_steps: batches kept for replay.
-        buffer_bytes: the most bytes those batches may hold (the oldest go first).
+        buffer_bytes: the most bytes those batches may hold, the oldest going first (``--kv-events-replay-mib``).
         max_events: the most events in one batch.
         interval_s: how long changes wait to join a batch (``--kv-events-interval-ms``): a router sees a change at
             most this much later. A batch has a fixed cost (waking, taking the GIL back from the server's request

@@ -148,11 +148,14 @@ class KVEventPublisher:
                 if replay is not None and dict(poller.poll(wait_ms)):
                     self._answer(replay, watched)
                 elif replay is None and not stopping:
-                    time.sleep(self._options.interval_s)
-                while self._changes:
-                    self._send(pub, self._take_changes())
+                    self._stop.wait(self._options.interval_s)  # a close ends the wait
+                waiting = len(self._changes)  # one batch a pass: what arrives meanwhile waits for the next
+                while waiting:
+                    count = min(waiting, self._options.max_events)
+                    self._send(pub, self._take_changes(count))
+                    waiting -= count
                 self._cpu_s = time.thread_time()
-                if stopping:
+                if stopping and not self._changes:
                     break
         except Exception:  # the thread's boundary: events stop, the store goes on
             logger.exception("kv events: the publisher failed; no more events are published")
@@ -186,9 +189,9 @@ class KVEventPublisher:
                     f", replay on {options.replay_endpoint}" if options.replay_endpoint else "")  # fmt: skip
         return pub, replay
 
-    def _take_changes(self) -> EncodedEvents:
-        """Up to ``max_events`` queued changes as events (``encode_changes``: in as few runs as keep them exact)."""
-        changes = [self._changes.popleft() for _ in range(min(len(self._changes), self._options.max_events))]
+    def _take_changes(self, count: int) -> EncodedEvents:
+        """The first ``count`` queued changes as events (``encode_changes``: in as few runs as keep them exact)."""
+        changes = [self._changes.popleft() for _ in range(count)]
         return encode_changes(changes, self._block_size)
 
     def _snapshot_batches(self, store: TieredStore) -> Iterator[EncodedEvents]:
