@@ -43,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,6 +63,7 @@ LAYOUT = KVLayout(model_id="bench/kv-events", num_layers=1, num_kv_heads=1, head
 CHUNK = 256
 TARGET_COST_RATIO = 0.98
 TARGET_JOIN_S = 1.0
+PUBLISHER_CPU = "kvstore_kv_events_cpu_seconds_total"
 
 
 def main() -> int:
@@ -141,22 +141,22 @@ def cost_rows(root: Path, args: argparse.Namespace, *, subscribed: bool) -> list
     try:
         with server(root, "on", events_flags) as on, server(root, "off", flags) as off:
             clients = {"on": Client(on.url, LAYOUT), "off": Client(off.url, LAYOUT)}
-            pids = {"on": on.process.pid, "off": off.process.pid}
+            servers = {"on": on, "off": off}
             documents = [document(seed, args.doc_chunks) for seed in range(args.docs)]
             for round_index in range(all_rounds):
                 for side in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
                     if round_index < args.warmup_rounds:
                         store_and_look_up(clients[side], documents, salt=round_index)
                         continue
-                    before, publisher_before = process_cpu_s(pids[side]), publisher_cpu(on.metrics_url)
+                    before, publisher_before = servers[side].cpu_s(), on.metric(PUBLISHER_CPU)
                     rates[side].append(store_and_look_up(clients[side], documents, salt=round_index))
                     if subscribed:
                         subscriber.receive(quiet_s=0.2)  # the round's events reach the mirror before the clock stops
                     else:
                         time.sleep(0.1)  # the publisher's last batch of the round is sent before its CPU is read
-                    cpu_s[side].append(process_cpu_s(pids[side]) - before)
+                    cpu_s[side].append(servers[side].cpu_s() - before)
                     if side == "on":
-                        publisher_cpu_s.append(publisher_cpu(on.metrics_url) - publisher_before)
+                        publisher_cpu_s.append(on.metric(PUBLISHER_CPU) - publisher_before)
             for client in clients.values():
                 client.close()
             subscriber.receive(quiet_s=1.0)
@@ -186,26 +186,6 @@ def cost_rows(root: Path, args: argparse.Namespace, *, subscribed: bool) -> list
                  "replay_mib": args.replay_mib,
                  "samples": [round(share, 4) for share in shares]})  # fmt: skip
     return rows
-
-
-def publisher_cpu(metrics_url: str) -> float:
-    """The publisher thread's CPU seconds, from the server's ``kvstore_kv_events_cpu_seconds_total``."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("kvstore_kv_events_cpu_seconds_total "):
-                return float(line.split()[1])
-    raise RuntimeError(f"{metrics_url} exports no kvstore_kv_events_cpu_seconds_total")
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds every live thread of ``pid`` has run (``schedstat``: nanoseconds, unlike ``stat``'s 10 ms ticks)."""
-    total_ns = 0
-    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        try:
-            total_ns += int(stat.read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
-            continue
-    return total_ns / 1e9
 
 
 def store_and_look_up(client: Client, documents: list[tuple[np.ndarray, np.ndarray]], salt: int) -> tuple[float, float]:

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,25 @@ class ServeProcess:
     url: str
     metrics_url: str
     stderr_path: Path
+
+    def cpu_s(self) -> float:
+        """CPU seconds every live thread of the server has run (``schedstat``: nanoseconds, not ``stat``'s 10 ms
+        ticks; a thread that ended took its time with it)."""
+        total_ns = 0
+        for stat in Path(f"/proc/{self.process.pid}/task").glob("*/schedstat"):
+            try:
+                total_ns += int(stat.read_text().split()[0])
+            except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                continue
+        return total_ns / 1e9
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled sample ``name`` on the server's ``/metrics``."""
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise ConfigError(f"{self.metrics_url} exports no {name}")
 
     def stop(self) -> None:
         """SIGTERM (the server flushes), SIGKILL after a minute."""

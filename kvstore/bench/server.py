@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 _TARGET_LOOKUP_P50_MS = 1.0
 _TARGET_BANDWIDTH_RATIO = 0.5
+_PUBLISHER_CPU = "kvstore_kv_events_cpu_seconds_total"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,7 +93,9 @@ class ServerBenchRow:
 
     ``unit`` is ``ms`` (lookup latency: ``value`` is the p50, ``ratio`` = in-process p50 / server p50) or
     ``GB/s`` (``ratio`` = server / in-process). ``met``: p50 at most ``target`` (lookup) or ratio at least
-    ``target`` (bandwidth), and every read verified.
+    ``target`` (bandwidth), and every read verified. ``kv_events_cpu_share``: with ``--kv-events``, the publisher
+    thread's CPU time over the server's during the row's phase (``kvstore_kv_events_cpu_seconds_total``): what
+    publishing cost, resolved below the noise of comparing a run with events against one without.
     """
 
     op: str
@@ -112,9 +115,10 @@ class ServerBenchRow:
     max_ms: float
     num_samples: int
     note: str = ""
+    kv_events_cpu_share: float | None = None
 
-    def to_json_dict(self) -> dict[str, str | int | float | bool]:
-        values: dict[str, str | int | float | bool] = dataclasses.asdict(self)
+    def to_json_dict(self) -> dict[str, str | int | float | bool | None]:
+        values: dict[str, str | int | float | bool | None] = dataclasses.asdict(self)
         return values
 
 
@@ -123,6 +127,26 @@ def _start_server(options: ServerBenchOptions, layout: KVLayout, cpu_bytes: int,
     if options.kv_events:
         flags += ["--kv-events", f"tcp://*:{free_port()}"]
     return start_serve_process(layout, options.chunk_size, directory, flags)
+
+
+class _ServerCpu:
+    """From its making on: the server's CPU time, and its publisher thread's share of it (``None`` without events)."""
+
+    def __init__(self, server: ServeProcess, kv_events: bool) -> None:
+        self._server = server
+        self._kv_events = kv_events
+        self._server_start_s = server.cpu_s()
+        self._publisher_start_s = server.metric(_PUBLISHER_CPU) if kv_events else 0.0
+
+    def publisher_share(self) -> float | None:
+        if not self._kv_events:
+            return None
+        publisher_s = self._server.metric(_PUBLISHER_CPU) - self._publisher_start_s
+        return publisher_s / (self._server.cpu_s() - self._server_start_s)
+
+
+def _share_note(share: float | None) -> str:
+    return "" if share is None else f"; the kv event publisher spent {share:.2%} of the server's CPU"
 
 
 def _percentiles(samples_ms: list[float]) -> tuple[float, float, float, float]:
@@ -178,6 +202,7 @@ def _lookup_phase(options: ServerBenchOptions, directory: Path, say: Callable[[s
             local_ms: list[float] = []
             health_ms: list[float] = []
             say(f"lookup phase: {options.num_lookups} lookups of {num_tokens} tokens each side")
+            server_cpu = _ServerCpu(server, options.kv_events)
             for repeat in range(options.num_lookups + 10):
                 started = time.perf_counter()
                 plan = client.lookup(tokens)
@@ -195,6 +220,7 @@ def _lookup_phase(options: ServerBenchOptions, directory: Path, say: Callable[[s
                     local_ms.append(local_elapsed_ms)
                     health_ms.append(health_elapsed_ms)
             verified = plan.num_prefix_tokens == num_tokens and local_plan.segments == plan.segments
+            share = server_cpu.publisher_share()
     finally:
         server.stop()
     p50, p90, p99, worst = _percentiles(server_ms)
@@ -206,7 +232,7 @@ def _lookup_phase(options: ServerBenchOptions, directory: Path, say: Callable[[s
         ratio=local_p50 / p50, target=_TARGET_LOOKUP_P50_MS, met=p50 <= _TARGET_LOOKUP_P50_MS and verified,
         p50_ms=p50, p90_ms=p90, p99_ms=p99, max_ms=worst, num_samples=len(server_ms),
         note=f"{len(plan.segments)} segments; health round trip p50 {health_p50:.3f} ms (transport floor)"
-        + ("" if verified else "; PLANS DIFFER"),
+        + _share_note(share) + ("" if verified else "; PLANS DIFFER"), kv_events_cpu_share=share,
     )  # fmt: skip
 
 
@@ -237,6 +263,7 @@ def _bandwidth_phase(
             source_buffer, target_buffer = client.buffer(num_tokens), client.buffer(num_tokens)
             source_buffer.copy_(kv)
             out = torch.empty_like(kv)
+            server_cpu = _ServerCpu(server, options.kv_events)
             for repeat in range(options.num_repeats + 1):
                 say(f"bandwidth phase: repeat {repeat} of {options.num_repeats} ({num_bytes / 2**20:.0f} MiB)")
                 for variant in ("tensor", "buffer"):
@@ -245,6 +272,7 @@ def _bandwidth_phase(
                     for where, owner in (("server", client), ("local", store)):
                         timings = sides[("store", variant, where)], sides[("retrieve", variant, where)]
                         _store_and_retrieve(owner, tokens, source, target, kv, timings, timed=repeat > 0)
+            share = server_cpu.publisher_share()
     finally:
         server.stop()
     chunk_mib = layout.chunk_bytes(options.chunk_size) / 2**20
@@ -263,8 +291,8 @@ def _bandwidth_phase(
                 ratio=gbps / base_gbps, target=_TARGET_BANDWIDTH_RATIO,
                 met=gbps / base_gbps >= _TARGET_BANDWIDTH_RATIO and verified, p50_ms=p50, p90_ms=p90, p99_ms=p99,
                 max_ms=worst, num_samples=len(remote.seconds),
-                note=f"{num_tokens // options.chunk_size} chunks of {chunk_mib:.0f} MiB"
-                + ("" if verified else "; READ BACK DIFFERENT BYTES"),
+                note=f"{num_tokens // options.chunk_size} chunks of {chunk_mib:.0f} MiB" + _share_note(share)
+                + ("" if verified else "; READ BACK DIFFERENT BYTES"), kv_events_cpu_share=share,
             )  # fmt: skip
 
 

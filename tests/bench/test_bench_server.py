@@ -1,5 +1,5 @@
 """``kvstore bench server`` end to end with tiny sizes: every figure is measured against the in-process store and
-every read is verified."""
+every read is verified; with ``--kv-events``, each figure carries the publisher's share of the server's CPU."""
 
 from __future__ import annotations
 
@@ -27,3 +27,8 @@ def test_bench_server_json_rows(capsys: pytest.CaptureFixture[str], events: list
     for row in rows:
         assert row["value"] > 0 and row["baseline_value"] > 0 and "DIFFER" not in row["note"]
         assert "in-process TieredStore" in row["baseline"]
+        if events:  # the publisher's own CPU over the server's: a fraction, and said in the note
+            share = row["kv_events_cpu_share"]
+            assert 0 <= share < 1 and f"spent {share:.2%} of the server's CPU" in row["note"]
+        else:
+            assert row["kv_events_cpu_share"] is None and "publisher" not in row["note"]
