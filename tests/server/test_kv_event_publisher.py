@@ -122,6 +122,32 @@ def test_a_close_publishes_every_change_still_queued_at_once() -> None:
     assert stats.queued == 0 and stats.events["BlockStored"] == 500 and stats.events["BlockRemoved"] == 1
 
 
+def thread_cpu_s(thread_id: int | None) -> float:
+    return int(Path(f"/proc/self/task/{thread_id}/schedstat").read_text().split()[0]) / 1e9
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a thread's CPU time from Linux's /proc")
+def test_an_idle_publisher_sleeps_until_a_change_comes(store: TieredStore) -> None:
+    """Batches every millisecond, yet idle it spends no CPU; a change after a second of sleep leaves at once."""
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    options = KVEventOptions(endpoint=f"tcp://*:{free_port()}", replay_endpoint=replay, interval_s=0.001)
+    publisher = KVEventPublisher(options, lambda: store, CHUNK)
+    try:
+        wait_until_published(publisher, 0)
+        time.sleep(0.2)  # the start's snapshot is sent
+        thread_id = publisher._thread.native_id
+        before = thread_cpu_s(thread_id)
+        time.sleep(1.0)
+        assert thread_cpu_s(thread_id) - before < 0.01, "an idle publisher polled"
+        assert len(request(replay, (0).to_bytes(8, "big"))) == 1, "a request wakes it too"
+        published = time.monotonic()
+        publisher.stored(TierName.CPU, records(1)[0])
+        wait_until_published(publisher, 1)
+        assert time.monotonic() - published < 0.5
+    finally:
+        publisher.close()
+
+
 def test_an_endpoint_it_cannot_open_is_a_one_line_config_error() -> None:
     context = zmq.Context()
     taken = context.socket(zmq.PUB)

@@ -17,14 +17,18 @@ change the tiers report (``tiers.residency``), a batch every ``interval_s`` or `
 the events are grouped by tier (``encoding.encode_changes``), which leaves a consumer with exactly the residency the
 changes in their order leave.
 
-Threads: the tiers call ``stored`` / ``removed`` from any thread (an append to a queue); one thread owns both
-sockets, encodes and sends.
+Threads: the tiers call ``stored`` / ``removed`` from any thread (an append to a queue, and a byte on a socket
+pair when the publisher's thread sleeps); one thread owns both sockets, encodes and sends. It sleeps while nothing
+is queued and nobody asks (an idle server spends no CPU on events), and once a change comes it gathers changes for
+``interval_s`` before it sends them, answering requests meanwhile.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -87,19 +91,37 @@ class KVEventPublisher:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._failure: BaseException | None = None
+        # Waking the thread: it sleeps in a poll until a change or a request comes (an idle server spends nothing on
+        # events); a tier that queues a change while it sleeps sends a byte on this pair.
+        self._wake_receiver, self._wake_sender = socket.socketpair()
+        self._wake_receiver.setblocking(False)
+        self._wake_sender.setblocking(False)
+        self._asleep = False  # set by the thread just before it sleeps, cleared by whoever wakes it
         self._thread = threading.Thread(target=self._run, name="kvstore-kv-events", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._failure is not None:
+            self._close_wake()
             raise self._failure
 
     # -- ResidencyListener (any thread, under a tier's lock: only a note) ------------------------------------------
 
     def stored(self, tier: TierName, record: ChunkRecord) -> None:
         self._changes.append((tier, record))
+        if self._asleep:
+            self._wake()
 
     def removed(self, tier: TierName, keys: Sequence[PrefixKey]) -> None:
         self._changes.append((tier, tuple(keys)))
+        if self._asleep:
+            self._wake()
+
+    def _wake(self) -> None:
+        """The thread sleeps: wake it (the flag is read after the append and set before the thread's last look at
+        the queue, so a change is never left asleep; a wake too many costs a pass)."""
+        self._asleep = False
+        with contextlib.suppress(OSError):  # full: a wake is pending already; closed: the thread is gone
+            self._wake_sender.send(b"\0")
 
     def stats(self) -> KVEventStats:
         """Counts so far (read from any thread: each is one int its thread writes)."""
@@ -116,7 +138,13 @@ class KVEventPublisher:
     def close(self) -> None:
         """Publish what is queued, then close the sockets."""
         self._stop.set()
+        self._wake()
         self._thread.join()
+        self._close_wake()
+
+    def _close_wake(self) -> None:
+        self._wake_sender.close()
+        self._wake_receiver.close()
 
     # -- the publisher thread ----------------------------------------------------------------------------------------
 
@@ -135,6 +163,7 @@ class KVEventPublisher:
         try:
             self._send(pub, EncodedEvents(pieces=[all_blocks_cleared()], num_cleared=1))
             poller = zmq.Poller()
+            poller.register(self._wake_receiver, zmq.POLLIN)
             if replay is not None:
                 poller.register(replay, zmq.POLLIN)
             while True:
@@ -144,11 +173,8 @@ class KVEventPublisher:
                     watched = store
                     for events in self._snapshot_batches(store):
                         self._send(pub, events)
-                wait_ms = 0 if stopping else max(1, int(1000 * self._options.interval_s))
-                if replay is not None and dict(poller.poll(wait_ms)):
-                    self._answer(replay, watched)
-                elif replay is None and not stopping:
-                    self._stop.wait(self._options.interval_s)  # a close ends the wait
+                if not stopping:
+                    self._wait_for_a_batch(poller, replay, watched)
                 waiting = len(self._changes)  # one batch a pass: what arrives meanwhile waits for the next
                 while waiting:
                     count = min(waiting, self._options.max_events)
@@ -166,6 +192,43 @@ class KVEventPublisher:
             pub.close(linger=1000)
             if replay is not None:
                 replay.close(linger=0)
+
+    def _wait_for_a_batch(
+        self, poller: zmq.Poller, replay: zmq.Socket[bytes] | None, watched: TieredStore | None
+    ) -> None:
+        """Answer requests until the queued changes have waited ``interval_s`` (so that they leave as one batch), or a
+        close. With nothing queued, sleep until a change comes; before the store opens, look for it every interval.
+        """
+        interval_s = self._options.interval_s
+        deadline = time.monotonic() + interval_s if self._changes else None
+        while not self._stop.is_set():
+            if deadline is None:
+                self._asleep = True
+                if self._changes:  # queued before the flag was seen: no wake will come for it
+                    self._asleep = False
+                    deadline = time.monotonic() + interval_s
+                    continue
+                timeout_ms: int | None = max(1, int(1000 * interval_s)) if watched is None else None
+            else:
+                timeout_ms = max(0, int(1000 * (deadline - time.monotonic())))
+            ready = dict(poller.poll(timeout_ms))
+            self._asleep = False
+            if self._wake_receiver in ready:
+                self._drain_wakes()
+            if replay is not None and replay in ready:
+                self._answer(replay, watched)
+            if deadline is None:
+                if self._changes:
+                    deadline = time.monotonic() + interval_s
+                elif watched is None and not ready:
+                    return  # an interval without news: time to ask for the store again
+            elif time.monotonic() >= deadline:
+                return
+
+    def _drain_wakes(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_receiver.recv(4096):
+                pass
 
     def _open_sockets(
         self, context: zmq.Context[zmq.Socket[bytes]]
