@@ -128,7 +128,8 @@ def thread_cpu_s(thread_id: int | None) -> float:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a thread's CPU time from Linux's /proc")
 def test_an_idle_publisher_sleeps_until_a_change_comes(store: TieredStore) -> None:
-    """Batches every millisecond, yet idle it spends no CPU; a change after a second of sleep leaves at once."""
+    """Batches every millisecond, yet idle it spends no CPU; a change after a second of sleep leaves at once, and it
+    sleeps again."""
     replay = f"tcp://127.0.0.1:{free_port()}"
     options = KVEventOptions(endpoint=f"tcp://*:{free_port()}", replay_endpoint=replay, interval_s=0.001)
     publisher = KVEventPublisher(options, lambda: store, CHUNK)
@@ -144,6 +145,10 @@ def test_an_idle_publisher_sleeps_until_a_change_comes(store: TieredStore) -> No
         publisher.stored(TierName.CPU, records(1)[0])
         wait_until_published(publisher, 1)
         assert time.monotonic() - published < 0.5
+        time.sleep(0.2)
+        before = thread_cpu_s(thread_id)
+        time.sleep(1.0)
+        assert thread_cpu_s(thread_id) - before < 0.01, "asleep again once the change is sent"
     finally:
         publisher.close()
 

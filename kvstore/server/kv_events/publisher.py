@@ -213,7 +213,7 @@ class KVEventPublisher:
                 timeout_ms = max(0, int(1000 * (deadline - time.monotonic())))
             ready = dict(poller.poll(timeout_ms))
             self._asleep = False
-            if self._wake_receiver in ready:
+            if self._wake_receiver.fileno() in ready:  # a poller names a socket that is not ZeroMQ's by its fd
                 self._drain_wakes()
             if replay is not None and replay in ready:
                 self._answer(replay, watched)
