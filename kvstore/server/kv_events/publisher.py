@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import socket
 import threading
 import time
@@ -210,7 +211,9 @@ class KVEventPublisher:
                     continue
                 timeout_ms: int | None = max(1, int(1000 * interval_s)) if watched is None else None
             else:
-                timeout_ms = max(0, int(1000 * (deadline - time.monotonic())))
+                timeout_ms = math.ceil(1000 * (deadline - time.monotonic()))  # rounded up: no spin in the last ms
+                if timeout_ms <= 0:
+                    return
             ready = dict(poller.poll(timeout_ms))
             self._asleep = False
             if self._wake_receiver.fileno() in ready:  # a poller names a socket that is not ZeroMQ's by its fd
