@@ -167,10 +167,17 @@ class ResidencyMirror:
         events = self.decode(payload)
         stored = [event for event in events if type(event).__name__ == "BlockStored"]
         tokens = iter(token_arrays([getattr(event, "token_ids", ()) for event in stored]))
+        resident, by_hash = self.resident, self.stored
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored":
-                self._stored(event, next(tokens))
+                block: Any = event  # these structs or vLLM's: the same fields
+                hashes = block.block_hashes
+                if len(hashes) == 1:  # kvstore's: a chunk a block (inline: a snapshot has a hundred thousand)
+                    resident.add((str(block.medium), hashes[0]))
+                    by_hash[hashes[0]] = StoredBlock(block.parent_block_hash, next(tokens), block.block_size)
+                else:
+                    self._blocks_stored(block, next(tokens))
             elif kind == "BlockRemoved":
                 medium = str(getattr(event, "medium", None))
                 for block_hash in getattr(event, "block_hashes", ()):
@@ -181,13 +188,9 @@ class ResidencyMirror:
             else:
                 raise ValueError(f"not a kv event kvstore publishes: {event!r:.200}")
 
-    def _stored(self, event: Any, tokens: np.ndarray) -> None:
-        """``event``: a ``BlockStored`` of these structs or of vLLM's (the same fields)."""
+    def _blocks_stored(self, event: Any, tokens: np.ndarray) -> None:
+        """``event``: a ``BlockStored`` of several blocks, of these structs or of vLLM's (the same fields)."""
         medium, hashes, block_size = str(event.medium), event.block_hashes, event.block_size
-        if len(hashes) == 1:  # kvstore's: a chunk a block
-            self.resident.add((medium, hashes[0]))
-            self.stored[hashes[0]] = StoredBlock(event.parent_block_hash, tokens, block_size)
-            return
         for index, block_hash in enumerate(hashes):
             self.resident.add((medium, block_hash))
             parent = event.parent_block_hash if index == 0 else hashes[index - 1]
@@ -284,12 +287,13 @@ def join_late(replay_endpoint: str, mirror: ResidencyMirror, *, with_tokens: boo
     ``with_tokens=False`` asks for the residency alone (``KEYS_SNAPSHOT_REQUEST``: no token ids)."""
     started = time.perf_counter()
     seq: int | None = None
-    for batch_seq, payload in answers(replay_endpoint, SNAPSHOT_REQUEST if with_tokens else KEYS_SNAPSHOT_REQUEST):
-        if seq is not None and batch_seq != seq:
-            raise ValueError(f"a snapshot batch carries seq {batch_seq}, its first {seq}: not one snapshot")
-        seq = batch_seq
-        mirror.apply(seq, payload)
-    first_after = -1 if seq is None else seq
-    for replay_seq, payload in answers(replay_endpoint, (first_after + 1).to_bytes(8, "big")):
-        mirror.apply(replay_seq, payload)
+    with collector_paused():  # once for the whole snapshot: re-enabled after each batch, it walked the mirror again
+        for batch_seq, payload in answers(replay_endpoint, SNAPSHOT_REQUEST if with_tokens else KEYS_SNAPSHOT_REQUEST):
+            if seq is not None and batch_seq != seq:
+                raise ValueError(f"a snapshot batch carries seq {batch_seq}, its first {seq}: not one snapshot")
+            seq = batch_seq
+            mirror.apply(seq, payload)
+        first_after = -1 if seq is None else seq
+        for replay_seq, payload in answers(replay_endpoint, (first_after + 1).to_bytes(8, "big")):
+            mirror.apply(replay_seq, payload)
     return time.perf_counter() - started
