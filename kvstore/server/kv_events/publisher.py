@@ -13,9 +13,9 @@ change nothing).
 
 Batch 0 is ``AllBlocksCleared`` (a consumer drops what it held of an earlier run of this server); once the store
 opens (at start, or at the first client's layout) its residency follows as ``BlockStored`` batches, then every
-change the tiers report (``tiers.residency``), a batch every ``interval_s`` or ``max_events`` changes; inside a batch
-the events are grouped by tier (``encoding.encode_changes``), which leaves a consumer with exactly the residency the
-changes in their order leave.
+change the tiers report (``tiers.residency``), gathered for ``interval_s`` from the first and sent in batches of at
+most ``max_events``; inside a batch the events are grouped by tier (``encoding.encode_changes``), which leaves a
+consumer with exactly the residency the changes in their order leave.
 
 Threads: the tiers call ``stored`` / ``removed`` from any thread (an append to a queue, and a byte on a socket
 pair when the publisher's thread sleeps); one thread owns both sockets, encodes and sends. It sleeps while nothing
