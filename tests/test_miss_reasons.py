@@ -82,8 +82,10 @@ def test_a_chunk_reads_as_evicted_from_the_tier_that_dropped_it_last(
             store.evict_bytes(64 << 20, tier)
         plan = store.lookup(first)
         assert reasons(plan) == [] and plan.num_prefix_tokens == 2 * CHUNK
+        assert plan.wait(timeout=30)  # the hit's prefetch lands in the cpu tier (else it may land after the evictions)
         store.release(plan)
-        store.evict_bytes(64 << 20, "disk")  # and then the disk drops it too
+        for tier in ("gpu", "cpu", "disk"):  # and then every tier drops it, the disk last
+            store.evict_bytes(64 << 20, tier)
         plan = store.lookup(first)
         assert reasons(plan) == [(0, 2 * CHUNK, "evicted_disk")]
         store.release(plan)
