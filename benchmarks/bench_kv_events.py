@@ -64,7 +64,6 @@ LAYOUT = KVLayout(model_id="bench/kv-events", num_layers=1, num_kv_heads=1, head
 CHUNK = 256
 TARGET_COST_RATIO = 0.98
 TARGET_JOIN_S = 1.0
-PUBLISHER_CPU = "kvstore_kv_events_cpu_seconds_total"
 
 
 def main() -> int:
@@ -150,7 +149,7 @@ def cost_rows(root: Path, args: argparse.Namespace, *, subscribed: bool) -> list
                     if round_index < args.warmup_rounds:
                         store_and_look_up(clients[side], documents, salt=round_index)
                         continue
-                    before, publisher_before = servers[side].cpu_s(), on.metric(PUBLISHER_CPU)
+                    before, publisher_before = servers[side].cpu_s(), on.kv_events_cpu_s()
                     rates[side].append(store_and_look_up(clients[side], documents, salt=round_index))
                     if subscribed:
                         subscriber.receive(quiet_s=0.2)  # the round's events reach the mirror before the clock stops
@@ -158,7 +157,7 @@ def cost_rows(root: Path, args: argparse.Namespace, *, subscribed: bool) -> list
                         time.sleep(0.1)  # the publisher's last batch of the round is sent before its CPU is read
                     cpu_s[side].append(servers[side].cpu_s() - before)
                     if side == "on":
-                        publisher_cpu_s.append(on.metric(PUBLISHER_CPU) - publisher_before)
+                        publisher_cpu_s.append(on.kv_events_cpu_s() - publisher_before)
             for client in clients.values():
                 client.close()
             subscriber.receive(quiet_s=1.0)

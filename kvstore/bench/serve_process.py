@@ -44,13 +44,15 @@ class ServeProcess:
                 continue
         return total_ns / 1e9
 
-    def metric(self, name: str) -> float:
-        """The value of an unlabelled sample ``name`` on the server's ``/metrics``."""
+    def kv_events_cpu_s(self) -> float:
+        """CPU seconds of the server's KV event publisher thread (``kvstore_kv_events_cpu_seconds_total`` on its
+        ``/metrics``)."""
+        sample = "kvstore_kv_events_cpu_seconds_total "
         with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
             for line in response.read().decode().splitlines():
-                if line.startswith(name + " "):
+                if line.startswith(sample):
                     return float(line.split()[1])
-        raise ConfigError(f"{self.metrics_url} exports no {name}")
+        raise ConfigError(f"{self.metrics_url} exports no {sample.strip()}: is the server publishing KV events?")
 
     def stop(self) -> None:
         """SIGTERM (the server flushes), SIGKILL after a minute."""

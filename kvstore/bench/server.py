@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 _TARGET_LOOKUP_P50_MS = 1.0
 _TARGET_BANDWIDTH_RATIO = 0.5
-_PUBLISHER_CPU = "kvstore_kv_events_cpu_seconds_total"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,19 +129,20 @@ def _start_server(options: ServerBenchOptions, layout: KVLayout, cpu_bytes: int,
 
 
 class _ServerCpu:
-    """From its making on: the server's CPU time, and its publisher thread's share of it (``None`` without events)."""
+    """From its making on: the server's CPU time, and its publisher thread's share of it (``None`` without events,
+    or where the server's threads' CPU time cannot be read: ``ServeProcess.cpu_s`` reads Linux's ``/proc``)."""
 
     def __init__(self, server: ServeProcess, kv_events: bool) -> None:
         self._server = server
         self._kv_events = kv_events
         self._server_start_s = server.cpu_s()
-        self._publisher_start_s = server.metric(_PUBLISHER_CPU) if kv_events else 0.0
+        self._publisher_start_s = server.kv_events_cpu_s() if kv_events else 0.0
 
     def publisher_share(self) -> float | None:
-        if not self._kv_events:
+        server_s = self._server.cpu_s() - self._server_start_s
+        if not self._kv_events or server_s <= 0:
             return None
-        publisher_s = self._server.metric(_PUBLISHER_CPU) - self._publisher_start_s
-        return publisher_s / (self._server.cpu_s() - self._server_start_s)
+        return (self._server.kv_events_cpu_s() - self._publisher_start_s) / server_s
 
 
 def _share_note(share: float | None) -> str:
