@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayer, PlaneMap, gather_blocks, scatter_blocks
+from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayers, PlaneMap, gather_blocks, scatter_blocks
 
 try:
     import triton
@@ -73,7 +73,7 @@ WIDE_DTYPE = torch.complex128
 """A 16-byte element: copies of it are bitwise loads and stores of 128 bits."""
 
 LAYOUTS = ("LBNHC", "LBHNC")
-VARIANTS = ("current", "wide16", "wide16_fused", "whole_block", "triton")
+VARIANTS = ("current", "current_layerwise", "wide16", "wide16_fused", "whole_block", "triton")
 
 CUDA_SHAPE = {"layers": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "tokens": 15360, "pool_blocks": 4096}
 CPU_SHAPE = {"layers": 4, "kv_heads": 8, "head_dim": 128, "block_size": 16, "tokens": 1024, "pool_blocks": 256}
@@ -181,42 +181,56 @@ def widen(block_format: BlockFormat, element_bytes: int) -> BlockFormat:
 
 def variant_copies(name: str, shape: Shape, block_format: BlockFormat) -> tuple[RequestCopy, RequestCopy]:
     """(gather, scatter) of a request for variant ``name``."""
-    if name == "current":
-        return connector_copies(block_format)
+    if name in ("current", "current_layerwise"):
+        return connector_copies(block_format, layerwise=name == "current_layerwise")
     gather, scatter = layer_copies(name, shape, block_format)
     return layer_by_layer(gather), layer_by_layer(scatter)
 
 
-def connector_copies(block_format: BlockFormat) -> tuple[RequestCopy, RequestCopy]:
-    """What the connector runs: its list of ``PagedLayer`` made once, when the engine registers its layer tensors,
-    then per request one ``PagedChunk`` (made inside the timed run) and one call per layer."""
-    registered: dict[int, tuple[list[torch.Tensor], list[PagedLayer]]] = {}
+def connector_copies(block_format: BlockFormat, *, layerwise: bool) -> tuple[RequestCopy, RequestCopy]:
+    """What the connector runs: its ``PagedLayers`` made once, when the engine registers its layer tensors, then per
+    request one ``PagedChunk`` (made inside the timed run) and ``gather_all`` / ``scatter_all``; with ``layerwise``,
+    one call per layer instead (what ``*_all`` does where the one-launch kernel cannot run)."""
+    registered: dict[int, tuple[list[torch.Tensor], PagedLayers]] = {}
 
     def request_copy(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> PagedChunk:
         if id(caches) not in registered:  # the list is kept, so its id is not reused while registered
-            registered[id(caches)] = (caches, [PagedLayer(cache, block_format) for cache in caches])
+            registered[id(caches)] = (caches, PagedLayers.of(caches, block_format))
         return PagedChunk(registered[id(caches)][1], ids, chunk)
 
     def gather(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> None:
         copy = request_copy(caches, ids, chunk)
+        if not layerwise:
+            copy.gather_all()
+            return
         for layer in range(len(caches)):
             copy.gather(layer)
 
     def scatter(caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor) -> None:
         copy = request_copy(caches, ids, chunk)
+        if not layerwise:
+            copy.scatter_all()
+            return
         for layer in range(len(caches)):
             copy.scatter(layer)
 
     return gather, scatter
 
 
-def prepared_layer_copies(
-    caches: list[torch.Tensor], ids: torch.Tensor, chunk: torch.Tensor, block_format: BlockFormat, op: str
+def prepared_copies(
+    caches: list[torch.Tensor],
+    ids: torch.Tensor,
+    chunk: torch.Tensor,
+    block_format: BlockFormat,
+    op: str,
+    *,
+    layerwise: bool,
 ) -> Callable[[], None]:
-    """The connector's per-layer calls alone, its ``PagedChunk`` made beforehand: in an engine the chunk is bound
-    while the device runs the forward pass (a save at its first layer, after that layer's kernels are queued), so
-    only the per-layer calls stand between the device's copies."""
-    copy = PagedChunk([PagedLayer(cache, block_format) for cache in caches], ids, chunk)
+    """The connector's copy calls alone, its ``PagedChunk`` made beforehand (in an engine a chunk can be bound while
+    the device runs the forward pass)."""
+    copy = PagedChunk(PagedLayers.of(caches, block_format), ids, chunk)
+    if not layerwise:
+        return copy.gather_all if op == "gather" else copy.scatter_all
     layer_copy = copy.gather if op == "gather" else copy.scatter
 
     def run() -> None:
@@ -536,9 +550,11 @@ def measure_layout(
         for op, run in (("gather", gather_all), ("scatter", scatter_all)):
             times_ms, issue_ms = time_runs(run, device, args.warmup, args.repeats)
             rows.append(row(op, variant, "eager", times_ms, issue_ms, verified))
-            if variant == "current":
-                layer_run = prepared_layer_copies(caches, ids, chunk, block_format, op)
-                times_ms, issue_ms = time_runs(layer_run, device, args.warmup, args.repeats)
+            if variant.startswith("current"):
+                prepared = prepared_copies(
+                    caches, ids, chunk, block_format, op, layerwise=variant == "current_layerwise"
+                )
+                times_ms, issue_ms = time_runs(prepared, device, args.warmup, args.repeats)
                 rows.append(row(op, variant, "eager_prepared", times_ms, issue_ms, verified))
             if args.profile and device.type == "cuda":
                 print_kernels(f"{layout} {variant} {op}", run)
@@ -609,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         variants = [
             name
             for name in VARIANTS
-            if name == "current" or (wide_ok and (name != "triton" or (triton is not None and use_cuda)))
+            if name.startswith("current") or (wide_ok and (name != "triton" or (triton is not None and use_cuda)))
         ]
     rows: list[Row] = []
     for layout in args.layouts.split(","):

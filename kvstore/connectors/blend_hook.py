@@ -37,7 +37,7 @@ class BlendEngineContext:
     Args:
         engine_config: the engine's own config object (vLLM's ``VllmConfig``).
         layout: the model's KV layout.
-        paged_layers: one ``kvstore.connectors.paged.PagedLayer`` per layer, in model order.
+        paged_layers: the engine's layers, in model order (``kvstore.connectors.paged.PagedLayers``).
         layer_names: the engine's attention layer names, in the same order.
         check_layer: the deployment's check layer (validated against the model when the engine is built).
         selection: the deployment's selection policy (``kvstore.blend_selection``).
@@ -47,7 +47,7 @@ class BlendEngineContext:
 
     engine_config: Any
     layout: KVLayout
-    paged_layers: tuple[Any, ...]
+    paged_layers: Any
     layer_names: tuple[str, ...]
     check_layer: int
     disk_policy: str

@@ -11,8 +11,9 @@ is a strided array (an affine map from (slot, head, dim) to memory), the format 
 is one strided view plus one batched ``index_select`` / ``index_copy_`` per plane and layer: no Python loop over
 tokens or blocks. A format that is not strided (a packed tile layout) is refused with one line.
 
-A kvstore chunk's layer is ``[2, num_tokens, num_kv_heads, head_dim]`` (K plane, V plane). A connector binds a
-request's chunk of every layer to its blocks once (``PagedChunk``) and copies it layer by layer as the engine runs;
+A kvstore chunk's layer is ``[2, num_tokens, num_kv_heads, head_dim]`` (K plane, V plane). A connector keeps the
+engine's layers once (``PagedLayers``), binds a request's chunk of every layer to its blocks (``PagedChunk``) and
+copies every layer at once (one kernel launch on CUDA where Triton imports: ``paged_triton``) or one layer at a time;
 ``gather_blocks`` / ``scatter_blocks`` are the one-off copies of one layer.
 
 Pure torch; works on any device the tensors share. Not thread-safe per layer tensor (callers own their blocks).
@@ -23,15 +24,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
+from kvstore.connectors.paged_triton import RequestKernel
 from kvstore.errors import ConfigError, InvalidInputError
 
 __all__ = [
     "BlockFormat",
     "PagedChunk",
     "PagedLayer",
+    "PagedLayers",
     "PlaneMap",
     "WriteSlots",
     "device_block_ids",
@@ -210,19 +214,76 @@ class PagedLayer:
         self.wide_blocks = _wide_blocks(cache, block_format)
 
 
-class PagedChunk:
-    """A chunk of every layer bound to one request's blocks, copied one layer at a time as an engine runs its
-    forward pass (a save gathers layer ``l`` once it is computed; a load scatters layer ``l`` before it runs).
+class PagedLayers(Sequence[PagedLayer]):
+    """Every layer of an engine's paged KV cache, in model order, all of one block format (made once, when the engine
+    registers its caches), with the one-launch copy of a request's every layer where it can run.
 
-    The checks, the block ids of the whole blocks and the 16-byte views of the chunk are made here once per
-    request, so a layer's copy is one launch when the format fuses (two, one per plane, when it does not): on a GPU
-    a layer of a long prompt copies in tens of microseconds, so host work per layer decides whether eager copies
-    keep up with the device (measured: docs/benchmarks.md "Paged KV copies for vLLM"). A chunk that is not on the
-    cache's device (a load retrieved into host memory) passes through one layer-sized buffer on the device, made
-    once, so each layer is one host-device copy plus the launch.
+    Attributes:
+        block_format: the layers' common block format.
+        request_kernel: the copy of every layer in one launch (``paged_triton.RequestKernel``), or ``None`` (no
+            Triton, not CUDA, or a format the kernel does not take): copies then go layer by layer.
+
+    Raises:
+        InvalidInputError: no layers, or layers of different block formats.
+    """
+
+    def __init__(self, layers: Sequence[PagedLayer]) -> None:
+        if not layers:
+            raise InvalidInputError("a paged cache needs at least one layer")
+        self._layers = tuple(layers)
+        self.block_format = self._layers[0].block_format
+        if any(layer.block_format != self.block_format for layer in self._layers):
+            raise InvalidInputError("every layer of a paged cache must have the same block format")
+        key, value = self.block_format.key, self.block_format.value
+        fusable = all(layer.wide_blocks is not None for layer in self._layers)  # head dims contiguous, K like V
+        self.request_kernel = (
+            RequestKernel.of(
+                [layer.cache for layer in self._layers],
+                key_offset=key.offset,
+                value_offset=value.offset,
+                token_stride=key.token_stride,
+                head_stride=key.head_stride,
+                num_kv_heads=self.block_format.num_kv_heads,
+                block_size=self.block_format.block_size,
+                head_dim=self.block_format.head_dim,
+            )
+            if fusable
+            else None
+        )
+
+    @staticmethod
+    def of(caches: Sequence[torch.Tensor], block_format: BlockFormat) -> PagedLayers:
+        """The layers of ``caches`` (each with dim 0 indexing blocks), all in ``block_format``."""
+        return PagedLayers([PagedLayer(cache, block_format) for cache in caches])
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    @overload
+    def __getitem__(self, index: int) -> PagedLayer: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[PagedLayer]: ...
+
+    def __getitem__(self, index: int | slice) -> PagedLayer | Sequence[PagedLayer]:
+        return self._layers[index]
+
+
+class PagedChunk:
+    """A chunk of every layer bound to one request's blocks: copied at once after (a save) or before (a load) the
+    engine's forward pass (``gather_all`` / ``scatter_all``), or one layer at a time (``gather`` / ``scatter``).
+
+    Every layer at once is one kernel launch where ``PagedLayers.request_kernel`` runs and the chunk is on the
+    cache's device: on a GPU a layer of a long prompt copies in tens of microseconds, so a launch per layer leaves
+    the device idle between copies and costs the engine's thread a Python call per layer (measured:
+    docs/benchmarks.md "Paged KV copies for vLLM"). Elsewhere ``*_all`` goes layer by layer. The checks, the block
+    ids of the whole blocks and the 16-byte views of the chunk are made here once per request, so a layer's copy is
+    one launch when the format fuses (two, one per plane, when it does not). A chunk that is not on the cache's
+    device (a load retrieved into host memory) passes through one layer-sized buffer on the device, made once, so
+    each layer is one host-device copy plus the launch.
 
     Args:
-        layers: every layer of the cache, in model order, all of one block format.
+        layers: every layer of the cache (``PagedLayers``).
         block_ids: the blocks in token order, on the cache's device.
         chunk: ``[num_layers, 2, tokens, heads, head_dim]``. A gather fills its ``tokens`` slots from the first
             blocks (the last one may be partly used); a scatter writes whole blocks (``tokens = blocks x
@@ -232,8 +293,8 @@ class PagedChunk:
         InvalidInputError: the chunk's shape or dtype does not fit the cache, or it needs more blocks than given.
     """
 
-    def __init__(self, layers: Sequence[PagedLayer], block_ids: torch.Tensor, chunk: torch.Tensor) -> None:
-        if not layers or chunk.dim() != 5 or chunk.shape[0] != len(layers):
+    def __init__(self, layers: PagedLayers, block_ids: torch.Tensor, chunk: torch.Tensor) -> None:
+        if chunk.dim() != 5 or chunk.shape[0] != len(layers):
             raise InvalidInputError(
                 f"chunk shape {list(chunk.shape)} is not [{len(layers)} layers, 2, tokens, heads, head_dim]"
             )
@@ -258,11 +319,40 @@ class PagedChunk:
         self._wide_blocks = [layer.wide_blocks for layer in layers if layer.wide_blocks is not None]
         fusable = len(self._wide_blocks) == len(layers)
         self._wide_chunk = _WideChunk.of(layer_chunks, self._num_full, block_format) if fusable else None
+        kernel = layers.request_kernel
+        one_launch = kernel is not None and self._through is None and block_ids.is_contiguous() and kernel.copies(chunk)
+        self._request_kernel = kernel if one_launch else None
 
     @property
     def fused(self) -> bool:
         """Whether a layer's copy is one call for both planes (16-byte elements), not one per plane."""
         return self._wide_chunk is not None
+
+    @property
+    def one_launch(self) -> bool:
+        """Whether ``gather_all`` / ``scatter_all`` copy every layer in one kernel launch."""
+        return self._request_kernel is not None
+
+    def gather_all(self) -> None:
+        """Copy every layer of the blocks into the chunk."""
+        if self._request_kernel is not None:
+            self._request_kernel.launch(self._block_ids, self._chunk, self.num_tokens, scatter=False)
+            return
+        for layer in range(len(self._layers)):
+            self.gather(layer)
+
+    def scatter_all(self) -> None:
+        """Write every layer of the chunk into the blocks.
+
+        Raises:
+            InvalidInputError: the chunk does not fill its blocks exactly.
+        """
+        self._check_whole_blocks()
+        if self._request_kernel is not None:
+            self._request_kernel.launch(self._block_ids, self._chunk, self.num_tokens, scatter=True)
+            return
+        for layer in range(len(self._layers)):
+            self.scatter(layer)
 
     def gather(self, layer: int) -> None:
         """Copy layer ``layer`` of the blocks into the chunk."""
@@ -289,11 +379,7 @@ class PagedChunk:
         Raises:
             InvalidInputError: the chunk does not fill its blocks exactly.
         """
-        if not self._whole_blocks:
-            raise InvalidInputError(
-                f"a scatter fills whole blocks: {self.num_tokens} tokens for {len(self._block_ids)} blocks of "
-                f"{self._layers[layer].block_format.block_size}"
-            )
+        self._check_whole_blocks()
         if self._through is not None:
             self._through.copy_(self._chunk[layer], non_blocking=True)
         if self._wide_chunk is not None:  # the usual case: one launch and nothing else
@@ -302,6 +388,14 @@ class PagedChunk:
         paged, source = self._layers[layer], self._layer_chunks[layer]
         for plane, view in enumerate(paged.planes):
             view.index_copy_(0, self._block_ids, _plane_blocks(source, plane, self._num_full, paged.block_format))
+
+
+    def _check_whole_blocks(self) -> None:
+        if not self._whole_blocks:
+            raise InvalidInputError(
+                f"a scatter fills whole blocks: {self.num_tokens} tokens for {len(self._block_ids)} blocks of "
+                f"{self._layers.block_format.block_size}"
+            )
 
 
 @dataclass(slots=True)
@@ -358,7 +452,7 @@ def gather_blocks(
 ) -> None:
     """Fill ``out`` ``[2, tokens, heads, head_dim]`` from the first blocks of ``block_ids`` (a one-off copy of
     one layer; a connector keeps a ``PagedChunk`` per request)."""
-    PagedChunk((PagedLayer(layer_cache, block_format),), block_ids, out.unsqueeze(0)).gather(0)
+    PagedChunk(PagedLayers.of((layer_cache,), block_format), block_ids, out.unsqueeze(0)).gather(0)
 
 
 def scatter_blocks(
@@ -366,7 +460,7 @@ def scatter_blocks(
 ) -> None:
     """Write ``source`` ``[2, tokens, heads, head_dim]`` into whole blocks ``block_ids`` (a one-off copy of one
     layer)."""
-    PagedChunk((PagedLayer(layer_cache, block_format),), block_ids, source.unsqueeze(0)).scatter(0)
+    PagedChunk(PagedLayers.of((layer_cache,), block_format), block_ids, source.unsqueeze(0)).scatter(0)
 
 
 def _plane_blocks(chunk_layer: torch.Tensor, plane: int, num_blocks: int, block_format: BlockFormat) -> torch.Tensor:

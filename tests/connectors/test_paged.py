@@ -19,6 +19,7 @@ from kvstore.connectors.paged import (
     BlockFormat,
     PagedChunk,
     PagedLayer,
+    PagedLayers,
     gather_blocks,
     probe_block_format,
     scatter_blocks,
@@ -213,20 +214,20 @@ def test_the_fused_path_moves_what_the_per_plane_path_moves(dtype, monkeypatch: 
     layer = PagedLayer(cache, block_format)
     written = fill(cache, 16, write_packed, [6, 1, 4], num_tokens=21)
     fused = torch.empty(1, 2, 21, 2, 16, dtype=dtype)
-    gather = PagedChunk([layer], torch.tensor([6, 1, 4]), fused)
+    gather = PagedChunk(PagedLayers([layer]), torch.tensor([6, 1, 4]), fused)
     assert gather.fused
     gather.gather(0)
     loaded = torch.randn(1, 2, 16, 2, 16).to(dtype)
-    PagedChunk([layer], torch.tensor([2, 5]), loaded).scatter(0)
+    PagedChunk(PagedLayers([layer]), torch.tensor([2, 5]), loaded).scatter(0)
     after_fused = cache.clone()
 
     monkeypatch.setattr(paged, "_wide_blocks", lambda *args: None)
     per_plane_layer = PagedLayer(cache, block_format)
     per_plane = torch.empty(1, 2, 21, 2, 16, dtype=dtype)
-    per_plane_gather = PagedChunk([per_plane_layer], torch.tensor([6, 1, 4]), per_plane)
+    per_plane_gather = PagedChunk(PagedLayers([per_plane_layer]), torch.tensor([6, 1, 4]), per_plane)
     assert not per_plane_gather.fused
     per_plane_gather.gather(0)
-    PagedChunk([per_plane_layer], torch.tensor([2, 5]), loaded).scatter(0)
+    PagedChunk(PagedLayers([per_plane_layer]), torch.tensor([2, 5]), loaded).scatter(0)
     assert torch.equal(fused[0], written) and torch.equal(per_plane[0], written)
     assert torch.equal(cache, after_fused)
 
@@ -236,9 +237,9 @@ def test_a_misaligned_chunk_or_a_transposed_format_takes_the_per_plane_path() ->
     layer = PagedLayer(cache, probe(cache, 16, write_packed))
     backing = torch.zeros(1, 2, 17, 2, 16, dtype=torch.bfloat16)
     shifted = backing[:, :, 1:]  # planes contiguous, starting one token (64 bytes) in: still 16-byte aligned
-    assert PagedChunk([layer], torch.tensor([3, 1]), shifted).fused
+    assert PagedChunk(PagedLayers([layer]), torch.tensor([3, 1]), shifted).fused
     odd = torch.zeros(2 * 16 * 2 * 16 + 1, dtype=torch.bfloat16)[1:].view(1, 2, 16, 2, 16)  # 2 bytes off
-    misaligned = PagedChunk([layer], torch.tensor([3, 1]), odd)
+    misaligned = PagedChunk(PagedLayers([layer]), torch.tensor([3, 1]), odd)
     assert not misaligned.fused
     written = fill(cache, 16, write_packed, [3, 1], num_tokens=16)
     misaligned.gather(0)
@@ -261,13 +262,13 @@ def test_a_request_chunk_copies_every_layer_to_and_from_its_own_blocks(fused, mo
     ids = torch.tensor([4, 2, 5])
     source = torch.randn(3, 2, 12, 2, 16).to(torch.bfloat16)
     untouched = [cache[[0, 1, 3]].clone() for cache in caches]
-    scatter = PagedChunk(layers, ids, source)
+    scatter = PagedChunk(PagedLayers(layers), ids, source)
     assert scatter.fused is fused and scatter.num_tokens == 12
     for layer in range(3):
         scatter.scatter(layer)
     assert all(torch.equal(cache[[0, 1, 3]], before) for cache, before in zip(caches, untouched, strict=True))
     gathered = torch.full((3, 2, 10, 2, 16), math.nan, dtype=torch.bfloat16)
-    gather = PagedChunk(layers, ids, gathered)
+    gather = PagedChunk(PagedLayers(layers), ids, gathered)
     for layer in range(3):
         gather.gather(layer)
     assert torch.equal(gathered, source[:, :, :10])
@@ -277,10 +278,10 @@ def test_a_request_chunk_refuses_what_does_not_fit_in_one_line() -> None:
     cache = packed_cache(6, 2, 4, 16, torch.bfloat16, tokens_outer=True)
     layers = [PagedLayer(cache, probe(cache, 16, write_packed))]
     with pytest.raises(InvalidInputError, match="layers"):
-        PagedChunk(layers, torch.tensor([1]), torch.zeros(2, 2, 4, 2, 16, dtype=torch.bfloat16))
+        PagedChunk(PagedLayers(layers), torch.tensor([1]), torch.zeros(2, 2, 4, 2, 16, dtype=torch.bfloat16))
     with pytest.raises(InvalidInputError, match="do not fit"):
-        PagedChunk(layers, torch.tensor([1]), torch.zeros(1, 2, 5, 2, 16, dtype=torch.bfloat16))
-    partial = PagedChunk(layers, torch.tensor([1, 2]), torch.zeros(1, 2, 6, 2, 16, dtype=torch.bfloat16))
+        PagedChunk(PagedLayers(layers), torch.tensor([1]), torch.zeros(1, 2, 5, 2, 16, dtype=torch.bfloat16))
+    partial = PagedChunk(PagedLayers(layers), torch.tensor([1, 2]), torch.zeros(1, 2, 6, 2, 16, dtype=torch.bfloat16))
     partial.gather(0)
     with pytest.raises(InvalidInputError, match="whole blocks"):
         partial.scatter(0)

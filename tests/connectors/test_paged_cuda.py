@@ -16,6 +16,7 @@ from kvstore.connectors.paged import (
     BlockFormat,
     PagedChunk,
     PagedLayer,
+    PagedLayers,
     PlaneMap,
     gather_blocks,
     probe_block_format,
@@ -150,7 +151,7 @@ def test_a_request_chunk_in_host_memory_passes_through_one_device_buffer(tokens_
     call); a gather into host memory comes back bit for bit, its partly used last block included."""
     heads, dim, slots, pool, layers = 8, 128, 16, 64, 3
     caches = [packed_cache(pool, heads, slots, dim, torch.bfloat16, tokens_outer) for _ in range(layers)]
-    paged = [PagedLayer(cache, strides_format(cache, dim)) for cache in caches]
+    paged = PagedLayers([PagedLayer(cache, strides_format(cache, dim)) for cache in caches])
     ids = torch.tensor([9, 3, 40, 17], device=CUDA)
     untouched = [cache[[0, 1, 2]].clone() for cache in caches]
     host = torch.randn(layers, 2, 4 * slots, heads, dim).to(torch.bfloat16)
@@ -169,3 +170,52 @@ def test_a_request_chunk_in_host_memory_passes_through_one_device_buffer(tokens_
     for layer in range(layers):
         device_gather.gather(layer)
     assert torch.equal(on_device.cpu(), host)
+
+
+@ORDERS
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_layer_in_one_launch_copies_what_layer_by_layer_copies(tokens_outer, dtype):
+    """Where Triton runs, ``gather_all`` / ``scatter_all`` are one kernel for every layer: the same bits as the
+    per-layer copies, untouched blocks untouched, a partly used last block gathered up to the chunk's end."""
+    pytest.importorskip("triton", reason="the one-launch copy needs Triton (vLLM's CUDA builds ship it)")
+    heads, dim, slots, pool, layers = 8, 128, 16, 64, 4
+    caches = [packed_cache(pool, heads, slots, dim, dtype, tokens_outer) for _ in range(layers)]
+    paged = PagedLayers([PagedLayer(cache, strides_format(cache, dim)) for cache in caches])
+    assert paged.request_kernel is not None
+    ids = torch.tensor([9, 3, 40, 17, 5], device=CUDA)
+    untouched = [cache[[0, 1, 2, 4]].clone() for cache in caches]
+    source = torch.randn(layers, 2, 5 * slots, heads, dim, device=CUDA).to(dtype)
+    scatter = PagedChunk(paged, ids, source)
+    assert scatter.one_launch
+    scatter.scatter_all()
+    assert all(torch.equal(cache[[0, 1, 2, 4]], before) for cache, before in zip(caches, untouched, strict=True))
+    for num_tokens in (5 * slots, 4 * slots + 3, 1):
+        gathered = torch.full((layers, 2, num_tokens, heads, dim), float("nan"), dtype=dtype, device=CUDA)
+        gather = PagedChunk(paged, ids, gathered)
+        assert gather.one_launch
+        gather.gather_all()
+        expected = torch.full_like(gathered, float("nan"))
+        layerwise = PagedChunk(paged, ids, expected)
+        for layer in range(layers):
+            layerwise.gather(layer)
+        assert torch.equal(gathered, expected)
+        assert torch.equal(gathered, source[:, :, :num_tokens])
+
+
+def test_a_chunk_the_kernel_cannot_take_goes_layer_by_layer():
+    """A chunk in host memory, or not 16-byte aligned, is not one launch; ``*_all`` still copies it right."""
+    pytest.importorskip("triton", reason="the one-launch copy needs Triton (vLLM's CUDA builds ship it)")
+    heads, dim, slots, pool, layers = 2, 64, 16, 16, 2
+    caches = [packed_cache(pool, heads, slots, dim, torch.bfloat16, True) for _ in range(layers)]
+    paged = PagedLayers([PagedLayer(cache, strides_format(cache, dim)) for cache in caches])
+    ids = torch.tensor([3, 7], device=CUDA)
+    host = torch.randn(layers, 2, 2 * slots, heads, dim).to(torch.bfloat16)
+    through = PagedChunk(paged, ids, host)
+    assert not through.one_launch
+    through.scatter_all()
+    odd = torch.empty(layers * 2 * 2 * slots * heads * dim + 1, dtype=torch.bfloat16, device=CUDA)
+    shifted = odd[1:].view(layers, 2, 2 * slots, heads, dim)
+    misaligned = PagedChunk(paged, ids, shifted)
+    assert not misaligned.one_launch
+    misaligned.gather_all()
+    assert torch.equal(shifted.cpu(), host)

@@ -6,7 +6,7 @@ Built once per worker, at ``register_kv_caches``, by the factory kvstore's plugi
 pass cannot run exactly. Each ``run`` is one request's blended span ``[0, end)``: the layerwise pass
 (``run_blend_pass``, the same code as the standalone ``LayerwiseBlender``) looks the whole prompt up by content,
 loads its cached KV while it computes, re-rotates, selects at the check layer and recomputes; then every layer's
-tokens ``[local_end, end)`` go into the request's blocks (``PagedChunk.scatter``). Tokens below ``local_end`` are
+tokens ``[local_end, end)`` go into the request's blocks (``PagedChunk.scatter_all``). Tokens below ``local_end`` are
 vLLM's own prefix-cache blocks, possibly shared with other requests: read by nobody here and never written. The
 pass attends over the store's KV for them (the same tokens after the same prefix; a gap is computed).
 
@@ -36,7 +36,7 @@ from kvstore.blend.vllm.model_lookup import find_loaded_model
 from kvstore.blend.vllm.rope_gate import require_vllm_rope_gate
 from kvstore.connectors.blend_hook import BlendEngineContext, BlendOutcome
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import PagedChunk, PagedLayer, device_block_ids
+from kvstore.connectors.paged import PagedChunk, PagedLayers, device_block_ids
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array
 
@@ -75,7 +75,7 @@ class VllmBlendEngine:
             )
         self._layout = context.layout
         self.rope_gate = require_vllm_rope_gate(self._stack, self._layout, vllm_config.model_config.hf_config)
-        self._paged: tuple[PagedLayer, ...] = tuple(context.paged_layers)
+        self._paged: PagedLayers = context.paged_layers
         self._check_layer = context.check_layer
         self._disk_policy = context.disk_policy
         self._selection = SelectionPolicy(context.selection)
@@ -167,9 +167,7 @@ class VllmBlendEngine:
         if end <= local_end:
             return
         ids = device_block_ids(block_ids, self._paged[0].cache.device)
-        copy = PagedChunk(self._paged, ids, kv[:, :, local_end:end])
-        for layer in range(len(self._paged)):
-            copy.scatter(layer)
+        PagedChunk(self._paged, ids, kv[:, :, local_end:end]).scatter_all()
 
     def close(self) -> None:
         """Join the loader thread. Idempotent."""

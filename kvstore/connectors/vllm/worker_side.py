@@ -3,14 +3,17 @@
 Loads. A synchronous load (the hit is in a memory tier) is fetched on a background thread as soon as the step starts
 (``start_load_kv``): one retrieve of the plan the scheduler pinned and handed over (``LoadSpec.plan``; a lookup of
 its own only when there is none) into a shared-memory buffer the server writes directly (kept for the next load:
-``LoadBuffers``). Entering each attention layer (``wait_for_layer_load``) waits for that fetch and scatters that one
-layer into the request's blocks, so layer 0's attention does not wait for the other layers' copies. An asynchronous
+``LoadBuffers``). Entering the first attention layer (``wait_for_layer_load``) waits for that fetch and scatters
+every layer into the request's blocks at once (one kernel launch on CUDA, ``PagedChunk.scatter_all``: the copies
+run on the engine's stream either way, so copying layer ``l`` just before its attention would only add launches and
+Python calls on the engine's thread). An asynchronous
 load (the hit is on disk) runs whole on its own thread while the engine keeps stepping other requests, and is
 reported done through ``get_finished``.
 
-Saves. Leaving each attention layer (``save_kv_layer``) in the step that completes a prompt's prefill, that layer's
-KV of the chunks the store lacks is gathered out of the blocks into a staging tensor; after the step
-(``wait_for_save``) the staging tensor goes to the store on a background thread. The blocks are free the moment the
+Saves. In the step that completes a prompt's prefill, leaving each attention layer (``save_kv_layer``) counts that
+layer as computed; after the forward pass (``wait_for_save``) the KV of the chunks the store lacks is gathered out of
+the blocks of every layer at once into a staging tensor (``PagedChunk.gather_all``), which goes to the store on a
+background thread. The blocks are free the moment the
 step ends, so ``request_finished`` never delays freeing them.
 
 Faults. A load that finds less than the scheduler planned (a chunk evicted or corrupt in between, the store gone)
@@ -27,7 +30,8 @@ layerwise pass on the engine's own model and writes the span's KV into the reque
 computes the rest of the prompt over it. A pass that fails reports its blocks as failed, and vLLM recomputes them.
 
 Copies between blocks and chunks use the block format read from the backend at ``register_kv_caches``
-(``kvstore.connectors.paged``): one ``index_select`` / ``index_copy_`` per K/V plane and layer.
+(``kvstore.connectors.paged``): one kernel for every layer where Triton runs (CUDA), else one ``index_select`` /
+``index_copy_`` per layer (per K/V plane where the planes do not fuse).
 
 Threads: vLLM calls every method on its model-runner thread; fetches and stores run on three single-thread pools
 (sync loads, async loads, saves), each with its own ``StoreLink`` so one never queues behind another.
@@ -51,7 +55,7 @@ from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.connectors.paged import (
     BlockFormat,
     PagedChunk,
-    PagedLayer,
+    PagedLayers,
     PlaneMap,
     device_block_ids,
     probe_block_format,
@@ -82,9 +86,8 @@ logger = logging.getLogger(__name__)
 class _Fetched:
     """A load's KV as retrieved: ``kv`` covers tokens ``[spec.start, loaded_end)`` at least, from index 0 (``None``
     when nothing); ``buffer`` is the load buffer it lies in, to give back once the KV is in the blocks;
-    ``block_ids``: the blocks the loaded tokens fill, on the cache's device (made once on the fetch thread, not per
-    layer on the engine's); ``copy``: the loaded KV bound to those blocks, made at the first layer's scatter on the
-    thread that scatters (a device buffer it allocates belongs to that thread's stream)."""
+    ``block_ids``: the blocks the loaded tokens fill, on the cache's device (made on the fetch thread, not on the
+    engine's)."""
 
     kv: torch.Tensor | None
     loaded_end: int
@@ -92,7 +95,6 @@ class _Fetched:
     buffer: torch.Tensor | None = None
     block_ids: torch.Tensor | None = None
     misses: tuple[Miss, ...] = ()  # the retrieve's (or the plan's), with their reasons
-    copy: PagedChunk | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,8 +117,8 @@ class FinishedLoads:
 class _PendingSave:
     spec: SaveSpec
     staging: torch.Tensor
-    copy: PagedChunk  # the staging bound to the request's blocks, for every layer's gather
-    num_layers_gathered: int = 0
+    copy: PagedChunk  # the staging bound to the request's blocks, gathered once every layer is computed
+    num_layers_computed: int = 0
 
 
 class WorkerSide:
@@ -154,11 +156,11 @@ class WorkerSide:
             for name in ("load", "async-load", "save")
         )
         self._caches: list[torch.Tensor] = []
-        self._layers: list[PagedLayer] = []
+        self._layers: PagedLayers | None = None
         self._layer_of: dict[str, int] = {}
         self._metadata: KVStoreConnectorMetadata | None = None
         self._sync_loads: list[tuple[LoadSpec, concurrent.futures.Future[_Fetched]]] = []
-        self._layers_loaded = 0
+        self._sync_loads_scattered = False
         self._async_loads: dict[str, concurrent.futures.Future[tuple[int, set[int]]]] = {}
         self._saves: list[_PendingSave] = []
         self._step_started: float | None = None
@@ -200,8 +202,13 @@ class WorkerSide:
             if cache.dtype != layout.dtype.torch_dtype or cache.stride() != first.stride():
                 raise ConfigError(f"vLLM KV cache {name} is {cache.dtype}; the layout says {layout.dtype.value}")
         block_format = self._read_block_format(names[0], first)
-        self._layers = [PagedLayer(cache, block_format) for cache in self._caches]
-        logger.info("kvstore: %d layers of paged KV, %s", len(names), block_format.describe())
+        self._layers = PagedLayers.of(self._caches, block_format)
+        logger.info(
+            "kvstore: %d layers of paged KV, %s; %s",
+            len(names),
+            block_format.describe(),
+            "one launch copies every layer" if self._layers.request_kernel is not None else "copies go layer by layer",
+        )
         if self._blend_link is not None:
             self._blend_engine = self._build_blend_engine(tuple(names))
 
@@ -222,7 +229,7 @@ class WorkerSide:
         context = BlendEngineContext(
             engine_config=self._vllm_config,
             layout=self._layout,
-            paged_layers=tuple(self._layers),
+            paged_layers=self._layers,
             layer_names=layer_names,
             check_layer=settings.blend_check_layer,
             disk_policy=settings.blend_disk_policy,
@@ -255,7 +262,7 @@ class WorkerSide:
         """A new step: forget the last one's per-step state (loads and saves of a step finish within it)."""
         self._metadata = metadata
         self._sync_loads = []
-        self._layers_loaded = 0
+        self._sync_loads_scattered = False
         self._saves = []
         # A plain step (no load, no pass): its time from here (before the forward; vLLM calls start_load_kv after
         # the forward when a step has no sync load) to wait_for_save is the engine's own compute.
@@ -275,12 +282,8 @@ class WorkerSide:
                 self._sync_loads.append((spec, fetch))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        layer = self._layer_of.get(layer_name)
-        if layer is None or not self._sync_loads:
-            return
-        while self._layers_loaded <= layer:
-            self._scatter_layer(self._layers_loaded)
-            self._layers_loaded += 1
+        if layer_name in self._layer_of:
+            self._scatter_sync_loads()
 
     def save_kv_layer(self, layer_name: str) -> None:
         metadata = self._metadata
@@ -290,17 +293,12 @@ class WorkerSide:
         if layer == 0:
             self._saves = [self._new_save(spec) for spec in metadata.saves]
         for save in self._saves:
-            if save.num_layers_gathered != layer:
-                continue  # a layer was skipped: this save is incomplete and will be dropped
-            save.copy.gather(layer)
-            save.num_layers_gathered += 1
+            if save.num_layers_computed == layer:  # else a layer was skipped: the save is dropped
+                save.num_layers_computed += 1
 
     def wait_for_save(self) -> None:
         """Finish the step: every planned layer of every sync load is in place, saves leave on their thread."""
-        if self._sync_loads and self._layers_loaded < len(self._caches):
-            for layer in range(self._layers_loaded, len(self._caches)):
-                self._scatter_layer(layer)
-            self._layers_loaded = len(self._caches)
+        self._scatter_sync_loads()
         for spec, future in self._sync_loads:
             fetched = future.result()
             self._finished_loads[spec.request_id] = _loaded_tokens(spec, fetched)
@@ -311,11 +309,12 @@ class WorkerSide:
             self._prefill_steps.append((step_ms, self._metadata.step_tokens))
             self._step_started = None
         for save in self._saves:
-            if save.num_layers_gathered == len(self._caches):
+            if save.num_layers_computed == len(self._caches):
+                save.copy.gather_all()
                 self._save_futures.append(self._pools[2].submit(self._store, save))
             else:
                 logger.warning(
-                    "request %s: only %d layers were saved; not stored", save.spec.request_id, save.num_layers_gathered
+                    "request %s: only %d layers were saved; not stored", save.spec.request_id, save.num_layers_computed
                 )
         self._saves = []
         self._save_futures = [future for future in self._save_futures if not future.done()]
@@ -462,20 +461,22 @@ class WorkerSide:
             misses=result.misses,
         )
 
-    def _scatter_layer(self, layer: int) -> None:
+    def _scatter_sync_loads(self) -> None:
+        """Once a step, on the engine's thread: wait for each sync load's fetch and put it into its blocks."""
+        if self._sync_loads_scattered:
+            return
+        self._sync_loads_scattered = True
         for spec, future in self._sync_loads:
             fetched = future.result()
-            if layer == 0:
-                self._account_load(spec, fetched)
-            self._scatter(layer, spec, fetched)
+            self._account_load(spec, fetched)
+            self._scatter(spec, fetched)
 
     def _load_whole(self, spec: LoadSpec) -> tuple[int, set[int]]:
         """An async load: fetch, then scatter every layer; returns the tokens loaded and the blocks that were not."""
         fetched = self._fetch(self._async_link, self._async_buffers, spec)
         buffer = fetched.buffer
         try:
-            for layer in range(len(self._layers)):
-                self._scatter(layer, spec, fetched)
+            self._scatter(spec, fetched)
             if self._caches[0].device.type == "cuda":
                 torch.cuda.current_stream(self._caches[0].device).synchronize()
         except Exception:  # the load thread's boundary: vLLM recomputes what did not load
@@ -485,20 +486,22 @@ class WorkerSide:
             self._async_buffers.give_back(buffer)
         return _loaded_tokens(spec, fetched), self._account_load(spec, fetched)
 
-    def _scatter(self, layer: int, spec: LoadSpec, fetched: _Fetched) -> None:
+    def _scatter(self, spec: LoadSpec, fetched: _Fetched) -> None:
+        """Every layer of a fetched load into its blocks (the retrieve began at ``spec.start``)."""
         if fetched.kv is None or fetched.block_ids is None or fetched.loaded_end <= spec.start:
             return
-        if fetched.copy is None:  # the retrieve began at spec.start
-            fetched.copy = PagedChunk(
-                self._layers, fetched.block_ids, fetched.kv[:, :, : fetched.loaded_end - spec.start]
-            )
-        fetched.copy.scatter(layer)
+        kv = fetched.kv[:, :, : fetched.loaded_end - spec.start]
+        PagedChunk(self._registered_layers(), fetched.block_ids, kv).scatter_all()
+
+    def _registered_layers(self) -> PagedLayers:
+        assert self._layers is not None, "vLLM moves KV only after registering its caches"
+        return self._layers
 
     def _device_block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         return device_block_ids(block_ids, self._caches[0].device)
 
     def _account_load(self, spec: LoadSpec, fetched: _Fetched) -> set[int]:
-        """Count a load and report the blocks it could not fill (once, on its first layer)."""
+        """Count a load and report the blocks it could not fill (once, when it is scattered)."""
         loaded_blocks = (fetched.loaded_end - spec.start) // self._block_size
         failed = set(spec.block_ids[loaded_blocks:])
         if failed:
@@ -544,7 +547,9 @@ class WorkerSide:
                 self._layout.chunk_shape(num_tokens), dtype=self._layout.dtype.torch_dtype, device=device
             )
         return _PendingSave(
-            spec=spec, staging=staging, copy=PagedChunk(self._layers, self._device_block_ids(spec.block_ids), staging)
+            spec=spec,
+            staging=staging,
+            copy=PagedChunk(self._registered_layers(), self._device_block_ids(spec.block_ids), staging),
         )
 
     def _store(self, save: _PendingSave) -> None:
