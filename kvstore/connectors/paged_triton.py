@@ -32,6 +32,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _ALIGNMENT_BYTES = 16
 _ROWS_PER_STEP = 32
 """(slot, head) rows a program moves per step: 32 rows of a 128-dim bf16 head are 8 KiB in flight per program."""
+_NUM_WARPS = 4
 
 
 def available() -> bool:
@@ -41,7 +42,7 @@ def available() -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel whatever a request's length
     def _request_copy_kernel(
         first_cache_ptr,
         layer_offsets_ptr,
@@ -174,6 +175,17 @@ class RequestKernel:
             and chunk.stride(1) % alignment == 0
         )
 
+    def warm_up(self) -> None:
+        """Compile both directions now by copying block 0 of every layer out and back (its bytes unchanged; nothing
+        else may write it meanwhile): Triton compiles a kernel at its first launch, which would otherwise stall the
+        engine's first save and first load."""
+        device, dtype = self.first_cache.device, self.first_cache.dtype
+        ids = torch.zeros(1, dtype=torch.int64, device=device)
+        shape = (len(self.layer_offsets), 2, self.block_size, self.num_kv_heads, self.head_dim)
+        chunk = torch.empty(shape, dtype=dtype, device=device)
+        self.launch(ids, chunk, self.block_size, scatter=False)
+        self.launch(ids, chunk, self.block_size, scatter=True)
+
     def launch(self, block_ids: torch.Tensor, chunk: torch.Tensor, num_tokens: int, *, scatter: bool) -> None:
         """Copy tokens ``[0, num_tokens)`` of every layer between blocks ``block_ids`` and ``chunk`` (checked by the
         caller: ``copies(chunk)``, and enough blocks for the tokens)."""
@@ -200,5 +212,5 @@ class RequestKernel:
             ROWS=min(_ROWS_PER_STEP, triton.next_power_of_2(self.block_size * self.num_kv_heads)),
             ALIGNMENT=_ALIGNMENT_BYTES // chunk.element_size(),
             SCATTER=scatter,
-            num_warps=4,
+            num_warps=_NUM_WARPS,
         )

@@ -82,6 +82,13 @@ def with_interpreted_kernel(interpreted: ModuleType, caches: list[torch.Tensor],
     return layers
 
 
+def test_warming_up_leaves_the_cache_as_it_was(interpreted):
+    caches = packed_caches(2, 4, 2, 4, 8, torch.bfloat16, slot_major=True)
+    before = [cache.clone() for cache in caches]
+    with_interpreted_kernel(interpreted, caches, 8).request_kernel.warm_up()
+    assert all(torch.equal(cache, was) for cache, was in zip(caches, before, strict=True))
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     num_layers=st.integers(1, 3),
