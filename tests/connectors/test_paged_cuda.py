@@ -22,6 +22,7 @@ from kvstore.connectors.paged import (
     probe_block_format,
     scatter_blocks,
 )
+from tests.connectors.one_launch_checks import assert_one_launch_gathers_as_layer_by_layer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -194,14 +195,7 @@ def test_every_layer_in_one_launch_copies_what_layer_by_layer_copies(tokens_oute
     assert all(torch.equal(cache[[0, 1, 2, 4]], before) for cache, before in zip(caches, untouched, strict=True))
     for num_tokens in (5 * slots, 4 * slots + 3, 1):
         gathered = torch.full((layers, 2, num_tokens, heads, dim), float("nan"), dtype=dtype, device=CUDA)
-        gather = PagedChunk(paged, ids, gathered)
-        assert gather.one_launch
-        gather.gather_all()
-        expected = torch.full_like(gathered, float("nan"))
-        layerwise = PagedChunk(paged, ids, expected)
-        for layer in range(layers):
-            layerwise.gather(layer)
-        assert torch.equal(gathered, expected)
+        assert_one_launch_gathers_as_layer_by_layer(paged, ids, gathered)
         assert torch.equal(gathered, source[:, :, :num_tokens])
 
 

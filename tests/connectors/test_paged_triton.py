@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kvstore.connectors import paged_triton
 from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayers, PlaneMap
 from kvstore.errors import InvalidInputError
+from tests.connectors.one_launch_checks import assert_one_launch_gathers_as_layer_by_layer
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -110,14 +111,7 @@ def test_one_launch_copies_what_layer_by_layer_copies(
     num_tokens = data.draw(st.integers(1, len(used) * slots), label="tokens")
 
     gathered = torch.full((num_layers, 2, num_tokens, heads, dim), float("nan")).to(dtype)
-    gather = PagedChunk(layers, ids, gathered)
-    assert gather.one_launch
-    gather.gather_all()
-    expected = torch.full_like(gathered, float("nan"))
-    layerwise = PagedChunk(layers, ids, expected)
-    for layer in range(num_layers):
-        layerwise.gather(layer)
-    assert torch.equal(gathered, expected)
+    assert_one_launch_gathers_as_layer_by_layer(layers, ids, gathered)
 
     source = torch.randn(num_layers, 2, len(used) * slots, heads, dim).to(dtype)
     wanted = [cache.clone() for cache in caches]
