@@ -21,6 +21,7 @@ Pure torch; works on any device the tensors share. Not thread-safe per layer ten
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ __all__ = [
     "probe_block_format",
     "scatter_blocks",
 ]
+
+logger = logging.getLogger(__name__)
 
 WriteSlots = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """The backend's own cache write: ``write(key, value, slot_mapping)`` with key/value ``[tokens, heads, head_dim]``
@@ -251,6 +254,40 @@ class PagedLayers(Sequence[PagedLayer]):
             else None
         )
 
+    def check_request_kernel(self, *, block_id: int = 0) -> bool:
+        """Compile the one-launch copy now and check it against the per-layer copies on block ``block_id`` of every
+        layer, whose bytes it restores (nothing else may touch that block meanwhile: vLLM never hands block 0 to a
+        request). Triton compiles at a kernel's first launch, which would otherwise stall the engine's first save and
+        first load; and a Triton or GPU that builds it wrong (or not at all) must cost speed, never KV: then
+        ``request_kernel`` becomes ``None`` and copies go layer by layer. Returns whether the kernel is kept."""
+        kernel = self.request_kernel
+        if kernel is None:
+            return False
+        block_format, device = self.block_format, kernel.first_cache.device
+        shape = (len(self), 2, block_format.block_size, block_format.num_kv_heads, block_format.head_dim)
+        ids = torch.full((1,), block_id, dtype=torch.int64, device=device)
+        saved = torch.empty(shape, dtype=kernel.first_cache.dtype, device=device)
+        _copy_layerwise(self, ids, saved, scatter=False)
+        # small integers, exact in every KV dtype, different in every element of a layer and between the two passes
+        codes = torch.arange(math.prod(shape), device=device).remainder(251).view(shape).to(saved.dtype)
+        try:
+            checked = torch.empty_like(saved)
+            _copy_layerwise(self, ids, codes, scatter=True)
+            kernel.launch(ids, checked, block_format.block_size, scatter=False)
+            gathered_right = torch.equal(checked, codes)
+            kernel.launch(ids, codes.flip(-1), block_format.block_size, scatter=True)
+            _copy_layerwise(self, ids, checked, scatter=False)
+            scattered_right = torch.equal(checked, codes.flip(-1))
+            failure = None if gathered_right and scattered_right else "its copies differ from the per-layer copies"
+        except Exception as error:  # a compiler's or driver's error: the per-layer copies still work
+            failure = f"{type(error).__name__}: {error}"
+        finally:
+            _copy_layerwise(self, ids, saved, scatter=True)
+        if failure is not None:
+            logger.warning("the one-launch KV copy is off (%s); copies go layer by layer", failure)
+            self.request_kernel = None
+        return failure is None
+
     @staticmethod
     def of(caches: Sequence[torch.Tensor], block_format: BlockFormat) -> PagedLayers:
         """The layers of ``caches`` (each with dim 0 indexing blocks), all in ``block_format``."""
@@ -438,6 +475,14 @@ class _WideChunk:
         return torch.as_strided(
             self.wide, self.size, self.stride, storage_offset=self.first_offset + layer * self.layer_stride
         )
+
+
+def _copy_layerwise(layers: PagedLayers, block_ids: torch.Tensor, chunk: torch.Tensor, *, scatter: bool) -> None:
+    """Every layer of ``chunk`` copied one layer at a time, never through the one-launch kernel."""
+    copy = PagedChunk(layers, block_ids, chunk)
+    layer_copy = copy.scatter if scatter else copy.gather
+    for layer in range(len(layers)):
+        layer_copy(layer)
 
 
 def device_block_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:

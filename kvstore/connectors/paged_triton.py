@@ -175,17 +175,6 @@ class RequestKernel:
             and chunk.stride(1) % alignment == 0
         )
 
-    def warm_up(self) -> None:
-        """Compile both directions now by copying block 0 of every layer out and back (its bytes unchanged; nothing
-        else may write it meanwhile): Triton compiles a kernel at its first launch, which would otherwise stall the
-        engine's first save and first load."""
-        device, dtype = self.first_cache.device, self.first_cache.dtype
-        ids = torch.zeros(1, dtype=torch.int64, device=device)
-        shape = (len(self.layer_offsets), 2, self.block_size, self.num_kv_heads, self.head_dim)
-        chunk = torch.empty(shape, dtype=dtype, device=device)
-        self.launch(ids, chunk, self.block_size, scatter=False)
-        self.launch(ids, chunk, self.block_size, scatter=True)
-
     def launch(self, block_ids: torch.Tensor, chunk: torch.Tensor, num_tokens: int, *, scatter: bool) -> None:
         """Copy tokens ``[0, num_tokens)`` of every layer between blocks ``block_ids`` and ``chunk`` (checked by the
         caller: ``copies(chunk)``, and enough blocks for the tokens)."""

@@ -184,7 +184,7 @@ def test_every_layer_in_one_launch_copies_what_layer_by_layer_copies(tokens_oute
     paged = PagedLayers([PagedLayer(cache, strides_format(cache, dim)) for cache in caches])
     assert paged.request_kernel is not None
     before = [cache.clone() for cache in caches]
-    paged.request_kernel.warm_up()  # compiles both directions through block 0, whose bytes stay as they were
+    assert paged.check_request_kernel(block_id=0)  # compiled and checked through block 0, whose bytes stay
     assert all(torch.equal(cache, was) for cache, was in zip(caches, before, strict=True))
     ids = torch.tensor([9, 3, 40, 17, 5], device=CUDA)
     untouched = [cache[[0, 1, 2, 4]].clone() for cache in caches]

@@ -83,11 +83,46 @@ def with_interpreted_kernel(interpreted: ModuleType, caches: list[torch.Tensor],
     return layers
 
 
-def test_warming_up_leaves_the_cache_as_it_was(interpreted):
-    caches = packed_caches(2, 4, 2, 4, 8, torch.bfloat16, slot_major=True)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_start_check_keeps_a_right_kernel_and_leaves_the_block_as_it_was(interpreted, dtype):
+    caches = packed_caches(2, 4, 2, 4, 8, dtype, slot_major=True)
     before = [cache.clone() for cache in caches]
-    with_interpreted_kernel(interpreted, caches, 8).request_kernel.warm_up()
+    layers = with_interpreted_kernel(interpreted, caches, 8)
+    assert layers.check_request_kernel(block_id=2)
+    assert layers.request_kernel is not None
     assert all(torch.equal(cache, was) for cache, was in zip(caches, before, strict=True))
+
+
+class _WrongKernel:
+    """The real kernel, miscompiled: its launches copy nothing, or fail to compile."""
+
+    def __init__(self, real, fails: bool) -> None:
+        self.first_cache, self.copies, self._fails = real.first_cache, real.copies, fails
+
+    def launch(self, block_ids, chunk, num_tokens, *, scatter):
+        if self._fails:
+            raise RuntimeError("PTX assembly failed")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["copies-nothing", "does-not-compile"])
+def test_the_start_check_turns_a_wrong_kernel_off(interpreted, fails, caplog):
+    """A kernel that copies wrong (or raises) at the start check is dropped with one warning; the block it used is
+    restored, and every later copy goes layer by layer, right."""
+    caches = packed_caches(2, 4, 2, 4, 8, torch.float32, slot_major=False)
+    before = [cache.clone() for cache in caches]
+    layers = with_interpreted_kernel(interpreted, caches, 8)
+    layers.request_kernel = _WrongKernel(layers.request_kernel, fails)
+    assert not layers.check_request_kernel(block_id=1)
+    assert layers.request_kernel is None
+    assert all(torch.equal(cache, was) for cache, was in zip(caches, before, strict=True))
+    assert "copies go layer by layer" in caplog.text
+    source = torch.randn(2, 2, 4, 2, 8)
+    scatter = PagedChunk(layers, torch.tensor([3]), source)
+    assert not scatter.one_launch
+    scatter.scatter_all()
+    gathered = torch.empty_like(source)
+    PagedChunk(layers, torch.tensor([3]), gathered).gather_all()
+    assert torch.equal(gathered, source)
 
 
 @settings(max_examples=20, deadline=None)

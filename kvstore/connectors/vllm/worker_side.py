@@ -203,8 +203,7 @@ class WorkerSide:
                 raise ConfigError(f"vLLM KV cache {name} is {cache.dtype}; the layout says {layout.dtype.value}")
         block_format = self._read_block_format(names[0], first)
         self._layers = PagedLayers.of(self._caches, block_format)
-        if self._layers.request_kernel is not None:
-            self._layers.request_kernel.warm_up()  # block 0: vLLM never hands it to a request
+        self._layers.check_request_kernel(block_id=0)  # vLLM never hands block 0 to a request
         logger.info(
             "kvstore: %d layers of paged KV, %s; %s",
             len(names),
