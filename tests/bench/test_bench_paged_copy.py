@@ -30,8 +30,9 @@ def test_every_layout_and_variant_is_verified_and_compared_with_the_copy_baselin
     expected = []
     for layout in ("LBNHC", "LBHNC"):
         expected.append((layout, "baseline", "copy", "eager"))
-        for op in ("gather", "scatter"):  # the connector's copies, also with the request bound beforehand
-            expected += [(layout, "current", op, "eager"), (layout, "current", op, "eager_prepared")]
+        for variant in ("current", "current_layerwise"):  # the connector's copies, also bound beforehand
+            for op in ("gather", "scatter"):
+                expected += [(layout, variant, op, "eager"), (layout, variant, op, "eager_prepared")]
         for variant in ("wide16", "wide16_fused", "whole_block"):  # no triton on CPU
             expected += [(layout, variant, "gather", "eager"), (layout, variant, "scatter", "eager")]
     assert [(row["layout"], row["variant"], row["op"], row["mode"]) for row in rows] == expected
@@ -42,7 +43,7 @@ def test_every_layout_and_variant_is_verified_and_compared_with_the_copy_baselin
         assert row["payload_bytes"] == payload_bytes and row["num_repeats"] == 3
         assert row["GBps"] > 0 and row["baseline_GBps"] > 0
         assert row["ratio"] == pytest.approx(row["GBps"] / row["baseline_GBps"], rel=2e-3)
-        assert row["target_ratio"] == 0.7 and row["met"] == (row["ratio"] >= 0.7)
+        assert row["target_ratio"] == 0.8 and row["met"] == (row["ratio"] >= 0.8)
         assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"] <= row["max_ms"]
         assert "copy_" in row["baseline"]
 
