@@ -357,7 +357,14 @@ class PagedChunk:
         fusable = len(self._wide_blocks) == len(layers)
         self._wide_chunk = _WideChunk.of(layer_chunks, self._num_full, block_format) if fusable else None
         kernel = layers.request_kernel
-        one_launch = kernel is not None and self._through is None and block_ids.is_contiguous() and kernel.copies(chunk)
+        one_launch = (
+            kernel is not None
+            and self._through is None
+            and block_ids.device == chunk.device  # the kernel reads the ids where it runs
+            and block_ids.dtype in (torch.int64, torch.int32)
+            and block_ids.is_contiguous()
+            and kernel.copies(chunk)
+        )
         self._request_kernel = kernel if one_launch else None
 
     @property
@@ -425,7 +432,6 @@ class PagedChunk:
         paged, source = self._layers[layer], self._layer_chunks[layer]
         for plane, view in enumerate(paged.planes):
             view.index_copy_(0, self._block_ids, _plane_blocks(source, plane, self._num_full, paged.block_format))
-
 
     def _check_whole_blocks(self) -> None:
         if not self._whole_blocks:

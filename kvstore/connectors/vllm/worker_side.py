@@ -5,16 +5,15 @@ Loads. A synchronous load (the hit is in a memory tier) is fetched on a backgrou
 its own only when there is none) into a shared-memory buffer the server writes directly (kept for the next load:
 ``LoadBuffers``). Entering the first attention layer (``wait_for_layer_load``) waits for that fetch and scatters
 every layer into the request's blocks at once (one kernel launch on CUDA, ``PagedChunk.scatter_all``: the copies
-run on the engine's stream either way, so copying layer ``l`` just before its attention would only add launches and
-Python calls on the engine's thread). An asynchronous
-load (the hit is on disk) runs whole on its own thread while the engine keeps stepping other requests, and is
-reported done through ``get_finished``.
+run in order with the forward pass either way, on the engine's stream or thread, so copying layer ``l`` just before
+its attention would only add launches and Python calls on the engine's thread). An asynchronous load (the hit is on
+disk) runs whole on its own thread while the engine keeps stepping other requests, and is reported done through
+``get_finished``.
 
 Saves. In the step that completes a prompt's prefill, leaving each attention layer (``save_kv_layer``) counts that
 layer as computed; after the forward pass (``wait_for_save``) the KV of the chunks the store lacks is gathered out of
 the blocks of every layer at once into a staging tensor (``PagedChunk.gather_all``), which goes to the store on a
-background thread. The blocks are free the moment the
-step ends, so ``request_finished`` never delays freeing them.
+background thread. The blocks are free the moment the step ends, so ``request_finished`` never delays freeing them.
 
 Faults. A load that finds less than the scheduler planned (a chunk evicted or corrupt in between, the store gone)
 loads what it has and reports the other blocks through ``get_block_ids_with_load_errors``: with vLLM's
