@@ -275,9 +275,10 @@ class PagedLayers(Sequence[PagedLayer]):
             _copy_layerwise(self, ids, codes, scatter=True)
             kernel.launch(ids, checked, block_format.block_size, scatter=False)
             gathered_right = torch.equal(checked, codes)
-            kernel.launch(ids, codes.flip(-1), block_format.block_size, scatter=True)
+            flipped = codes.flip(-1)
+            kernel.launch(ids, flipped, block_format.block_size, scatter=True)
             _copy_layerwise(self, ids, checked, scatter=False)
-            scattered_right = torch.equal(checked, codes.flip(-1))
+            scattered_right = torch.equal(checked, flipped)
             failure = None if gathered_right and scattered_right else "its copies differ from the per-layer copies"
         except Exception as error:  # a compiler's or driver's error: the per-layer copies still work
             failure = f"{type(error).__name__}: {error}"
@@ -360,10 +361,10 @@ class PagedChunk:
         one_launch = (
             kernel is not None
             and self._through is None
+            and self._wide_chunk is not None  # the chunk 16-byte aligned, as the kernel's loads and stores need
             and block_ids.device == chunk.device  # the kernel reads the ids where it runs
             and block_ids.dtype in (torch.int64, torch.int32)
             and block_ids.is_contiguous()
-            and kernel.copies(chunk)
         )
         self._request_kernel = kernel if one_launch else None
 

@@ -25,7 +25,7 @@ try:
 except ImportError:  # CPU builds of torch come without Triton
     triton = None
 
-__all__ = ["RequestKernel", "available"]
+__all__ = ["RequestKernel"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Under Triton's interpreter the kernel also runs on CPU tensors: how the tests check it on machines without a GPU."""
@@ -33,11 +33,6 @@ _ALIGNMENT_BYTES = 16
 _ROWS_PER_STEP = 32
 """(slot, head) rows a program moves per step: 32 rows of a 128-dim bf16 head are 8 KiB in flight per program."""
 _NUM_WARPS = 4
-
-
-def available() -> bool:
-    """Whether the one-launch copy can run at all here (Triton imports)."""
-    return triton is not None
 
 
 if triton is not None:
@@ -129,12 +124,12 @@ class RequestKernel:
         block_size: int,
         head_dim: int,
     ) -> RequestKernel | None:
-        """The kernel for ``caches`` (dim 0 indexing blocks, head dims contiguous), or ``None`` where it cannot run:
-        no Triton, not CUDA, layers of different dtype, device or block stride, or an offset or stride that is not
-        16-byte aligned (the kernel's loads and stores are 16 bytes wide)."""
+        """The kernel for ``caches`` (dim 0 indexing blocks), or ``None`` where it cannot run: no Triton, not CUDA,
+        layers of different dtype, device or block stride, or a head_dim that is not a power of two. The caller has
+        checked that each layer fuses (``paged.PagedLayer.wide_blocks``: head dims contiguous, K strided like V, every
+        offset and stride 16-byte aligned), as the kernel's 16-byte loads and stores need."""
         first = caches[0]
         element = first.element_size()
-        alignment = _ALIGNMENT_BYTES // element
         if (
             triton is None
             or (first.device.type != "cuda" and not _INTERPRETED)
@@ -142,9 +137,6 @@ class RequestKernel:
                 cache.dtype != first.dtype or cache.device != first.device or cache.stride(0) != first.stride(0)
                 for cache in caches
             )
-            or any(cache.data_ptr() % _ALIGNMENT_BYTES for cache in caches)
-            or any(step % alignment for step in (key_offset, value_offset, token_stride, head_stride, first.stride(0)))
-            or head_dim % alignment
             or head_dim & (head_dim - 1)  # a power of two: the kernel's columns are one tl.arange
         ):
             return None
@@ -162,22 +154,9 @@ class RequestKernel:
             head_dim=head_dim,
         )
 
-    def copies(self, chunk: torch.Tensor) -> bool:
-        """Whether this kernel can copy ``chunk`` ``[layers, 2, tokens, heads, head_dim]`` (each plane already
-        checked contiguous): on the device, of the cache's dtype, planes and layers 16-byte aligned."""
-        alignment = _ALIGNMENT_BYTES // chunk.element_size()
-        return (
-            chunk.device == self.first_cache.device
-            and chunk.dtype == self.first_cache.dtype
-            and chunk.shape[0] == len(self.layer_offsets)
-            and chunk.data_ptr() % _ALIGNMENT_BYTES == 0
-            and chunk.stride(0) % alignment == 0
-            and chunk.stride(1) % alignment == 0
-        )
-
     def launch(self, block_ids: torch.Tensor, chunk: torch.Tensor, num_tokens: int, *, scatter: bool) -> None:
         """Copy tokens ``[0, num_tokens)`` of every layer between blocks ``block_ids`` and ``chunk`` (checked by the
-        caller: ``copies(chunk)``, and enough blocks for the tokens)."""
+        caller, ``paged.PagedChunk``: the chunk fits the cache, 16-byte aligned, with enough blocks for the tokens)."""
         num_blocks = -(-num_tokens // self.block_size)
         if num_blocks == 0:
             return

@@ -97,7 +97,7 @@ class _WrongKernel:
     """The real kernel, miscompiled: its launches copy nothing, or fail to compile."""
 
     def __init__(self, real, fails: bool) -> None:
-        self.first_cache, self.copies, self._fails = real.first_cache, real.copies, fails
+        self.first_cache, self._fails = real.first_cache, fails
 
     def launch(self, block_ids, chunk, num_tokens, *, scatter):
         if self._fails:
@@ -186,7 +186,8 @@ def test_formats_and_chunks_the_kernel_does_not_take_go_layer_by_layer(interpret
     aligned = torch.empty(2, 2, 8, 2, 16, dtype=torch.bfloat16)
     PagedChunk(layers, ids, aligned).gather_all()
     assert torch.equal(shifted, aligned)
-    assert not layers.request_kernel.copies(aligned.float())
+    with pytest.raises(InvalidInputError, match="float32"):  # a chunk of another dtype never reaches the kernel
+        PagedChunk(layers, ids, aligned.float())
 
 
 def test_without_the_kernel_every_layer_still_copies():
