@@ -6,10 +6,21 @@ of one chunk is one contiguous slice (layerwise loading reads it without a gathe
     layer 0: | K: tokens x heads x head_dim | V: tokens x heads x head_dim |
     layer 1: | K ...                        | V ...                        |
 
+Two engine shapes store something else in that tensor:
+
+- **fp8 KV** (``float8_e4m3``, ``float8_e5m2``): the engine's bytes as they are, one byte per element, in a
+  ``torch.uint8`` tensor (kvstore never converts them to floats and back: every byte value round-trips, NaN codes
+  included). What the bytes mean depends on the per-tensor scales the engine quantised them with
+  (``value = byte_as_fp8 * scale``), so the scales (``KVScales``) are part of the layout.
+- **MLA** (DeepSeek-V2/V3, Kimi): one latent per token and layer, shared by every attention head and with no separate
+  V: ``[num_layers, 1, num_tokens, 1, latent]`` (one plane, one "head" axis of size 1), the latent being the
+  compressed KV (``kv_lora_rank`` wide) followed by the rotary part of K (``rope_dim`` wide): ``MLASpec``.
+
 The *namespace* is a 128-bit hash of every field that changes the KV bytes (model id, shape, dtype, RoPE
-parameters). It seeds the prefix-key chain, so two layouts can never share a key. It is computed from a canonical
-text encoding (floats as ``float.hex``), never from Python's ``hash()``, so it is identical across processes,
-machines and restarts.
+parameters; fp8 scales and the MLA split where present). It seeds the prefix-key chain, so two layouts can never
+share a key. It is computed from a canonical text encoding (floats as ``float.hex``), never from Python's
+``hash()``, so it is identical across processes, machines and restarts. The fields fp8 and MLA added enter the text
+only for those layouts, so every earlier layout keeps its namespace (and a data dir its keys).
 
 Values here are immutable and thread-safe.
 """
@@ -18,6 +29,8 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -26,7 +39,7 @@ import xxhash
 
 from kvstore.errors import ConfigError, InvalidInputError
 
-__all__ = ["KVDtype", "KVLayout", "Namespace", "RopeScaling", "RopeSpec"]
+__all__ = ["KVDtype", "KVLayout", "KVScales", "MLASpec", "Namespace", "RopeScaling", "RopeSpec"]
 
 Namespace = NewType("Namespace", bytes)
 """16-byte hash of a layout; the seed of its prefix-key chain."""
@@ -35,23 +48,41 @@ _NAMESPACE_FORMAT_VERSION = "kvstore-layout-v1"
 
 
 class KVDtype(enum.StrEnum):
-    """Element types a KV cache may be stored in."""
+    """Element types a KV cache may be stored in.
+
+    The fp8 types hold an engine's quantised KV cache byte for byte: their ``torch_dtype`` is ``torch.uint8`` (vLLM's
+    own page dtype for them), and ``storage_dtype`` names how the engine reads those bytes.
+    """
 
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
     FLOAT32 = "float32"
+    FLOAT8_E4M3 = "float8_e4m3"
+    FLOAT8_E5M2 = "float8_e5m2"
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[self.value]
+        """The dtype of kvstore's tensors of this KV (``torch.uint8`` for fp8: the bytes, never converted)."""
+        return _TORCH_DTYPES[self.value]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """How the engine reads an element: ``torch_dtype``, or the fp8 format a ``torch.uint8`` byte holds."""
+        return _STORAGE_DTYPES.get(self.value, self.torch_dtype)
 
     @property
     def element_size_bytes(self) -> int:
-        return 4 if self is KVDtype.FLOAT32 else 2
+        return _ELEMENT_SIZES[self.value]
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether elements are scaled fp8 codes (the layout then carries ``KVScales``)."""
+        return self.value in _STORAGE_DTYPES
 
     @classmethod
     def parse(cls, value: str | torch.dtype) -> KVDtype:
-        """Accept ``"bf16"``, ``"bfloat16"``, ``torch.bfloat16`` and friends."""
+        """Accept ``"bf16"``, ``"bfloat16"``, ``torch.bfloat16``, vLLM's ``"fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"``
+        and friends (vLLM's ``"fp8"`` is e4m3: ``float8_e4m3``)."""
         if isinstance(value, torch.dtype):
             value = str(value).removeprefix("torch.")
         aliases = {
@@ -60,14 +91,112 @@ class KVDtype(enum.StrEnum):
             "bf16": "bfloat16",
             "fp32": "float32",
             "float": "float32",
+            "fp8": "float8_e4m3",
+            "fp8_e4m3": "float8_e4m3",
+            "float8_e4m3fn": "float8_e4m3",
+            "fp8_e5m2": "float8_e5m2",
         }
         name = aliases.get(value.lower(), value.lower())
         try:
             return cls(name)
         except ValueError:
             raise ConfigError(
-                f"KV dtype {value!r} is not supported; use one of float16 (fp16), bfloat16 (bf16), float32 (fp32)"
+                f"KV dtype {value!r} is not supported; use one of float16 (fp16), bfloat16 (bf16), float32 (fp32), "
+                "float8_e4m3 (fp8, fp8_e4m3), float8_e5m2 (fp8_e5m2)"
             ) from None
+
+
+_TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3": torch.uint8,
+    "float8_e5m2": torch.uint8,
+}
+_STORAGE_DTYPES = {"float8_e4m3": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+_ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1, "float8_e5m2": 1}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVScales:
+    """The dequantisation scales of an fp8 KV cache (``value = fp8(byte) * scale``), per tensor: one for K and one for
+    V of each layer, as vLLM keeps them on each attention layer (``_k_scale``, ``_v_scale``).
+
+    The same bytes under other scales are other values, so the scales are part of the layout's identity: an engine
+    whose scales differ never loads another's KV.
+
+    Args:
+        k: K's scale of every layer, or one scale for every layer (a 1-tuple: what an engine without calibrated
+            scales uses, 1.0).
+        v: V's, likewise (as long as ``k``).
+    """
+
+    k: tuple[float, ...] = (1.0,)
+    v: tuple[float, ...] = (1.0,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k", tuple(float(scale) for scale in self.k))
+        object.__setattr__(self, "v", tuple(float(scale) for scale in self.v))
+        if not self.k or len(self.k) != len(self.v):
+            raise ConfigError(
+                f"kv scales need as many V scales as K scales (at least one); got {len(self.k)} K and "
+                f"{len(self.v)} V"
+            )
+        for scale in self.k + self.v:
+            if not (math.isfinite(scale) and scale > 0):
+                raise ConfigError(f"kv scale {scale!r} must be a positive finite number (the layer's k/v scale)")
+
+    @classmethod
+    def of_layers(cls, k: Sequence[float], v: Sequence[float]) -> KVScales:
+        """The scales of every layer, folded to one pair when every layer has the same (the usual case)."""
+        if len(set(k)) == 1 and len(set(v)) == 1 and len(k) == len(v):
+            return cls(k=(k[0],), v=(v[0],))
+        return cls(k=tuple(k), v=tuple(v))
+
+    @property
+    def per_layer(self) -> bool:
+        return len(self.k) > 1
+
+    def layer(self, index: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of layer ``index``."""
+        if not self.per_layer:
+            return self.k[0], self.v[0]
+        return self.k[index], self.v[index]
+
+    def canonical(self) -> str:
+        return "k=" + ",".join(scale.hex() for scale in self.k) + ";v=" + ",".join(scale.hex() for scale in self.v)
+
+    def describe(self) -> str:
+        if not self.per_layer:
+            return f"scales k={self.k[0]:g} v={self.v[0]:g}"
+        return f"per-layer scales ({len(self.k)} layers)"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): what one token's cached latent holds.
+
+    Args:
+        kv_lora_rank: width of the compressed KV (``kv_lora_rank`` in the model config; 512 in DeepSeek-V2/V3).
+        rope_dim: width of the rotary part of K that follows it (``qk_rope_head_dim``; 64). Only this part depends on
+            the token's position.
+    """
+
+    kv_lora_rank: int
+    rope_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "rope_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"MLA {name}={value!r} must be a positive integer (the model config's)")
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def canonical(self) -> str:
+        return f"mla:{self.kv_lora_rank}+{self.rope_dim}"
 
 
 class RopeScaling(enum.StrEnum):
@@ -129,6 +258,10 @@ class KVLayout:
         head_dim: elements per head.
         dtype: element type of the cache.
         rope: rotary embedding parameters.
+        kv_scales: an fp8 cache's scales (default for an fp8 dtype: 1.0 for K and V of every layer, what vLLM uses
+            without calibrated scales); refused for the other dtypes.
+        mla: the latent's split for an MLA model (``KVLayout.for_mla`` builds the layout); ``num_kv_heads`` is then
+            1 and ``head_dim`` the latent's width.
     """
 
     model_id: str
@@ -137,6 +270,8 @@ class KVLayout:
     head_dim: int
     dtype: KVDtype = KVDtype.BFLOAT16
     rope: RopeSpec = field(default_factory=RopeSpec)
+    kv_scales: KVScales | None = None
+    mla: MLASpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", KVDtype.parse(self.dtype))
@@ -148,6 +283,51 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"layout {name}={value!r} must be a positive integer")
+        if self.dtype.is_quantized and self.kv_scales is None:
+            object.__setattr__(self, "kv_scales", KVScales())
+        elif not self.dtype.is_quantized and self.kv_scales is not None:
+            raise ConfigError(f"kv_scales apply to fp8 KV only; this layout's dtype is {self.dtype.value}")
+        scales = self.kv_scales
+        if scales is not None and scales.per_layer and len(scales.k) != self.num_layers:
+            raise ConfigError(
+                f"kv scales name {len(scales.k)} layers; the layout has {self.num_layers} (give one scale per layer, "
+                "or one for all)"
+            )
+        mla = self.mla
+        if mla is not None and (self.num_kv_heads, self.head_dim) != (1, mla.latent_dim):
+            raise ConfigError(
+                f"an MLA layout holds one {mla.latent_dim}-wide latent per token (kv_lora_rank {mla.kv_lora_rank} + "
+                f"rope {mla.rope_dim}), not {self.num_kv_heads} heads x {self.head_dim}; build it with "
+                "KVLayout.for_mla"
+            )
+
+    @classmethod
+    def for_mla(
+        cls,
+        *,
+        model_id: str,
+        num_layers: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        dtype: KVDtype | str = KVDtype.BFLOAT16,
+        rope: RopeSpec | None = None,
+    ) -> KVLayout:
+        """The layout of an MLA model: one latent of ``kv_lora_rank + rope_dim`` per token and layer."""
+        mla = MLASpec(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+        return cls(
+            model_id=model_id,
+            num_layers=num_layers,
+            num_kv_heads=1,
+            head_dim=mla.latent_dim,
+            dtype=KVDtype.parse(dtype),
+            rope=rope or RopeSpec(),
+            mla=mla,
+        )
+
+    @property
+    def num_planes(self) -> int:
+        """Planes per layer of a chunk: 2 (K and V), or 1 for MLA (the latent; V is computed from it)."""
+        return 1 if self.mla is not None else 2
 
     @property
     def namespace(self) -> Namespace:
@@ -161,17 +341,22 @@ class KVLayout:
                 str(self.head_dim),
                 self.dtype.value,
                 self.rope.canonical(),
+                # only where present: every other layout keeps the namespace (and a data dir the keys) it had
+                *([f"kv-scales:{self.kv_scales.canonical()}"] if self.kv_scales is not None else []),
+                *([self.mla.canonical()] if self.mla is not None else []),
             ]
         )
         return Namespace(xxhash.xxh3_128_digest(text.encode("utf-8")))
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token across all layers, K and V."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.element_size_bytes
+        """KV bytes of one token across all layers, K and V (the latent for MLA)."""
+        return self.num_layers * self.num_planes * self.num_kv_heads * self.head_dim * self.dtype.element_size_bytes
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, num_tokens, self.num_kv_heads, self.head_dim)
+        """``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` (``[num_layers, 1, num_tokens, 1, latent]`` for
+        MLA)."""
+        return (self.num_layers, self.num_planes, num_tokens, self.num_kv_heads, self.head_dim)
 
     def chunk_bytes(self, num_tokens: int) -> int:
         return num_tokens * self.bytes_per_token
@@ -190,11 +375,21 @@ class KVLayout:
             hint = ""
             if kv.dim() == 5 and tuple(kv.shape[:2]) == expected[:2] and tuple(kv.shape[3:]) == expected[3:]:
                 hint = f" (kv holds {kv.shape[2]} tokens but {num_tokens} token ids were given)"
+            axes = (
+                "[num_layers, 1, num_tokens, 1, latent]"
+                if self.mla
+                else "[num_layers, 2, num_tokens, num_kv_heads, head_dim]"
+            )
             raise InvalidInputError(
                 f"kv shape {list(kv.shape)} does not match layout {self.model_id}: expected "
-                f"[num_layers, 2, num_tokens, num_kv_heads, head_dim] = {list(expected)}{hint}"
+                f"{axes} = {list(expected)}{hint}"
             )
         if kv.dtype != self.dtype.torch_dtype:
+            if self.dtype.is_quantized:
+                raise InvalidInputError(
+                    f"kv dtype {kv.dtype} does not match layout dtype {self.dtype.value}: fp8 KV travels as the "
+                    "engine's bytes, a torch.uint8 tensor (kv.view(torch.uint8) of a float8 tensor)"
+                )
             raise InvalidInputError(
                 f"kv dtype {kv.dtype} does not match layout dtype {self.dtype.value}; cast it with "
                 f"kv.to(torch.{self.dtype.value}) or open the store with the model's dtype"
@@ -202,9 +397,15 @@ class KVLayout:
 
     def describe(self) -> str:
         """One line for logs and the CLI."""
+        mla, scales = self.mla, self.kv_scales
+        if mla is not None:
+            shape = f"MLA latent {mla.latent_dim} = {mla.kv_lora_rank} compressed + {mla.rope_dim} rope"
+        else:
+            shape = f"{self.num_kv_heads} kv heads x {self.head_dim}"
+        dtype = self.dtype.value if scales is None else f"{self.dtype.value} {scales.describe()}"
         return (
-            f"{self.model_id} ({self.num_layers} layers x {self.num_kv_heads} kv heads x {self.head_dim}, "
-            f"{self.dtype.value}, rope {self.rope.scaling.value} theta={self.rope.theta:g})"
+            f"{self.model_id} ({self.num_layers} layers x {shape}, "
+            f"{dtype}, rope {self.rope.scaling.value} theta={self.rope.theta:g})"
         )
 
     def to_json(self) -> str:
@@ -225,6 +426,9 @@ class KVLayout:
                     "high_freq_factor": rope.high_freq_factor,
                     "original_max_position_embeddings": rope.original_max_position_embeddings,
                 },
+                # only where present, so an earlier layout's JSON is unchanged
+                **({"kv_scales": {"k": list(self.kv_scales.k), "v": list(self.kv_scales.v)}} if self.kv_scales else {}),
+                **({"mla": {"kv_lora_rank": self.mla.kv_lora_rank, "rope_dim": self.mla.rope_dim}} if self.mla else {}),
             },
             sort_keys=True,
         )
@@ -234,6 +438,13 @@ class KVLayout:
         try:
             data = json.loads(text)
             rope = RopeSpec(**data.pop("rope"))
-            return cls(rope=rope, **data)
+            scales = data.pop("kv_scales", None)
+            mla = data.pop("mla", None)
+            return cls(
+                rope=rope,
+                kv_scales=None if scales is None else KVScales(k=tuple(scales["k"]), v=tuple(scales["v"])),
+                mla=None if mla is None else MLASpec(**mla),
+                **data,
+            )
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"cannot read a KV layout from {text[:200]!r}: {exc}") from exc

@@ -121,6 +121,9 @@ def layout_from_hf_config(
 ) -> KVLayout:
     """The ``KVLayout`` of a Hugging Face model config.
 
+    A config with ``kv_lora_rank`` (DeepSeek-V2/V3, Kimi K2: multi-head latent attention) gives an MLA layout: one
+    latent of ``kv_lora_rank + qk_rope_head_dim`` per token and layer (``KVLayout.for_mla``), what vLLM caches for it.
+
     Args:
         config: a ``PretrainedConfig`` or a ``config.json`` dict.
         model_id: the layout's model id; default the config's ``_name_or_path``.
@@ -139,6 +142,16 @@ def layout_from_hf_config(
     name = model_id or _field(config, "_name_or_path") or _field(config, "name_or_path")
     if not name:
         raise ConfigError("the model config carries no name; pass model_id, e.g. 'meta-llama/Llama-3.1-8B'")
+    kv_lora_rank = _positive_int(config, "kv_lora_rank")
+    if kv_lora_rank is not None:
+        return KVLayout.for_mla(
+            model_id=str(name),
+            num_layers=_required_int(config, "num_hidden_layers"),
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=_required_int(config, "qk_rope_head_dim"),
+            dtype=KVDtype.parse(dtype),
+            rope=rope_spec_from_hf_config(config),
+        )
     return KVLayout(
         model_id=str(name),
         num_layers=_required_int(config, "num_hidden_layers"),
