@@ -11,6 +11,15 @@ is a strided array (an affine map from (slot, head, dim) to memory), the format 
 is one strided view plus one batched ``index_select`` / ``index_copy_`` per plane and layer: no Python loop over
 tokens or blocks. A format that is not strided (a packed tile layout) is refused with one line.
 
+Two engine shapes differ from plain K and V:
+
+- an fp8 cache (``torch.uint8`` pages): the probe's values go through the backend's quantising write, so they are
+  digits small enough to be exact in the fp8 format (4 bits for e4m3, 3 for e5m2) and are decoded from the landed
+  bytes in that format (``storage_dtype``); a backend that stores another format than the layout names fails the
+  probe. Copies then move bytes only, never values.
+- an MLA cache (``[blocks, slots, latent]``): one plane per block (the latent; the model computes V from it), so
+  ``BlockFormat.value`` is ``None`` and a chunk layer is ``[1, tokens, 1, latent]``.
+
 A kvstore chunk's layer is ``[2, num_tokens, num_kv_heads, head_dim]`` (K plane, V plane). A connector keeps the
 engine's layers once (``PagedLayers``), binds a request's chunk of every layer to its blocks (``PagedChunk``) and
 copies every layer at once (one kernel launch on CUDA where Triton imports: ``paged_triton``) or one layer at a time;
@@ -25,7 +34,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import cast, overload
 
 import torch
 
@@ -51,7 +60,17 @@ WriteSlots = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """The backend's own cache write: ``write(key, value, slot_mapping)`` with key/value ``[tokens, heads, head_dim]``
 stores token ``i`` into slot ``slot_mapping[i]`` of the layer tensor being probed."""
 
-_EXACT_INTEGER_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+WriteLatent = Callable[[torch.Tensor, torch.Tensor], None]
+"""An MLA backend's cache write: ``write(latent, slot_mapping)`` with latent ``[tokens, 1, latent_dim]`` (the
+compressed KV, then the rotary part)."""
+
+_EXACT_INTEGER_BITS = {
+    torch.float32: 24,
+    torch.float16: 11,
+    torch.bfloat16: 8,
+    torch.float8_e4m3fn: 4,
+    torch.float8_e5m2: 3,
+}
 """Integers below 2**bits are exact in each dtype: the probe writes codes as digits of that many bits."""
 
 _UNWRITTEN = -1.0
@@ -77,7 +96,12 @@ class BlockFormat:
     num_kv_heads: int
     head_dim: int
     key: PlaneMap
-    value: PlaneMap
+    value: PlaneMap | None
+    """``None`` for an MLA cache: ``key`` is then the latent, the block's one plane."""
+
+    @property
+    def num_planes(self) -> int:
+        return 1 if self.value is None else 2
 
     def describe(self) -> str:
         def plane(name: str, plane_map: PlaneMap) -> str:
@@ -86,11 +110,13 @@ class BlockFormat:
                 f"dim x{plane_map.dim_stride})"
             )
 
+        if self.value is None:
+            return f"{self.block_size}-slot blocks: {plane('latent', self.key)}"
         return f"{self.block_size}-slot blocks: {plane('K', self.key)}, {plane('V', self.value)}"
 
     def plane_view(self, layer_cache: torch.Tensor, plane: int) -> torch.Tensor:
         """``[num_blocks, block_size, num_kv_heads, head_dim]`` view of K (``plane=0``) or V of every block."""
-        plane_map = self.key if plane == 0 else self.value
+        plane_map = self.value if plane == 1 and self.value is not None else self.key
         return torch.as_strided(
             layer_cache,
             size=(layer_cache.shape[0], self.block_size, self.num_kv_heads, self.head_dim),
@@ -100,38 +126,71 @@ class BlockFormat:
 
 
 def probe_block_format(
-    layer_cache: torch.Tensor, *, block_size: int, num_kv_heads: int, head_dim: int, write: WriteSlots
+    layer_cache: torch.Tensor,
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    write: WriteSlots | WriteLatent,
+    num_planes: int = 2,
+    storage_dtype: torch.dtype | None = None,
+    source_dtype: torch.dtype | None = None,
 ) -> BlockFormat:
-    """Read how ``write`` lays K and V out in a block of ``layer_cache`` (whose dim 0 indexes blocks).
+    """Read how ``write`` lays K and V (or an MLA latent) out in a block of ``layer_cache`` (dim 0 indexes blocks).
 
     Overwrites block 0 (vLLM never hands block 0 to a request) and zeroes it afterwards.
 
+    Args:
+        write: a ``WriteSlots`` (``num_planes=2``) or a ``WriteLatent`` (``num_planes=1``: an MLA cache).
+        num_planes: 2 (K and V) or 1 (an MLA latent).
+        storage_dtype: what an element of the cache is to the backend when its tensor's dtype says only bytes: the
+            fp8 format of a ``torch.uint8`` cache (``KVDtype.storage_dtype``). Default: the cache's dtype.
+        source_dtype: the dtype of the values ``write`` takes (the model's; a quantising write converts them).
+            Default: ``storage_dtype``.
+
     Raises:
-        ConfigError: the dtype cannot carry the probe, the write dropped or duplicated elements, or a plane is not
-            a strided array of (slot, head, dim).
+        ConfigError: the dtype cannot carry the probe, the write dropped or duplicated elements (or stored another
+            fp8 format than ``storage_dtype``), or a plane is not a strided array of (slot, head, dim).
     """
-    dtype = layer_cache.dtype
-    if dtype not in _EXACT_INTEGER_BITS:
-        raise ConfigError(f"paged KV of dtype {dtype} is not supported; use float16, bfloat16 or float32 KV")
+    dtype = storage_dtype or layer_cache.dtype
+    if dtype not in _EXACT_INTEGER_BITS or (dtype.itemsize != layer_cache.element_size()):
+        raise ConfigError(
+            f"paged KV of dtype {layer_cache.dtype} (read as {dtype}) is not supported; use float16, bfloat16, "
+            "float32 or fp8 (e4m3, e5m2) KV"
+        )
+    if num_planes not in (1, 2):
+        raise ConfigError(f"a paged KV block holds 1 (an MLA latent) or 2 (K, V) planes, not {num_planes}")
     plane_elements = block_size * num_kv_heads * head_dim
-    num_codes = 2 * plane_elements
+    num_codes = num_planes * plane_elements
     digit_bits = _EXACT_INTEGER_BITS[dtype]
     num_digits = math.ceil(math.log2(num_codes) / digit_bits) if num_codes > 1 else 1
     device = layer_cache.device
     codes = torch.arange(num_codes, device=device, dtype=torch.int64)
     block = layer_cache[0]
+    readable = block.view(dtype)  # the bytes as the backend reads them (the block itself unless it is fp8 bytes)
     slots = torch.arange(block_size, device=device, dtype=torch.int64)
     decoded = torch.zeros(block.shape, device=device, dtype=torch.int64)
     for digit in range(num_digits):
-        block.fill_(_UNWRITTEN)
-        digits = ((codes >> (digit * digit_bits)) & ((1 << digit_bits) - 1)).to(dtype)
-        key, value = digits.view(2, block_size, num_kv_heads, head_dim).unbind(0)
-        write(key.contiguous(), value.contiguous(), slots)
-        landed = block.to(torch.float32)
+        readable.copy_(torch.full((), _UNWRITTEN, dtype=dtype, device=device).expand(readable.shape))
+        digits = ((codes >> (digit * digit_bits)) & ((1 << digit_bits) - 1)).to(source_dtype or dtype)
+        planes = digits.view(num_planes, block_size, num_kv_heads, head_dim).unbind(0)
+        if num_planes == 1:
+            cast(WriteLatent, write)(planes[0].contiguous(), slots)
+        else:
+            cast(WriteSlots, write)(planes[0].contiguous(), planes[1].contiguous(), slots)
+        landed = readable.to(torch.float32)
         written = landed != _UNWRITTEN
         decoded += torch.where(written, landed, 0).to(torch.int64) << (digit * digit_bits)
     block.zero_()
-    return _fit_format(block, written, decoded, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return _fit_format(
+        block,
+        written,
+        decoded,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_planes=num_planes,
+    )
 
 
 def _fit_format(
@@ -142,6 +201,7 @@ def _fit_format(
     block_size: int,
     num_kv_heads: int,
     head_dim: int,
+    num_planes: int = 2,
 ) -> BlockFormat:
     """Turn "element at memory offset m holds code c" into one strided map per plane, or refuse."""
     plane_elements = block_size * num_kv_heads * head_dim
@@ -151,22 +211,21 @@ def _fit_format(
     assert isinstance(memory_offsets, torch.Tensor)
     found_codes = decoded.cpu()[written.cpu()]
     found_offsets = memory_offsets[written.cpu()]
-    if found_codes.numel() != 2 * plane_elements or not torch.equal(
-        torch.sort(found_codes).values, torch.arange(2 * plane_elements)
-    ):
+    num_codes = num_planes * plane_elements
+    if found_codes.numel() != num_codes or not torch.equal(torch.sort(found_codes).values, torch.arange(num_codes)):
         raise ConfigError(
-            f"the KV cache write stored {found_codes.numel()} of {2 * plane_elements} probe values in a block; "
-            "kvstore cannot read this backend's block format"
+            f"the KV cache write stored {found_codes.numel()} of {num_codes} probe values in a block; "
+            "kvstore cannot read this backend's block format (or its fp8 format is not the layout's)"
         )
-    offset_of_code = torch.empty(2 * plane_elements, dtype=torch.int64)
+    offset_of_code = torch.empty(num_codes, dtype=torch.int64)
     offset_of_code[found_codes] = found_offsets
-    planes = offset_of_code.view(2, block_size, num_kv_heads, head_dim)
+    planes = offset_of_code.view(num_planes, block_size, num_kv_heads, head_dim)
     return BlockFormat(
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        key=_strided_plane(planes[0], "K"),
-        value=_strided_plane(planes[1], "V"),
+        key=_strided_plane(planes[0], "K" if num_planes == 2 else "latent"),
+        value=_strided_plane(planes[1], "V") if num_planes == 2 else None,
     )
 
 
@@ -238,12 +297,13 @@ class PagedLayers(Sequence[PagedLayer]):
         if any(layer.block_format != self.block_format for layer in self._layers):
             raise InvalidInputError("every layer of a paged cache must have the same block format")
         key, value = self.block_format.key, self.block_format.value
-        fusable = all(layer.wide_blocks is not None for layer in self._layers)  # head dims contiguous, K like V
+        # head dims contiguous, K like V; the kernel copies two planes (an MLA latent goes layer by layer)
+        fusable = value is not None and all(layer.wide_blocks is not None for layer in self._layers)
         self.request_kernel = (
             RequestKernel.of(
                 [layer.cache for layer in self._layers],
                 key_offset=key.offset,
-                value_offset=value.offset,
+                value_offset=value.offset if value is not None else key.offset,
                 token_stride=key.token_stride,
                 head_stride=key.head_stride,
                 num_kv_heads=self.block_format.num_kv_heads,
@@ -264,7 +324,13 @@ class PagedLayers(Sequence[PagedLayer]):
         if kernel is None:
             return False
         block_format, device = self.block_format, kernel.first_cache.device
-        shape = (len(self), 2, block_format.block_size, block_format.num_kv_heads, block_format.head_dim)
+        shape = (
+            len(self),
+            block_format.num_planes,
+            block_format.block_size,
+            block_format.num_kv_heads,
+            block_format.head_dim,
+        )
         ids = torch.full((1,), block_id, dtype=torch.int64, device=device)
         saved = torch.empty(shape, dtype=kernel.first_cache.dtype, device=device)
         _copy_layerwise(self, ids, saved, scatter=False)
@@ -323,9 +389,9 @@ class PagedChunk:
     Args:
         layers: every layer of the cache (``PagedLayers``).
         block_ids: the blocks in token order, on the cache's device.
-        chunk: ``[num_layers, 2, tokens, heads, head_dim]``. A gather fills its ``tokens`` slots from the first
-            blocks (the last one may be partly used); a scatter writes whole blocks (``tokens = blocks x
-            block_size``).
+        chunk: ``[num_layers, planes, tokens, heads, head_dim]`` (planes: 2, or 1 for MLA). A gather fills its
+            ``tokens`` slots from the first blocks (the last one may be partly used); a scatter writes whole blocks
+            (``tokens = blocks x block_size``).
 
     Raises:
         InvalidInputError: the chunk's shape or dtype does not fit the cache, or it needs more blocks than given.
@@ -472,7 +538,7 @@ class _WideChunk:
         token_stride = heads * wide_dim
         return _WideChunk(
             wide=wide,
-            size=(num_blocks, 2, slots, heads, wide_dim),
+            size=(num_blocks, block_format.num_planes, slots, heads, wide_dim),
             stride=(slots * token_stride, plane_stride // ratio, token_stride, wide_dim, 1),
             first_offset=int(wide.storage_offset()),
             layer_stride=layer_stride // ratio,
@@ -522,9 +588,11 @@ def _plane_blocks(chunk_layer: torch.Tensor, plane: int, num_blocks: int, block_
 
 
 def _wide_blocks(cache: torch.Tensor, block_format: BlockFormat) -> torch.Tensor | None:
-    """Both planes of every block, ``[blocks, 2, slots, heads, head_dim / r]`` in 16-byte elements; ``None`` when K
-    and V do not share strides, a head's dims are not contiguous, or an offset or stride is not 16-byte aligned."""
-    key, value = block_format.key, block_format.value
+    """Both planes of every block, ``[blocks, 2, slots, heads, head_dim / r]`` in 16-byte elements (``[blocks, 1,
+    ...]``: an MLA latent); ``None`` when K and V do not share strides, a head's dims are not contiguous, or an offset
+    or stride is not 16-byte aligned."""
+    key = block_format.key
+    value = block_format.value or key  # one plane: its own stride to the next plane is never used
     ratio = _WIDE_DTYPE.itemsize // cache.element_size()
     if (
         key.dim_stride != 1
@@ -543,7 +611,13 @@ def _wide_blocks(cache: torch.Tensor, block_format: BlockFormat) -> torch.Tensor
         return None
     return torch.as_strided(
         wide,
-        size=(cache.shape[0], 2, block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio),
+        size=(
+            cache.shape[0],
+            block_format.num_planes,
+            block_format.block_size,
+            block_format.num_kv_heads,
+            block_format.head_dim // ratio,
+        ),
         stride=(
             cache.stride(0) // ratio,
             (value.offset - key.offset) // ratio,
@@ -558,13 +632,13 @@ def _wide_blocks(cache: torch.Tensor, block_format: BlockFormat) -> torch.Tensor
 def _check_chunk(
     layer_cache: torch.Tensor, block_format: BlockFormat, block_ids: torch.Tensor, chunk: torch.Tensor
 ) -> int:
-    """The token count of a chunk's layers ``[layers, 2, tokens, heads, head_dim]``, after checking they fit the
+    """The token count of a chunk's layers ``[layers, planes, tokens, heads, head_dim]``, after checking they fit the
     blocks. Every request runs this before its first layer's copy, so it reads shape and strides once and builds
     no views (an idle device waits for it)."""
-    heads, head_dim = block_format.num_kv_heads, block_format.head_dim
+    heads, head_dim, planes = block_format.num_kv_heads, block_format.head_dim, block_format.num_planes
     shape = chunk.shape[1:]
-    if len(shape) != 4 or shape[0] != 2 or shape[2] != heads or shape[3] != head_dim:
-        raise InvalidInputError(f"chunk layer shape {list(shape)} is not [2, tokens, {heads}, {head_dim}]")
+    if len(shape) != 4 or shape[0] != planes or shape[2] != heads or shape[3] != head_dim:
+        raise InvalidInputError(f"chunk layer shape {list(shape)} is not [{planes}, tokens, {heads}, {head_dim}]")
     if chunk.dtype != layer_cache.dtype or chunk.device != layer_cache.device:
         raise InvalidInputError(
             f"chunk layer is {chunk.dtype} on {chunk.device}; the paged cache is {layer_cache.dtype} "
