@@ -43,6 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstore.connectors.hook_clock import HookClock
 from kvstore.connectors.settings import ConnectorSettings, parse_connector_settings
 from kvstore.connectors.store_link import StoreLink, connect_links
+from kvstore.connectors.vllm.cache_shapes import check_blend_supported
 from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout, resolve_chunk_separator
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreConnectorStats
 from kvstore.connectors.vllm.scheduler_side import SchedulerSide
@@ -113,6 +114,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             check_engine_supported(vllm_config, kv_cache_config)
             settings = resolve_chunk_separator(vllm_config, settings)
             layout = engine_layout(vllm_config, settings)
+            check_blend_supported(layout, settings.blend)  # fp8 and MLA: exact prefix reuse only
         except KVStoreError as exc:
             raise ValueError(f"KVStoreConnector: {exc}") from None
         block_size = vllm_config.cache_config.block_size

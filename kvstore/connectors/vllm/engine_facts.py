@@ -26,7 +26,7 @@ import vllm
 
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.errors import ConfigError
-from kvstore.layout import KVLayout
+from kvstore.layout import KVDtype, KVLayout
 from kvstore.models.hf_config import layout_from_hf_config
 
 if TYPE_CHECKING:
@@ -88,10 +88,20 @@ def check_engine_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
             f"{len(kv_cache_config.kv_cache_groups)} (a hybrid or sliding-window model)"
         )
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype != "auto" and not cache_dtype.startswith(("bfloat16", "float16", "half", "float32")):
+    if cache_dtype != "auto" and not _is_kv_dtype(cache_dtype):  # fp8 is stored as the engine's bytes
         raise ConfigError(
-            f"kvstore stores float16, bfloat16 or float32 KV; this engine's kv_cache_dtype is {cache_dtype}"
+            "kvstore stores float16, bfloat16, float32 or fp8 (fp8, fp8_e4m3, fp8_e5m2) KV; this engine's "
+            f"kv_cache_dtype is {cache_dtype}"
         )
+
+
+def _is_kv_dtype(cache_dtype: str) -> bool:
+    """Whether vLLM's ``kv_cache_dtype`` is one kvstore stores (not e.g. ``fp8_ds_mla``, with its per-block scales)."""
+    try:
+        KVDtype.parse(cache_dtype)
+    except ConfigError:
+        return False
+    return True
 
 
 def engine_layout(vllm_config: VllmConfig, settings: ConnectorSettings) -> KVLayout:

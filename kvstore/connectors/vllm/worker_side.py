@@ -57,10 +57,10 @@ from kvstore.connectors.paged import (
     PagedLayers,
     PlaneMap,
     device_block_ids,
-    probe_block_format,
 )
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm.cache_shapes import check_layer_scales, expected_cache_shape, probe_engine_block_format
 from kvstore.connectors.vllm.metadata import (
     BlendSpec,
     KVStoreConnectorMetadata,
@@ -191,7 +191,7 @@ class WorkerSide:
         self._caches = [kv_caches[name] for name in names]
         self._layer_of = {name: index for index, name in enumerate(names)}
         first = self._caches[0]
-        expected = (layout.num_kv_heads, self._block_size, 2 * layout.head_dim)
+        expected = expected_cache_shape(layout, self._block_size)  # an MLA latent or K/V (fp8 included)
         for name, cache in zip(names, self._caches, strict=True):
             if cache.dim() != 4 or tuple(cache.shape[1:]) != expected:
                 raise ConfigError(
@@ -200,6 +200,7 @@ class WorkerSide:
                 )
             if cache.dtype != layout.dtype.torch_dtype or cache.stride() != first.stride():
                 raise ConfigError(f"vLLM KV cache {name} is {cache.dtype}; the layout says {layout.dtype.value}")
+        check_layer_scales(self._attention_layers(names), layout)  # fp8: the layers' scales are the layout's
         block_format = self._read_block_format(names[0], first)
         self._layers = PagedLayers.of(self._caches, block_format)
         self._layers.check_request_kernel(block_id=0)  # vLLM never hands block 0 to a request
@@ -243,18 +244,20 @@ class WorkerSide:
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
         layer = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase).get(name)  # type: ignore[type-abstract]
-        impl = getattr(layer, "impl", None)
-        write_cache = getattr(impl, "do_kv_cache_update", None)
         layout = self._layout
-        if write_cache is None:  # backends that write inside attention (FlashInfer): the documented packed format
-            return _packed_format(cache, self._block_size, layout.num_kv_heads, layout.head_dim)
-
-        def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-            write_cache(layer, key, value, cache, slots)
-
-        return probe_block_format(
-            cache, block_size=self._block_size, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, write=write
+        probed = probe_engine_block_format(
+            layer, cache, layout, block_size=self._block_size, model_dtype=self._vllm_config.model_config.dtype
         )
+        if probed is None:  # backends that write inside attention (FlashInfer): the documented packed format
+            return _packed_format(cache, self._block_size, layout.num_kv_heads, layout.head_dim)
+        return probed
+
+    def _attention_layers(self, names: Sequence[str]) -> list[object]:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
+        return [layers.get(name) for name in names]
 
     # -- a step ---------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,159 @@
+"""The worker's view of a vLLM layer's KV cache for each engine shape kvstore serves: plain K/V, fp8 K/V, an MLA latent.
+
+- **Plain K/V** (float16, bfloat16, float32): each layer is ``[blocks, kv heads, slots, 2 * head_dim]``; the block
+  format is probed through the backend's ``do_kv_cache_update(layer, key, value, cache, slots)``.
+- **fp8 K/V** (``kv_cache_dtype`` ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``): the same shape in ``torch.uint8``. The
+  backend's write quantises with the layer's per-tensor scales (``_k_scale``, ``_v_scale``), so the probe's values are
+  multiplied by them first, and the layer's scales must be the layout's (they are part of its namespace: bytes stored
+  under other scales are other values). kvstore moves the bytes and never dequantises them.
+- **MLA** (DeepSeek-V2/V3 style, ``use_mla``): each layer is ``[blocks, 1, slots, kv_lora_rank + rope_dim]`` (read
+  from vLLM 0.32's CPU ``AMXMLAImpl`` and ``CPUMLAImpl`` caches: one latent per token, no V plane), written by
+  ``impl.do_kv_cache_update(kv_c_normed, k_pe, cache, slots, kv_cache_dtype, k_scale)``; probed as one plane.
+
+Under tensor parallelism every rank of an MLA engine holds the whole latent (vLLM replicates it): the store needs one
+copy, written by one rank and loaded by all. That is the tensor-parallel work's to wire (its ``RankPart`` must give an
+MLA layout no head split, and only one rank may save); nothing here depends on the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvstore.connectors.paged import BlockFormat, probe_block_format
+from kvstore.errors import ConfigError
+from kvstore.layout import KVLayout, KVScales
+
+__all__ = ["check_blend_supported", "check_layer_scales", "expected_cache_shape", "probe_engine_block_format"]
+
+
+def check_blend_supported(layout: KVLayout, blend: bool) -> None:
+    """Refuse ``kvstore.blend`` on an fp8 or MLA engine, with one line (the engine then serves exact prefix reuse
+    once blending is off).
+
+    Blending re-rotates a cached chunk's K to its new positions and recomputes a few tokens with kvstore's own
+    attention over float K/V. For fp8 that would be dequantise, rotate, requantise with the layer's scale (a second
+    rounding of every reused K); for MLA only the latent's rope part rotates, and the pass would need MLA attention
+    (V from the latent). Neither is built, so neither is pretended.
+
+    Raises:
+        ConfigError: ``blend`` is on and the layout is fp8 or MLA.
+    """
+    if not blend:
+        return
+    if layout.mla is not None:
+        raise ConfigError(
+            "kvstore.blend is not supported for MLA models yet (a reused latent's rope part would need re-rotating "
+            "and the pass MLA attention); turn kvstore.blend off to serve exact prefix reuse"
+        )
+    if layout.dtype.is_quantized:
+        raise ConfigError(
+            f"kvstore.blend is not supported with an {layout.dtype.value} KV cache yet (K would need dequantising, "
+            "re-rotating and requantising with the layer's scale); turn kvstore.blend off to serve exact prefix reuse"
+        )
+
+
+def expected_cache_shape(layout: KVLayout, block_size: int) -> tuple[int, int, int]:
+    """A layer's cache shape after its block axis, as vLLM registers it for ``layout``."""
+    if layout.mla is not None:
+        return (1, block_size, layout.head_dim)
+    return (layout.num_kv_heads, block_size, 2 * layout.head_dim)
+
+
+def check_layer_scales(layers: Sequence[Any], layout: KVLayout) -> None:
+    """Refuse, with one line, an fp8 engine whose layers quantise with other scales than ``layout``'s.
+
+    ``layers`` are the engine's attention layers in model order. vLLM without calibrated scales in the checkpoint uses
+    1.0 for every layer, which is what the connector's layout says; a checkpoint's own scales are refused for now
+    (the scheduler's process, which names the layout before any model is loaded, cannot read them).
+
+    Raises:
+        ConfigError: a layer's ``_k_scale`` / ``_v_scale`` is not the layout's.
+    """
+    scales = layout.kv_scales
+    if scales is None:
+        return
+    for index, layer in enumerate(layers):
+        actual = (_scale_of(layer, "_k_scale"), _scale_of(layer, "_v_scale"))
+        if actual != scales.layer(index):
+            found = KVScales.of_layers([actual[0]], [actual[1]]).describe()
+            raise ConfigError(
+                f"this fp8 engine's layer {index} quantises KV with {found}; kvstore's layout says "
+                f"{scales.describe()} (it serves fp8 KV without checkpoint KV scales for now: drop the checkpoint's "
+                "kv scales, or run without the connector)"
+            )
+
+
+def probe_engine_block_format(
+    layer: Any, cache: torch.Tensor, layout: KVLayout, *, block_size: int, model_dtype: torch.dtype
+) -> BlockFormat | None:
+    """Read the block format of ``cache`` through ``layer``'s backend write; ``None`` when the backend has no separate
+    write (it writes inside attention: the caller falls back to vLLM's documented packed K/V format).
+
+    Raises:
+        ConfigError: the probe failed (``probe_block_format``), or an fp8 or MLA cache has no separate write.
+    """
+    impl = getattr(layer, "impl", None)
+    write_cache = getattr(impl, "do_kv_cache_update", None)
+    if write_cache is None:
+        if layout.mla is not None or layout.dtype.is_quantized:
+            raise ConfigError(
+                f"the attention backend {type(impl).__name__} writes its {layout.dtype.value} "
+                f"{'MLA ' if layout.mla else ''}KV cache inside attention; kvstore reads such caches only through a "
+                "backend's do_kv_cache_update"
+            )
+        return None
+    quantized = layout.dtype.is_quantized
+    k_scale, v_scale = (_scale_of(layer, "_k_scale"), _scale_of(layer, "_v_scale")) if quantized else (1.0, 1.0)
+    mla = layout.mla
+    if mla is not None:
+        kv_cache_dtype = str(getattr(layer, "kv_cache_dtype", "auto"))
+        scale_tensor = getattr(layer, "_k_scale", None)  # an fp8 latent is quantised with K's scale
+
+        def write_latent(latent: torch.Tensor, slots: torch.Tensor) -> None:
+            latent = latent * k_scale if k_scale != 1 else latent
+            kv_c = latent[:, 0, : mla.kv_lora_rank].contiguous()
+            k_pe = latent[:, :, mla.kv_lora_rank :].contiguous()  # [tokens, 1, rope]: as MLAAttention passes it
+            write_cache(kv_c, k_pe, cache, slots, kv_cache_dtype, scale_tensor)
+
+        return probe_block_format(
+            cache,
+            block_size=block_size,
+            num_kv_heads=1,
+            head_dim=layout.head_dim,
+            write=write_latent,
+            num_planes=1,
+            storage_dtype=layout.dtype.storage_dtype,
+            source_dtype=model_dtype if quantized else None,
+        )
+
+    def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        # a quantising write divides by the layer's scale: small integers times it come back as the integers
+        write_cache(layer, key * k_scale if k_scale != 1 else key, value * v_scale if v_scale != 1 else value,
+                    cache, slots)  # fmt: skip
+
+    return probe_block_format(
+        cache,
+        block_size=block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        write=write,
+        storage_dtype=layout.dtype.storage_dtype,
+        source_dtype=model_dtype if quantized else None,
+    )
+
+
+def _scale_of(layer: Any, name: str) -> float:
+    """A layer's per-tensor scale as a float (vLLM keeps a 0-d float32 tensor; 1.0 when it keeps none)."""
+    value = getattr(layer, name, None)
+    if value is None:
+        return 1.0
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError(
+                f"the attention layer's {name} has {value.numel()} elements; kvstore serves per-tensor fp8 KV scales"
+            )
+        return float(value.item())
+    return float(value)
