@@ -48,6 +48,8 @@ class EngineSpec:
         prompts: the requests' prompts as token ids, run in this order.
         max_tokens: new tokens per request.
         dtype: the model's dtype in vLLM.
+        kv_cache_dtype: vLLM's ``kv_cache_dtype`` (``"auto"``: the model's dtype; ``"fp8"``, ``"fp8_e4m3"``,
+            ``"fp8_e5m2"``: an fp8 cache).
         enforce_eager: no CUDA graphs or torch.compile (the CPU backend's tested path).
         enable_prefix_caching: vLLM's own prefix cache.
         kv_transfer_config: vLLM's ``KVTransferConfig`` fields (``kv_connector``, ``kv_connector_module_path``,
@@ -69,6 +71,7 @@ class EngineSpec:
     prompts: Sequence[Sequence[int]]
     max_tokens: int
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
     enforce_eager: bool = True
     enable_prefix_caching: bool = False
     kv_transfer_config: Mapping[str, Any] | None = None
@@ -186,6 +189,7 @@ def main(argv: Sequence[str]) -> int:
     engine = vllm.LLM(
         model=str(spec.model_dir),
         dtype=spec.dtype,
+        kv_cache_dtype=spec.kv_cache_dtype,
         enforce_eager=spec.enforce_eager,
         enable_prefix_caching=spec.enable_prefix_caching,
         kv_transfer_config=None if spec.kv_transfer_config is None else dict(spec.kv_transfer_config),
