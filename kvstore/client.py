@@ -44,6 +44,7 @@ from kvstore.errors import (
     StorageError,
 )
 from kvstore.keys import PrefixKey, as_token_array, checked_keys
+from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
 from kvstore.pids import pid_alive
 from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
@@ -244,12 +245,19 @@ class Client:
 
     # -- bulk --------------------------------------------------------------------------------------------------
 
-    def _bulk_for_store(self, kv: torch.Tensor, num_tokens: int) -> tuple[BulkRef, memoryview | None]:
+    def _shape_layout(self, part: KVPart | None) -> KVLayout:
+        """The layout that shapes a call's KV: the client's, or a part's slice of it (checked to lie inside)."""
         layout = self._require_layout()
+        if part is None:
+            return layout
+        part.check(layout)
+        return part.shape_layout(layout)
+
+    def _bulk_for_store(self, kv: torch.Tensor, num_tokens: int, layout: KVLayout) -> tuple[BulkRef, memoryview | None]:
         if kv.device.type == "cuda" and self.server.features.cuda_ipc and self._shm:
             return CudaIpcBulk(handle=export_cuda_tensor(kv)), None
         if self._segments is not None:
-            region = self._segments.region_of(kv, num_tokens)
+            region = self._segments.region_of(kv, num_tokens, layout)
             if region is not None:
                 return region, None
             try:
@@ -273,6 +281,7 @@ class Client:
         *,
         durable: bool = False,
         start: int = 0,
+        part: KVPart | None = None,
     ) -> StoreResult:
         """``TieredStore.store`` on the server; ``durable=True`` returns once the chunks are committed and synced
         to disk (the acknowledgement survives a crash of the server).
@@ -280,17 +289,24 @@ class Client:
         With ``start`` (in ``[0, len(tokens)]``), ``kv`` is the KV of ``tokens[start:]`` only, ``[num_layers, 2,
         len(tokens) - start, num_kv_heads, head_dim]``, and only those bytes travel; the chunks that begin before
         ``start`` are not written (the caller knows the server holds them).
+
+        With ``part`` (a tensor- or pipeline-parallel rank's layers and global KV heads), ``kv`` is that part only,
+        ``[part layers, 2, tokens, part heads, head_dim]``: the server assembles each chunk from its parts and
+        commits it whole once every part has arrived (``durable`` then covers the chunks this call completed). The
+        result counts the chunks committed by this call; a chunk still waiting for other parts is not stored yet.
         """
-        layout = self._require_layout()
+        layout = self._shape_layout(part)
         token_array = as_token_array(tokens)
         if not 0 <= start <= len(token_array):
             raise InvalidInputError(f"store start={start} must lie in [0, len(tokens)={len(token_array)}]")
         num_tokens = len(token_array) - start
         layout.check_kv(kv, num_tokens)
+        wire_part = None if part is None or part.is_whole(self._require_layout()) else part
 
         def build() -> tuple[dict[str, object], memoryview | None]:
-            bulk, payload = self._bulk_for_store(kv, num_tokens)
-            return StoreArgs(tokens=token_array, bulk=bulk, durable=durable, start=start).to_wire(), payload
+            bulk, payload = self._bulk_for_store(kv, num_tokens, layout)
+            args = StoreArgs(tokens=token_array, bulk=bulk, durable=durable, start=start, part=wire_part)
+            return args.to_wire(), payload
 
         reply = self._call(Op.STORE, build)
         if start and not reply.ok and "unknown field(s) 'start'" in reply.error_message:
@@ -328,6 +344,7 @@ class Client:
         memory_only: bool = False,
         owner: str | None = None,
         start: int = 0,
+        part: KVPart | None = None,
     ) -> RetrieveResult:
         """``TieredStore.retrieve`` on the server. ``out`` made by ``buffer()`` (or a CUDA tensor, with CUDA IPC)
         is written by the server directly; otherwise the KV lands in the scratch segment and is copied out.
@@ -338,8 +355,12 @@ class Client:
         ``owner``: the ``client_token`` of the client that looked the plan up, when that is another client (one
         process pins, another loads: a vLLM scheduler and its worker); the KV still lands in this client's memory.
         ``start``: the tokens ``[0, start)`` are the caller's already (an engine's own prefix cache); only
-        ``[start, plan.end)`` is moved, and ``out`` holds just those."""
-        layout = self._require_layout()
+        ``[start, plan.end)`` is moved, and ``out`` holds just those.
+        ``part``: only this part of every chunk (a tensor- or pipeline-parallel rank's layers and global KV heads) is
+        moved, and ``out`` (and the result's KV) is shaped by it; a plan handed to several ranks stays pinned until
+        every part of it has been retrieved or released (``release(part=)``)."""
+        layout = self._shape_layout(part)
+        wire_part = None if part is None or part.is_whole(self._require_layout()) else part
         if not 0 <= start <= plan.end:
             raise InvalidInputError(f"retrieve start {start} is outside the plan's [0, {plan.end}]")
         needed = plan.end - start
@@ -354,13 +375,15 @@ class Client:
 
         def build() -> tuple[dict[str, object], memoryview | None]:
             staged.clear()
-            bulk = self._bulk_for_retrieve(out, needed, staged)
-            args = RetrieveArgs(plan_id=plan.plan_id, bulk=bulk, memory_only=memory_only, owner=owner, start=start)
+            bulk = self._bulk_for_retrieve(out, needed, staged, layout)
+            args = RetrieveArgs(
+                plan_id=plan.plan_id, bulk=bulk, memory_only=memory_only, owner=owner, start=start, part=wire_part
+            )
             return args.to_wire(), None
 
         reply = self._call(Op.RETRIEVE, build)
         loaded = RetrievedSegments.from_wire(self._result(reply))
-        kv = self._landed_kv(max(0, loaded.end - start), out, device, staged, reply.payload)
+        kv = self._landed_kv(max(0, loaded.end - start), out, device, staged, reply.payload, layout)
         if progress is not None:
             progress.segments_loaded(loaded.segments)
             for layer in range(layout.num_layers):
@@ -369,12 +392,13 @@ class Client:
             segments=loaded.segments, num_query_tokens=loaded.num_query_tokens, kv=kv, start=start, misses=loaded.misses
         )
 
-    def _bulk_for_retrieve(self, out: torch.Tensor | None, needed: int, staged: list[torch.Tensor]) -> BulkRef:
-        layout = self._require_layout()
+    def _bulk_for_retrieve(
+        self, out: torch.Tensor | None, needed: int, staged: list[torch.Tensor], layout: KVLayout
+    ) -> BulkRef:
         if out is not None and out.device.type == "cuda" and self.server.features.cuda_ipc and self._shm:
             return CudaIpcBulk(handle=export_cuda_tensor(out))
         if self._segments is not None:
-            if out is not None and (region := self._segments.region_of(out, needed)) is not None:
+            if out is not None and (region := self._segments.region_of(out, needed, layout)) is not None:
                 return region
             try:
                 scratch, segment_id = self._segments.scratch(layout.chunk_bytes(needed))
@@ -401,10 +425,10 @@ class Client:
         device: str | torch.device,
         staged: list[torch.Tensor],
         payload: memoryview | None,
+        layout: KVLayout,
     ) -> torch.Tensor:
-        """The retrieved KV as the caller wants it (``end`` tokens from the retrieve's start): a view of ``out``, or
-        a new tensor on ``device``."""
-        layout = self._require_layout()
+        """The retrieved KV as the caller wants it (``end`` tokens from the retrieve's start, shaped by ``layout``):
+        a view of ``out``, or a new tensor on ``device``."""
         if staged:  # the server wrote into the scratch segment, laid out for the plan's length
             source = staged[0][:, :, :end]
         elif payload is not None:  # inline
@@ -424,12 +448,15 @@ class Client:
             return source  # the reply frame's memory is this tensor's own
         return source.to(device, copy=True)
 
-    def release(self, plan: LookupPlan, *, owner: str | None = None) -> None:
-        """Drop the pins of a plan that will not be retrieved. Idempotent. ``owner``: as for ``retrieve``."""
+    def release(self, plan: LookupPlan, *, owner: str | None = None, part: KVPart | None = None) -> None:
+        """Drop the pins of a plan that will not be retrieved. Idempotent. ``owner``: as for ``retrieve``.
+        ``part``: one rank's part of a plan several ranks retrieve by parts will not be retrieved; the pins go once
+        every part is retrieved or released."""
         if plan.plan_id == UNPINNED_PLAN_ID:
             return
+        wire_part = None if part is None or part.is_whole(self._require_layout()) else part
         try:
-            self._simple(Op.RELEASE, PlanArgs(plan_id=plan.plan_id, owner=owner).to_wire())
+            self._simple(Op.RELEASE, PlanArgs(plan_id=plan.plan_id, owner=owner, part=wire_part).to_wire())
         except KVStoreError as exc:
             if "already retrieved or released" not in str(exc):
                 raise
@@ -447,19 +474,20 @@ class Client:
         """A session whose end (``close``, a ``with`` block, or garbage collection) releases its plans."""
         return Session(self, session_id)
 
-    def buffer(self, num_tokens: int) -> torch.Tensor:
+    def buffer(self, num_tokens: int, *, part: KVPart | None = None) -> torch.Tensor:
         """A KV tensor ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` in shared memory the server maps:
-        storing from it, or retrieving into it, copies nothing on the client side.
+        storing from it, or retrieving into it, copies nothing on the client side. With ``part`` it is shaped by
+        the part (``[part layers, 2, num_tokens, part heads, head_dim]``), for stores and retrieves of that part.
 
         Raises:
             ServerUnavailableError: the server is not on this host (no shared memory).
         """
-        self._require_layout()
+        layout = self._shape_layout(part)
         if self._segments is None:
             raise ServerUnavailableError(f"buffers need shared memory with the server, and {self.url} is remote")
         segments = self._segments
         with self._locked():
-            return segments.new_buffer(num_tokens)
+            return segments.new_buffer(num_tokens, layout)
 
     def release_buffer(self, buffer: torch.Tensor) -> bool:
         """Stop sharing a ``buffer()`` with the server (its memory goes once the caller drops the tensor too);

@@ -15,6 +15,8 @@ A lookup tiles its prompt into segments (served) and misses; a retrieve may turn
   second strike that removed it.
 - ``checksum``: the chunk was read and failed its checks (or held another length than planned); it was dropped.
 - ``remote_unavailable``: the remote did not answer (an outage or a timeout).
+- ``incomplete``: some ranks of a tensor- or pipeline-parallel engine stored their part of the chunk, and not all of
+  them yet (``kvstore.server.chunk_assembly``): a chunk is stored only whole, so no rank loads half of it.
 
 The connector's reasons (``kvstore.connectors``): ``blend_gate`` (the gate judged a full prefill of the span
 faster than a blend pass), ``disk_slower`` (a blend pass skipped disk chunks it recomputes faster than it reads),
@@ -52,6 +54,7 @@ class MissReason(enum.StrEnum):
     BEHIND_GAP = "behind_gap"
     BLOCK_BOUNDARY = "block_boundary"
     LOAD_FAILED = "load_failed"
+    INCOMPLETE = "incomplete"  # appended: the wire codes index this order
 
 
 STORE_REASONS = (
@@ -66,6 +69,7 @@ STORE_REASONS = (
     MissReason.REMOTE_UNAVAILABLE,
     MissReason.DISK_SLOWER,
     MissReason.BEHIND_GAP,
+    MissReason.INCOMPLETE,
 )
 """The reasons a store's lookups and retrieves give (the others are a connector's)."""
 

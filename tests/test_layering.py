@@ -37,6 +37,7 @@ FORBIDDEN = {
     "kvstore.layout": (*_VALUES, "kvstore.config"),
     "kvstore.keys": (*_VALUES, "kvstore.config"),
     "kvstore.misses": (*_VALUES, "kvstore.config"),
+    "kvstore.kv_part": (*_VALUES, "kvstore.config"),
     "kvstore.plan": (*_VALUES, "kvstore.config"),
     "kvstore.stats": (*_VALUES, "kvstore.config"),
     "kvstore.surface": (*_VALUES, "kvstore.config"),

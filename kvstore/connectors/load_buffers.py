@@ -24,6 +24,7 @@ import torch
 
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
+from kvstore.kv_part import KVPart
 
 __all__ = ["LoadBuffers"]
 
@@ -50,7 +51,15 @@ class LoadBuffers:
         self._free: list[_Kept] = []
         self._in_use: dict[int, _Kept] = {}
 
-    def take(self, client: Client, num_tokens: int, *, create: bool = True, exact: bool = False) -> torch.Tensor | None:
+    def take(
+        self,
+        client: Client,
+        num_tokens: int,
+        *,
+        create: bool = True,
+        exact: bool = False,
+        part: KVPart | None = None,
+    ) -> torch.Tensor | None:
         """A buffer of ``client``'s with room for ``num_tokens`` (more, when a kept one is larger); ``None`` when the
         server is not on this host (the retrieve then brings the KV in its reply).
 
@@ -61,6 +70,9 @@ class LoadBuffers:
         ``Client.store`` take the KV of exactly its tokens): a kept buffer with room is reinterpreted over its first
         bytes as a contiguous ``[L, 2, num_tokens, H, D]`` (a slice of its token axis would not be contiguous), so one
         buffer as large as the longest save serves every shorter one without a new segment and its first touch.
+
+        With ``part`` a new buffer is shaped by that part (a tensor- or pipeline-parallel rank's); a pool serves one
+        rank, so its kept buffers all have that shape.
 
         Raises:
             KVStoreError: the server refused to map a new buffer, or did not answer.
@@ -102,7 +114,7 @@ class LoadBuffers:
             return handed_out(chosen.buffer)
         if not client.shares_memory:
             return None
-        buffer = client.buffer(num_tokens)  # a server that does not answer is an outage for the caller's link
+        buffer = client.buffer(num_tokens, part=part)  # a server that does not answer is an outage for the link
         with self._lock:
             self._in_use[_key(buffer)] = _Kept(client, buffer)
         return buffer

@@ -10,6 +10,12 @@ Plans are owned: a plan id is served only to the client whose lookup made it (id
 Sessions are per client: the store sees ``<client id>/<session id>``, so two clients may both call theirs
 ``"session-1"``.
 
+A plan retrieved by parts (the ranks of a tensor- or pipeline-parallel engine each retrieve their layers and KV heads
+of the plan their scheduler pinned) leaves its owner's table at its first part and stays open, pins held, until
+every part of it has been retrieved or released and no retrieve of it is still copying (``begin_part`` /
+``end_part``); then it is handed back for the store to release. A part never finished (a rank that died) is
+released by the plan TTL.
+
 Threads: any. ``_clients_lock`` guards ``_clients`` and everything inside each ``ClientState``; it is never held
 while calling the store.
 """
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstore.kv_part import KVPart, PartCoverage
+from kvstore.layout import KVLayout
 from kvstore.pids import pid_alive
 from kvstore.plan import LookupPlan
 from kvstore.wire.error_codes import ErrorCode, RequestError
@@ -71,6 +79,15 @@ class ClientState:
         return {open_plan.session_id for open_plan in self.plans.values() if open_plan.session_id is not None}
 
 
+@dataclass(slots=True)
+class _PartedPlan:
+    """A plan some of whose parts were retrieved or released: the parts done, and the retrieves still copying."""
+
+    open_plan: OpenPlan
+    coverage: PartCoverage
+    in_flight: int = 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Departure:
     """What a departed client still held, for the caller to give back to the store."""
@@ -100,6 +117,7 @@ class ClientRegistry:
     ) -> None:
         self._clients_lock = threading.Lock()
         self._clients: dict[str, ClientState] = {}
+        self._parted: dict[tuple[str, int], _PartedPlan] = {}  # by (owner, plan id)
         self._clock = clock
         self._pid_alive = pid_alive
         self._max_segments_per_process = max_segments_per_process
@@ -164,6 +182,52 @@ class ClientRegistry:
             )
         return open_plan
 
+    def begin_part(self, owner: str, plan_id: int, part: KVPart, layout: KVLayout) -> OpenPlan:
+        """Hand an owner's plan over for a retrieve of one part; the plan stays open (pinned) for its other parts
+        until ``end_part`` finds every part done.
+
+        Raises:
+            RequestError: ``unknown_plan`` when it is not the owner's open plan, or this part was done already.
+        """
+        with self._clients_lock:
+            parted = self._parted.get((owner, plan_id))
+            if parted is None:
+                state = self._clients.get(owner)
+                open_plan = state.plans.pop(plan_id, None) if state is not None else None
+                if open_plan is not None:
+                    parted = _PartedPlan(open_plan=open_plan, coverage=PartCoverage(layout))
+                    self._parted[(owner, plan_id)] = parted
+            elif parted.coverage.covers(part):
+                parted = None
+            if parted is not None:
+                parted.in_flight += 1
+                return parted.open_plan
+        raise RequestError(
+            ErrorCode.UNKNOWN_PLAN,
+            f"plan {plan_id} was already retrieved or released for {part.describe()} (or its session ended, or it "
+            "expired, or it is another client's); call lookup() again",
+        )
+
+    def end_part(self, owner: str, plan_id: int, part: KVPart) -> OpenPlan | None:
+        """A part's retrieve (``begin_part``) is over, or a part will not be retrieved (after ``begin_part`` too);
+        returns the plan when it is done (every part, nothing copying): the caller releases its pins."""
+        with self._clients_lock:
+            parted = self._parted.get((owner, plan_id))
+            if parted is None:
+                return None
+            parted.in_flight -= 1
+            parted.coverage.add(part)
+            if not parted.coverage.complete or parted.in_flight:
+                return None
+            del self._parted[(owner, plan_id)]
+            return parted.open_plan
+
+    @property
+    def num_parted_plans(self) -> int:
+        """Plans retrieved by parts, some parts still to come."""
+        with self._clients_lock:
+            return len(self._parted)
+
     def take_session(self, client_id: str, session_id: str) -> list[OpenPlan]:
         """Forget a session's open plans (the caller ends the store's session, which releases them)."""
         with self._clients_lock:
@@ -176,7 +240,8 @@ class ClientRegistry:
             return taken
 
     def take_expired_plans(self, ttl_s: float) -> list[OpenPlan]:
-        """Forget every plan older than ``ttl_s`` (the caller releases them)."""
+        """Forget every plan older than ``ttl_s`` (the caller releases them); a plan retrieved by parts expires too,
+        unless one of its parts is being copied."""
         deadline = self._clock() - ttl_s
         expired: list[OpenPlan] = []
         with self._clients_lock:
@@ -185,6 +250,10 @@ class ClientRegistry:
                 for open_plan in old:
                     del state.plans[open_plan.plan.plan_id]
                 expired += old
+            for name, parted in list(self._parted.items()):
+                if parted.open_plan.opened_s < deadline and not parted.in_flight:
+                    del self._parted[name]
+                    expired.append(parted.open_plan)
         return expired
 
     # -- segments ----------------------------------------------------------------------------------------------

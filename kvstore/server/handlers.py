@@ -12,6 +12,11 @@ into that tensor on retrieve).
 Metrics (``metrics``) are fed here too, globally and per engine: a client with a layout counts under its hello
 name (``ServerMetrics.add_client`` at hello, ``forget_client`` at its departure, whichever way it departs).
 
+Chunks stored by parts (the ranks of a tensor- or pipeline-parallel engine: a store, retrieve or release with a
+``part``) go through ``ChunkAssembly``: a part store's chunks are committed to the store whole, once their last part
+arrives; a part retrieve copies only the part's slice of each chunk, and the plan it retrieves stays pinned until
+every part of it is done (``ClientRegistry.begin_part``); a lookup names the chunks waiting for parts ``incomplete``.
+
 Usage (``kvstore.server.usage.UsageLedger``) is fed here: each store names a document, each lookup plan counts its
 hits per chunk and per document. With a data dir document counts are loaded at start, saved by the janitor every
 ``documents_save_interval_s`` while they change, and saved at shutdown (``save_document_hits``).
@@ -26,6 +31,7 @@ import bisect
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,9 +40,12 @@ from pathlib import Path
 import torch
 
 from kvstore.errors import ConfigError, InvalidInputError, KVStoreError
-from kvstore.keys import chunk_bounds, keys_at_bounds
+from kvstore.keys import TokenArray, chunk_bounds, keys_at_bounds
+from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
-from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan
+from kvstore.misses import Miss, MissReason
+from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan, StoreResult
+from kvstore.server.chunk_assembly import ASSEMBLY_TTL_S, AssemblyCounts, ChunkAssembly, CompletedChunk
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
 from kvstore.server.metrics import BulkTransfer, ServerMetrics
 from kvstore.server.store_host import StoreHost
@@ -139,6 +148,9 @@ class RequestHandler:
         self._num_requests = 0  # approximate under concurrency; only reported
         data_dir = Path(identity.data_dir) if identity.data_dir is not None else None
         self._usage = UsageLedger(data_dir, documents=documents, save_interval_s=documents_save_interval_s)
+        self._assembly_lock = threading.Lock()
+        self._assembly: ChunkAssembly | None = None  # made at the first part store (it needs the store's layout)
+        metrics.watch_chunk_parts(self._assembly_counts)
 
     # -- entry point -------------------------------------------------------------------------------------------
 
@@ -179,14 +191,26 @@ class RequestHandler:
         self._clients.touch(client_id, needs_layout=needs_layout)
         assert client_id is not None, "ClientRegistry.touch accepted a request without a client id"
         if op is Op.STORE:
-            return self._ok(request, self._store(client_id, StoreArgs.parse(args, limits), request.payload))
+            store_args = StoreArgs.parse(args, limits)
+            if store_args.part is not None:
+                return self._ok(request, self._store_part(client_id, store_args, store_args.part, request.payload))
+            return self._ok(request, self._store(client_id, store_args, request.payload))
         if op is Op.LOOKUP:
             return self._ok(request, self._lookup(client_id, LookupArgs.parse(args, limits)))
         if op is Op.RETRIEVE:
             return self._retrieve(request, client_id, RetrieveArgs.parse(args, limits))
         if op is Op.RELEASE:
             plan_args = PlanArgs.parse(args, limits)
-            open_plan = self._clients.take_plan(plan_args.owner or client_id, plan_args.plan_id)
+            owner = plan_args.owner or client_id
+            if plan_args.part is not None:  # this part will not be retrieved; the pins go once every part is done
+                parted_store = self._host.require()
+                plan_args.part.check(parted_store.layout)
+                self._clients.begin_part(owner, plan_args.plan_id, plan_args.part, parted_store.layout)
+                done = self._clients.end_part(owner, plan_args.plan_id, plan_args.part)
+                if done is not None:
+                    parted_store.release(done.plan)
+                return self._ok(request, {})
+            open_plan = self._clients.take_plan(owner, plan_args.plan_id)
             self._host.require().release(open_plan.plan)
             return self._ok(request, {})
         if op is Op.END_SESSION:
@@ -287,6 +311,63 @@ class RequestHandler:
         self._metrics.observe_store(transfer, self._metrics.engine_of(client_id))
         return encode_store_result(result)
 
+    def _store_part(
+        self, client_id: str, args: StoreArgs, part: KVPart, payload: memoryview | None
+    ) -> dict[str, object]:
+        """A rank's part of a store: into the chunks' assemblies; the chunks it completes are committed whole."""
+        store = self._host.require()
+        layout = store.layout
+        part.check(layout)
+        started_s = time.perf_counter()
+        num_tokens = args.num_bulk_tokens
+        kv = self._bulk_tensor(client_id, args.bulk, part.shape_layout(layout), num_tokens, payload)
+        kv = kv[:, :, :num_tokens]
+        tokens = args.tokens
+        bounds = chunk_bounds(tokens, store.config.chunk_size, store.config.chunk_separator)
+        first = bisect.bisect_left(bounds[:-1], args.start)
+        keys = keys_at_bounds(layout.namespace, tokens, bounds)
+        completed = self._assembly_of(layout).add(
+            part, kv, keys=keys, bounds=bounds, first=first, start=args.start, held=lambda k: bool(store.contains(k))
+        )
+        result = StoreResult(num_chunks=len(keys) - first, num_new_chunks=0)
+        num_new_tokens = 0
+        for run in _runs(completed):
+            run_start, run_end = bounds[run[0].index], bounds[run[-1].index + 1]
+            run_kv = run[0].kv if len(run) == 1 else torch.cat([chunk.kv for chunk in run], dim=2)
+            committed = store.store(tokens[:run_end], run_kv, start=run_start)
+            result = StoreResult(
+                num_chunks=result.num_chunks,
+                num_new_chunks=result.num_new_chunks + committed.num_new_chunks,
+                num_rejected_chunks=result.num_rejected_chunks + committed.num_rejected_chunks,
+                num_aliased_chunks=result.num_aliased_chunks + committed.num_aliased_chunks,
+            )
+            run_keys = keys[run[0].index : run[-1].index + 1]
+            self._usage.stored(run_keys, tokens[run_start:run_end], [bound - run_start for bound in
+                               bounds[run[0].index : run[-1].index + 2]])  # fmt: skip
+            num_new_tokens += (run_end - run_start) if committed.num_new_chunks else 0
+        if args.durable and completed:
+            store.flush()
+        transfer = BulkTransfer(
+            transport=_transport(args.bulk),
+            seconds=time.perf_counter() - started_s,
+            num_bulk_bytes=part.shape_layout(layout).chunk_bytes(num_tokens),
+            num_tokens=num_new_tokens,
+            num_bytes=layout.chunk_bytes(num_new_tokens),
+        )
+        self._metrics.observe_store(transfer, self._metrics.engine_of(client_id))
+        return encode_store_result(result)
+
+    def _assembly_of(self, layout: KVLayout) -> ChunkAssembly:
+        with self._assembly_lock:
+            if self._assembly is None:
+                self._assembly = ChunkAssembly(layout)
+            return self._assembly
+
+    def _assembly_counts(self) -> AssemblyCounts:
+        with self._assembly_lock:
+            assembly = self._assembly
+        return assembly.counts() if assembly is not None else AssemblyCounts()
+
     def _lookup(self, client_id: str, args: LookupArgs) -> dict[str, object]:
         store = self._host.require()
         started_s = time.perf_counter()
@@ -298,35 +379,59 @@ class RequestHandler:
         elif not self._clients.add_plan(client_id, plan, args.session_id):
             store.release(plan)
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
+        plan = self._name_incomplete(plan, args.tokens)
         coverage = self._usage.planned(plan, args.tokens, store.config.chunk_size)
         self._metrics.observe_lookup(coverage, time.perf_counter() - started_s, self._metrics.engine_of(client_id))
         return encode_plan(plan, args.session_id)
 
+    def _name_incomplete(self, plan: LookupPlan, tokens: TokenArray) -> LookupPlan:
+        """The plan with its missed chunks that wait for parts (``ChunkAssembly``) named ``incomplete``."""
+        with self._assembly_lock:
+            assembly = self._assembly
+        if assembly is None or not assembly.num_pending or not plan.misses:
+            return plan
+        store = self._host.require()
+        bounds = chunk_bounds(tokens, store.config.chunk_size, store.config.chunk_separator)
+        keys = keys_at_bounds(store.layout.namespace, tokens, bounds)
+        pending = [(bounds[i], bounds[i + 1]) for i, key in enumerate(keys) if assembly.pending(key)]
+        if not pending:
+            return plan
+        return dataclasses.replace(plan, misses=_with_incomplete(plan.misses, pending))
+
     def _retrieve(self, request: Request, client_id: str, args: RetrieveArgs) -> ReplyFrames:
         store = self._host.require()
         started_s = time.perf_counter()
-        plan = self._clients.take_plan(args.owner or client_id, args.plan_id).plan  # the bulk is the caller's
+        owner, part = args.owner or client_id, args.part
+        if part is not None:
+            part.check(store.layout)
+            plan = self._clients.begin_part(owner, args.plan_id, part, store.layout).plan
+        else:
+            plan = self._clients.take_plan(owner, args.plan_id).plan  # the bulk is the caller's
         try:
             out = self._retrieve_target(client_id, args, store, plan)
-        except BaseException:
-            store.release(plan)  # the plan left the registry: its pins must not leak
+            result = store.retrieve(
+                plan, out, memory_only=args.memory_only, start=args.start, part=part, keep_pins=part is not None
+            )
+        except BaseException as exc:
+            if part is None and not isinstance(exc, ConfigError):
+                store.release(plan)  # the plan left the registry: its pins must not leak
+            if isinstance(exc, ConfigError):  # its session ended between our registry and the store's ledger
+                raise RequestError(ErrorCode.UNKNOWN_PLAN, str(exc)) from None
             raise
-        try:
-            result = store.retrieve(plan, out, memory_only=args.memory_only, start=args.start)
-        except InvalidInputError:
-            raise
-        except ConfigError as exc:  # its session ended between our registry and the store's ledger
-            raise RequestError(ErrorCode.UNKNOWN_PLAN, str(exc)) from None
+        finally:
+            if part is not None and (done := self._clients.end_part(owner, args.plan_id, part)) is not None:
+                store.release(done.plan)
         if out is not None and out.device.type == "cuda":
             torch.cuda.synchronize(out.device)  # the client may use its tensor as soon as the reply arrives
         reply = encode_retrieve_result(result)
         num_loaded_tokens = result.num_cached_tokens
+        shape = store.layout if part is None else part.shape_layout(store.layout)
         transfer = BulkTransfer(
             transport=_transport(args.bulk),
             seconds=time.perf_counter() - started_s,
-            num_bulk_bytes=store.layout.chunk_bytes(int(result.kv.shape[2])),
+            num_bulk_bytes=shape.chunk_bytes(int(result.kv.shape[2])),
             num_tokens=num_loaded_tokens,
-            num_bytes=store.layout.chunk_bytes(num_loaded_tokens),
+            num_bytes=shape.chunk_bytes(num_loaded_tokens),
         )
         self._metrics.observe_retrieve(transfer, self._metrics.engine_of(client_id))
         payload = None
@@ -339,8 +444,8 @@ class RequestHandler:
         self, client_id: str, args: RetrieveArgs, store: TieredStore, plan: LookupPlan
     ) -> torch.Tensor | None:
         """Where a retrieve writes tokens ``[start, plan end)``: a client's region or tensor, or ``None`` (inline:
-        the store allocates)."""
-        layout = store.layout
+        the store allocates), shaped by the retrieve's part when it has one."""
+        layout = store.layout if args.part is None else args.part.shape_layout(store.layout)
         if args.start > plan.end:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT, f"retrieve start {args.start} is past the plan's end ({plan.end})"
@@ -492,6 +597,10 @@ class RequestHandler:
             )
             for open_plan in expired:
                 store.release(open_plan.plan)
+        with self._assembly_lock:
+            assembly = self._assembly
+        if assembly is not None:
+            assembly.expire(min(ASSEMBLY_TTL_S, plan_ttl_s))
         self._usage.save_if_due()  # last: a failed save (full disk) must not skip the rest of the pass
 
     def save_document_hits(self) -> None:
@@ -501,6 +610,35 @@ class RequestHandler:
             StorageError: the file cannot be written.
         """
         self._usage.save()
+
+
+def _runs(completed: list[CompletedChunk]) -> list[list[CompletedChunk]]:
+    """Completed chunks grouped into runs of consecutive indexes (each run is committed in one store call)."""
+    runs: list[list[CompletedChunk]] = []
+    for chunk in completed:
+        if runs and runs[-1][-1].index + 1 == chunk.index:
+            runs[-1].append(chunk)
+        else:
+            runs.append([chunk])
+    return runs
+
+
+def _with_incomplete(misses: tuple[Miss, ...], pending: list[tuple[int, int]]) -> tuple[Miss, ...]:
+    """``misses`` with the token ranges of chunks waiting for parts (``pending``, sorted) named ``incomplete``."""
+    named: list[Miss] = []
+    for miss in misses:
+        cursor = miss.start
+        for chunk_start, chunk_end in pending:
+            low, high = max(chunk_start, miss.start), min(chunk_end, miss.end)
+            if low >= high:
+                continue
+            if cursor < low:
+                named.append(Miss(cursor, low, miss.reason))
+            named.append(Miss(low, high, MissReason.INCOMPLETE))
+            cursor = high
+        if cursor < miss.end:
+            named.append(Miss(cursor, miss.end, miss.reason))
+    return tuple(named)
 
 
 def _transport(bulk: BulkRef) -> str:

@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError
 from kvstore.misses import STORE_REASONS
+from kvstore.server.chunk_assembly import AssemblyCounts
 from kvstore.server.kv_events.options import KVEventStats
 from kvstore.server.usage.plan_coverage import PlanCoverage
 from kvstore.stats import RemoteStats, StoreStats
@@ -190,6 +191,32 @@ class _KVEventCollector(Collector):
         )
         cpu.add_metric([], stats.cpu_s)
         yield cpu
+
+
+class _ChunkPartsCollector(Collector):
+    """Chunks stored by parts (tensor- or pipeline-parallel engines' ranks), read at each scrape."""
+
+    def __init__(self, counts: Callable[[], AssemblyCounts]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        parts = CounterMetricFamily(
+            "kvstore_chunk_parts",
+            "Chunk parts stored by the ranks of parallel engines, by outcome: received (a part of one chunk), "
+            "completed (a chunk whose last part arrived, committed whole), expired and dropped (incomplete chunks "
+            "given up after the TTL or for room; never stored).",
+            labels=["outcome"],
+        )
+        for outcome in ("received", "completed", "expired", "dropped"):
+            parts.add_metric([outcome], getattr(counts, "parts" if outcome == "received" else outcome))
+        yield parts
+        pending = GaugeMetricFamily("kvstore_chunk_parts_pending", "Chunks waiting for more of their parts.")
+        pending.add_metric([], counts.pending)
+        yield pending
+        pending_bytes = GaugeMetricFamily("kvstore_chunk_parts_pending_bytes", "Staging bytes of those chunks.")
+        pending_bytes.add_metric([], counts.pending_bytes)
+        yield pending_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -417,6 +444,10 @@ class ServerMetrics:
     def watch_kv_events(self, stats: Callable[[], KVEventStats]) -> None:
         """Export the KV event publisher's counts (``kvstore_kv_events_*``)."""
         self.registry.register(_KVEventCollector(stats))
+
+    def watch_chunk_parts(self, counts: Callable[[], AssemblyCounts]) -> None:
+        """Export the counts of chunks assembled from parts (``kvstore_chunk_parts*``)."""
+        self.registry.register(_ChunkPartsCollector(counts))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -64,6 +64,12 @@ class PinLedger:
             plan.pins.append(pin)
             return True
 
+    def pins_of(self, plan_id: int) -> list[Pin] | None:
+        """An open plan's pins, the plan left open (a retrieve of one part of it); ``None`` when it is closed."""
+        with self._ledger_lock:
+            plan = self._plans.get(plan_id)
+            return None if plan is None else list(plan.pins)
+
     def take_plan(self, plan_id: int) -> list[Pin] | None:
         """Close a plan and hand back its pins; ``None`` when it was already closed."""
         with self._ledger_lock:

@@ -57,6 +57,7 @@ from kvstore.keys import (
     chunk_bounds,
     keys_at_bounds,
 )
+from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss, MissReason
 from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
@@ -470,6 +471,8 @@ class TieredStore:
         progress: RetrieveProgress | None = None,
         memory_only: bool = False,
         start: int = 0,
+        part: KVPart | None = None,
+        keep_pins: bool = False,
     ) -> RetrieveResult:
         """Load the KV of a plan's segments to their places in the prompt, then release the plan's pins.
 
@@ -490,6 +493,10 @@ class TieredStore:
             start: the caller already holds the prompt's tokens ``[0, start)`` (an engine's own prefix cache): only
                 ``[start, plan.end)`` is loaded, and ``out`` holds only those. Segments that end by ``start`` are
                 not read; one that straddles it is read whole and its tail copied.
+            part: load only this part of every chunk (a tensor- or pipeline-parallel rank's layers and KV heads):
+                ``out`` is shaped by it (``KVPart.shape_layout``); a disk chunk is decoded whole and its part copied.
+            keep_pins: leave the plan open with its pins (a plan several ranks retrieve by parts: the server
+                releases it once every part is done).
 
         Returns:
             The segments loaded and the KV (a view of ``out`` when given). A chunk that fails to load (corrupt on
@@ -504,21 +511,27 @@ class TieredStore:
             raise InvalidInputError(f"retrieve start {start} is outside the plan's [0, {plan.end}]")
         if not memory_only:
             plan.wait()
-        pins = self._ledger.take_plan(plan.plan_id)
+        pins = self._ledger.pins_of(plan.plan_id) if keep_pins else self._ledger.take_plan(plan.plan_id)
         if pins is None:
             raise ConfigError(
                 f"plan {plan.plan_id} was already retrieved or released (or its session ended); call lookup() again"
             )
+        if part is not None:
+            part.check(self.layout)
+        shape = self.layout if part is None else part.shape_layout(self.layout)
         loaded: list[Segment] = []
         dropped: list[Miss] = []
         try:
-            out = prepared_out(self.layout, plan.end - start, out, device)
-            copies = self._load_segments(plan, pins, out, loaded, dropped, memory_only=memory_only, start=start)
+            out = prepared_out(shape, plan.end - start, out, device)
+            copies = self._load_segments(
+                plan, pins, out, loaded, dropped, memory_only=memory_only, start=start, part=part
+            )
             if progress is not None:
                 progress.segments_loaded(tuple(loaded))
-            copy_from_memory(copies, out.device, progress, self.layout.num_layers)
+            copy_from_memory(copies, out.device, progress, shape.num_layers)
         finally:
-            self._unpin(pins)
+            if not keep_pins:
+                self._unpin(pins)
         if self.config.promote_on_hit and self._gpu is not None:
             self._promote_to_gpu([segment for segment in loaded if segment.tier is not TierName.GPU])
         end = loaded[-1].end if loaded else start
@@ -541,6 +554,7 @@ class TieredStore:
         *,
         memory_only: bool,
         start: int,
+        part: KVPart | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Decode the plan's disk chunks into ``out`` (unless ``memory_only``) and append every segment that will
         be served to ``loaded``, and every other one to ``dropped`` with its reason; ``out`` begins at token
@@ -548,8 +562,13 @@ class TieredStore:
 
         Returns the ``(source, place in out)`` pairs still to be copied: pinned chunk views of the memory tiers, and
         the tail of a decoded chunk that straddles ``start``. Those copies cannot fail, so the segments are final
-        before any of them runs.
+        before any of them runs. With ``part`` every source is the part's view of its chunk (``out`` is shaped by
+        the part) and disk chunks are decoded whole beside ``out``.
         """
+
+        def sliced(chunk: torch.Tensor) -> torch.Tensor:
+            return chunk if part is None else part.of(chunk)
+
         landed = {key for tier, key in pins if tier is self._cpu}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         prefix_cut = False
@@ -567,7 +586,7 @@ class TieredStore:
                 view = tier.view(segment.key)
                 # a copy must never broadcast one token's KV over a longer segment
                 if view.shape[2] == segment.num_tokens:
-                    copies.append((view[:, :, held:], target))
+                    copies.append((sliced(view)[:, :, held:], target))
                     loaded.append(segment)
                     continue
                 logger.warning("retrieve: chunk %s holds %d tokens, its plan says %d (a directory or index entry "
@@ -581,8 +600,9 @@ class TieredStore:
                 prefix_cut = segment.exact and not self.config.enable_segmented_prefix
                 dropped.append(Miss(segment.start, segment.end, MissReason.DISK_SLOWER))
                 continue
-            place = target if held == 0 else self._whole_chunk(segment, out)
-            tail = [(place[:, :, held:], target)] if held else []  # a chunk decoded whole: its tail still to copy
+            place = target if held == 0 and part is None else self._whole_chunk(segment, out)
+            # a chunk decoded whole beside out: its (part's) tail still to copy
+            tail = [(sliced(place)[:, :, held:], target)] if place is not target else []
             reason = MissReason.CHECKSUM  # a pinned disk chunk that fails to load failed its checks
             if shared_reads is not None and shared_reads.serves(segment):
                 record = shared_reads.load_into(segment.key, place)

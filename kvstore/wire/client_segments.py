@@ -69,15 +69,17 @@ class ClientSegments:
         assert scratch.segment_id is not None, "scratch segment left unattached"
         return scratch.segment.tensor, scratch.segment_id
 
-    def new_buffer(self, num_tokens: int) -> torch.Tensor:
-        """A KV buffer ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` in a segment the server maps."""
-        nbytes = self._layout.chunk_bytes(num_tokens)
+    def new_buffer(self, num_tokens: int, shape: KVLayout | None = None) -> torch.Tensor:
+        """A KV buffer ``[num_layers, 2, num_tokens, num_kv_heads, head_dim]`` in a segment the server maps, shaped
+        by ``shape`` when given (a part's ``KVPart.shape_layout``) and by the client's layout otherwise."""
+        layout = shape or self._layout
+        nbytes = layout.chunk_bytes(num_tokens)
         segment = create_segment(max(_ALIGN_BYTES, nbytes))
         self._buffers[segment.tensor.untyped_storage().data_ptr()] = _Attached(
             segment=segment, segment_id=self._attach(segment)
         )
         raw = segment.tensor[:nbytes]
-        return raw.view(self._layout.dtype.torch_dtype).view(self._layout.chunk_shape(num_tokens))
+        return raw.view(layout.dtype.torch_dtype).view(layout.chunk_shape(num_tokens))
 
     def release_buffer(self, buffer: torch.Tensor) -> bool:
         """Unmap a buffer from the server (the caller's tensor stays valid). ``False`` when it is not one."""
@@ -85,15 +87,16 @@ class ClientSegments:
         self._drop(attached)
         return attached is not None
 
-    def region_of(self, tensor: torch.Tensor, min_tokens: int) -> ShmBulk | None:
+    def region_of(self, tensor: torch.Tensor, min_tokens: int, shape: KVLayout | None = None) -> ShmBulk | None:
         """The buffer region holding ``tensor`` -- the first tokens of a ``[L, 2, T, H, D]`` block with
-        ``T >= min_tokens`` -- or ``None`` when the tensor is not laid out that way inside an attached buffer."""
+        ``T >= min_tokens``, in the client's layout or ``shape`` -- or ``None`` when the tensor is not laid out that
+        way inside an attached buffer."""
         if tensor.device.type != "cpu" or tensor.dim() != 5:
             return None
         attached = self._buffers.get(tensor.untyped_storage().data_ptr())
         if attached is None or attached.segment_id is None:
             return None
-        layout = self._layout
+        layout = shape or self._layout
         heads, head_dim = layout.num_kv_heads, layout.head_dim
         token_stride = heads * head_dim
         stride = tensor.stride()

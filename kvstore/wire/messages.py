@@ -43,8 +43,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray
+from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import TierName
 from kvstore.wire.cuda_ipc import CudaIpcHandle
@@ -70,6 +71,7 @@ __all__ = [
     "StoreArgs",
     "layout_from_json",
     "parse_bulk",
+    "parse_part",
     "tokens_from_wire",
     "tokens_to_wire",
 ]
@@ -237,6 +239,7 @@ class StoreArgs:
     bulk: BulkRef
     durable: bool
     start: int = 0
+    part: KVPart | None = None  # the bulk holds this part of the KV (a tensor- or pipeline-parallel rank's)
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> StoreArgs:
@@ -247,6 +250,7 @@ class StoreArgs:
             bulk=parse_bulk(fields.map_("bulk")),
             durable=fields.required_bool("durable"),
             start=start,
+            part=parse_part(fields),
         )
         fields.finish()
         return parsed
@@ -256,6 +260,8 @@ class StoreArgs:
         wire["durable"] = self.durable
         if self.start:  # only when needed: a server from before the field refuses unknown fields
             wire["start"] = self.start
+        if self.part is not None:
+            wire["part"] = self.part.to_wire()
         return wire
 
     @property
@@ -308,6 +314,7 @@ class RetrieveArgs:
     memory_only: bool = False
     owner: str | None = None
     start: int = 0
+    part: KVPart | None = None  # only this part of each chunk (a rank's); the plan stays open until every part is
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> RetrieveArgs:
@@ -317,6 +324,7 @@ class RetrieveArgs:
             memory_only=bool(fields.bool_("memory_only", optional=True)),
             owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
             start=fields.int_("start", 0, _MAX_RETRIEVE_START, optional=True) or 0,
+            part=parse_part(fields),
         )
         fields.finish()
         return parsed
@@ -329,6 +337,8 @@ class RetrieveArgs:
             wire["owner"] = self.owner
         if self.start:
             wire["start"] = self.start
+        if self.part is not None:
+            wire["part"] = self.part.to_wire()
         return wire
 
 
@@ -340,12 +350,14 @@ class PlanArgs:
 
     plan_id: int
     owner: str | None = None
+    part: KVPart | None = None  # a rank's part of a plan retrieved by parts: that part will not be retrieved
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> PlanArgs:
         parsed = cls(
             plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID),
             owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
+            part=parse_part(fields),
         )
         fields.finish()
         return parsed
@@ -354,6 +366,8 @@ class PlanArgs:
         wire: dict[str, object] = {"plan_id": self.plan_id}
         if self.owner is not None:
             wire["owner"] = self.owner
+        if self.part is not None:
+            wire["part"] = self.part.to_wire()
         return wire
 
 
@@ -467,3 +481,14 @@ class DetachArgs:
 
     def to_wire(self) -> dict[str, object]:
         return {"segment_id": self.segment_id}
+
+
+def parse_part(fields: Fields) -> KVPart | None:
+    """The optional ``part`` field: ``[layer_start, layer_end, head_start, head_end]`` (``KVPart``). Whether it lies
+    inside the layout is checked by the handler, which knows the layout."""
+    if not fields.has("part"):
+        return None
+    try:
+        return KVPart.from_wire(fields.list_("part", 4))
+    except InvalidInputError as exc:
+        raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from None

@@ -46,6 +46,7 @@ from kvstore.connectors.store_link import StoreLink, connect_links
 from kvstore.connectors.vllm.cache_shapes import check_blend_supported
 from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout, resolve_chunk_separator
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreConnectorStats
+from kvstore.connectors.vllm.parallel import check_parallel_blend
 from kvstore.connectors.vllm.scheduler_side import SchedulerSide
 from kvstore.connectors.vllm.worker_side import WorkerSide
 from kvstore.errors import KVStoreError
@@ -112,6 +113,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         try:
             settings = parse_connector_settings(transfer.kv_connector_extra_config)
             check_engine_supported(vllm_config, kv_cache_config)
+            check_parallel_blend(vllm_config, settings)
             settings = resolve_chunk_separator(vllm_config, settings)
             layout = engine_layout(vllm_config, settings)
             check_blend_supported(layout, settings.blend)  # fp8 and MLA: exact prefix reuse only

@@ -12,8 +12,10 @@
 - The model's KV layout (layers, kv heads, head dim, dtype, RoPE) as kvstore's ``KVLayout``: the store checks it
   against what it holds, so two models never share KV.
 - A string ``kvstore.chunk_separator`` as the engine tokenizer's ids (the store cuts chunks by ids).
-- What the connector does not handle yet: tensor or pipeline parallelism (each rank holds a shard of the heads),
-  hybrid models (more than one KV cache group), quantised (fp8) KV caches. Each is refused at start with one line.
+- Tensor and pipeline parallelism are served: the layout is the whole model's (every layer, every KV head), whatever
+  the engine's shape, and each rank stores and loads its part of it (``kvstore.connectors.vllm.parallel``).
+- What the connector does not handle yet: hybrid models (more than one KV cache group), and KV cache dtypes kvstore
+  does not store (``check_engine_supported``). Each is refused at start with one line.
 """
 
 from __future__ import annotations
@@ -72,16 +74,9 @@ def check_engine_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
     """Refuse, with one line, an engine the connector cannot serve correctly.
 
     Raises:
-        ConfigError: an unsupported vLLM version, parallelism, hybrid KV cache or quantised KV cache.
+        ConfigError: an unsupported vLLM version, hybrid KV cache or quantised KV cache.
     """
     check_vllm_version(vllm_version())
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ConfigError(
-            "kvstore's vLLM connector does not support tensor or pipeline parallelism yet "
-            f"(tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size}); run one engine per GPU"
-        )
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
         raise ConfigError(
             f"kvstore's vLLM connector supports models with one KV cache group (full attention); this model has "
@@ -116,9 +111,12 @@ def engine_layout(vllm_config: VllmConfig, settings: ConnectorSettings) -> KVLay
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     dtype = model_config.dtype if cache_dtype == "auto" else cache_dtype
     layout = layout_from_hf_config(model_config.hf_config, model_id=str(name), dtype=dtype)
+    # the whole model's, on every rank of a tensor- or pipeline-parallel engine: stored KV never names a rank
     parallel = vllm_config.parallel_config
-    num_layers = model_config.get_num_layers(parallel)
-    num_kv_heads = model_config.get_num_kv_heads(parallel)
+    num_layers = model_config.get_total_num_hidden_layers()
+    num_kv_heads = (
+        model_config.get_num_kv_heads(parallel) if model_config.use_mla else model_config.get_total_num_kv_heads()
+    )
     head_dim = model_config.get_head_size()
     if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (num_layers, num_kv_heads, head_dim):
         raise ConfigError(

@@ -32,6 +32,11 @@ Copies between blocks and chunks use the block format read from the backend at `
 (``kvstore.connectors.paged``): one kernel for every layer where Triton runs (CUDA), else one ``index_select`` /
 ``index_copy_`` per layer (per K/V plane where the planes do not fuse).
 
+Tensor and pipeline parallelism: each worker (rank) moves only its part of every chunk, its stage's layers times its
+shard's KV heads (``kvstore.connectors.vllm.parallel``): its saves send that part (the server commits a chunk once
+every rank's part has arrived), its loads retrieve that part of the plan the scheduler pinned (the server keeps the
+pins until every rank's part is done). Every rank reports its own loads to vLLM, whose aggregator waits for all.
+
 Threads: vLLM calls every method on its model-runner thread; fetches and stores run on three single-thread pools
 (sync loads, async loads, saves), each with its own ``StoreLink`` so one never queues behind another.
 """
@@ -69,6 +74,7 @@ from kvstore.connectors.vllm.metadata import (
     LoadSpec,
     SaveSpec,
 )
+from kvstore.connectors.vllm.parallel import RankPart, rank_part
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss, tokens_by_reason
@@ -155,6 +161,7 @@ class WorkerSide:
             for name in ("load", "async-load", "save")
         )
         self._caches: list[torch.Tensor] = []
+        self._rank = RankPart(part=None, shape=layout)  # this worker's part of every chunk (register_kv_caches)
         self._layers: PagedLayers | None = None
         self._layer_of: dict[str, int] = {}
         self._metadata: KVStoreConnectorMetadata | None = None
@@ -185,7 +192,8 @@ class WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
-        layout = self._layout
+        self._rank = self._rank_part([extract_layer_index(name) for name in names])
+        layout = self._rank.shape  # this rank's layers and KV heads
         if len(names) != layout.num_layers:
             raise ConfigError(f"vLLM registered {len(names)} KV cache layers; the layout has {layout.num_layers}")
         self._caches = [kv_caches[name] for name in names]
@@ -205,13 +213,30 @@ class WorkerSide:
         self._layers = PagedLayers.of(self._caches, block_format)
         self._layers.check_request_kernel(block_id=0)  # vLLM never hands block 0 to a request
         logger.info(
-            "kvstore: %d layers of paged KV, %s; %s",
+            "kvstore: %d layers of paged KV, %s; %s; %s",
             len(names),
             block_format.describe(),
             "one launch copies every layer" if self._layers.request_kernel is not None else "copies go layer by layer",
+            "the whole chunk" if self._rank.part is None else f"this rank's part: {self._rank.part.describe()}",
         )
         if self._blend_link is not None:
             self._blend_engine = self._build_blend_engine(tuple(names))
+
+    def _rank_part(self, layer_indexes: list[int]) -> RankPart:
+        """This worker's part of every chunk: its registered layers, and its tensor-parallel shard's KV heads."""
+        tp_size = self._vllm_config.parallel_config.tensor_parallel_size
+        tp_rank = 0
+        if tp_size > 1:  # the group exists in an engine's worker only
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        return rank_part(
+            self._layout,
+            layer_indexes,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            mla=bool(getattr(self._vllm_config.model_config, "use_mla", False)),
+        )
 
     def _build_blend_engine(self, layer_names: tuple[str, ...]) -> BlendEngine:
         """The plugin's blend engine on this worker's model (it checks the model and its RoPE, one line if not).
@@ -244,7 +269,7 @@ class WorkerSide:
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
         layer = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase).get(name)  # type: ignore[type-abstract]
-        layout = self._layout
+        layout = self._rank.shape
         probed = probe_engine_block_format(
             layer, cache, layout, block_size=self._block_size, model_dtype=self._vllm_config.model_config.dtype
         )
@@ -291,7 +316,7 @@ class WorkerSide:
     def save_kv_layer(self, layer_name: str) -> None:
         metadata = self._metadata
         layer = self._layer_of.get(layer_name)
-        if metadata is None or layer is None or not metadata.saves:
+        if metadata is None or layer is None or not metadata.saves or not self._rank.saves:
             return
         if layer == 0:
             self._saves = [self._new_save(spec) for spec in metadata.saves]
@@ -434,21 +459,23 @@ class WorkerSide:
             # a sync load's engine thread waits for this fetch: a store that does not answer a lookup costs it the
             # lookup timeout, not the transfer timeout (issue 27)
             plan = client.lookup(spec.token_ids, blend=False, timeout_s=self._settings.lookup_timeout_s)
+        part = self._rank.part
         usable = min(spec.end, plan.num_prefix_tokens)
         usable -= usable % self._block_size
         if usable <= spec.start:
-            client.release(plan, owner=owner)
+            client.release(plan, owner=owner, part=part)
             return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started, misses=plan.misses)
         try:
             # vLLM holds [0, start) itself: only the rest travels
-            out = buffers.take(client, plan.end - spec.start) if self._caches[0].device.type == "cpu" else None
+            cpu = self._caches[0].device.type == "cpu"
+            out = buffers.take(client, plan.end - spec.start, part=part) if cpu else None
         except KVStoreError:
-            client.release(plan, owner=owner)
+            client.release(plan, owner=owner, part=part)
             raise
         try:
-            result = client.retrieve(plan, out, owner=owner, start=spec.start)
+            result = client.retrieve(plan, out, owner=owner, start=spec.start, part=part)
         except KVStoreError:
-            client.release(plan, owner=owner)
+            client.release(plan, owner=owner, part=part)
             buffers.give_back(out)
             raise
         usable = min(usable, result.num_prefix_tokens)  # a chunk that failed its checksum is a gap
@@ -519,16 +546,17 @@ class WorkerSide:
             )
         self._failed_blocks |= failed if not spec.is_async else set()
         num_tokens = _loaded_tokens(spec, fetched)
+        leads = self._rank.leads  # requests and tokens once per engine; bytes (this rank's part) on every rank
         with self._stats_lock:
             if failed:  # the scheduler names the rest of the shortfall (a failed call, a cut block) load_failed
                 reasons = tokens_by_reason(fetched.misses, fetched.loaded_end, spec.end)
                 self._load_misses[spec.request_id] = {reason.value: count for reason, count in reasons.items()}
             self._stats.record(
-                loads=1,
-                loaded_tokens=num_tokens,
-                loaded_bytes=self._layout.chunk_bytes(num_tokens),
-                load_failed_blocks=len(failed),
-                load_seconds=fetched.seconds,
+                loads=int(leads),
+                loaded_tokens=num_tokens if leads else 0,
+                loaded_bytes=self._rank.shape.chunk_bytes(num_tokens),
+                load_failed_blocks=len(failed) if leads else 0,
+                load_seconds=fetched.seconds if leads else 0.0,
             )
         return failed
 
@@ -544,11 +572,10 @@ class WorkerSide:
         staging = None
         client = self._save_link.current_client() if device.type == "cpu" else None
         if client is not None:
-            staging = self._save_buffers.take(client, num_tokens, create=False, exact=True)
+            staging = self._save_buffers.take(client, num_tokens, create=False, exact=True, part=self._rank.part)
         if staging is None:
-            staging = torch.empty(
-                self._layout.chunk_shape(num_tokens), dtype=self._layout.dtype.torch_dtype, device=device
-            )
+            shape = self._rank.shape
+            staging = torch.empty(shape.chunk_shape(num_tokens), dtype=shape.dtype.torch_dtype, device=device)
         return _PendingSave(
             spec=spec,
             staging=staging,
@@ -558,10 +585,11 @@ class WorkerSide:
     def _store(self, save: _PendingSave) -> None:
         """Send a gathered prompt to the store (on the save thread); a failure is logged, never raised."""
         spec = save.spec
+        part = self._rank.part
         started = time.perf_counter()
         try:
             stored = self._save_link.call(
-                "save", lambda client: client.store(spec.token_ids, save.staging, start=spec.start)
+                "save", lambda client: client.store(spec.token_ids, save.staging, start=spec.start, part=part)
             )
         except Exception:  # the save thread's boundary: a lost save is a later miss, never a failed step
             logger.exception("request %s: storing its prompt failed", spec.request_id)
@@ -573,19 +601,20 @@ class WorkerSide:
         num_tokens = spec.end - spec.start
         if self._caches[0].device.type == "cpu" and not self._save_buffers.holds(save.staging):
             self._keep_save_buffer(num_tokens)
+        leads = self._rank.leads  # requests and tokens once per engine; bytes (this rank's part) on every rank
         with self._stats_lock:
             self._stats.record(
-                saves=1,
-                saved_tokens=num_tokens,
-                saved_bytes=self._layout.chunk_bytes(num_tokens),
-                save_seconds=time.perf_counter() - started,
+                saves=int(leads),
+                saved_tokens=num_tokens if leads else 0,
+                saved_bytes=self._rank.shape.chunk_bytes(num_tokens),
+                save_seconds=time.perf_counter() - started if leads else 0.0,
             )
 
     def _keep_save_buffer(self, num_tokens: int) -> None:
         """On the save thread: map a shared buffer of ``num_tokens`` for the next save of that size to stage in."""
 
         def keep(client: Client) -> None:
-            self._save_buffers.give_back(self._save_buffers.take(client, num_tokens, exact=True))
+            self._save_buffers.give_back(self._save_buffers.take(client, num_tokens, exact=True, part=self._rank.part))
 
         self._save_link.call("buffer", keep)
 
