@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.remote_address import DEFAULT_NAMESPACE, check_namespace, parse_remote_url
-from kvstore.tiers.base import TierName
+from kvstore.tiers.names import TierName
 
 __all__ = [
     "DEFAULT_DATA_DIR",

@@ -44,12 +44,14 @@ FORBIDDEN = {
     "kvstore.session": (*_VALUES, "kvstore.config"),
     "kvstore.remote_address": (*_VALUES, "kvstore.config"),
     "kvstore.presets": _VALUES,
+    "kvstore.preset_names": ("kvstore.",),  # the CLI's light checks read it before torch is imported
     "kvstore.data_dir": _VALUES,
     "kvstore.config": _VALUES,
     "kvstore.__init__": (),  # the package root: the public entry points, imported lazily (lazy_exports)
     # storage
     "kvstore.tiers": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", "kvstore.wire", "kvstore.config"),
     "kvstore.tiers.base": _TIERS_BUT_BASE,
+    "kvstore.tiers.names": ("kvstore.",),  # imported by the values (config) and the CLI's light checks: nothing below
     # Tiers never call each other: the stored frame both the disk and the remote tier keep is a package of its own.
     "kvstore.tiers.frames": tuple(name for name in _TIERS_BUT_BASE if name != "kvstore.tiers.frames"),
     "kvstore.tiers.arena": tuple(name for name in _TIERS_BUT_BASE if name != "kvstore.tiers.arena"),

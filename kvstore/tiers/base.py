@@ -17,7 +17,6 @@ Contract shared by all tiers:
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -27,20 +26,12 @@ import numpy.typing as npt
 import torch
 
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, key_words
+from kvstore.tiers.names import TierName  # re-exported: the name every tier module already imports from here
 
 if TYPE_CHECKING:
     from kvstore.tiers.residency import ResidencyListener
 
 __all__ = ["ChunkRecord", "ContentRecords", "SpillCallback", "Tier", "TierName", "TierStats"]
-
-
-class TierName(enum.StrEnum):
-    """Tiers from fastest to slowest."""
-
-    GPU = "gpu"
-    CPU = "cpu"
-    DISK = "disk"
-    REMOTE = "remote"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,20 @@
+"""The layout presets' names and the smallest one's size, without the layouts themselves (``kvstore.presets``).
+
+Why apart: ``kvstore.presets`` builds ``KVLayout`` s, and ``kvstore.layout`` imports torch; the CLI refuses an
+unknown ``--layout`` name, and a tier too small for any plausible model, before torch is imported (issue 45, item 9).
+``tests/server/test_serve_flags.py`` checks these against ``kvstore.presets``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PRESET_NAMES", "SMALLEST_PRESET", "SMALLEST_PRESET_ELEMENTS_PER_TOKEN"]
+
+PRESET_NAMES = ("smollm2-135m", "llama3.1-8b")
+"""The names ``kvstore.presets.preset_layout`` knows, in the order help texts list them."""
+
+SMALLEST_PRESET = "smollm2-135m"
+"""The preset with the least KV per token: the smallest model a server without ``--layout`` plausibly serves."""
+
+SMALLEST_PRESET_ELEMENTS_PER_TOKEN = 30 * 2 * 3 * 64
+"""KV elements per token of ``SMALLEST_PRESET``: 30 layers x (K, V) x 3 KV heads x 64 dimensions (bytes, at one
+byte an element: fp8)."""
