@@ -1,7 +1,9 @@
 """``kvstore serve``: run a store server in the foreground until SIGINT (Ctrl-C) or SIGTERM.
 
 The server, its settings and the store (torch, LMDB, ZeroMQ) are imported inside the functions that run it, not
-here: ``kvstore serve --help`` reads only this module's signature, and must not take seconds (issue 27).
+here: ``kvstore serve --help`` reads only this module's signature, and must not take seconds (issue 27); and a bad
+flag is refused by ``check_flags`` (``kvstore.server.serve_flags``, which imports none of them) before they are
+imported (issue 45).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import typer
 from kvstore.cli.quantities import count_text, size_text
 from kvstore.errors import ConfigError
 from kvstore.pids import pid_alive
+from kvstore.server.serve_flags import ServeFlags, check_flags, flag_name
 from kvstore.version import __version__
 
 if TYPE_CHECKING:
@@ -153,10 +156,6 @@ def serve_command(
 
         kvstore serve --kv-events tcp://*:5557 --kv-events-replay tcp://*:5558
     """
-    from kvstore.server.app import run_server
-    from kvstore.server.host_facts import probe_host
-    from kvstore.server.settings import ServeFlags, resolve_settings
-
     flags = ServeFlags(
         tiers=tiers,
         chunk_size=chunk_size,
@@ -184,16 +183,21 @@ def serve_command(
         kv_events_interval_ms=kv_events_interval_ms,
         kv_events_replay_mib=kv_events_replay_mib,
     )
-    settings = resolve_settings(flags, probe_host(), config)
+    checked = check_flags(flags, config)  # before the server's imports: a bad flag is refused at once (issue 45)
     stop = threading.Event()
+    if exit_with_pid is not None:
+        _stop_when_gone(exit_with_pid, stop)
+    from kvstore.server.app import run_server
+    from kvstore.server.host_facts import probe_host
+    from kvstore.server.settings import complete_settings
+
+    settings = complete_settings(checked, probe_host())
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
         if stop.is_set():
             typer.echo("kvstore serve: already stopping (finishing requests, flushing the disk tier)", err=True)
         stop.set()
 
-    if exit_with_pid is not None:
-        _stop_when_gone(exit_with_pid, stop)
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def announce(address: ServerAddress) -> None:
@@ -213,8 +217,7 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
     """What an operator needs to see at start: the version, where it listens, the layout, what each tier takes --
     the defaults included, since they silently claim RAM and disk -- and how to connect to it."""
     from kvstore.remote_address import parse_remote_url
-    from kvstore.server.settings import flag_name
-    from kvstore.tiers.base import TierName
+    from kvstore.tiers.names import TierName
 
     store = settings.store
     layout_text = settings.layout.describe() if settings.layout is not None else "set by the first client"
@@ -259,6 +262,11 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
         lines.append(
             f"kv events: published on {events.endpoint} every {1000 * events.interval_s:g} ms{replay} (docs/routing.md)"
         )
+        if not events.binds:  # a PUB socket that connects drops what it sends until the other end is there
+            lines.append(
+                f"kv events: connecting to {events.endpoint}: events go nowhere until a subscriber (a router that "
+                "binds) is listening there; tcp://*:PORT binds instead"
+            )
     lines.append(f'connect: kvstore.Client("{address.url}"); look: kvstore inspect --url {address.url}')
     return lines
 

@@ -11,8 +11,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 __all__ = ["HostFacts", "free_disk_bytes", "probe_host"]
 
 
@@ -38,7 +36,9 @@ def _available_memory_bytes() -> int:
 
 
 def probe_host() -> HostFacts:
-    """The facts of this machine now."""
+    """The facts of this machine now (imports torch: only CUDA can say what a device has free)."""
+    import torch
+
     cuda = torch.cuda.is_available()
     gpu_free = int(torch.cuda.mem_get_info()[0]) if cuda else 0
     return HostFacts(cuda_available=cuda, available_memory_bytes=_available_memory_bytes(), gpu_free_bytes=gpu_free)

@@ -44,6 +44,7 @@ class StoreHost:
         self.config = config
         self._open_lock = threading.Lock()
         self._store: TieredStore | None = None
+        self._refused_layouts: set[bytes] = set()  # guarded by _open_lock: each refused layout is logged once
         if config.enable_blend:  # before the server answers anyone: a client's first content lookup has a timeout
             compile_kernels(config.chunk_size)
         if layout is not None:
@@ -67,7 +68,13 @@ class StoreHost:
         """
         with self._open_lock:
             if self._store is None:
-                self._store = TieredStore(layout, self.config)
+                try:
+                    self._store = TieredStore(layout, self.config)
+                except ConfigError as exc:  # the client hears it; the operator must too (issue 45, item 4)
+                    if layout.namespace not in self._refused_layouts:
+                        self._refused_layouts.add(layout.namespace)
+                        logger.warning("refused a client's layout %s: %s", layout.describe(), exc)
+                    raise
                 logger.info("layout set by the first client: %s", layout.describe())
             store = self._store
         if store.layout.namespace != layout.namespace:

@@ -202,7 +202,7 @@ def test_bad_config_files_are_one_line_errors(tmp_path: Path, text: str, fragmen
         (ServeFlags(enable_dedup_content=True), ConfigError, "needs enable_blend"),
         (ServeFlags(layout="gpt-17"), ConfigError, "neither a preset"),
         (ServeFlags(tiers="cpu,disk", cpu_size="0"), ConfigError, "leaves the cpu tier no room for a chunk of any"),
-        (ServeFlags(tiers="cpu,disk", cpu_size="2"), ConfigError, "256 tokens take at least 1024 bytes"),
+        (ServeFlags(tiers="cpu,disk", cpu_size="2"), ConfigError, "256 tokens take 2.81 MiB"),  # issue 45: the floor
         (ServeFlags(tiers="cpu", cpu_size="1023", chunk_size=256), ConfigError, "no room for a chunk of any model"),
         (ServeFlags(tiers="cpu", cpu_size="1KiB", layout="llama3.1-8b"), ConfigError, "no room for one chunk"),
     ],

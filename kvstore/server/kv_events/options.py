@@ -34,6 +34,13 @@ class KVEventOptions:
     max_events: int = 1000
     interval_s: float = 0.05
 
+    @property
+    def binds(self) -> bool:
+        """Whether the PUB socket binds ``endpoint`` (vLLM's rule: a wildcard host or a local transport binds, a
+        named host is connected to, and events sent before a subscriber binds there are dropped)."""
+        endpoint = self.endpoint
+        return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVEventStats:

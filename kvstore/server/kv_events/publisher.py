@@ -240,7 +240,7 @@ class KVEventPublisher:
         pub = context.socket(zmq.PUB)
         pub.set_hwm(100_000)
         try:
-            if _binds(options.endpoint):
+            if options.binds:
                 pub.bind(options.endpoint)
             else:
                 pub.connect(options.endpoint)
@@ -328,8 +328,3 @@ class KVEventPublisher:
             logger.warning("kv events: a replay request of %d bytes is neither a sequence number nor %r; ignored",
                            len(request), SNAPSHOT_REQUEST)  # fmt: skip
         replay.send_multipart((client, b"", b"", END_SEQ, b""))
-
-
-def _binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard host or a local transport binds, a named host is connected to."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
