@@ -4,7 +4,8 @@ Store three documents' KV, close the store (a restart), reopen it on the same da
 from disk), look up a prompt that starts with one of the documents, retrieve it, check it is bit-identical, look up
 a prompt with two documents in another order behind a system prompt (blend segments found by content), and
 inspect the data dir.
-The KV is random (shaped like SmolLM2-135M's): this demonstrates the store, not a model.
+The KV is random (shaped like SmolLM2-135M's): this demonstrates the store, not a model. torch and the store are
+imported after the data dir is checked (issue 45).
 """
 
 from __future__ import annotations
@@ -12,18 +13,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
 import typer
-from rich.console import Console
 
-from kvstore.cli.inspect import render_summary
 from kvstore.cli.quantities import count_text, size_text
 from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig
-from kvstore.presets import preset_layout
-from kvstore.store import TieredStore
-from kvstore.store.inspection import summarize_data_dir
-from kvstore.tiers.base import TierName
+from kvstore.data_dir.server_record import live_server_record
+from kvstore.errors import StorageError
+from kvstore.server.serve_flags import check_data_dir_path
+from kvstore.tiers.names import TierName
 
 __all__ = ["demo_command"]
 
@@ -42,6 +39,22 @@ def demo_command(
 
         kvstore demo --data-dir /tmp/kvstore-demo
     """
+    check_data_dir_path(path)  # before torch and the store are imported: a mistake is refused at once (issue 45)
+    holder = live_server_record(path)
+    if holder is not None:
+        raise StorageError(
+            f"data dir {path} is held by kvstore serve (pid {holder.pid}) at {holder.url}; the demo opens its own "
+            "store: give it another --data-dir"
+        )
+    import numpy as np
+    import torch
+    from rich.console import Console
+
+    from kvstore.cli.inspect import render_summary
+    from kvstore.presets import preset_layout
+    from kvstore.store import TieredStore
+    from kvstore.store.inspection import summarize_data_dir
+
     console = Console(soft_wrap=True)
     layout = preset_layout("smollm2-135m")
     tiers = (TierName.GPU, TierName.CPU, TierName.DISK) if torch.cuda.is_available() else (TierName.CPU, TierName.DISK)

@@ -1,5 +1,9 @@
 """``kvstore evict``: drop chunks from a data dir that no running process holds, or through a running server
-(``--url``, ``kvstore.cli.online``)."""
+(``--url``, ``kvstore.cli.online``).
+
+LMDB, the disk tier and the client are imported only after the arguments are checked: a mistake is refused at once
+(issue 45).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,13 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.progress import Progress
 
-from kvstore.cli.eviction_report import echo_eviction, eviction_report
-from kvstore.cli.online import evict_on_server
 from kvstore.cli.quantities import size_text
+from kvstore.cli.server_probe import check_listening
 from kvstore.config import DEFAULT_DATA_DIR, parse_size
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, StorageError
-from kvstore.keys import key_from_hex
-from kvstore.tiers.base import TierName
-from kvstore.tiers.disk.tier import DiskTier
+from kvstore.tiers.names import TierName
 
 __all__ = ["evict_command"]
 
@@ -59,12 +58,16 @@ def evict_command(
     chosen = sum([bool(keys), num_bytes is not None, everything])
     if chosen != 1:
         raise ConfigError("say what to evict: exactly one of --key (repeatable), --bytes SIZE or --all")
-    parsed_keys = [key_from_hex(text) for text in keys]
     bytes_to_free = parse_size(num_bytes) if num_bytes is not None else _EVERYTHING_BYTES
     if url is not None:
         if data_dir is not None:
             raise ConfigError("--url evicts through a running server, --data-dir offline: give one of them")
         tier_name = _tier(tier_option) if tier_option is not None else None
+        check_listening(url)
+        from kvstore.cli.online import evict_on_server
+        from kvstore.keys import key_from_hex
+
+        parsed_keys = [key_from_hex(text) for text in keys]
         if not yes and not parsed_keys:
             _confirm(_what_is_dropped(num_bytes, tier_name, f"the server at {url}"))
         evict_on_server(url, parsed_keys, bytes_to_free if num_bytes is not None else None, tier_name, as_json)
@@ -80,8 +83,16 @@ def evict_command(
         )
     if not (path / "data.mdb").is_file():
         raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --data-dir a store used")
-    if not yes and not parsed_keys:
+    if not yes and not keys:
         _confirm(_what_is_dropped(num_bytes, None, str(path)))
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from kvstore.cli.eviction_report import echo_eviction, eviction_report
+    from kvstore.keys import key_from_hex
+    from kvstore.tiers.disk.tier import DiskTier
+
+    parsed_keys = [key_from_hex(text) for text in keys]
     tier = DiskTier.open_existing(path, read_only=False, num_codec_threads=1)
     try:
         before = tier.stats()

@@ -94,7 +94,7 @@ def test_offline_inspect_shows_the_document_hits_the_server_saved(
             client.store(tokens, make_kv(SERVER_LAYOUT, 48, seed=77), durable=True)
             for _ in range(3):
                 client.release(client.lookup(tokens))
-        code, out, _ = run(["inspect", "--data-dir", str(data_dir), "--json"], capsys)
+        code, out, _ = run(["inspect", "--data-dir", str(data_dir), "--json", "--offline"], capsys)
         report = json.loads(out)
         assert code == 0 and report["top_documents"] == [] and report["top_documents_note"] == NO_HITS_NOTE, (
             "nothing saved yet (a minute has not passed): said, not failed"
@@ -113,7 +113,7 @@ def test_offline_inspect_shows_the_document_hits_the_server_saved(
         code, out, _ = run(["inspect", "--url", restarted.url, "--json"], capsys)
         (live,) = json.loads(out)["top_documents"]
         assert live["hits"] == 4 and live["first_key"] == document["first_key"], "counting goes on after a restart"
-        code, out, _ = run(["inspect", "--data-dir", str(data_dir), "--json"], capsys)
+        code, out, _ = run(["inspect", "--data-dir", str(data_dir), "--json", "--offline"], capsys)
         saved = json.loads(out)
         assert code == 0 and saved["top_documents"][0]["hits"] == 3, "offline: the counts as last saved"
         assert f"live: --url {restarted.url}" in saved["top_documents_note"]
@@ -129,7 +129,7 @@ def test_offline_commands_beside_a_live_server(
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 1 and len(lines) == 1, err
     assert f"held by kvstore serve (pid {server.pid})" in lines[0] and f"--url {server.url}" in lines[0]
-    code, out, _ = run(["inspect", "--data-dir", str(server.data_dir), "--json"], capsys)
+    code, out, _ = run(["inspect", "--data-dir", str(server.data_dir), "--json", "--offline"], capsys)
     assert code == 0 and json.loads(out)["num_chunks"] >= 4, "read-only inspection works beside the server"
 
 

@@ -174,7 +174,7 @@ class DocumentHitsSaver:
         self._data_dir = Path(data_dir)
         self._save_interval_s = save_interval_s
         self._save_lock = threading.Lock()
-        self._saved_changes = -1  # never saved: the first save writes, even an empty count (it replaces a bad file)
+        self._saved_changes = -1  # never saved: the first save writes, even an empty count over an existing file
         self._saved_s = time.monotonic()
 
     def load(self) -> None:
@@ -210,6 +210,11 @@ class DocumentHitsSaver:
             if changes == self._saved_changes:
                 return False
             documents = tuple(self._documents.snapshot())
+            path = self._data_dir / DOCUMENT_HITS_FILE
+            if not documents and not self._documents.num_dropped and not path.exists():
+                # Nothing counted and no file to replace: a server whose data dir was never opened (no client named
+                # a layout) leaves it as it found it, not a dir offline inspect cannot read (issue 45, item 10).
+                return False
             self._data_dir.mkdir(parents=True, exist_ok=True)
             saved = SavedDocumentHits(
                 documents=documents, saved_ns=time.time_ns(), num_dropped=self._documents.num_dropped
