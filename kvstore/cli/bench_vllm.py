@@ -3,6 +3,7 @@ with ``--blend``, CacheBlend inside vLLM on the multi-document QA workload."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -92,6 +93,40 @@ def bench_vllm_command(
 
         .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
     """
+    # The options check the counts before the model is exported or loaded (tens of seconds): issue 45.
+    model_dir = model if model is not None else Path("kvstore-default-model")  # replaced once exported, below
+    if serve:
+        serve_options = ServeBenchOptions(
+            model_dir=model_dir,
+            corpus=_corpus(corpus),
+            num_documents=documents,
+            document_tokens=document_tokens,
+            docs_per_query=docs_per_query,
+            num_queries=queries,
+            num_mixed=mixed_requests,
+            max_inflight=max_inflight,
+            max_tokens=max_tokens,
+            mixed_max_tokens=mixed_max_tokens,
+            separator=separator,
+            system_prompt=system_prompt,
+            ratio=ratio,
+            chunk_size=chunk_size,
+            dtype=dtype,
+            work_dir=work_dir,
+        )
+    elif blend:
+        blend_options = VllmBlendOptions(
+            model_dir=model_dir,
+            num_documents=documents,
+            document_tokens=document_tokens,
+            docs_per_query=docs_per_query,
+            num_queries=prompts,
+            ratio=ratio,
+        )
+    else:
+        options = VllmBenchOptions(
+            model_dir=model_dir, prompt_tokens=prompt_tokens, num_prompts=prompts, dtype=dtype, data_dir=data_dir
+        )
     from transformers import AutoTokenizer
 
     from kvstore.models import default_model_cache_dir
@@ -103,34 +138,10 @@ def bench_vllm_command(
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory")
         if serve:
-            serve_options = ServeBenchOptions(
-                model_dir=model_dir,
-                corpus=_corpus(corpus),
-                num_documents=documents,
-                document_tokens=document_tokens,
-                docs_per_query=docs_per_query,
-                num_queries=queries,
-                num_mixed=mixed_requests,
-                max_inflight=max_inflight,
-                max_tokens=max_tokens,
-                mixed_max_tokens=mixed_max_tokens,
-                separator=separator,
-                system_prompt=system_prompt,
-                ratio=ratio,
-                chunk_size=chunk_size,
-                dtype=dtype,
-                work_dir=work_dir,
-            )
+            serve_options = dataclasses.replace(serve_options, model_dir=model_dir)
             serve_rows = run_serve_benchmark(serve_options, lambda message: status.update(message))
         elif blend:
-            blend_options = VllmBlendOptions(
-                model_dir=model_dir,
-                num_documents=documents,
-                document_tokens=document_tokens,
-                docs_per_query=docs_per_query,
-                num_queries=prompts,
-                ratio=ratio,
-            )
+            blend_options = dataclasses.replace(blend_options, model_dir=model_dir)
             blend_rows = run_vllm_blend_benchmark(
                 blend_options,
                 lambda spec: run_engine_session(spec, blend_options.engine_timeout_s),
@@ -139,9 +150,7 @@ def bench_vllm_command(
             _print_blend(blend_rows, as_json)
             return
         else:
-            options = VllmBenchOptions(
-                model_dir=model_dir, prompt_tokens=prompt_tokens, num_prompts=prompts, dtype=dtype, data_dir=data_dir
-            )
+            options = dataclasses.replace(options, model_dir=model_dir)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             token_prompts = prose_prompts(tokenizer.encode, options.num_prompts + 1, options.prompt_tokens)
             rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
