@@ -1,0 +1,157 @@
+"""Realistic command-line mistakes a newcomer makes (issue 45, item 9), each with the one line that must refuse it.
+
+Shared by ``tests/cli/test_refusals.py`` (each is refused in one line, with a non-zero exit, without importing torch,
+numba or LMDB) and ``benchmarks/cli_refusal_times.py`` (how long each takes against ``kvstore --version``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["BLOCKED_MODULES", "Mistake", "cli_mistakes", "heavy_mistakes", "refusal_command"]
+
+BLOCKED_MODULES = ("torch", "numba", "lmdb")
+"""What a refusal must not import: together they are most of the 2.5 s a command took before checking anything."""
+
+_BLOCKING_MAIN = f"""
+import sys
+
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED_MODULES!r}:
+            raise ImportError(f"{{name}} imported before the arguments were refused (blocked by the test)")
+        return None
+
+sys.meta_path.insert(0, _Blocker())
+from kvstore.cli.main import main
+main(sys.argv[1:])
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mistake:
+    """One mistaken command line and how it must be refused.
+
+    Args:
+        name: what the user got wrong.
+        argv: the arguments after ``kvstore``.
+        fragment: a piece of the one line on stderr.
+        exit_code: 1 for a refused value, 2 for a malformed flag (click's).
+        env: variables added to the environment.
+    """
+
+    name: str
+    argv: tuple[str, ...]
+    fragment: str
+    exit_code: int = 1
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def refusal_command(argv: tuple[str, ...], *, block_heavy_imports: bool) -> list[str]:
+    """The child's command line: ``kvstore ARGV``, with a meta-path blocker of ``BLOCKED_MODULES`` or without."""
+    if block_heavy_imports:
+        return [sys.executable, "-c", _BLOCKING_MAIN, *argv]
+    return [sys.executable, "-m", "kvstore.cli.main", *argv]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def cli_mistakes(scratch: Path) -> list[Mistake]:
+    """The mistakes, with the files they need made under ``scratch`` (run the commands with ``cwd=scratch``).
+
+    A held data dir names this process in its ``serve.json`` (alive while the mistakes run); a used-but-never-opened
+    one is what a server leaves when no client named a layout.
+    """
+    a_file = scratch / "notes.txt"
+    a_file.write_text("not a data dir")
+    held = scratch / "held"
+    held.mkdir()
+    (held / "serve.json").write_text(
+        json.dumps({"pid": os.getpid(), "url": "tcp://127.0.0.1:5999", "metrics_url": "http://127.0.0.1:6000/metrics"})
+    )
+    unopened = scratch / "unopened"
+    unopened.mkdir()
+    (unopened / "LOCK").write_text("")
+    nothing = f"tcp://127.0.0.1:{_free_port()}"
+    data = ("--data-dir", str(scratch / "data"))
+    return [
+        Mistake(name="serve: port out of range", argv=("serve", "--port", "99999"), fragment="is not a TCP port"),
+        Mistake(name="serve: not a number", argv=("serve", "--port", "many"), fragment="--port", exit_code=2),
+        Mistake(name="serve: metrics port negative", argv=("serve", "--metrics-port", "-1"), fragment="TCP port"),
+        Mistake(name="serve: size typo", argv=("serve", "--cpu-size", "12XB"), fragment="'12XB' is not a size"),
+        Mistake(name="serve: tier too small", argv=("serve", "--cpu-size", "1KiB"), fragment="chunk of any model"),
+        Mistake(name="serve: unknown tier", argv=("serve", "--tiers", "cpu,ssd"), fragment="each tier must be one"),
+        Mistake(name="serve: tiers out of order", argv=("serve", "--tiers", "disk,cpu"), fragment="out of order"),
+        Mistake(name="serve: unknown layout", argv=("serve", "--layout", "llama-70b"), fragment="neither a preset"),
+        Mistake(name="serve: data dir is a file", argv=("serve", "--data-dir", str(a_file)), fragment="not a directory"),
+        Mistake(name="serve: unusable data dir", argv=("serve", "--data-dir", "/proc/kv"), fragment="cannot create"),
+        Mistake(name="serve: data dir held", argv=("serve", "--data-dir", str(held)), fragment="held by kvstore serve"),
+        Mistake(
+            name="serve: dedup without blend",
+            argv=("serve", *data, "--enable-dedup-content"),
+            fragment="needs enable_blend",
+        ),
+        Mistake(name="serve: remote url, no remote tier", argv=("serve", *data, "--remote-url", "valkey://c:6379"),
+                fragment="have no remote"),  # fmt: skip
+        Mistake(name="serve: remote tier, no url", argv=("serve", *data, "--tiers", "cpu,disk,remote"),
+                fragment="needs remote_url"),  # fmt: skip
+        Mistake(name="serve: event option without events", argv=("serve", *data, "--kv-events-topic", "t"),
+                fragment="need --kv-events"),  # fmt: skip
+        Mistake(name="serve: events endpoint without scheme", argv=("serve", *data, "--kv-events", "router:5557"),
+                fragment="--kv-events:"),  # fmt: skip
+        Mistake(name="serve: no workers", argv=("serve", *data, "--workers", "0"), fragment="between 1 and 64"),
+        Mistake(name="serve: owner already gone", argv=("serve", *data, "--exit-with-pid", str(_dead_pid())),
+                fragment="no such process"),  # fmt: skip
+        Mistake(name="serve: config file missing", argv=("serve", "--config", "kvstore.tml"),
+                fragment="cannot read --config"),  # fmt: skip
+        Mistake(name="serve: variable typo", argv=("serve", *data), fragment="unknown variable KVSTORE_CPU_SZE",
+                env={"KVSTORE_CPU_SZE": "8GiB"}),  # fmt: skip
+        Mistake(name="inspect: no such data dir", argv=("inspect", "--data-dir", str(scratch / "nowhere")),
+                fragment="does not exist"),  # fmt: skip
+        Mistake(name="inspect: a server's dir, never opened", argv=("inspect", "--data-dir", str(unopened)),
+                fragment="holds no KV yet"),  # fmt: skip
+        Mistake(name="inspect: nothing listens", argv=("inspect", "--url", nothing), fragment="nothing listens there"),
+        Mistake(name="inspect: not a server URL", argv=("inspect", "--url", "http://127.0.0.1:5555"),
+                fragment="must look like"),  # fmt: skip
+        Mistake(name="inspect: url and data dir", argv=("inspect", "--url", nothing, "--data-dir", "d"),
+                fragment="give one of them"),  # fmt: skip
+        Mistake(name="evict: nothing to evict", argv=("evict",), fragment="exactly one of"),
+        Mistake(name="evict: size typo", argv=("evict", "--bytes", "lots"), fragment="is not a size"),
+        Mistake(name="evict: tier offline", argv=("evict", "--all", "--yes", "--tier", "cpu"),
+                fragment="--tier picks a tier"),  # fmt: skip
+        Mistake(name="evict: no such data dir", argv=("evict", "--data-dir", str(scratch / "nowhere"), "--all",
+                "--yes"), fragment="not a kvstore data dir"),  # fmt: skip
+        Mistake(name="evict: nothing listens", argv=("evict", "--url", nothing, "--all", "--yes"),
+                fragment="nothing listens there"),  # fmt: skip
+        Mistake(name="evict: held data dir", argv=("evict", "--data-dir", str(held), "--all", "--yes"),
+                fragment="kvstore evict --url tcp://127.0.0.1:5999"),  # fmt: skip
+        Mistake(name="demo: data dir is a file", argv=("demo", "--data-dir", str(a_file)), fragment="not a directory"),
+    ]
+
+
+def heavy_mistakes() -> list[Mistake]:
+    """Benchmark mistakes, refused in one line but only after torch is imported: the options' defaults live in
+    ``kvstore.bench`` modules that import it (see docs/benchmarks.md, "CLI refusals")."""
+    return [
+        Mistake(name="bench vllm: negative prompt", argv=("bench", "vllm", "--prompt-tokens", "-3"),
+                fragment="--prompt-tokens -3"),  # fmt: skip
+        Mistake(name="bench tiers: unknown tier", argv=("bench", "tiers", "--tiers", "cpu,ssd"),
+                fragment="each tier must be one"),  # fmt: skip
+    ]
