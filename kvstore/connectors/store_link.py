@@ -185,7 +185,7 @@ class StoreLink:
 
     def _running_server_locked(self) -> EmbeddedServer | None:
         """The server another process runs on the data dir (one file read), kept as the link's server."""
-        record = live_server_record(self._settings.embedded.data_dir)
+        record = live_server_record(self._settings.embedded.settled_data_dir)
         if record is None:
             return None
         self._server = EmbeddedServer(url=record.url, pid=record.pid)
@@ -299,5 +299,22 @@ def connect_links(
     if failure is not None:
         for link in links:
             link.close()
+        if isinstance(failure, LayoutMismatchError):
+            raise LayoutMismatchError(_layout_refusal(settings, str(failure))) from None
         raise failure
     return links, all(attempt.result() for attempt in attempts)
+
+
+def _layout_refusal(settings: ConnectorSettings, server_message: str) -> str:
+    """The server's refusal of the engine's layout (what it holds, what the engine registered) with the setting that
+    fixes it for a connector: the server's own advice names ``kvstore serve`` flags a connector user does not have."""
+    facts = server_message.split("; ", 1)[0]
+    if settings.url is not None:
+        return (
+            f"{facts}; point kvstore.url at a kvstore serve of this model (one server holds one model's KV: start "
+            "another with its own --port and --data-dir)"
+        )
+    return (
+        f"{facts}; the embedded server's data dir {settings.embedded.settled_data_dir} holds that model: set "
+        "kvstore.data_dir to another dir for this engine"
+    )

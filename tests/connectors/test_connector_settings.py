@@ -3,6 +3,7 @@ with one line naming it, before anything starts."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,16 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from kvstore.config import DEFAULT_DATA_DIR
-from kvstore.connectors.settings import ConnectorSettings, EmbeddedServerSettings, parse_connector_settings
+from kvstore.connectors.settings import (
+    ConnectorSettings,
+    EmbeddedServerSettings,
+    default_engine_data_dir,
+    parse_connector_settings,
+    settle_data_dir,
+)
 from kvstore.errors import ConfigError
+from kvstore.layout import KVDtype
+from kvstore.presets import preset_layout
 
 KNOWN_NAMES = (
     "url",
@@ -57,9 +66,28 @@ def one_line_error(extra_config: dict[str, object], *fragments: str) -> str:
 def test_no_config_gives_the_embedded_defaults() -> None:
     expected = ConnectorSettings()
     assert parse_connector_settings(None) == expected and parse_connector_settings({}) == expected
-    assert expected.url is None and expected.embedded.data_dir == DEFAULT_DATA_DIR
+    assert expected.url is None and expected.embedded.data_dir is None  # the engine's layout names it
     assert (expected.lookup_timeout_s, expected.transfer_timeout_s, expected.retry_s) == (2.0, 30.0, 5.0)
     assert expected.async_disk_loads and expected.model_id is None
+
+
+def test_the_default_data_dir_is_one_per_layout() -> None:
+    """Engines of different models or KV dtypes get data dirs of their own under ./kvstore-data: a data dir holds one
+    layout, and the README's samples leave ./kvstore-data holding SmolLM2 in bfloat16 while docs/vllm.md's engine
+    runs it in float32."""
+    bf16 = preset_layout("smollm2-135m")
+    fp32 = dataclasses.replace(bf16, dtype=KVDtype.FLOAT32)
+    served_path = dataclasses.replace(bf16, model_id="/models/cache/SmolLM2 135M (export)/")
+    layouts = (bf16, fp32, served_path)
+    dirs = {layout: settle_data_dir(ConnectorSettings(), layout).embedded.data_dir for layout in layouts}
+    assert len(set(dirs.values())) == 3
+    for layout, data_dir in dirs.items():
+        assert data_dir is not None and data_dir.parent == DEFAULT_DATA_DIR
+        assert data_dir.name.endswith(f"-{layout.dtype.value}-{layout.namespace.hex()[:8]}"), data_dir
+    assert dirs[served_path] is not None and dirs[served_path].name.startswith("SmolLM2-135M-export-bfloat16-")
+    assert settle_data_dir(ConnectorSettings(), bf16) == settle_data_dir(ConnectorSettings(), bf16)  # stable
+    given = parse_connector_settings({"kvstore.data_dir": "/nvme/kv"})
+    assert settle_data_dir(given, fp32).embedded.data_dir == Path("/nvme/kv")
 
 
 def test_every_embedded_key_is_parsed_into_its_type() -> None:
@@ -240,8 +268,11 @@ def test_any_valid_combination_round_trips_into_the_dataclasses(
         assert getattr(settings, name) == converted(name, value), name
     expected_embedded = {} if url is not None else {name: converted(name, value) for name, value in embedded.items()}
     assert settings.embedded == EmbeddedServerSettings(**expected_embedded)  # type: ignore[arg-type]
-    flags = settings.embedded.serve_flags()
-    assert flags[:2] == ["--data-dir", str(settings.embedded.data_dir)]
+    flags = settle_data_dir(settings, preset_layout("smollm2-135m")).embedded.serve_flags()
+    assert flags[:2] == [
+        "--data-dir",
+        str(settings.embedded.data_dir or default_engine_data_dir(preset_layout("smollm2-135m"))),
+    ]
     assert len(flags) == 2 * (1 + len([name for name in expected_embedded if name != "data_dir"]))
 
 

@@ -377,11 +377,25 @@ def test_links_connect_together_so_a_silent_store_costs_engine_start_one_timeout
 
 
 def test_connecting_links_to_another_layout_raises_and_closes_them(shared_server: ServerProcess) -> None:
-    with pytest.raises(LayoutMismatchError, match="start another server"):
+    with pytest.raises(LayoutMismatchError) as refused:
         connect_links(ConnectorSettings(url=shared_server.url), OTHER_LAYOUT, ["load", "save"], timeout_s=5.0)
+    message = str(refused.value)
+    assert "\n" not in message and "point kvstore.url at a kvstore serve of this model" in message, message
+    assert SERVER_LAYOUT.describe() in message and OTHER_LAYOUT.describe() in message, message
     links, reached = connect_links(ConnectorSettings(url=shared_server.url), SERVER_LAYOUT, ["load"], timeout_s=5.0)
     assert reached and round_trip(links[0], seed=11) == 64
     links[0].close()
+
+
+def test_an_embedded_server_of_another_layout_names_the_setting_that_fixes_it(data_dir: Path) -> None:
+    """A connector user has no ``kvstore serve`` flags: the refusal names ``kvstore.data_dir`` (and the dir)."""
+    with running_server(data_dir):
+        settings = ConnectorSettings(embedded=embedded_settings(data_dir))
+        with pytest.raises(LayoutMismatchError) as refused:
+            connect_links(settings, OTHER_LAYOUT, ["scheduler"], timeout_s=5.0)
+    message = str(refused.value)
+    assert "\n" not in message and "--port" not in message, message
+    assert f"data dir {data_dir} holds that model: set kvstore.data_dir to another dir" in message, message
 
 
 def test_a_worker_link_follows_the_embedded_server_to_its_new_port(

@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.connectors.hook_clock import HookClock
-from kvstore.connectors.settings import ConnectorSettings, parse_connector_settings
+from kvstore.connectors.settings import ConnectorSettings, parse_connector_settings, settle_data_dir
 from kvstore.connectors.store_link import StoreLink, connect_links
 from kvstore.connectors.vllm.cache_shapes import check_blend_supported
 from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout, resolve_chunk_separator
@@ -117,6 +117,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             settings = resolve_chunk_separator(vllm_config, settings)
             layout = engine_layout(vllm_config, settings)
             check_blend_supported(layout, settings.blend)  # fp8 and MLA: exact prefix reuse only
+            settings = settle_data_dir(settings, layout)
         except KVStoreError as exc:
             raise ValueError(f"KVStoreConnector: {exc}") from None
         block_size = vllm_config.cache_config.block_size
@@ -319,7 +320,7 @@ def _require_chunk_separator(link: StoreLink, settings: ConnectorSettings) -> No
     if tuple(separator) != expected:
         link.close()
         raise ValueError(
-            f"KVStoreConnector: the kvstore server on {settings.embedded.data_dir} cuts chunks after separator "
+            f"KVStoreConnector: the kvstore server on {settings.embedded.settled_data_dir} cuts chunks after separator "
             f"{list(separator)}, not kvstore.chunk_separator's {list(expected)}; stop it (kvstore serve from an "
             "earlier start) so the engine starts its own"
         )

@@ -41,6 +41,7 @@ from typing import Any
 import lmdb
 
 from kvstore.data_dir.owner_lock import release_owner_lock, take_owner_lock
+from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, LayoutMismatchError, StorageError
 from kvstore.layout import KVLayout
 from kvstore.tiers.disk.data_file_check import DATA_FILE, DataFileDamage, check_data_file
@@ -202,6 +203,7 @@ class DiskEnvironment:
             _make_data_dir(self.path)
             check_data_file(self.path / DATA_FILE)  # before the lock: nothing is written to a damaged dir
             self._lock_fd = take_owner_lock(self.path)
+            self._refuse_a_served_dir()
         try:
             self.env = lmdb.open(
                 str(self.path),
@@ -245,6 +247,25 @@ class DiskEnvironment:
             ) from exc
 
     # -- the layout record -----------------------------------------------------------------------------------
+
+    def _refuse_a_served_dir(self) -> None:
+        """Let go of the dir when a live ``kvstore serve`` of another process recorded itself there.
+
+        A server opens its data dir when its first client names the layout (or at start with ``--layout``), so
+        until then the dir's lock is free: a second writer would take it, and the server would then refuse every
+        client. Refused here instead, naming the server to connect to.
+
+        Raises:
+            StorageError: another process serves the dir.
+        """
+        record = live_server_record(self.path)
+        if record is None or record.pid == os.getpid():
+            return
+        self._release_owner_lock()
+        raise StorageError(
+            f"data dir {self.path} is served by kvstore serve (pid {record.pid}) at {record.url}; use "
+            f"kvstore.Client({record.url!r}, layout), stop that server, or use another data dir"
+        )
 
     def read_info(self) -> DataDirInfo | None:
         """The data dir's record of itself, or ``None`` for a fresh dir.
