@@ -100,7 +100,9 @@ def cli_mistakes(scratch: Path) -> list[Mistake]:
         Mistake(name="serve: unknown tier", argv=("serve", "--tiers", "cpu,ssd"), fragment="each tier must be one"),
         Mistake(name="serve: tiers out of order", argv=("serve", "--tiers", "disk,cpu"), fragment="out of order"),
         Mistake(name="serve: unknown layout", argv=("serve", "--layout", "llama-70b"), fragment="neither a preset"),
-        Mistake(name="serve: data dir is a file", argv=("serve", "--data-dir", str(a_file)), fragment="not a directory"),
+        Mistake(
+            name="serve: data dir is a file", argv=("serve", "--data-dir", str(a_file)), fragment="not a directory"
+        ),
         Mistake(name="serve: unusable data dir", argv=("serve", "--data-dir", "/proc/kv"), fragment="cannot create"),
         Mistake(name="serve: data dir held", argv=("serve", "--data-dir", str(held)), fragment="held by kvstore serve"),
         Mistake(
@@ -108,40 +110,86 @@ def cli_mistakes(scratch: Path) -> list[Mistake]:
             argv=("serve", *data, "--enable-dedup-content"),
             fragment="needs enable_blend",
         ),
-        Mistake(name="serve: remote url, no remote tier", argv=("serve", *data, "--remote-url", "valkey://c:6379"),
-                fragment="have no remote"),  # fmt: skip
-        Mistake(name="serve: remote tier, no url", argv=("serve", *data, "--tiers", "cpu,disk,remote"),
-                fragment="needs remote_url"),  # fmt: skip
-        Mistake(name="serve: event option without events", argv=("serve", *data, "--kv-events-topic", "t"),
-                fragment="need --kv-events"),  # fmt: skip
-        Mistake(name="serve: events endpoint without scheme", argv=("serve", *data, "--kv-events", "router:5557"),
-                fragment="--kv-events:"),  # fmt: skip
+        Mistake(
+            name="serve: remote url, no remote tier",
+            argv=("serve", *data, "--remote-url", "valkey://c:6379"),
+            fragment="have no remote",
+        ),
+        Mistake(
+            name="serve: remote tier, no url",
+            argv=("serve", *data, "--tiers", "cpu,disk,remote"),
+            fragment="needs remote_url",
+        ),
+        Mistake(
+            name="serve: event option without events",
+            argv=("serve", *data, "--kv-events-topic", "t"),
+            fragment="need --kv-events",
+        ),
+        Mistake(
+            name="serve: events endpoint without scheme",
+            argv=("serve", *data, "--kv-events", "router:5557"),
+            fragment="--kv-events:",
+        ),
         Mistake(name="serve: no workers", argv=("serve", *data, "--workers", "0"), fragment="between 1 and 64"),
-        Mistake(name="serve: owner already gone", argv=("serve", *data, "--exit-with-pid", str(_dead_pid())),
-                fragment="no such process"),  # fmt: skip
-        Mistake(name="serve: config file missing", argv=("serve", "--config", "kvstore.tml"),
-                fragment="cannot read --config"),  # fmt: skip
-        Mistake(name="serve: variable typo", argv=("serve", *data), fragment="unknown variable KVSTORE_CPU_SZE",
-                env={"KVSTORE_CPU_SZE": "8GiB"}),  # fmt: skip
-        Mistake(name="inspect: no such data dir", argv=("inspect", "--data-dir", str(scratch / "nowhere")),
-                fragment="does not exist"),  # fmt: skip
-        Mistake(name="inspect: a server's dir, never opened", argv=("inspect", "--data-dir", str(unopened)),
-                fragment="holds no KV yet"),  # fmt: skip
+        Mistake(
+            name="serve: owner already gone",
+            argv=("serve", *data, "--exit-with-pid", str(_dead_pid())),
+            fragment="no such process",
+        ),
+        Mistake(
+            name="serve: config file missing",
+            argv=("serve", "--config", "kvstore.tml"),
+            fragment="cannot read --config",
+        ),
+        Mistake(
+            name="serve: variable typo",
+            argv=("serve", *data),
+            fragment="unknown variable KVSTORE_CPU_SZE",
+            env={"KVSTORE_CPU_SZE": "8GiB"},
+        ),
+        Mistake(
+            name="inspect: no such data dir",
+            argv=("inspect", "--data-dir", str(scratch / "nowhere")),
+            fragment="does not exist",
+        ),
+        Mistake(
+            name="inspect: a server's dir, never opened",
+            argv=("inspect", "--data-dir", str(unopened)),
+            fragment="holds no KV yet",
+        ),
         Mistake(name="inspect: nothing listens", argv=("inspect", "--url", nothing), fragment="nothing listens there"),
-        Mistake(name="inspect: not a server URL", argv=("inspect", "--url", "http://127.0.0.1:5555"),
-                fragment="must look like"),  # fmt: skip
-        Mistake(name="inspect: url and data dir", argv=("inspect", "--url", nothing, "--data-dir", "d"),
-                fragment="give one of them"),  # fmt: skip
+        Mistake(
+            name="inspect: not a server URL",
+            argv=("inspect", "--url", "http://127.0.0.1:5555"),
+            fragment="must look like",
+        ),
+        Mistake(
+            name="inspect: url and data dir",
+            argv=("inspect", "--url", nothing, "--data-dir", "d"),
+            fragment="give one of them",
+        ),
         Mistake(name="evict: nothing to evict", argv=("evict",), fragment="exactly one of"),
         Mistake(name="evict: size typo", argv=("evict", "--bytes", "lots"), fragment="is not a size"),
-        Mistake(name="evict: tier offline", argv=("evict", "--all", "--yes", "--tier", "cpu"),
-                fragment="--tier picks a tier"),  # fmt: skip
-        Mistake(name="evict: no such data dir", argv=("evict", "--data-dir", str(scratch / "nowhere"), "--all",
-                "--yes"), fragment="not a kvstore data dir"),  # fmt: skip
-        Mistake(name="evict: nothing listens", argv=("evict", "--url", nothing, "--all", "--yes"),
-                fragment="nothing listens there"),  # fmt: skip
-        Mistake(name="evict: held data dir", argv=("evict", "--data-dir", str(held), "--all", "--yes"),
-                fragment="kvstore evict --url tcp://127.0.0.1:5999"),  # fmt: skip
+        Mistake(
+            name="evict: tier offline",
+            argv=("evict", "--all", "--yes", "--tier", "cpu"),
+            fragment="--tier picks a tier",
+        ),
+        Mistake(
+            name="evict: no such data dir",
+            argv=("evict", "--data-dir", str(scratch / "nowhere"), "--all", "--yes"),
+            fragment="not a kvstore data dir",
+        ),
+        Mistake(
+            name="evict: nothing listens",
+            argv=("evict", "--url", nothing, "--all", "--yes"),
+            fragment="nothing listens there",
+        ),
+        Mistake(
+            name="evict: held data dir",
+            argv=("evict", "--data-dir", str(held), "--all", "--yes"),
+            fragment="kvstore evict --url tcp://127.0.0.1:5999",
+        ),
         Mistake(name="demo: data dir is a file", argv=("demo", "--data-dir", str(a_file)), fragment="not a directory"),
     ]
 
@@ -150,8 +198,14 @@ def heavy_mistakes() -> list[Mistake]:
     """Benchmark mistakes, refused in one line but only after torch is imported: the options' defaults live in
     ``kvstore.bench`` modules that import it (see docs/benchmarks.md, "CLI refusals")."""
     return [
-        Mistake(name="bench vllm: negative prompt", argv=("bench", "vllm", "--prompt-tokens", "-3"),
-                fragment="--prompt-tokens -3"),  # fmt: skip
-        Mistake(name="bench tiers: unknown tier", argv=("bench", "tiers", "--tiers", "cpu,ssd"),
-                fragment="each tier must be one"),  # fmt: skip
+        Mistake(
+            name="bench vllm: negative prompt",
+            argv=("bench", "vllm", "--prompt-tokens", "-3"),
+            fragment="--prompt-tokens -3",
+        ),
+        Mistake(
+            name="bench tiers: unknown tier",
+            argv=("bench", "tiers", "--tiers", "cpu,ssd"),
+            fragment="each tier must be one",
+        ),
     ]
