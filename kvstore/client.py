@@ -324,14 +324,19 @@ class Client:
         blend: bool | None = None,
         timeout_s: float | None = None,
         pin: bool = True,
+        repeat: bool = False,
     ) -> LookupPlan:
         """``TieredStore.lookup`` on the server: the plan's chunks stay pinned there until retrieve, release or
         the session's end (or the client's death or goodbye). ``timeout_s`` (default: the client's) bounds the wait
         for this reply alone: a lookup is quick, so a caller on an engine's path may give up on a hung server sooner
         than on a long transfer. ``pin=False`` only looks: the server drops the pins before it answers, and the plan
-        (``plan_id`` ``UNPINNED_PLAN_ID``) cannot be retrieved; releasing it is a no-op (no round trip)."""
+        (``plan_id`` ``UNPINNED_PLAN_ID``) cannot be retrieved; releasing it is a no-op (no round trip).
+        ``repeat=True``: this request's prompt was looked up before; the server plans it but does not count it again
+        in its hit and miss figures (``kvstore inspect``), which count requests."""
         self._require_layout()
-        args = LookupArgs(tokens=as_token_array(tokens), session_id=session_id, blend=blend, pin=pin).to_wire()
+        args = LookupArgs(
+            tokens=as_token_array(tokens), session_id=session_id, blend=blend, pin=pin, repeat=repeat
+        ).to_wire()
         return plan_from_wire(self._simple(Op.LOOKUP, args, timeout_s))
 
     def retrieve(

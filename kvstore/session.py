@@ -28,7 +28,12 @@ class SessionOwner(Protocol):
     """What a ``Session`` needs from the store (kept narrow so this module never imports the store)."""
 
     def lookup(
-        self, tokens: Sequence[int] | npt.NDArray[np.integer], *, session_id: str | None = ..., blend: bool | None = ...
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        session_id: str | None = ...,
+        blend: bool | None = ...,
+        repeat: bool = ...,
     ) -> LookupPlan: ...
 
     def retrieve(
@@ -68,9 +73,11 @@ class Session:
         self._owner = owner
         self._finalizer = weakref.finalize(self, _end_session, weakref.ref(owner), self.session_id)
 
-    def lookup(self, tokens: Sequence[int] | npt.NDArray[np.integer], *, blend: bool | None = None) -> LookupPlan:
+    def lookup(
+        self, tokens: Sequence[int] | npt.NDArray[np.integer], *, blend: bool | None = None, repeat: bool = False
+    ) -> LookupPlan:
         """``TieredStore.lookup`` within this session."""
-        return self._owner.lookup(tokens, session_id=self.session_id, blend=blend)
+        return self._owner.lookup(tokens, session_id=self.session_id, blend=blend, repeat=repeat)
 
     def retrieve(
         self,

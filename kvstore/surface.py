@@ -43,6 +43,7 @@ class StoreSurface(Protocol):
         *,
         session_id: str | None = None,
         blend: bool | None = None,
+        repeat: bool = False,
     ) -> LookupPlan: ...
 
     def retrieve(

@@ -524,6 +524,7 @@ def run_blend_pass(
     span_end: int | None = None,
     need_logits: bool = True,
     make_buffer: Callable[[int], torch.Tensor | None] | None = None,
+    repeat_lookup: bool = False,
 ) -> BlendPassResult:
     """Look the prompt up, load its cached KV on the loader, run every layer; see the module docstring.
 
@@ -542,12 +543,14 @@ def run_blend_pass(
         make_buffer: ``make_buffer(num_tokens)`` gives the KV buffer the retrieve writes and the pass works in
             (layout shape and dtype, on the model device, at least that many tokens; e.g. shared memory the server
             writes directly), or ``None`` for a new one; the caller gets it back as the result's ``kv``.
+        repeat_lookup: the engine looked the prompt up already for this request (a scheduler's probe): the pass's
+            lookup is not counted again in the store's hit and miss figures.
 
     Raises:
         ConfigError: the store was opened without ``enable_blend`` (from its lookup).
     """
     started = clock.mark()
-    plan: LookupPlan = owner.lookup(tokens, blend=True)
+    plan: LookupPlan = owner.lookup(tokens, blend=True, repeat=repeat_lookup)
     looked_up = clock.mark()
     end = len(tokens) if span_end is None else span_end
     if not 0 < end <= len(tokens):

@@ -372,7 +372,7 @@ class RequestHandler:
         store = self._host.require()
         started_s = time.perf_counter()
         session = store_session_id(client_id, args.session_id) if args.session_id is not None else None
-        plan = store.lookup(args.tokens, session_id=session, blend=args.blend)
+        plan = store.lookup(args.tokens, session_id=session, blend=args.blend, repeat=args.repeat)
         if not args.pin:  # a look only: the pins go now, and the reply names no plan to retrieve or release
             store.release(plan)
             plan = dataclasses.replace(plan, plan_id=UNPINNED_PLAN_ID, prefetches=())
@@ -380,8 +380,12 @@ class RequestHandler:
             store.release(plan)
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
         plan = self._name_incomplete(plan, args.tokens)
-        coverage = self._usage.planned(plan, args.tokens, store.config.chunk_size)
-        self._metrics.observe_lookup(coverage, time.perf_counter() - started_s, self._metrics.engine_of(client_id))
+        engine = self._metrics.engine_of(client_id)
+        if args.repeat:  # the request was counted at its first lookup
+            self._metrics.observe_repeat_lookup(time.perf_counter() - started_s, engine)
+        else:
+            coverage = self._usage.planned(plan, args.tokens, store.config.chunk_size)
+            self._metrics.observe_lookup(coverage, time.perf_counter() - started_s, engine)
         return encode_plan(plan, args.session_id)
 
     def _name_incomplete(self, plan: LookupPlan, tokens: TokenArray) -> LookupPlan:

@@ -259,10 +259,12 @@ class EngineMetrics:
         self._store_seconds = metrics.engine_store_seconds.labels(engine)
         self._retrieve_seconds = metrics.engine_retrieve_seconds.labels(engine)
 
-    def observe_lookup(self, coverage: PlanCoverage, seconds: float) -> None:
+    def observe_lookup(self, coverage: PlanCoverage | None, seconds: float) -> None:
+        """A lookup; its tokens only with ``coverage`` (a repeated lookup of a request's prompt has none)."""
         self._lookups.inc()
-        self._lookup_tokens.inc(coverage.num_query_tokens)
-        self._hit_tokens.inc(coverage.num_prefix_tokens)
+        if coverage is not None:
+            self._lookup_tokens.inc(coverage.num_query_tokens)
+            self._hit_tokens.inc(coverage.num_prefix_tokens)
         self._lookup_seconds.observe(seconds)
 
     def observe_store(self, transfer: BulkTransfer) -> None:
@@ -440,6 +442,11 @@ class ServerMetrics:
             cached = coverage.num_exact_tokens + coverage.num_blend_tokens
             self.coverage_ratio.observe(cached / coverage.num_query_tokens)
             self.blend_coverage_ratio.observe(coverage.num_blend_tokens / coverage.num_query_tokens)
+
+    def observe_repeat_lookup(self, seconds: float, engine: EngineMetrics) -> None:
+        """A lookup of a prompt its request looked up before: its time and its count, not its tokens again."""
+        engine.observe_lookup(None, seconds)
+        self.lookup_seconds.observe(seconds)
 
     def watch_kv_events(self, stats: Callable[[], KVEventStats]) -> None:
         """Export the KV event publisher's counts (``kvstore_kv_events_*``)."""

@@ -378,6 +378,7 @@ class TieredStore:
         *,
         session_id: str | None = None,
         blend: bool | None = None,
+        repeat: bool = False,
     ) -> LookupPlan:
         """Plan a prompt: which ranges have cached KV (exact or to blend), where it is, what must be computed.
 
@@ -388,6 +389,9 @@ class TieredStore:
             tokens: the prompt's token ids.
             session_id: the session the plan belongs to (``None``: only retrieve or release free it).
             blend: include blend segments (match leg, dedup aliases); defaults to ``config.enable_blend``.
+            repeat: the caller looked this prompt up before for the same request (an engine's scheduler probes,
+                then its worker plans again): planned as usual, but not counted again in the hit and miss counts
+                (``stats().lookups``, each tier's hits), which count requests.
 
         Raises:
             ConfigError: ``blend=True`` on a store opened without ``enable_blend``.
@@ -423,7 +427,8 @@ class TieredStore:
         misses = lookup_misses(
             segments, bounds, keys, is_resident=self._is_resident, dropped_by=self._ghosts.dropped_by, gone=gone
         )
-        self._lookup_counts.add(len(token_array), segments, misses)
+        if not repeat:
+            self._lookup_counts.add(len(token_array), segments, misses)
         prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
         if self._prefetcher is not None:
             prefetcher = self._prefetcher

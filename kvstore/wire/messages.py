@@ -273,12 +273,14 @@ class StoreArgs:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LookupArgs:
     """Plan a prompt; ``session_id`` scopes the plan's pins, ``blend`` overrides the server's default; ``pin=False``
-    asks for a look only (the plan holds no pins: nothing to retrieve or release, one round trip)."""
+    asks for a look only (the plan holds no pins: nothing to retrieve or release, one round trip); ``repeat``: the
+    request's prompt was looked up before (``TieredStore.lookup``), so it is not counted again."""
 
     tokens: TokenArray
     session_id: str | None
     blend: bool | None
     pin: bool = True
+    repeat: bool = False
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> LookupArgs:
@@ -287,6 +289,7 @@ class LookupArgs:
             session_id=fields.str_("session_id", _MAX_SESSION_CHARS, optional=True),
             blend=fields.bool_("blend", optional=True),
             pin=fields.bool_("pin", optional=True) is not False,
+            repeat=fields.bool_("repeat", optional=True) is True,
         )
         fields.finish()
         return parsed
@@ -299,6 +302,8 @@ class LookupArgs:
         }
         if not self.pin:  # sent only when set: a pinned lookup reads the same to a server of any version
             wire["pin"] = False
+        if self.repeat:
+            wire["repeat"] = True
         return wire
 
 

@@ -160,6 +160,7 @@ class VllmBlendEngine:
             span_end=end,
             need_logits=False,
             make_buffer=make_buffer,
+            repeat_lookup=True,  # the scheduler's probe counted the request
         )
 
     def _write_blocks(self, kv: torch.Tensor, block_ids: tuple[int, ...], local_end: int, end: int) -> None:

@@ -352,7 +352,7 @@ class SchedulerSide:
         first, last = start // self._block_size, end // self._block_size
         self._release_pin(tracked)
         pinned = self._link.call(
-            "pin", lambda client: (client.lookup(tracked.prompt, blend=False), client.client_token)
+            "pin", lambda client: (client.lookup(tracked.prompt, blend=False, repeat=True), client.client_token)
         )
         tracked.pinned, tracked.pin_owner = pinned if pinned is not None else (None, None)
         tracked.planned_load_tokens = end - start

@@ -458,7 +458,7 @@ class WorkerSide:
         if plan is None:
             # a sync load's engine thread waits for this fetch: a store that does not answer a lookup costs it the
             # lookup timeout, not the transfer timeout (issue 27)
-            plan = client.lookup(spec.token_ids, blend=False, timeout_s=self._settings.lookup_timeout_s)
+            plan = client.lookup(spec.token_ids, blend=False, timeout_s=self._settings.lookup_timeout_s, repeat=True)
         part = self._rank.part
         usable = min(spec.end, plan.num_prefix_tokens)
         usable -= usable % self._block_size
