@@ -20,7 +20,9 @@ import typer
 from kvstore.cli.quantities import count_text, size_text
 from kvstore.errors import ConfigError
 from kvstore.pids import pid_alive
-from kvstore.server.serve_flags import ServeFlags, check_flags, flag_name
+from kvstore.server.host_facts import available_memory_bytes
+from kvstore.server.serve_flags import check_flags, check_given_sizes_fit
+from kvstore.server.serve_sources import ServeFlags, flag_name
 from kvstore.version import __version__
 
 if TYPE_CHECKING:
@@ -184,6 +186,7 @@ def serve_command(
         kv_events_replay_mib=kv_events_replay_mib,
     )
     checked = check_flags(flags, config)  # before the server's imports: a bad flag is refused at once (issue 45)
+    check_given_sizes_fit(checked, available_memory_bytes())
     stop = threading.Event()
     if exit_with_pid is not None:
         _stop_when_gone(exit_with_pid, stop)

@@ -1,7 +1,9 @@
 """What this machine has: CUDA, free RAM, free device memory, free disk -- for ``kvstore serve``'s checks.
 
 Read once, before start-up, so a size that cannot fit fails with one line instead of an out-of-memory kill later.
-``HostFacts`` is a value, so tests hand ``resolve_settings`` a machine of their choosing.
+``HostFacts`` is a value, so tests hand ``resolve_settings`` a machine of their choosing. Only ``probe_host`` imports
+torch (CUDA's free memory): ``kvstore serve`` checks the given cpu and disk sizes against ``available_memory_bytes``
+and ``free_disk_bytes`` before torch is imported (issue 45).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["HostFacts", "free_disk_bytes", "probe_host"]
+__all__ = ["HostFacts", "available_memory_bytes", "free_disk_bytes", "probe_host"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,7 +25,7 @@ class HostFacts:
     gpu_free_bytes: int
 
 
-def _available_memory_bytes() -> int:
+def available_memory_bytes() -> int:
     """``MemAvailable`` from /proc/meminfo (what can be allocated without swapping), else total RAM."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
@@ -41,7 +43,7 @@ def probe_host() -> HostFacts:
 
     cuda = torch.cuda.is_available()
     gpu_free = int(torch.cuda.mem_get_info()[0]) if cuda else 0
-    return HostFacts(cuda_available=cuda, available_memory_bytes=_available_memory_bytes(), gpu_free_bytes=gpu_free)
+    return HostFacts(cuda_available=cuda, available_memory_bytes=available_memory_bytes(), gpu_free_bytes=gpu_free)
 
 
 def free_disk_bytes(path: Path) -> int:

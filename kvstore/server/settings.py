@@ -22,20 +22,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvstore.config import GIB, StoreConfig
+from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.layout import KVLayout
 from kvstore.presets import PRESET_NAMES, preset_layout
 from kvstore.server.host_facts import HostFacts, free_disk_bytes
 from kvstore.server.kv_events.options import KVEventOptions
 from kvstore.server.loop import LoopOptions
-from kvstore.server.serve_flags import (
+from kvstore.server.serve_flags import CheckedFlags, check_fits, check_flags, check_room_for_a_chunk
+from kvstore.server.serve_sources import (
     ENV_PREFIX,
     NON_SETTING_VARIABLES,
-    CheckedFlags,
     ServeFlags,
-    check_flags,
-    check_room_for_a_chunk,
     env_name,
     flag_name,
     load_config_file,
@@ -95,15 +93,6 @@ def read_layout_option(text: str) -> KVLayout:
         return KVLayout.from_json(path.read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read --layout {path}: {exc.strerror}") from exc
-
-
-def _check_fits(setting: str, wanted_bytes: int, available_bytes: int, where: str) -> None:
-    if wanted_bytes > available_bytes:
-        flag = flag_name(setting)
-        raise ConfigError(
-            f"{flag} {wanted_bytes / GIB:.2f}GiB does not fit: {available_bytes / GIB:.2f} GiB of {where} is "
-            f"available; lower {flag}"
-        )
 
 
 def resolve_settings(
@@ -197,12 +186,12 @@ def _sizes(checked: CheckedFlags, tiers: tuple[TierName, ...], host: HostFacts, 
     gpu_default = min(_DEFAULT_MEMORY_TIER_BYTES, host.gpu_free_bytes // 4)
     gpu_bytes = given.gpu_bytes if given.gpu_bytes is not None else gpu_default
     if TierName.CPU in tiers:
-        _check_fits("cpu_size", cpu_bytes, host.available_memory_bytes, "RAM")
+        check_fits("cpu_size", cpu_bytes, host.available_memory_bytes, "RAM")
     if TierName.GPU in tiers:
-        _check_fits("gpu_size", gpu_bytes, host.gpu_free_bytes, "free GPU memory")
+        check_fits("gpu_size", gpu_bytes, host.gpu_free_bytes, "free GPU memory")
     disk_bytes = _DEFAULT_DISK_BYTES
     if TierName.DISK in tiers:
         free = free_disk_bytes(data_dir)
         disk_bytes = given.disk_bytes if given.disk_bytes is not None else min(_DEFAULT_DISK_BYTES, free // 2)
-        _check_fits("disk_size", disk_bytes, free, f"disk under {data_dir}")
+        check_fits("disk_size", disk_bytes, free, f"disk under {data_dir}")
     return _TierSizes(gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, disk_bytes=disk_bytes)

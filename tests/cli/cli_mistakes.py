@@ -97,6 +97,10 @@ def cli_mistakes(scratch: Path) -> list[Mistake]:
         Mistake(name="serve: metrics port negative", argv=("serve", "--metrics-port", "-1"), fragment="TCP port"),
         Mistake(name="serve: size typo", argv=("serve", "--cpu-size", "12XB"), fragment="'12XB' is not a size"),
         Mistake(name="serve: tier too small", argv=("serve", "--cpu-size", "1KiB"), fragment="chunk of any model"),
+        Mistake(name="serve: more RAM than there is", argv=("serve", "--cpu-size", "1PiB"), fragment="does not fit"),
+        Mistake(
+            name="serve: more disk than there is", argv=("serve", *data, "--disk-size", "1EiB"), fragment="does not fit"
+        ),
         Mistake(name="serve: unknown tier", argv=("serve", "--tiers", "cpu,ssd"), fragment="each tier must be one"),
         Mistake(name="serve: tiers out of order", argv=("serve", "--tiers", "disk,cpu"), fragment="out of order"),
         Mistake(name="serve: unknown layout", argv=("serve", "--layout", "llama-70b"), fragment="neither a preset"),

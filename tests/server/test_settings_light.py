@@ -17,7 +17,8 @@ from kvstore.config import GIB
 from kvstore.errors import ConfigError
 from kvstore.server.app import ServerAddress
 from kvstore.server.host_facts import HostFacts
-from kvstore.server.serve_flags import ServeFlags, check_flags
+from kvstore.server.serve_flags import check_flags
+from kvstore.server.serve_sources import ServeFlags
 from kvstore.server.settings import resolve_settings
 from kvstore.tiers.base import TierName
 from tests.server.conftest import CHUNK_SIZE, REPO_ROOT, SERVER_LAYOUT
