@@ -172,3 +172,15 @@ def test_a_deepseek_v2_config_gives_an_mla_layout() -> None:
         model_id="deepseek-ai/DeepSeek-V2-Lite", num_layers=27, kv_lora_rank=512, rope_dim=64, dtype="bfloat16"
     )
     assert layout.rope.scaling is RopeScaling.DEFAULT
+
+
+def test_a_server_reads_fp8_and_mla_layouts_off_the_wire() -> None:
+    from kvstore.wire.error_codes import RequestError
+    from kvstore.wire.messages import layout_from_json
+
+    calibrated = dataclasses.replace(FP8, kv_scales=KVScales(k=(0.5, 0.25, 1.0, 2.0), v=(1.0, 1.0, 1.0, 1.0)))
+    for layout in (FP8, calibrated, MLA):
+        assert layout_from_json(layout.to_json()) == layout
+    bad = json.loads(FP8.to_json()) | {"kv_scales": {"k": ["1"], "v": [1.0]}}
+    with pytest.raises(RequestError, match="kv_scales.k"):
+        layout_from_json(json.dumps(bad))

@@ -272,7 +272,7 @@ class PagedLayer:
     def __init__(self, cache: torch.Tensor, block_format: BlockFormat) -> None:
         self.cache = cache
         self.block_format = block_format
-        self.planes = (block_format.plane_view(cache, 0), block_format.plane_view(cache, 1))
+        self.planes = tuple(block_format.plane_view(cache, plane) for plane in range(block_format.num_planes))
         self.wide_blocks = _wide_blocks(cache, block_format)
 
 

@@ -111,6 +111,18 @@ def layout_from_json(text: str) -> KVLayout:
     rope.required_str("scaling", 16)
     rope.required_int("original_max_position_embeddings", 1, 2**31)
     rope.finish()
+    scales = fields.optional_map("kv_scales")  # an fp8 layout's (KVScales)
+    if scales is not None:
+        for name in ("k", "v"):
+            values = scales.list_(name, _MAX_LAYOUT_DIM)
+            if any(type(value) not in (int, float) or not math.isfinite(float(value)) for value in values):  # type: ignore[arg-type]
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"hello layout.kv_scales.{name} must be finite numbers")
+        scales.finish()
+    mla = fields.optional_map("mla")  # an MLA layout's (MLASpec)
+    if mla is not None:
+        for name in ("kv_lora_rank", "rope_dim"):
+            mla.required_int(name, 1, _MAX_LAYOUT_DIM)
+        mla.finish()
     fields.finish()
     try:
         return KVLayout.from_json(text)

@@ -1,0 +1,104 @@
+"""The worker's checks of fp8 and MLA caches (``kvstore.connectors.vllm.cache_shapes``), without an engine: the
+layers' fp8 scales against the layout, blending refused on both shapes, and the block format probed through a
+backend write of each kind (vLLM 0.32's CPU signatures, emulated in torch; tests/vllm/test_fp8_kv.py and
+test_mla.py run the real kernels)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstore.connectors.vllm.cache_shapes import (
+    check_blend_supported,
+    check_layer_scales,
+    expected_cache_shape,
+    probe_engine_block_format,
+)
+from kvstore.errors import ConfigError
+from kvstore.layout import KVLayout, KVScales
+from tests.connectors.test_paged import write_cpu_transposed
+
+FP8 = KVLayout(model_id="test/fp8", num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp8")
+MLA = KVLayout.for_mla(model_id="test/mla", num_layers=2, kv_lora_rank=512, rope_dim=64)
+FLOAT = KVLayout(model_id="test/float", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float32")
+
+
+def attention_layer(k_scale: float = 1.0, v_scale: float = 1.0, impl: object = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        _k_scale=torch.tensor(k_scale), _v_scale=torch.tensor(v_scale), kv_cache_dtype="fp8", impl=impl
+    )
+
+
+def test_an_fp8_engine_with_the_layouts_scales_passes_and_any_other_is_one_line() -> None:
+    check_layer_scales([attention_layer(), attention_layer()], FP8)
+    with pytest.raises(ConfigError, match=r"layer 1 quantises KV with scales k=0.5 v=1; .* says scales k=1 v=1"):
+        check_layer_scales([attention_layer(), attention_layer(k_scale=0.5)], FP8)
+    calibrated = KVLayout(
+        model_id="test/fp8", num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp8",
+        kv_scales=KVScales(k=(0.5, 0.25), v=(2.0, 2.0)),
+    )  # fmt: skip
+    check_layer_scales([attention_layer(0.5, 2.0), attention_layer(0.25, 2.0)], calibrated)
+    check_layer_scales([attention_layer(0.5, 2.0)], FLOAT)  # no fp8: nothing to check
+
+
+def test_blending_is_refused_on_fp8_and_mla_with_one_line() -> None:
+    check_blend_supported(FLOAT, True)
+    check_blend_supported(FP8, False)
+    check_blend_supported(MLA, False)
+    for layout, what in ((FP8, "float8_e4m3 KV cache"), (MLA, "MLA models")):
+        with pytest.raises(ConfigError, match=what) as refused:
+            check_blend_supported(layout, True)
+        assert "turn kvstore.blend off to serve exact prefix reuse" in str(refused.value)
+
+
+def test_cache_shapes_follow_the_layout() -> None:
+    assert expected_cache_shape(FP8, 128) == (2, 128, 64)
+    assert expected_cache_shape(MLA, 128) == (1, 128, 576)
+
+
+def test_an_fp8_probe_goes_through_the_layers_scales() -> None:
+    cache = torch.zeros(3, 2, 32, 64, dtype=torch.uint8)
+    as_bytes = write_cpu_transposed(cache, 32)
+    scales = (0.5, 4.0)
+
+    def do_kv_cache_update(layer: object, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slots: torch.Tensor) -> None:  # fmt: skip
+        assert kv_cache is cache and key.dtype == torch.float32
+        quantised = [(tensor / scale).to(torch.float8_e4m3fn).view(torch.uint8) for tensor, scale in
+                     zip((key, value), scales, strict=True)]  # fmt: skip
+        as_bytes(quantised[0], quantised[1], slots)
+
+    layer = attention_layer(*scales, impl=SimpleNamespace(do_kv_cache_update=do_kv_cache_update))
+    layout = KVLayout(
+        model_id="test/fp8", num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp8",
+        kv_scales=KVScales(k=(0.5,), v=(4.0,)),
+    )  # fmt: skip
+    block_format = probe_engine_block_format(layer, cache, layout, block_size=32, model_dtype=torch.float32)
+    assert block_format is not None and block_format.value is not None
+    assert block_format.value.offset == 32 * 32  # K transposed, then V, in each head
+
+
+def test_an_mla_probe_writes_the_compressed_part_and_the_rope_part() -> None:
+    cache = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
+    rows = cache.view(-1, 576)
+
+    def do_kv_cache_update(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                           kv_cache_dtype: str, k_scale: torch.Tensor) -> None:  # fmt: skip
+        assert kv_c.shape[1:] == (512,) and k_pe.shape[1:] == (1, 64)
+        rows[slots, :512] = kv_c
+        rows[slots, 512:] = k_pe[:, 0]
+
+    layer = attention_layer(impl=SimpleNamespace(do_kv_cache_update=do_kv_cache_update))
+    block_format = probe_engine_block_format(layer, cache, MLA, block_size=16, model_dtype=torch.bfloat16)
+    assert block_format is not None and block_format.num_planes == 1
+    assert (block_format.key.token_stride, block_format.key.dim_stride) == (576, 1)
+
+
+def test_a_backend_without_a_separate_write_is_refused_for_fp8_and_mla() -> None:
+    layer = attention_layer(impl=SimpleNamespace())
+    assert probe_engine_block_format(layer, torch.zeros(1), FLOAT, block_size=16, model_dtype=torch.float32) is None
+    for layout in (FP8, MLA):
+        with pytest.raises(ConfigError, match="do_kv_cache_update"):
+            probe_engine_block_format(layer, torch.zeros(1), layout, block_size=16, model_dtype=torch.float32)
