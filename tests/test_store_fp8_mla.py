@@ -4,6 +4,7 @@ after a restart."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -72,3 +73,27 @@ def test_the_one_byte_codec_round_trips_fp8_kv_and_compresses_its_exponents() ->
     out = np.empty_like(raw)
     assert codec.decode_into(encoded, out) is FrameStatus.OK and np.array_equal(out, raw)
     assert len(encoded) < raw.shape[0]  # quantised normal values: few distinct bytes, zstd's entropy coding pays
+
+
+@pytest.mark.parametrize(
+    ("layout", "shown"),
+    [
+        (MLA, "2 layers x MLA latent 576 = 512 compressed + 64 rope, bfloat16"),
+        (FP8, "3 layers x 2 kv heads x 32, float8_e4m3 scales k=1 v=1"),
+    ],
+    ids=["mla", "fp8"],
+)
+def test_inspect_describes_the_layout_as_it_is(
+    tmp_path: Path, layout: KVLayout, shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.cli.test_cli import run
+
+    config = store_config(tmp_path, layout, CHUNK, gpu_chunks=2, cpu_chunks=2, tiers=(TierName.CPU, TierName.DISK))
+    kv = mla_kv(2 * CHUNK, 1) if layout.mla else fp8_kv(layout, 2 * CHUNK, 1)
+    with TieredStore(layout, config) as store:
+        store.store(make_tokens(2 * CHUNK), kv)
+    code, out, _ = run(["inspect", "--data-dir", str(config.data_dir), "--json"], capsys)
+    assert code == 0
+    summary = json.loads(out)
+    assert shown in summary["layout"] and summary["layout_namespace"] == layout.namespace.hex()
+    assert summary["raw_bytes"] == layout.chunk_bytes(2 * CHUNK)
