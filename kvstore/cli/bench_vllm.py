@@ -42,6 +42,11 @@ def bench_vllm_command(
     tensor_parallel_size: int = typer.Option(
         _DEFAULTS.tensor_parallel_size, "--tensor-parallel-size", help="vLLM's TP size (the default mode)."
     ),
+    kv_cache_dtype: str = typer.Option(
+        _DEFAULTS.kv_cache_dtype,
+        "--kv-cache-dtype",
+        help="vLLM's kv_cache_dtype (the default mode): auto, fp8, fp8_e4m3 or fp8_e5m2 (head size a multiple of 32).",
+    ),
     data_dir: Path | None = typer.Option(None, "--data-dir", help="kvstore data dir (default: a temporary one)."),
     blend: bool = typer.Option(
         False, "--blend", help="CacheBlend inside vLLM: cold vs blended vs the standalone blender on multi-doc QA."
@@ -94,6 +99,8 @@ def bench_vllm_command(
 
         .venv-vllm/bin/kvstore bench vllm --tensor-parallel-size 2 --prompt-tokens 4000
 
+        .venv-vllm/bin/kvstore bench vllm --kv-cache-dtype fp8 --prompt-tokens 4000   # the engine's fp8 KV bytes
+
         .venv-vllm/bin/kvstore bench vllm --blend --json --prompts 3   # 5 documents x 1,000 tokens per query
 
         .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
@@ -105,6 +112,8 @@ def bench_vllm_command(
             f"--tensor-parallel-size {tensor_parallel_size} is for the default mode; --blend and --serve run at TP=1 "
             "(kvstore.blend refuses parallel engines)"
         )
+    if kv_cache_dtype != "auto" and (serve or blend):
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is for the default mode; --blend and --serve run auto")
     if serve:
         serve_options = ServeBenchOptions(
             model_dir=model_dir,
@@ -141,6 +150,7 @@ def bench_vllm_command(
             dtype=dtype,
             data_dir=data_dir,
             tensor_parallel_size=tensor_parallel_size,
+            kv_cache_dtype=kv_cache_dtype,
         )
     from transformers import AutoTokenizer
 
