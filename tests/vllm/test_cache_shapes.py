@@ -86,7 +86,7 @@ def test_an_mla_probe_writes_the_compressed_part_and_the_rope_part() -> None:
 
     def do_kv_cache_update(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                            kv_cache_dtype: str, k_scale: torch.Tensor) -> None:  # fmt: skip
-        assert kv_c.shape[1:] == (512,) and k_pe.shape[1:] == (1, 64)
+        assert kv_c.shape[1:] == (512,) and k_pe.shape[1:] == (1, 64) and kv_cache.dim() == 3  # as the kernels take
         rows[slots, :512] = kv_c
         rows[slots, 512:] = k_pe[:, 0]
 

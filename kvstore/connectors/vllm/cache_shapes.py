@@ -111,12 +111,14 @@ def probe_engine_block_format(
     if mla is not None:
         kv_cache_dtype = str(getattr(layer, "kv_cache_dtype", "auto"))
         scale_tensor = getattr(layer, "_k_scale", None)  # an fp8 latent is quantised with K's scale
+        # vLLM registers [blocks, 1, slots, latent]; the MLA kernels take the same memory as [blocks, slots, latent]
+        latent_cache = cache.squeeze(1) if cache.dim() == 4 else cache
 
         def write_latent(latent: torch.Tensor, slots: torch.Tensor) -> None:
             latent = latent * k_scale if k_scale != 1 else latent
             kv_c = latent[:, 0, : mla.kv_lora_rank].contiguous()
             k_pe = latent[:, :, mla.kv_lora_rank :].contiguous()  # [tokens, 1, rope]: as MLAAttention passes it
-            write_cache(kv_c, k_pe, cache, slots, kv_cache_dtype, scale_tensor)
+            write_cache(kv_c, k_pe, latent_cache, slots, kv_cache_dtype, scale_tensor)
 
         return probe_block_format(
             cache,
