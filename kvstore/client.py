@@ -350,6 +350,7 @@ class Client:
         owner: str | None = None,
         start: int = 0,
         part: KVPart | None = None,
+        readers: int = 1,
     ) -> RetrieveResult:
         """``TieredStore.retrieve`` on the server. ``out`` made by ``buffer()`` (or a CUDA tensor, with CUDA IPC)
         is written by the server directly; otherwise the KV lands in the scratch segment and is copied out.
@@ -362,8 +363,8 @@ class Client:
         ``start``: the tokens ``[0, start)`` are the caller's already (an engine's own prefix cache); only
         ``[start, plan.end)`` is moved, and ``out`` holds just those.
         ``part``: only this part of every chunk (a tensor- or pipeline-parallel rank's layers and global KV heads) is
-        moved, and ``out`` (and the result's KV) is shaped by it; a plan handed to several ranks stays pinned until
-        every part of it has been retrieved or released (``release(part=)``)."""
+        moved, and ``out`` (and the result's KV) is shaped by it. ``readers``: the plan is handed to that many ranks,
+        each of which retrieves it (or releases it with the same ``readers``); it stays pinned until all have."""
         layout = self._shape_layout(part)
         wire_part = None if part is None or part.is_whole(self._require_layout()) else part
         if not 0 <= start <= plan.end:
@@ -382,7 +383,13 @@ class Client:
             staged.clear()
             bulk = self._bulk_for_retrieve(out, needed, staged, layout)
             args = RetrieveArgs(
-                plan_id=plan.plan_id, bulk=bulk, memory_only=memory_only, owner=owner, start=start, part=wire_part
+                plan_id=plan.plan_id,
+                bulk=bulk,
+                memory_only=memory_only,
+                owner=owner,
+                start=start,
+                part=wire_part,
+                readers=readers,
             )
             return args.to_wire(), None
 
@@ -453,15 +460,14 @@ class Client:
             return source  # the reply frame's memory is this tensor's own
         return source.to(device, copy=True)
 
-    def release(self, plan: LookupPlan, *, owner: str | None = None, part: KVPart | None = None) -> None:
+    def release(self, plan: LookupPlan, *, owner: str | None = None, readers: int = 1) -> None:
         """Drop the pins of a plan that will not be retrieved. Idempotent. ``owner``: as for ``retrieve``.
-        ``part``: one rank's part of a plan several ranks retrieve by parts will not be retrieved; the pins go once
-        every part is retrieved or released."""
+        ``readers``: the plan is shared by that many ranks (``retrieve(readers=)``) and this one will not retrieve
+        it; the pins go once every reader has retrieved or released it."""
         if plan.plan_id == UNPINNED_PLAN_ID:
             return
-        wire_part = None if part is None or part.is_whole(self._require_layout()) else part
         try:
-            self._simple(Op.RELEASE, PlanArgs(plan_id=plan.plan_id, owner=owner, part=wire_part).to_wire())
+            self._simple(Op.RELEASE, PlanArgs(plan_id=plan.plan_id, owner=owner, readers=readers).to_wire())
         except KVStoreError as exc:
             if "already retrieved or released" not in str(exc):
                 raise

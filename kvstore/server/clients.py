@@ -10,11 +10,12 @@ Plans are owned: a plan id is served only to the client whose lookup made it (id
 Sessions are per client: the store sees ``<client id>/<session id>``, so two clients may both call theirs
 ``"session-1"``.
 
-A plan retrieved by parts (the ranks of a tensor- or pipeline-parallel engine each retrieve their layers and KV heads
-of the plan their scheduler pinned) leaves its owner's table at its first part and stays open, pins held, until
-every part of it has been retrieved or released and no retrieve of it is still copying (``begin_part`` /
-``end_part``); then it is handed back for the store to release. A part never finished (a rank that died) is
-released by the plan TTL.
+A plan shared by ``readers`` ranks (the ranks of a tensor- or pipeline-parallel engine each retrieve their layers and
+KV heads of the plan their scheduler pinned) leaves its owner's table at its first retrieve and stays open, pins
+held, until all ``readers`` have retrieved or released it and no retrieve of it is still copying (``begin_shared`` /
+``end_shared``); then it is handed back for the store to release. Counting readers, rather than the parts' cells,
+serves ranks that hold the same part (KV heads replicated over more ranks than there are heads, an MLA latent every
+rank loads whole). A rank that never comes (it died) leaves the plan to the plan TTL.
 
 Threads: any. ``_clients_lock`` guards ``_clients`` and everything inside each ``ClientState``; it is never held
 while calling the store.
@@ -30,8 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstore.kv_part import KVPart, PartCoverage
-from kvstore.layout import KVLayout
 from kvstore.pids import pid_alive
 from kvstore.plan import LookupPlan
 from kvstore.wire.error_codes import ErrorCode, RequestError
@@ -80,11 +79,12 @@ class ClientState:
 
 
 @dataclass(slots=True)
-class _PartedPlan:
-    """A plan some of whose parts were retrieved or released: the parts done, and the retrieves still copying."""
+class _SharedPlan:
+    """A plan some of whose readers retrieved or released it: how many are done, and the retrieves still copying."""
 
     open_plan: OpenPlan
-    coverage: PartCoverage
+    readers: int
+    done: int = 0
     in_flight: int = 0
 
 
@@ -117,7 +117,7 @@ class ClientRegistry:
     ) -> None:
         self._clients_lock = threading.Lock()
         self._clients: dict[str, ClientState] = {}
-        self._parted: dict[tuple[str, int], _PartedPlan] = {}  # by (owner, plan id)
+        self._shared: dict[tuple[str, int], _SharedPlan] = {}  # by (owner, plan id)
         self._clock = clock
         self._pid_alive = pid_alive
         self._max_segments_per_process = max_segments_per_process
@@ -182,51 +182,49 @@ class ClientRegistry:
             )
         return open_plan
 
-    def begin_part(self, owner: str, plan_id: int, part: KVPart, layout: KVLayout) -> OpenPlan:
-        """Hand an owner's plan over for a retrieve of one part; the plan stays open (pinned) for its other parts
-        until ``end_part`` finds every part done.
+    def begin_shared(self, owner: str, plan_id: int, readers: int) -> OpenPlan:
+        """Hand an owner's plan to one of its ``readers`` for a retrieve (or a release, with ``end_shared`` right
+        after); the plan stays open (pinned) for the others until ``end_shared`` has heard from all of them.
 
         Raises:
-            RequestError: ``unknown_plan`` when it is not the owner's open plan, or this part was done already.
+            RequestError: ``unknown_plan`` when it is not the owner's open plan, or all its readers are done.
         """
         with self._clients_lock:
-            parted = self._parted.get((owner, plan_id))
-            if parted is None:
+            shared = self._shared.get((owner, plan_id))
+            if shared is None:
                 state = self._clients.get(owner)
                 open_plan = state.plans.pop(plan_id, None) if state is not None else None
                 if open_plan is not None:
-                    parted = _PartedPlan(open_plan=open_plan, coverage=PartCoverage(layout))
-                    self._parted[(owner, plan_id)] = parted
-            elif parted.coverage.covers(part):
-                parted = None
-            if parted is not None:
-                parted.in_flight += 1
-                return parted.open_plan
+                    shared = _SharedPlan(open_plan=open_plan, readers=readers)
+                    self._shared[(owner, plan_id)] = shared
+            if shared is not None:
+                shared.in_flight += 1
+                return shared.open_plan
         raise RequestError(
             ErrorCode.UNKNOWN_PLAN,
-            f"plan {plan_id} was already retrieved or released for {part.describe()} (or its session ended, or it "
+            f"plan {plan_id} was already retrieved or released by its {readers} readers (or its session ended, or it "
             "expired, or it is another client's); call lookup() again",
         )
 
-    def end_part(self, owner: str, plan_id: int, part: KVPart) -> OpenPlan | None:
-        """A part's retrieve (``begin_part``) is over, or a part will not be retrieved (after ``begin_part`` too);
-        returns the plan when it is done (every part, nothing copying): the caller releases its pins."""
+    def end_shared(self, owner: str, plan_id: int) -> OpenPlan | None:
+        """One reader's retrieve (``begin_shared``) is over, or it will not retrieve; returns the plan when every
+        reader is done and nothing is copying: the caller releases its pins."""
         with self._clients_lock:
-            parted = self._parted.get((owner, plan_id))
-            if parted is None:
+            shared = self._shared.get((owner, plan_id))
+            if shared is None:
                 return None
-            parted.in_flight -= 1
-            parted.coverage.add(part)
-            if not parted.coverage.complete or parted.in_flight:
+            shared.in_flight -= 1
+            shared.done += 1
+            if shared.done < shared.readers or shared.in_flight:
                 return None
-            del self._parted[(owner, plan_id)]
-            return parted.open_plan
+            del self._shared[(owner, plan_id)]
+            return shared.open_plan
 
     @property
-    def num_parted_plans(self) -> int:
-        """Plans retrieved by parts, some parts still to come."""
+    def num_shared_plans(self) -> int:
+        """Plans some of whose readers are still to come."""
         with self._clients_lock:
-            return len(self._parted)
+            return len(self._shared)
 
     def take_session(self, client_id: str, session_id: str) -> list[OpenPlan]:
         """Forget a session's open plans (the caller ends the store's session, which releases them)."""
@@ -240,8 +238,8 @@ class ClientRegistry:
             return taken
 
     def take_expired_plans(self, ttl_s: float) -> list[OpenPlan]:
-        """Forget every plan older than ``ttl_s`` (the caller releases them); a plan retrieved by parts expires too,
-        unless one of its parts is being copied."""
+        """Forget every plan older than ``ttl_s`` (the caller releases them); a shared plan expires too, unless one
+        of its readers is copying."""
         deadline = self._clock() - ttl_s
         expired: list[OpenPlan] = []
         with self._clients_lock:
@@ -250,10 +248,10 @@ class ClientRegistry:
                 for open_plan in old:
                     del state.plans[open_plan.plan.plan_id]
                 expired += old
-            for name, parted in list(self._parted.items()):
-                if parted.open_plan.opened_s < deadline and not parted.in_flight:
-                    del self._parted[name]
-                    expired.append(parted.open_plan)
+            for name, shared in list(self._shared.items()):
+                if shared.open_plan.opened_s < deadline and not shared.in_flight:
+                    del self._shared[name]
+                    expired.append(shared.open_plan)
         return expired
 
     # -- segments ----------------------------------------------------------------------------------------------

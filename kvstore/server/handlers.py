@@ -12,10 +12,11 @@ into that tensor on retrieve).
 Metrics (``metrics``) are fed here too, globally and per engine: a client with a layout counts under its hello
 name (``ServerMetrics.add_client`` at hello, ``forget_client`` at its departure, whichever way it departs).
 
-Chunks stored by parts (the ranks of a tensor- or pipeline-parallel engine: a store, retrieve or release with a
-``part``) go through ``ChunkAssembly``: a part store's chunks are committed to the store whole, once their last part
-arrives; a part retrieve copies only the part's slice of each chunk, and the plan it retrieves stays pinned until
-every part of it is done (``ClientRegistry.begin_part``); a lookup names the chunks waiting for parts ``incomplete``.
+Chunks stored by parts (the ranks of a tensor- or pipeline-parallel engine: a store or retrieve with a ``part``) go
+through ``ChunkAssembly``: a part store's chunks are committed to the store whole, once their last part arrives; a
+part retrieve copies only the part's slice of each chunk; a plan its ``readers`` ranks share stays pinned until each
+of them has retrieved or released it (``ClientRegistry.begin_shared``); a lookup names the chunks waiting for parts
+``incomplete``.
 
 Usage (``kvstore.server.usage.UsageLedger``) is fed here: each store names a document, each lookup plan counts its
 hits per chunk and per document. With a data dir document counts are loaded at start, saved by the janitor every
@@ -202,13 +203,11 @@ class RequestHandler:
         if op is Op.RELEASE:
             plan_args = PlanArgs.parse(args, limits)
             owner = plan_args.owner or client_id
-            if plan_args.part is not None:  # this part will not be retrieved; the pins go once every part is done
-                parted_store = self._host.require()
-                plan_args.part.check(parted_store.layout)
-                self._clients.begin_part(owner, plan_args.plan_id, plan_args.part, parted_store.layout)
-                done = self._clients.end_part(owner, plan_args.plan_id, plan_args.part)
+            if plan_args.readers > 1:  # one of the ranks sharing the plan will not retrieve it
+                self._clients.begin_shared(owner, plan_args.plan_id, plan_args.readers)
+                done = self._clients.end_shared(owner, plan_args.plan_id)
                 if done is not None:
-                    parted_store.release(done.plan)
+                    self._host.require().release(done.plan)
                 return self._ok(request, {})
             open_plan = self._clients.take_plan(owner, plan_args.plan_id)
             self._host.require().release(open_plan.plan)
@@ -405,25 +404,26 @@ class RequestHandler:
     def _retrieve(self, request: Request, client_id: str, args: RetrieveArgs) -> ReplyFrames:
         store = self._host.require()
         started_s = time.perf_counter()
-        owner, part = args.owner or client_id, args.part
+        owner, part, shared = args.owner or client_id, args.part, args.readers > 1
         if part is not None:
             part.check(store.layout)
-            plan = self._clients.begin_part(owner, args.plan_id, part, store.layout).plan
+        if shared:  # the ranks of a parallel engine each retrieve the plan: the pins go once all of them have
+            plan = self._clients.begin_shared(owner, args.plan_id, args.readers).plan
         else:
             plan = self._clients.take_plan(owner, args.plan_id).plan  # the bulk is the caller's
         try:
             out = self._retrieve_target(client_id, args, store, plan)
             result = store.retrieve(
-                plan, out, memory_only=args.memory_only, start=args.start, part=part, keep_pins=part is not None
+                plan, out, memory_only=args.memory_only, start=args.start, part=part, keep_pins=shared
             )
         except BaseException as exc:
-            if part is None and not isinstance(exc, ConfigError):
+            if not shared and not isinstance(exc, ConfigError):
                 store.release(plan)  # the plan left the registry: its pins must not leak
             if isinstance(exc, ConfigError):  # its session ended between our registry and the store's ledger
                 raise RequestError(ErrorCode.UNKNOWN_PLAN, str(exc)) from None
             raise
         finally:
-            if part is not None and (done := self._clients.end_part(owner, args.plan_id, part)) is not None:
+            if shared and (done := self._clients.end_shared(owner, args.plan_id)) is not None:
                 store.release(done.plan)
         if out is not None and out.device.type == "cuda":
             torch.cuda.synchronize(out.device)  # the client may use its tensor as soon as the reply arrives

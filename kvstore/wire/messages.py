@@ -84,6 +84,7 @@ _MAX_LAYOUT_JSON_CHARS = 64 * 1024
 _MAX_SEGMENT_ID = 2**31 - 1
 _MAX_PLAN_ID = 2**63 - 1
 _MAX_OFFSET = 2**48
+_MAX_READERS = 4096  # the ranks of one engine (tensor x pipeline parallel)
 _MAX_RETRIEVE_START = 2**40  # a token position; the store checks it against the plan
 _SHM_ALIGN_BYTES = 64
 _MAX_LAYOUT_DIM = 1 << 16
@@ -331,7 +332,8 @@ class RetrieveArgs:
     memory_only: bool = False
     owner: str | None = None
     start: int = 0
-    part: KVPart | None = None  # only this part of each chunk (a rank's); the plan stays open until every part is
+    part: KVPart | None = None  # only this part of each chunk (a rank's)
+    readers: int = 1  # the ranks that each retrieve (or release) this plan: its pins go once all of them have
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> RetrieveArgs:
@@ -342,6 +344,7 @@ class RetrieveArgs:
             owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
             start=fields.int_("start", 0, _MAX_RETRIEVE_START, optional=True) or 0,
             part=parse_part(fields),
+            readers=fields.int_("readers", 1, _MAX_READERS, optional=True) or 1,
         )
         fields.finish()
         return parsed
@@ -356,6 +359,8 @@ class RetrieveArgs:
             wire["start"] = self.start
         if self.part is not None:
             wire["part"] = self.part.to_wire()
+        if self.readers != 1:
+            wire["readers"] = self.readers
         return wire
 
 
@@ -363,18 +368,19 @@ class RetrieveArgs:
 class PlanArgs:
     """Names one plan (release): the client's own, or with ``owner`` another client's whose token the caller was
     given (one process looks up and pins, another retrieves or releases: an engine's scheduler and its worker). The
-    token is the owner's secret (``hello``): knowing it is the permission."""
+    token is the owner's secret (``hello``): knowing it is the permission. ``readers``: the plan is shared by that
+    many ranks (``RetrieveArgs.readers``) and this is one of them that will not retrieve it."""
 
     plan_id: int
     owner: str | None = None
-    part: KVPart | None = None  # a rank's part of a plan retrieved by parts: that part will not be retrieved
+    readers: int = 1
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> PlanArgs:
         parsed = cls(
             plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID),
             owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
-            part=parse_part(fields),
+            readers=fields.int_("readers", 1, _MAX_READERS, optional=True) or 1,
         )
         fields.finish()
         return parsed
@@ -383,8 +389,8 @@ class PlanArgs:
         wire: dict[str, object] = {"plan_id": self.plan_id}
         if self.owner is not None:
             wire["owner"] = self.owner
-        if self.part is not None:
-            wire["part"] = self.part.to_wire()
+        if self.readers != 1:
+            wire["readers"] = self.readers
         return wire
 
 

@@ -102,25 +102,39 @@ def test_each_rank_retrieves_its_part_of_one_pinned_plan(server: ServerProcess, 
         for index, part in enumerate(parts):
             with Client(server.url, SERVER_LAYOUT, name=f"rank {index}") as rank:
                 out = rank.buffer(num_tokens - start, part=part)
-                result = rank.retrieve(plan, out, owner=owner, start=start, part=part)
+                result = rank.retrieve(plan, out, owner=owner, start=start, part=part, readers=len(parts))
                 assert result.num_cached_tokens == num_tokens - start
                 assert torch.equal(result.kv, part.of(kv)[:, :, start:]), f"{part.describe()}"
                 open_plans = scheduler.stats().num_open_plans
                 assert open_plans == (0 if index == len(parts) - 1 else 1), "pinned until every part is done"
-                with pytest.raises(Exception, match="already retrieved or released"):
-                    rank.retrieve(plan, owner=owner, start=start, part=part)
+                if index == len(parts) - 1:
+                    with pytest.raises(Exception, match="already retrieved or released"):
+                        rank.retrieve(plan, owner=owner, start=start, part=part, readers=len(parts))
 
 
-def test_a_rank_that_loads_nothing_releases_its_part_and_the_plan_closes(server: ServerProcess) -> None:
+def test_a_rank_that_loads_nothing_releases_its_share_and_the_plan_closes(server: ServerProcess) -> None:
     tokens, kv = make_tokens(2 * CHUNK_SIZE, seed=61), make_kv(SERVER_LAYOUT, 2 * CHUNK_SIZE, seed=61)
     with Client(server.url, SERVER_LAYOUT) as scheduler, Client(server.url, SERVER_LAYOUT) as rank:
         scheduler.store(tokens, kv)
         plan = scheduler.lookup(tokens)
-        first = rank.retrieve(plan, owner=scheduler.client_token, part=TP2[0])
+        first = rank.retrieve(plan, owner=scheduler.client_token, part=TP2[0], readers=2)
         assert torch.equal(first.kv, TP2[0].of(kv))
         assert scheduler.stats().num_open_plans == 1
-        rank.release(plan, owner=scheduler.client_token, part=TP2[1])
+        rank.release(plan, owner=scheduler.client_token, readers=2)
         assert scheduler.stats().num_open_plans == 0
+
+
+def test_ranks_holding_the_same_part_each_retrieve_it_from_one_plan(server: ServerProcess) -> None:
+    """KV heads replicated over more ranks than there are heads, or an MLA latent every rank loads whole."""
+    tokens, kv = make_tokens(2 * CHUNK_SIZE, seed=63), make_kv(SERVER_LAYOUT, 2 * CHUNK_SIZE, seed=63)
+    with Client(server.url, SERVER_LAYOUT) as scheduler:
+        scheduler.store(tokens, kv)
+        plan = scheduler.lookup(tokens)
+        for reader, part in enumerate((TP2[0], TP2[0], None)):
+            with Client(server.url, SERVER_LAYOUT) as rank:
+                result = rank.retrieve(plan, owner=scheduler.client_token, part=part, readers=3)
+                assert torch.equal(result.kv, kv if part is None else part.of(kv))
+                assert scheduler.stats().num_open_plans == (0 if reader == 2 else 1)
 
 
 def test_a_part_of_a_chunk_only_the_disk_holds_is_decoded_and_sliced(server: ServerProcess) -> None:

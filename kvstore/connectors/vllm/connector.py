@@ -136,6 +136,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 async_disk_loads=settings.async_disk_loads,
                 settings=settings,
                 num_layers=layout.num_layers,
+                readers=vllm_config.parallel_config.tensor_parallel_size
+                * vllm_config.parallel_config.pipeline_parallel_size,
             )
             if settings.blend:
                 _require_blend_server(link)

@@ -41,6 +41,8 @@ class LoadSpec:
         plan: the scheduler's pinned plan of the prompt, handed over: the worker retrieves (or releases) it instead
             of looking the prompt up again; ``None``: the worker looks it up itself.
         plan_owner: the scheduler's ``client_token``, which lets the worker's client retrieve that plan.
+        readers: the workers (ranks) that each retrieve or release the plan: the server keeps it pinned until all
+            have (a tensor- or pipeline-parallel engine's ranks each load their part of it).
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class LoadSpec:
     is_async: bool
     plan: LookupPlan | None = None
     plan_owner: str | None = None
+    readers: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,7 +133,7 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Merge two workers' reports: a load counts only as far as every worker got, a blend only if every
-        worker's pass succeeded (one worker today: tensor parallelism is refused)."""
+        worker's pass succeeded (a parallel engine's ranks report in the same step; blending runs on one worker)."""
         assert isinstance(other, KVStoreWorkerMetadata), f"cannot aggregate {type(other).__name__}"
         merged = dict(self.finished_loads)
         for request_id, num_tokens in other.finished_loads.items():

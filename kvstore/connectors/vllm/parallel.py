@@ -12,7 +12,8 @@ Which heads a rank holds is vLLM's split (``QKVParallelLinear``): with ``H`` KV 
 holds heads ``[r H / tp, (r + 1) H / tp)``; with fewer heads than ranks each head is replicated on ``tp / H``
 consecutive ranks, and rank ``r`` holds head ``r // (tp / H)`` (two ranks then save the same cells; the assembly
 takes either). An MLA model's latent is the same on every tensor-parallel rank: every rank loads it whole, and only
-the first rank of each stage saves it (``RankPart.saves``).
+the first rank of each stage saves it (``RankPart.saves``). The scheduler's pinned plan is retrieved by every rank
+(``LoadSpec.readers``), whatever part each takes, and stays pinned until all have.
 
 Blending is refused on these engines at start (``check_parallel_blend``): the blend pass runs on one worker's own
 modules and selects the tokens to recompute from its own heads, and nothing here makes the ranks of a group agree on

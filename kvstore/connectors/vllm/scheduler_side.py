@@ -238,6 +238,7 @@ class SchedulerSide:
         async_disk_loads: load disk hits asynchronously.
         settings: the connector's settings (blending and its defaults); the default blends nothing.
         num_layers: the model's layers (what the blend gate weighs a pass's early layers by).
+        readers: the engine's workers (tensor x pipeline parallel ranks), each of which retrieves a handed plan.
     """
 
     def __init__(
@@ -250,10 +251,12 @@ class SchedulerSide:
         async_disk_loads: bool,
         settings: ConnectorSettings | None = None,
         num_layers: int = 1,
+        readers: int = 1,
     ) -> None:
         self._link = link
         self._settings = settings or ConnectorSettings()
         self._gate = BlendGate(num_layers=num_layers, check_layer=self._settings.blend_check_layer)
+        self._readers = readers
         self._block_size = block_size
         self._load = load
         self._save = save
@@ -365,6 +368,7 @@ class SchedulerSide:
             is_async=probe.load_async,
             plan=tracked.pinned,
             plan_owner=tracked.pin_owner,
+            readers=self._readers,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:

@@ -460,22 +460,24 @@ class WorkerSide:
             # lookup timeout, not the transfer timeout (issue 27)
             plan = client.lookup(spec.token_ids, blend=False, timeout_s=self._settings.lookup_timeout_s, repeat=True)
         part = self._rank.part
+        readers = spec.readers if spec.plan is not None else 1  # the scheduler's plan is every rank's; ours is ours
         usable = min(spec.end, plan.num_prefix_tokens)
         usable -= usable % self._block_size
         if usable <= spec.start:
-            client.release(plan, owner=owner, part=part)
+            client.release(plan, owner=owner, readers=readers)
             return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started, misses=plan.misses)
         try:
             # vLLM holds [0, start) itself: only the rest travels
             cpu = self._caches[0].device.type == "cpu"
             out = buffers.take(client, plan.end - spec.start, part=part) if cpu else None
         except KVStoreError:
-            client.release(plan, owner=owner, part=part)
+            client.release(plan, owner=owner, readers=readers)
             raise
         try:
-            result = client.retrieve(plan, out, owner=owner, start=spec.start, part=part)
+            result = client.retrieve(plan, out, owner=owner, start=spec.start, part=part, readers=readers)
         except KVStoreError:
-            client.release(plan, owner=owner, part=part)
+            if readers == 1:  # a shared plan counted this rank's retrieve as done, failed or not
+                client.release(plan, owner=owner)
             buffers.give_back(out)
             raise
         usable = min(usable, result.num_prefix_tokens)  # a chunk that failed its checksum is a gap
