@@ -10,7 +10,9 @@
   connector leaves at vLLM's default (``KVStoreConnector`` says why). 0.34's other new hooks (sleep mode,
   ``kv_cache_access``, lookahead block hashes) keep their defaults.
 - The model's KV layout (layers, kv heads, head dim, dtype, RoPE) as kvstore's ``KVLayout``: the store checks it
-  against what it holds, so two models never share KV.
+  against what it holds, so two models never share KV. An fp8 cache (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) is an fp8
+  layout with vLLM's default scales (1.0; the worker checks the layers' own); an MLA model (``use_mla``) is an MLA
+  layout, one ``kv_lora_rank + qk_rope_head_dim`` latent a token (``kvstore.connectors.vllm.cache_shapes``).
 - A string ``kvstore.chunk_separator`` as the engine tokenizer's ids (the store cuts chunks by ids).
 - Tensor and pipeline parallelism are served: the layout is the whole model's (every layer, every KV head), whatever
   the engine's shape, and each rank stores and loads its part of it (``kvstore.connectors.vllm.parallel``).
