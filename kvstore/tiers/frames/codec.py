@@ -163,7 +163,10 @@ class _ThreadState:
 
 
 class FrameCodec:
-    """Encode and decode frames of one element size (2 for fp16/bf16, 4 for fp32, 1 for plain bytes).
+    """Encode and decode frames of one element size (2 for fp16/bf16, 4 for fp32, 1 for fp8 KV and plain bytes).
+
+    A 1-byte element is one plane: the frame is zstd'd (or kept raw) as it is, with no shuffle, so fp8 KV comes back
+    byte for byte whatever its values (NaN codes included).
 
     Args:
         element_size_bytes: bytes per element; the number of byte planes (1..8).
