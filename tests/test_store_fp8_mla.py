@@ -97,3 +97,19 @@ def test_inspect_describes_the_layout_as_it_is(
     summary = json.loads(out)
     assert shown in summary["layout"] and summary["layout_namespace"] == layout.namespace.hex()
     assert summary["raw_bytes"] == layout.chunk_bytes(2 * CHUNK)
+
+
+def test_the_standalone_blender_refuses_fp8_and_mla_layouts(tmp_path: Path) -> None:
+    from kvstore.blend import LayerwiseBlender
+    from kvstore.models.random_init import random_init_model
+
+    tiny = random_init_model("tiny-llama", num_layers=2, dtype=torch.float32)
+    fp8 = KVLayout(
+        model_id=tiny.layout.model_id, num_layers=2, num_kv_heads=tiny.layout.num_kv_heads,
+        head_dim=tiny.layout.head_dim, dtype="fp8", rope=tiny.layout.rope,
+    )  # fmt: skip
+    for layout in (fp8, MLA):
+        config = store_config(tmp_path / layout.dtype.value, layout, CHUNK, gpu_chunks=2, cpu_chunks=2,
+                              tiers=(TierName.CPU,))  # fmt: skip
+        with TieredStore(layout, config) as store, pytest.raises(Exception, match=r"does not blend .*fp8 KV or MLA"):
+            LayerwiseBlender(tiny.model, store)

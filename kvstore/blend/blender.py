@@ -138,7 +138,8 @@ class LayerwiseBlender:
         config: recompute ratio, check layer and deviation metric for ``blend`` prefills.
 
     Raises:
-        ConfigError: not a Llama-family model, a check layer beyond the model's layers, or the RoPE gate failed.
+        ConfigError: an fp8 or MLA layout, not a Llama-family model, a check layer beyond the model's layers, or the
+            RoPE gate failed.
         LayoutMismatchError: the store's layout is not the model's.
     """
 
@@ -146,6 +147,11 @@ class LayerwiseBlender:
         layout = store.layout
         if layout is None:
             raise ConfigError("the blender needs a store with a layout; an admin Client (layout=None) has none")
+        if layout.dtype.is_quantized or layout.mla is not None:  # its pass computes float K/V of plain heads
+            raise ConfigError(
+                f"the blender does not blend {layout.describe()} (fp8 KV or MLA latents) yet; use the store for exact "
+                "prefix reuse"
+            )
         self._stack = LlamaStack(model)
         self.model = model
         self.store = store
