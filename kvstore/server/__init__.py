@@ -2,8 +2,9 @@
 
 - ``handlers``: what each operation does to the store; ``clients``: what each client holds;
 - ``loop``: the ROUTER socket, worker pools and janitor; ``app``: start-up and shutdown of the whole server;
-- ``settings``, ``host_facts``, ``store_host``: flags and config file, checks before start-up, the one store and
-  its layout (``serve.json``, where a running server is found, is ``kvstore.data_dir.server_record``);
+- ``serve_sources``, ``serve_flags``, ``settings``, ``host_facts``, ``store_host``: flags, environment and config
+  file, the checks before start-up (those needing no torch first), the one store and its layout (``serve.json``,
+  where a running server is found, is ``kvstore.data_dir.server_record``);
 - ``metrics``: Prometheus ``/metrics`` and ``/healthz``; ``kv_events``: the residency as vLLM KV events for routers;
 - ``usage``: what lookups used, per chunk, per stored document (kept in the data dir across restarts) and per plan
   (``UsageLedger``, the one vocabulary of hits).
