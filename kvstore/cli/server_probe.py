@@ -3,8 +3,9 @@ check before they import the client and wait on a handshake.
 
 Why: a ZeroMQ client cannot tell "connection refused" from "slow": it retries quietly until its hello times out, so
 ``kvstore inspect --url tcp://127.0.0.1:1`` took 8 s to say nothing answered (issue 45, item 9). A plain TCP
-connect is refused in microseconds when nothing listens; anything else (a listener, a slow network, a filtered
-port, ``ipc://``) is left to the client and its timeouts.
+connect is refused in microseconds when nothing listens, and a host name that does not resolve is known as soon as
+the resolver answers; anything else (a listener, a slow network, a filtered port, ``ipc://``) is left to the client
+and its timeouts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def check_listening(url: str, flag: str = "--url") -> None:
 
     Raises:
         ConfigError: not a server URL (``check_server_url``).
-        ServerUnavailableError: the host refused the connection: no server listens there.
+        ServerUnavailableError: the host refused the connection (no server listens there), or its name is unknown.
     """
     check_server_url(url)
     if not url.startswith("tcp://"):
@@ -39,5 +40,10 @@ def check_listening(url: str, flag: str = "--url") -> None:
             f"{flag} {url}: nothing listens there (connection refused); start kvstore serve, or find a running "
             "server's URL in its data dir's serve.json"
         ) from None
+    except socket.gaierror as exc:
+        raise ServerUnavailableError(
+            f"{flag} {url}: unknown host {host!r} ({exc.strerror}); check the URL (a running server's is in its "
+            "data dir's serve.json)"
+        ) from None
     except OSError:
-        return  # unresolvable, unreachable or slow: the client's own timeout says so
+        return  # unreachable or slow: the client's own timeout says so

@@ -163,6 +163,12 @@ def cli_mistakes(scratch: Path) -> list[Mistake]:
         ),
         Mistake(name="inspect: nothing listens", argv=("inspect", "--url", nothing), fragment="nothing listens there"),
         Mistake(
+            name="inspect: unknown server",
+            argv=("inspect", "--url", "tcp://kvstore-server.invalid:5555"),
+            fragment="unknown host 'kvstore-server.invalid'",
+        ),
+        Mistake(name="inspect: no documents asked", argv=("inspect", "--top", "0"), fragment="--top", exit_code=2),
+        Mistake(
             name="inspect: not a server URL",
             argv=("inspect", "--url", "http://127.0.0.1:5555"),
             fragment="must look like",
