@@ -27,11 +27,15 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0
 """A server start here takes 30-90 s; more on a loaded CI host."""
 EXIT_BOUND_S = 5.0
 """The server gone this long after Ctrl-C (test_openai_shutdown.py's bound)."""
+SAMPLES_TIMEOUT_S = 600.0
+"""The README's samples (the blend sample loads SmolLM2) and the client's two requests, each."""
 _COVERAGE_ENV = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
 """Left out of the server's environment: tracing vLLM's own start costs about a minute here (test_openai_shutdown)."""
 
@@ -99,6 +103,7 @@ def _wait_until_up(process: subprocess.Popen[bytes], port: int, log_path: Path) 
     raise AssertionError(f"the server did not answer within {START_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-4000:]}")
 
 
+@pytest.mark.timeout(2 * SAMPLES_TIMEOUT_S + START_TIMEOUT_S)  # about 4 minutes on an idle 2-core machine
 def test_the_readme_then_the_vllm_quick_start_in_one_directory(tmp_path: Path) -> None:
     root = tmp_path / "checkout"
     root.mkdir()
@@ -109,13 +114,13 @@ def test_the_readme_then_the_vllm_quick_start_in_one_directory(tmp_path: Path) -
     samples = _readme_samples()
     assert len(samples) >= 3
     for index, sample in enumerate(samples):
-        _run(f"README sample {index}", [sys.executable, "-c", sample], root, timeout_s=600)
+        _run(f"README sample {index}", [sys.executable, "-c", sample], root, timeout_s=SAMPLES_TIMEOUT_S)
     assert (root / "kvstore-data" / "data.mdb").is_file()  # what used to stop the engine below
 
     setup, serve, client = _quick_start()
     assert setup.startswith("make vllm\n"), setup
     exported, _ = _run("quick start step 1", ["bash", "-c", setup.removeprefix("make vllm\n") + 'echo "$MODEL_DIR"'],
-                    root, timeout_s=600)  # fmt: skip
+                    root, timeout_s=SAMPLES_TIMEOUT_S)  # fmt: skip
     model_dir = exported.strip().splitlines()[-1]
     assert (Path(model_dir) / "config.json").is_file(), exported
 
@@ -124,7 +129,7 @@ def test_the_readme_then_the_vllm_quick_start_in_one_directory(tmp_path: Path) -
     with _server(serve, root, model_dir, port, log_path) as server:
         _wait_until_up(server, port, log_path)
         output, said = _run("quick start step 3", ["bash", "-c", client.replace("--port 8000", f"--port {port}")],
-                      root, timeout_s=600)  # fmt: skip
+                      root, timeout_s=SAMPLES_TIMEOUT_S)  # fmt: skip
         loaded = [int(n) for n in re.findall(r'"loaded_tokens": (\d+)', output)]
         assert len(loaded) == 2 and loaded[0] == 0 and loaded[1] > 1000, output
         assert "asking it at tcp://" in said and "never_stored" in output, output + said
