@@ -96,9 +96,10 @@ def test_an_mla_probe_writes_the_compressed_part_and_the_rope_part() -> None:
     assert (block_format.key.token_stride, block_format.key.dim_stride) == (576, 1)
 
 
-def test_a_backend_without_a_separate_write_is_refused_for_fp8_and_mla() -> None:
+def test_a_backend_without_a_separate_write_falls_back_to_the_packed_format_except_for_mla() -> None:
     layer = attention_layer(impl=SimpleNamespace())
-    assert probe_engine_block_format(layer, torch.zeros(1), FLOAT, block_size=16, model_dtype=torch.float32) is None
-    for layout in (FP8, MLA):
-        with pytest.raises(ConfigError, match="do_kv_cache_update"):
-            probe_engine_block_format(layer, torch.zeros(1), layout, block_size=16, model_dtype=torch.float32)
+    for layout in (FLOAT, FP8):  # vLLM's documented [blocks, heads, slots, 2 * head_dim], one byte an fp8 element
+        probed = probe_engine_block_format(layer, torch.zeros(1), layout, block_size=16, model_dtype=torch.float32)
+        assert probed is None
+    with pytest.raises(ConfigError, match="do_kv_cache_update"):
+        probe_engine_block_format(layer, torch.zeros(1), MLA, block_size=16, model_dtype=torch.float32)

@@ -90,19 +90,20 @@ def probe_engine_block_format(
     layer: Any, cache: torch.Tensor, layout: KVLayout, *, block_size: int, model_dtype: torch.dtype
 ) -> BlockFormat | None:
     """Read the block format of ``cache`` through ``layer``'s backend write; ``None`` when the backend has no separate
-    write (it writes inside attention: the caller falls back to vLLM's documented packed K/V format).
+    write (it writes inside attention: the caller falls back to vLLM's documented packed K/V format, which an fp8
+    cache shares, one byte an element).
 
     Raises:
-        ConfigError: the probe failed (``probe_block_format``), or an fp8 or MLA cache has no separate write.
+        ConfigError: the probe failed (``probe_block_format``), or an MLA cache has no separate write (no documented
+            format to fall back to).
     """
     impl = getattr(layer, "impl", None)
     write_cache = getattr(impl, "do_kv_cache_update", None)
     if write_cache is None:
-        if layout.mla is not None or layout.dtype.is_quantized:
+        if layout.mla is not None:
             raise ConfigError(
-                f"the attention backend {type(impl).__name__} writes its {layout.dtype.value} "
-                f"{'MLA ' if layout.mla else ''}KV cache inside attention; kvstore reads such caches only through a "
-                "backend's do_kv_cache_update"
+                f"the MLA attention backend {type(impl).__name__} writes its latent cache inside attention; kvstore "
+                "reads an MLA cache only through a backend's do_kv_cache_update"
             )
         return None
     quantized = layout.dtype.is_quantized
