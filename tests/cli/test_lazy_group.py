@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cli.bench import bench_app
 from kvstore.cli.main import app
 from tests.cli.test_cli import run
 
@@ -89,9 +90,11 @@ def test_ctrl_c_while_a_command_loads_is_one_line_and_exit_130(argv: list[str], 
     assert written == (["data.mdb"] if argv[0] == "inspect" else []), "nothing was written"
 
 
-def test_each_command_summary_is_the_first_paragraph_of_its_help() -> None:
-    """``kvstore --help`` lists the summaries kept in main.py; they must say what the commands' docstrings say."""
-    group = app.info.cls
+@pytest.mark.parametrize("which", ["kvstore", "kvstore bench"])
+def test_each_command_summary_is_the_first_paragraph_of_its_help(which: str) -> None:
+    """``kvstore --help`` and ``kvstore bench --help`` list the summaries kept beside the command names; they must
+    say what the commands' docstrings say."""
+    group = (app if which == "kvstore" else bench_app).info.cls
     assert group is not None
     for name, lazy in group.lazy_commands.items():  # type: ignore[attr-defined]
         command = lazy.load(name)
