@@ -3,9 +3,11 @@ checked as far as they can be without this machine's facts, the data dir's LMDB 
 
 Why a module of its own: ``kvstore serve --port 99999`` must be refused in a fraction of a second, before torch,
 numba, LMDB and the store are imported (issue 45, item 9). This module imports none of them; ``kvstore.cli.serve``
-runs ``check_flags`` first and only then imports ``kvstore.server.settings``, whose ``resolve_settings`` takes the
-``CheckedFlags`` on (default tiers, sizes against RAM, device memory and disk, the data dir's recorded layout and
-chunk size, a chunk of the layout in every tier). Every check is written once, in one of the two modules.
+runs ``check_flags`` and ``check_given_sizes_fit`` (the given cpu and disk sizes against ``MemAvailable`` and the
+free disk, which need no torch) first and only then imports ``kvstore.server.settings``, whose ``complete_settings``
+takes the ``CheckedFlags`` on (default tiers and sizes, every size against RAM, device memory and disk with the same
+``check_fits``, the data dir's recorded layout and chunk size, a chunk of the layout in every tier). Every check is
+written once, in one of the two modules.
 
 The settings' names and sources (``ServeFlags``, the config file, the environment) are ``kvstore.server.serve_sources``.
 
