@@ -1,8 +1,9 @@
 """The layout presets' names and the smallest one's size, without the layouts themselves (``kvstore.presets``).
 
 Why apart: ``kvstore.presets`` builds ``KVLayout`` s, and ``kvstore.layout`` imports torch; the CLI refuses an
-unknown ``--layout`` name, and a tier too small for any plausible model, before torch is imported (issue 45, item 9).
-``tests/server/test_serve_flags.py`` checks these against ``kvstore.presets``.
+unknown ``--layout`` name, and a tier too small for any plausible model, before torch is imported.
+``kvstore.presets`` takes its names from here; ``tests/server/test_settings_light.py`` checks the smallest preset's size
+against its layout.
 """
 
 from __future__ import annotations

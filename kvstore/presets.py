@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
+from kvstore.preset_names import PRESET_NAMES
 
 __all__ = ["PRESET_NAMES", "preset_layout"]
-
-PRESET_NAMES = ("smollm2-135m", "llama3.1-8b")
 
 
 def preset_layout(name: str) -> KVLayout:
