@@ -5,7 +5,7 @@ from disk), look up a prompt that starts with one of the documents, retrieve it,
 a prompt with two documents in another order behind a system prompt (blend segments found by content), and
 inspect the data dir.
 The KV is random (shaped like SmolLM2-135M's): this demonstrates the store, not a model. torch and the store are
-imported after the data dir is checked (issue 45).
+imported after the data dir is checked.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def demo_command(
 
         kvstore demo --data-dir /tmp/kvstore-demo
     """
-    check_data_dir_path(path)  # before torch and the store are imported: a mistake is refused at once (issue 45)
+    check_data_dir_path(path)  # before torch and the store are imported: a mistake is refused at once
     holder = live_server_record(path)
     if holder is not None:
         raise StorageError(

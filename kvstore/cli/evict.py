@@ -1,8 +1,7 @@
 """``kvstore evict``: drop chunks from a data dir that no running process holds, or through a running server
 (``--url``, ``kvstore.cli.online``).
 
-LMDB, the disk tier and the client are imported only after the arguments are checked: a mistake is refused at once
-(issue 45).
+LMDB, the disk tier and the client are imported only after the arguments are checked: a mistake is refused at once.
 """
 
 from __future__ import annotations

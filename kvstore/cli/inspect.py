@@ -4,8 +4,7 @@ offline, the counts the last server saved in the data dir).
 
 A data dir a running ``kvstore serve`` holds (its ``serve.json`` names a live process, as an engine's embedded
 server's does) is shown by asking that server, as ``--url`` would (``--offline`` reads the files instead). The
-store, LMDB and the client are imported only after the arguments are checked: a mistake is refused at once
-(issue 45).
+store, LMDB and the client are imported only after the arguments are checked: a mistake is refused at once.
 """
 
 from __future__ import annotations
@@ -153,7 +152,7 @@ def _inspect_offline(path: Path, key: str | None, as_json: bool, top: int) -> No
         typer.echo(json.dumps(summary.to_json_dict() | saved_top_documents(path, top).to_json_dict()))
         return
     console = Console(width=max(120, shutil.get_terminal_size().columns))  # the top documents' 32-digit keys
-    # The progress goes to stderr: on stdout its transient line left a blank line before an error (issue 45).
+    # The progress goes to stderr: on stdout its transient line left a blank line before an error.
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(f"scanning {path}", total=None)
         summary = summarize_data_dir(path, lambda seen, total: progress.update(task, completed=seen, total=total))

@@ -3,7 +3,7 @@
 The server, its settings and the store (torch, LMDB, ZeroMQ) are imported inside the functions that run it, not
 here: ``kvstore serve --help`` reads only this module's signature, and must not take seconds (issue 27); and a bad
 flag is refused by ``check_flags`` (``kvstore.server.serve_flags``, which imports none of them) before they are
-imported (issue 45).
+imported.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def serve_command(
         kv_events_interval_ms=kv_events_interval_ms,
         kv_events_replay_mib=kv_events_replay_mib,
     )
-    checked = check_flags(flags, config)  # before the server's imports: a bad flag is refused at once (issue 45)
+    checked = check_flags(flags, config)  # before the server's imports: a bad flag is refused at once
     check_given_sizes_fit(checked, available_memory_bytes())
     stop = threading.Event()
     if exit_with_pid is not None:

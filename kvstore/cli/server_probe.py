@@ -2,7 +2,7 @@
 check before they import the client and wait on a handshake.
 
 Why: a ZeroMQ client cannot tell "connection refused" from "slow": it retries quietly until its hello times out, so
-``kvstore inspect --url tcp://127.0.0.1:1`` took 8 s to say nothing answered (issue 45, item 9). A plain TCP
+``kvstore inspect --url tcp://127.0.0.1:1`` took 8 s to say nothing answered. A plain TCP
 connect is refused in microseconds when nothing listens, and a host name that does not resolve is known as soon as
 the resolver answers; anything else (a listener, a slow network, a filtered port, ``ipc://``) is left to the client
 and its timeouts.

@@ -3,7 +3,7 @@
 Read once, before start-up, so a size that cannot fit fails with one line instead of an out-of-memory kill later.
 ``HostFacts`` is a value, so tests hand ``resolve_settings`` a machine of their choosing. Only ``probe_host`` imports
 torch (CUDA's free memory): ``kvstore serve`` checks the given cpu and disk sizes against ``available_memory_bytes``
-and ``free_disk_bytes`` before torch is imported (issue 45).
+and ``free_disk_bytes`` before torch is imported.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 checked as far as they can be without this machine's facts, the data dir's LMDB or a ``KVLayout``.
 
 Why a module of its own: ``kvstore serve --port 99999`` must be refused in a fraction of a second, before torch,
-numba, LMDB and the store are imported (issue 45, item 9). This module imports none of them; ``kvstore.cli.serve``
+numba, LMDB and the store are imported. This module imports none of them; ``kvstore.cli.serve``
 runs ``check_flags`` and ``check_given_sizes_fit`` (the given cpu and disk sizes against ``MemAvailable`` and the
 free disk, which need no torch) first and only then imports ``kvstore.server.settings``, whose ``complete_settings``
 takes the ``CheckedFlags`` on (default tiers and sizes, every size against RAM, device memory and disk with the same
@@ -235,7 +235,7 @@ def check_data_dir_path(data_dir: Path) -> None:
 
 
 def check_room_for_a_chunk(store: StoreConfig, chunk_bytes: int | None, layout_name: str | None = None) -> None:
-    """Refuse a tier too small for one chunk before start-up: it would refuse every client later (issue 45, item 4).
+    """Refuse a tier too small for one chunk before start-up: it would refuse every client later.
 
     Without a layout yet (none given, none recorded: the first client's will decide) the floor is a chunk of the
     smallest plausible model: the smallest preset (SmolLM2-135M) with one-byte (fp8) KV elements, 11,520 bytes a

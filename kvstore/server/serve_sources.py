@@ -8,7 +8,7 @@ the environment are ``1/true/yes/on`` or ``0/false/no/off``. A value of the wron
 unknown ``KVSTORE_`` variable is a one-line ``ConfigError``; what the values mean is checked by
 ``kvstore.server.serve_flags`` and ``kvstore.server.settings``.
 
-Imports nothing heavy (``kvstore serve`` reads it before torch is imported, issue 45). Pure functions.
+Imports nothing heavy (``kvstore serve`` reads it before torch is imported). Pure functions.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class StoreHost:
             if self._store is None:
                 try:
                     self._store = TieredStore(layout, self.config)
-                except ConfigError as exc:  # the client hears it; the operator must too (issue 45, item 4)
+                except ConfigError as exc:  # the client hears it; the operator must too
                     if layout.namespace not in self._refused_layouts:
                         self._refused_layouts.add(layout.namespace)
                         logger.warning("refused a client's layout %s: %s", layout.describe(), exc)

@@ -2,7 +2,7 @@
 
 Why a module of its own: ``kvstore.config`` (``parse_tiers``, ``StoreConfig``) and the CLI's argument checks name
 tiers, and ``kvstore.tiers.base`` imports torch and numpy for the ``Tier`` contract; a command that only refuses a
-bad ``--tiers`` must not pay for them (issue 45, item 9). ``kvstore.tiers.base`` re-exports ``TierName``.
+bad ``--tiers`` must not pay for them. ``kvstore.tiers.base`` re-exports ``TierName``.
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ class DocumentHitsSaver:
             path = self._data_dir / DOCUMENT_HITS_FILE
             if not documents and not self._documents.num_dropped and not path.exists():
                 # Nothing counted and no file to replace: a server whose data dir was never opened (no client named
-                # a layout) leaves it as it found it, not a dir offline inspect cannot read (issue 45, item 10).
+                # a layout) leaves it as it found it, not a dir offline inspect cannot read.
                 return False
             self._data_dir.mkdir(parents=True, exist_ok=True)
             saved = SavedDocumentHits(
