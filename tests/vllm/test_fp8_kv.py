@@ -4,7 +4,9 @@
 One ``kvstore serve`` outlives two engines (separate processes):
 
     engine 1  fp8, vLLM's prefix cache on   the prompt (computed, stored as the engine's fp8 bytes), the prompt again
-                                            (vLLM's own 384-token prefix hit: the reference a load must match)
+                                            (vLLM's own 384-token prefix hit: the reference a load must match), the
+                                            prompt's tail after another prefix (other tokens: the model is not blind
+                                            to the prefix's KV)
     engine 2  fp8, vLLM's prefix cache off  the prompt: 384 tokens loaded from kvstore, the same greedy tokens
 
 Then the connector of a float32-KV engine is refused at start on that fp8 server, and an fp8 engine's on a float32
@@ -95,9 +97,12 @@ def test_fp8_kv_is_stored_as_bytes_and_loads_into_another_engine(
                 wait_until_stored_s=60.0,
             )
 
-        cold, own_hit = run_engine(spec([prompt, prompt], prefix_caching=True))
+        other = [int(token) for token in torch.randint(100, 40_000, (HIT_TOKENS,), generator=generator)]
+        other += prompt[HIT_TOKENS:]  # another prefix, the same last tokens
+        cold, own_hit, other_prefix = run_engine(spec([prompt, prompt, other], prefix_caching=True))
         assert cold.kvstore_loaded_tokens == 0 and own_hit.num_cached_tokens == HIT_TOKENS
         assert own_hit.token_ids == cold.token_ids  # fp8 pages read the same from vLLM's own cache as computed
+        assert other_prefix.token_ids != cold.token_ids  # the tokens depend on the prefix's KV: a wrong load shows
 
         (loaded,) = run_engine(spec([prompt], prefix_caching=False))
         assert loaded.kvstore_loaded_tokens == HIT_TOKENS and loaded.num_cached_tokens == HIT_TOKENS

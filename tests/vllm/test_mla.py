@@ -6,7 +6,8 @@ one plane (no V), under an MLA layout.
 One ``kvstore serve`` outlives two engines (separate processes):
 
     engine 1  vLLM's prefix cache on   the prompt (computed, its latents stored), the prompt again (vLLM's own
-                                       384-token prefix hit: in bfloat16 the reference a load must match)
+                                       384-token prefix hit: in bfloat16 the reference a load must match), the
+                                       prompt's tail after another prefix (other tokens: the model reads the latents)
     engine 2  vLLM's prefix cache off  the prompt: 384 tokens loaded from kvstore, the same greedy tokens
 """
 
@@ -66,8 +67,11 @@ def test_mla_latents_are_stored_once_and_load_into_another_engine(
                 wait_until_stored_s=60.0,
             )
 
-        cold, own_hit = run_engine(spec([prompt, prompt], prefix_caching=True))
+        other = [int(token) for token in torch.randint(100, 40_000, (HIT_TOKENS,), generator=generator)]
+        other += prompt[HIT_TOKENS:]  # another prefix, the same last tokens
+        cold, own_hit, other_prefix = run_engine(spec([prompt, prompt, other], prefix_caching=True))
         assert cold.kvstore_loaded_tokens == 0 and own_hit.num_cached_tokens == HIT_TOKENS
+        assert other_prefix.token_ids != own_hit.token_ids  # the tokens depend on the prefix's latents
 
         with Client(server.url, connect_timeout_s=5.0) as admin:
             layout = admin.info().layout
