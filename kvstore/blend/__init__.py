@@ -2,6 +2,8 @@
 
 - ``blender``, ``layerwise``, ``llama_layers``: one blended prefill, layer by layer, of a Llama-family model;
 - ``rope``, ``rope_gate``: re-rotating cached K to new positions, and the per-model proof that this is exact;
+- ``config``: ``BlendConfig`` and its choices (selection policy, deviation, attention kernel, disk policy), torch-free
+  so that a command line's blend settings are checked before torch is imported;
 - ``selection``, ``recurring_context``, ``query_attention``: which tokens are recomputed, and their attention;
 - ``kv_loading``, ``load_cost``, ``stage_clock``: loading a plan's KV while the model computes, the disk-or-recompute
   choice, and timing the stages.
@@ -19,7 +21,8 @@ from kvstore.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from kvstore.blend.blender import BlendOutput, LayerwiseBlender, PrefillMode, PrefillTimings
-    from kvstore.blend.layerwise import BlendConfig, BlendPlanSummary
+    from kvstore.blend.config import BlendConfig, DeviationMetric, SelectionPolicy
+    from kvstore.blend.layerwise import BlendPlanSummary
     from kvstore.blend.rope import (
         PlacedRange,
         RopeRotator,
@@ -35,18 +38,17 @@ if TYPE_CHECKING:
         gate_tolerance,
         require_rope_gate,
     )
-    from kvstore.blend.selection import DeviationMetric, SelectionPolicy
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "kvstore.blend.blender": ("BlendOutput", "LayerwiseBlender", "PrefillMode", "PrefillTimings"),
-        "kvstore.blend.layerwise": ("BlendConfig", "BlendPlanSummary"),
+        "kvstore.blend.config": ("BlendConfig", "DeviationMetric", "SelectionPolicy"),
+        "kvstore.blend.layerwise": ("BlendPlanSummary",),
         "kvstore.blend.rope": (
             "PlacedRange",
             "RopeRotator",
             "Rotation",
-    "SelectionPolicy",
             "inverse_frequencies",
             "rotate_keys",
             "token_deltas",
@@ -58,7 +60,6 @@ __getattr__, __dir__ = lazy_exports(
             "gate_tolerance",
             "require_rope_gate",
         ),
-        "kvstore.blend.selection": ("DeviationMetric", "SelectionPolicy"),
     },
 )
 __all__ = [

@@ -42,7 +42,6 @@ Runs on the caller's thread under ``torch.inference_mode``; not thread-safe (one
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -51,16 +50,15 @@ from typing import TypeVar
 
 import torch
 
+from kvstore.blend.config import BlendConfig, DiskPolicy, SelectionPolicy
 from kvstore.blend.kv_loading import KVLoader, PendingLoad
 from kvstore.blend.layer_stack import LayerStack
 from kvstore.blend.llama_layers import Projection
-from kvstore.blend.load_cost import DiskPolicy, LoadCostModel, disk_bound_segments, skipped_token_layers
-from kvstore.blend.query_attention import AttentionKernel, QueryMask
+from kvstore.blend.load_cost import LoadCostModel, disk_bound_segments, skipped_token_layers
+from kvstore.blend.query_attention import QueryMask
 from kvstore.blend.recurring_context import recurring_context_positions
 from kvstore.blend.rope import RopeRotator, Rotation, token_deltas
 from kvstore.blend.selection import (
-    DeviationMetric,
-    SelectionPolicy,
     query_attention_mass,
     select_tokens,
     span_head_positions,
@@ -127,95 +125,6 @@ class BlendPassResult:
     disk_wait_bytes: int
     num_skipped_disk_tokens: int
     recomputed_positions: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BlendConfig:
-    """How a blended prefill chooses what to recompute.
-
-    Args:
-        recompute_ratio: fraction of the cached (blend) tokens recomputed after the check layer, in ``[0, 1]``;
-            CacheBlend's default 0.15. 1.0 reproduces a full prefill, 0 is plain reuse.
-        check_layer: the layer (0-based) whose fresh K/V select the tokens; layers up to it compute every
-            non-exact token. LMCache's default 1.
-        selection: how the ratio's tokens are chosen (``kvstore.blend.selection.SelectionPolicy``): by K/V
-            deviation (``kv_deviation``, CacheBlend's), by the attention the computed tokens (the question) pay
-            them at the check layer (``query_attention``), the first tokens of every reused span
-            (``chunk_start``), or span starts first and the rest by one of the two scorers.
-        deviation: what ``kv_deviation`` compares (K alone, or K and V).
-        chunk_start_tokens: how many first tokens of every reused span the ``chunk_start`` policies take (within
-            the ratio's budget).
-        attention: the kernel that attends a subset of the tokens (``query_attention``; ``auto``: flex attention
-            on CUDA, one masked sdpa elsewhere).
-        num_head_tokens: the first tokens of every reused span (a run of blend segments continuing one cached
-            sequence) recomputed after the check layer whatever their deviation, on top of the ratio's share
-            (``kvstore.blend.selection.span_head_positions``); only when ``0 < recompute_ratio < 1``, so ratio 0
-            stays plain reuse. 0 (the default) turns it off.
-        recurring_context_tokens: also recompute, on top of the ratio's share, every reused token whose last this
-            many tokens occur as a run earlier in the prompt, before its span (``recurring_context``: what a full
-            prefill's prefix-matching attention would read across documents); only when ``0 < recompute_ratio <
-            1``. 0 (the default) turns it off.
-        stale_key_scale: multiplies, in the attention of this prefill and in the returned decode cache, the keys
-            of the cached tokens that keep their cached KV after the check layer (a temperature on their attention
-            scores; the question of a blended prompt over-attends to documents cached without the others). The
-            stored ``kv`` keeps the cached keys as they are. In ``(0, 1]``; only when ``0 < recompute_ratio < 1``.
-            1.0 (the default) turns it off.
-        disk_policy: what to do with the plan's chunks that only the disk holds when loading starts
-            (``load_cost``): ``auto`` (the default) recomputes their tokens when that is expected to be faster
-            than reading them, ``wait`` always reads them, ``recompute`` never waits for the disk. Skipped chunks
-            still land in the cpu tier for the next prompt.
-
-    Raises:
-        ConfigError: a ratio outside ``[0, 1]``, a negative check layer (the upper bound is checked against the
-            model by ``LayerwiseBlender``), an unknown ``selection``, a ``chunk_start_tokens`` below 1, a negative
-            ``num_head_tokens`` or ``recurring_context_tokens``, or a ``stale_key_scale`` outside ``(0, 1]``.
-    """
-
-    recompute_ratio: float = 0.15
-    check_layer: int = 1
-    selection: SelectionPolicy = SelectionPolicy.KV_DEVIATION
-    deviation: DeviationMetric = DeviationMetric.KEY
-    chunk_start_tokens: int = 4
-    attention: AttentionKernel = AttentionKernel.AUTO
-    num_head_tokens: int = 0
-    recurring_context_tokens: int = 0
-    stale_key_scale: float = 1.0
-    disk_policy: DiskPolicy = DiskPolicy.AUTO
-
-    def __post_init__(self) -> None:
-        ratio = self.recompute_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
-            raise ConfigError(
-                f"recompute_ratio={ratio!r} must be a fraction in [0, 1] (0.15 is CacheBlend's default; 1.0 "
-                "recomputes everything, 0 reuses everything)"
-            )
-        object.__setattr__(self, "recompute_ratio", float(ratio))
-        layer = self.check_layer
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ConfigError(f"check_layer={layer!r} must be a layer index >= 0 (default 1)")
-        choices: tuple[tuple[str, type[enum.StrEnum]], ...] = (
-            ("selection", SelectionPolicy),
-            ("deviation", DeviationMetric),
-            ("attention", AttentionKernel),
-            ("disk_policy", DiskPolicy),
-        )
-        for name, kind in choices:
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, kind(value))
-            except ValueError:
-                raise ConfigError(f"{name}={value!r} is not one of {', '.join(item.value for item in kind)}") from None
-        starts = self.chunk_start_tokens
-        if isinstance(starts, bool) or not isinstance(starts, int) or starts < 1:
-            raise ConfigError(f"chunk_start_tokens={starts!r} must be a token count >= 1 (default 4)")
-        for name in ("num_head_tokens", "recurring_context_tokens"):
-            count = getattr(self, name)
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise ConfigError(f"{name}={count!r} must be a token count >= 0 (0 turns it off)")
-        scale = self.stale_key_scale
-        if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0.0 < scale <= 1.0:
-            raise ConfigError(f"stale_key_scale={scale!r} must be in (0, 1] (1.0 turns it off)")
-        object.__setattr__(self, "stale_key_scale", float(scale))
 
 
 class _TokenClasses:

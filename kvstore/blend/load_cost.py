@@ -16,12 +16,12 @@ blender waits (a prefill that waits teaches the disk rate). ``DiskPolicy`` lets 
 
 from __future__ import annotations
 
-import enum
 import logging
 import statistics
 from collections import deque
 from collections.abc import Sequence
 
+from kvstore.blend.config import DiskPolicy
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, Segment
@@ -30,17 +30,6 @@ from kvstore.tiers.base import TierName
 __all__ = ["DiskPolicy", "LoadCostModel", "disk_bound_segments", "skipped_token_layers"]
 
 logger = logging.getLogger(__name__)
-
-
-class DiskPolicy(enum.StrEnum):
-    """What a blend does with the chunks of its plan that only the disk holds when it starts loading."""
-
-    AUTO = "auto"
-    """Whichever ``LoadCostModel`` expects to be faster (waits until it has seen both rates)."""
-    WAIT = "wait"
-    """Always read them: for a disk known to be faster than the model, or a deployment that wants steady TTFT."""
-    RECOMPUTE = "recompute"
-    """Never wait for the disk: compute those tokens; the chunks still land in the cpu tier for the next prompt."""
 
 
 def disk_bound_segments(plan: LookupPlan) -> tuple[Segment, ...]:

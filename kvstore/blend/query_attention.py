@@ -26,7 +26,6 @@ causal attention either way (sdpa's ``is_causal``: the flash kernel).
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import warnings
@@ -36,6 +35,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as functional
 
+from kvstore.blend.config import AttentionKernel
+
 __all__ = ["AttentionKernel", "QueryMask"]
 
 logger = logging.getLogger(__name__)
@@ -44,17 +45,6 @@ _MASK_ALIGN_ELEMENTS = 16  # fused attention kernels want the mask's rows 16-ele
 _FLEX_QUERY_BLOCK = 128  # flex attention's query block: whole blocks only (a 50-query set failed to compile)
 _CPU_GROUP_ROWS = 128  # sorted queries per sdpa call on the CPU (see _SdpaMask)
 _CPU_MAX_GROUPS = 16
-
-
-class AttentionKernel(enum.StrEnum):
-    AUTO = "auto"
-    SDPA = "sdpa"
-    FLEX = "flex"
-
-    def resolve(self, device: torch.device) -> AttentionKernel:
-        if self is AttentionKernel.AUTO:
-            return AttentionKernel.FLEX if device.type == "cuda" else AttentionKernel.SDPA
-        return self
 
 
 @functools.cache

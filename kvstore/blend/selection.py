@@ -33,7 +33,6 @@ Pure functions on tensors; thread-safe.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 
@@ -41,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstore.blend.config import DeviationMetric, SelectionPolicy
 from kvstore.errors import InvalidInputError
 from kvstore.plan import Segment
 
@@ -55,42 +55,6 @@ __all__ = [
     "span_start_order",
     "token_deviation",
 ]
-
-
-class DeviationMetric(enum.StrEnum):
-    """What a cached token's deviation is measured on at the check layer.
-
-    ``KEY`` is CacheBlend's (and LMCache's) choice; ``VALUE`` looks at V alone, ``KEY_VALUE`` adds the two (which
-    also sees tokens whose attention output changed without their key moving).
-    """
-
-    KEY = "key"
-    VALUE = "value"
-    KEY_VALUE = "key_value"
-
-
-class SelectionPolicy(enum.StrEnum):
-    """How the budget's cached tokens are chosen (see the module docstring)."""
-
-    KV_DEVIATION = "kv_deviation"
-    QUERY_ATTENTION = "query_attention"
-    CHUNK_START = "chunk_start"
-    CHUNK_START_QUERY_ATTENTION = "chunk_start+query_attention"
-    CHUNK_START_KV_DEVIATION = "chunk_start+kv_deviation"
-
-    @property
-    def takes_chunk_starts(self) -> bool:
-        """Whether the reused spans' first tokens come first in the budget."""
-        return self.value.startswith("chunk_start")
-
-    @property
-    def scorer(self) -> SelectionPolicy | None:
-        """What ranks the rest of the budget: ``KV_DEVIATION``, ``QUERY_ATTENTION`` or nothing."""
-        if self in (SelectionPolicy.KV_DEVIATION, SelectionPolicy.CHUNK_START_KV_DEVIATION):
-            return SelectionPolicy.KV_DEVIATION
-        if self in (SelectionPolicy.QUERY_ATTENTION, SelectionPolicy.CHUNK_START_QUERY_ATTENTION):
-            return SelectionPolicy.QUERY_ATTENTION
-        return None
 
 
 def token_deviation(

@@ -2,21 +2,42 @@
 models of real shapes (``random_init_model``), and the KV layout and RoPE parameters of a model config.
 
 Constants (``SMOLLM2_MODEL_ID``, ``LLAMA_FAMILY_MODEL_TYPES``, ``SUPPORTED_ROPE_TYPES``, ``RANDOM_INIT_PRESETS``) live
-in their modules.
+in their modules. The names below are re-exported lazily (``kvstore.lazy_exports``): the modules import torch, and
+``kvstore.models.random_init_names`` must be importable without it (``kvstore bench`` checks ``--random-init``
+before torch is imported).
 """
 
 from __future__ import annotations
 
-from kvstore.models.hf_config import layout_from_hf_config, rope_spec_from_hf_config
-from kvstore.models.loading import (
-    LoadedModel,
-    default_model_cache_dir,
-    load_local_model,
-    load_smollm2,
-    smollm2_gguf_path,
-)
-from kvstore.models.random_init import RandomInitModel, random_init_config, random_init_model
+from typing import TYPE_CHECKING
 
+from kvstore.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from kvstore.models.hf_config import layout_from_hf_config, rope_spec_from_hf_config
+    from kvstore.models.loading import (
+        LoadedModel,
+        default_model_cache_dir,
+        load_local_model,
+        load_smollm2,
+        smollm2_gguf_path,
+    )
+    from kvstore.models.random_init import RandomInitModel, random_init_config, random_init_model
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "kvstore.models.hf_config": ("layout_from_hf_config", "rope_spec_from_hf_config"),
+        "kvstore.models.loading": (
+            "LoadedModel",
+            "default_model_cache_dir",
+            "load_local_model",
+            "load_smollm2",
+            "smollm2_gguf_path",
+        ),
+        "kvstore.models.random_init": ("RandomInitModel", "random_init_config", "random_init_model"),
+    },
+)
 __all__ = [
     "LoadedModel",
     "RandomInitModel",

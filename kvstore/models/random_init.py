@@ -24,6 +24,7 @@ import torch
 from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout
 from kvstore.models.hf_config import layout_from_hf_config
+from kvstore.models.random_init_names import RANDOM_INIT_PRESETS, check_random_init_preset
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -66,8 +67,6 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
-RANDOM_INIT_PRESETS = tuple(_PRESETS)
-"""Names ``random_init_model`` accepts."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,8 +83,7 @@ def random_init_config(preset: str, *, num_layers: int | None = None) -> Any:
     Raises:
         ConfigError: an unknown preset or a non-positive ``num_layers``.
     """
-    if preset not in _PRESETS:
-        raise ConfigError(f"unknown random-init model {preset!r}; use one of {', '.join(RANDOM_INIT_PRESETS)}")
+    check_random_init_preset(preset)
     if num_layers is not None and (isinstance(num_layers, bool) or num_layers < 1):
         raise ConfigError(f"num_layers={num_layers!r} must be a positive number of layers")
     from transformers import LlamaConfig

@@ -49,3 +49,11 @@ def test_unknown_presets_and_depths_are_refused() -> None:
         random_init_config("gpt5")
     with pytest.raises(ConfigError, match="num_layers=0 must be a positive number of layers"):
         random_init_config("tiny-llama", num_layers=0)
+
+
+def test_the_light_names_are_the_configured_presets() -> None:
+    """``kvstore bench`` checks --random-init against the torch-free names: they must be the configurations' keys."""
+    from kvstore.models import random_init
+    from kvstore.models.random_init_names import RANDOM_INIT_PRESETS
+
+    assert tuple(random_init._PRESETS) == RANDOM_INIT_PRESETS == random_init.RANDOM_INIT_PRESETS
