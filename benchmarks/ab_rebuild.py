@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
-    from kvstore.bench.rebuild import MANIFEST_NAME, RebuildBenchOptions
+    from kvstore.bench.rebuild import MANIFEST_NAME, RebuildBenchOptions, capacity_bytes
 
     options = RebuildBenchOptions(num_chunks=args.chunks, seed=args.seed)
     data_dir = options.resolved_data_dir
@@ -90,7 +90,7 @@ def main() -> None:
         rows: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
         for repeat in range(args.repeats):
             for name, tree in sides.items():
-                command = [sys.executable, "-c", _CHILD, str(tree), str(data_dir), str(options.capacity_bytes),
+                command = [sys.executable, "-c", _CHILD, str(tree), str(data_dir), str(capacity_bytes(options)),
                            str(options.head_dim)]  # fmt: skip
                 result = subprocess.run(command, check=True, capture_output=True, text=True, cwd=scratch)
                 row = json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,7 +1,10 @@
 """Benchmarks behind ``kvstore bench``, each against a baseline measured in the same run.
 
 The names are re-exported lazily (``kvstore.lazy_exports``): ``kvstore bench vllm`` imports ``kvstore.bench.vllm_ttft``
-and must not pay for the store's benchmarks (the content index, LMDB, numba) to check its arguments (issue 45).
+and must not pay for the store's benchmarks (the content index, LMDB, numba) to check its arguments. Each
+benchmark's options live in a torch-free module of their own (``tier_options``, ``rebuild_options``,
+``server_options``, ``multidoc_options``, ``vllm_blend_options``, checks shared through ``option_checks``), so that
+``kvstore bench ...`` refuses a bad option before it imports the benchmark.
 """
 
 from __future__ import annotations
@@ -12,19 +15,25 @@ from kvstore.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from kvstore.bench.index import IndexBenchRow, run_index_benchmark
-    from kvstore.bench.multidoc import MultiDocOptions, run_multidoc_benchmark
+    from kvstore.bench.multidoc import run_multidoc_benchmark
+    from kvstore.bench.multidoc_options import MultiDocOptions
     from kvstore.bench.multidoc_rows import MultiDocRow
-    from kvstore.bench.rebuild import RebuildBenchOptions, RebuildBenchRow, run_rebuild_benchmark
-    from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
+    from kvstore.bench.rebuild import RebuildBenchRow, run_rebuild_benchmark
+    from kvstore.bench.rebuild_options import RebuildBenchOptions
+    from kvstore.bench.tier_options import TierBenchOptions
+    from kvstore.bench.tiers import TierBenchRow, run_tier_benchmark
 
 __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "kvstore.bench.index": ("IndexBenchRow", "run_index_benchmark"),
-        "kvstore.bench.multidoc": ("MultiDocOptions", "run_multidoc_benchmark"),
+        "kvstore.bench.multidoc": ("run_multidoc_benchmark",),
+        "kvstore.bench.multidoc_options": ("MultiDocOptions",),
         "kvstore.bench.multidoc_rows": ("MultiDocRow",),
-        "kvstore.bench.rebuild": ("RebuildBenchOptions", "RebuildBenchRow", "run_rebuild_benchmark"),
-        "kvstore.bench.tiers": ("TierBenchOptions", "TierBenchRow", "run_tier_benchmark"),
+        "kvstore.bench.rebuild": ("RebuildBenchRow", "run_rebuild_benchmark"),
+        "kvstore.bench.rebuild_options": ("RebuildBenchOptions",),
+        "kvstore.bench.tier_options": ("TierBenchOptions",),
+        "kvstore.bench.tiers": ("TierBenchRow", "run_tier_benchmark"),
     },
 )
 __all__ = [

@@ -30,7 +30,6 @@ Single-threaded (the blender's loader thread aside).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import logging
 import shutil
@@ -45,10 +44,10 @@ import numpy as np
 import torch
 
 from kvstore.bench.blend_quality import first_number, greedy_continuation, kl_divergence
+from kvstore.bench.multidoc_options import BenchMode, BenchWorkload, MultiDocOptions, WarmUp
 from kvstore.bench.multidoc_rows import MultiDocRow, QuerySample, RunContext, summarize
 from kvstore.bench.multidoc_workload import (
     Document,
-    FactStyle,
     PromptFormat,
     QuerySpec,
     TokenIds,
@@ -58,12 +57,11 @@ from kvstore.bench.multidoc_workload import (
     random_documents,
 )
 from kvstore.blend import BlendConfig, BlendOutput, LayerwiseBlender
-from kvstore.config import GIB, StoreConfig
+from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout
 from kvstore.models import load_local_model, load_smollm2, random_init_model
 from kvstore.store import TieredStore
-from kvstore.tiers.base import TierName
 
 __all__ = [
     "BenchMode",
@@ -79,72 +77,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]
-
-
-class BenchWorkload(enum.StrEnum):
-    MULTI_DOC_QA = "multi_doc_qa"
-    SHUFFLE = "shuffle"
-
-
-class WarmUp(enum.StrEnum):
-    """How multi-doc-qa's warm-up stores each document (see ``kvstore.bench.multidoc_workload``)."""
-
-    PREAMBLE = "preamble"
-    ALONE = "alone"
-    GROUPED = "grouped"
-
-
-class BenchMode(enum.StrEnum):
-    FULL = "full"
-    PREFIX = "prefix"
-    BLEND = "blend"
-    REUSE = "reuse"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MultiDocOptions:
-    """What ``run_multidoc_benchmark`` measures; the CLI flags of the same names document each field."""
-
-    workload: BenchWorkload = BenchWorkload.MULTI_DOC_QA
-    model_path: Path | None = None
-    model_cache_dir: Path | None = None
-    random_init: str | None = None
-    num_layers: int | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    tiers: tuple[TierName, ...] = (TierName.CPU,)
-    data_dir: Path | None = None
-    chunk_size: int = 64  # a document's head up to a chunk is a gap (its first chunk holds the preamble)
-    warm_up: WarmUp = WarmUp.PREAMBLE
-    facts: FactStyle = FactStyle.DISTINCT
-    cpu_capacity_bytes: int | None = None
-    gpu_capacity_bytes: int | None = None
-    disk_capacity_bytes: int = 64 * GIB
-    num_documents: int = 8
-    document_tokens: int = 512
-    num_queries: int = 10
-    docs_per_query: int = 4
-    blend: BlendConfig = field(default_factory=BlendConfig)  # blend mode's settings; reuse is the same at ratio 0
-    modes: tuple[BenchMode, ...] = tuple(BenchMode)
-    continuation_tokens: int = 32
-    seed: int = 0
-    samples_path: Path | None = None  # one JSON line per query and mode, written as they come
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "workload", BenchWorkload(self.workload))
-        object.__setattr__(self, "warm_up", WarmUp(self.warm_up))
-        object.__setattr__(self, "facts", FactStyle(self.facts))
-        modes = [BenchMode(mode) for mode in self.modes]
-        # full prefill runs first, asked for or not: it is the reference every quality figure and ratio compares with
-        others = tuple(dict.fromkeys(mode for mode in modes if mode is not BenchMode.FULL))
-        object.__setattr__(self, "modes", (BenchMode.FULL, *others))
-        if self.samples_path is not None and not self.samples_path.parent.is_dir():  # before minutes of work
-            raise ConfigError(f"--samples {self.samples_path}: its directory does not exist")
-        if self.model_path is not None and self.random_init is not None:
-            raise ConfigError("--model and --random-init exclude each other; pick one model")
-        for name in ("num_documents", "document_tokens", "num_queries", "continuation_tokens", "chunk_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

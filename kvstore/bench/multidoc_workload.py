@@ -36,7 +36,6 @@ Pure functions over a tokenizer and a seed; thread-safe.
 
 from __future__ import annotations
 
-import enum
 import importlib
 import inspect
 import itertools
@@ -49,6 +48,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.bench.multidoc_options import FactStyle, check_docs_per_query
 from kvstore.errors import ConfigError
 
 __all__ = [
@@ -117,13 +117,6 @@ RELATIONS = (
     ("Locker {code} belongs to the {name} team.", "Which locker belongs to the {name} team?"),
 )  # fmt: skip
 """(fact sentence, question) formats of the ``distinct`` style; the ``same`` style uses the first for every fact."""
-
-
-class FactStyle(enum.StrEnum):
-    """Which relation each planted fact states (see the module docstring)."""
-
-    DISTINCT = "distinct"
-    SAME = "same"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -305,10 +298,7 @@ def pick_combinations(num_documents: int, docs_per_query: int, num_queries: int,
     Raises:
         ConfigError: more documents per query than documents.
     """
-    if not 1 <= docs_per_query <= num_documents:
-        raise ConfigError(
-            f"--docs-per-query {docs_per_query} must be between 1 and --num-documents {num_documents}"
-        )
+    check_docs_per_query(docs_per_query, num_documents)
     rng = np.random.default_rng(seed + 1)
     queries = []
     for _ in range(num_queries):

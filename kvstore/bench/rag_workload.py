@@ -2,7 +2,8 @@
 
 Documents of 3,000 random tokens (12 chunks of 256, the last of 184) with random 16-byte keys per chunk; prompts of a
 30-token system prompt, 5 of the documents in random order joined by 4-token separators, and a 20-token question
-(15,066 tokens). Random draws in a fixed order, so a seed gives the same workload in both benchmarks.
+(15,066 tokens). Random draws in a fixed order, so a seed gives the same workload in both benchmarks. The sizes
+are ``kvstore.bench.rag_shape``'s (torch-free, for the options' checks), re-exported here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from kvstore.bench.rag_shape import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
 from kvstore.keys import PrefixKey
 
 __all__ = [
@@ -24,11 +26,6 @@ __all__ = [
     "make_queries",
 ]
 
-CHUNK_TOKENS = 256
-DOCUMENT_TOKENS = 3000
-CHUNKS_PER_DOCUMENT = -(-DOCUMENT_TOKENS // CHUNK_TOKENS)
-DOCUMENTS_PER_QUERY = 5
-VOCAB = 128_000
 
 Placed = list[tuple[int, int]]
 """Where each document of a prompt lies: ``(position in the prompt, document index)``."""

@@ -44,7 +44,6 @@ import json
 import logging
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ import torch
 
 from kvstore.bench.page_cache import drop_page_cache
 from kvstore.bench.rag_workload import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
+from kvstore.bench.rebuild_options import RebuildBenchOptions, default_data_dir
 from kvstore.config import StoreConfig
 from kvstore.content.catalog import ContentCatalog, Residency
 from kvstore.errors import ConfigError
@@ -65,7 +65,15 @@ from kvstore.store import TieredStore
 from kvstore.tiers.base import ChunkRecord, TierName
 from kvstore.tiers.disk.tier import DiskTier
 
-__all__ = ["RebuildBenchOptions", "RebuildBenchRow", "RebuildProgress", "default_data_dir", "run_rebuild_benchmark"]
+__all__ = [
+    "RebuildBenchOptions",
+    "RebuildBenchRow",
+    "RebuildProgress",
+    "bench_layout",
+    "capacity_bytes",
+    "default_data_dir",
+    "run_rebuild_benchmark",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,67 +85,6 @@ _QUERY_STREAM = 2**32 - 1  # the queries' random stream: no document index reach
 
 RebuildProgress = Callable[[str, int, int | None], None]
 """Called with a step's description, the units done and the units in all (``None``: unknown)."""
-
-
-def default_data_dir(num_chunks: int, seed: int = 0) -> Path:
-    """Where the data dir of ``num_chunks`` chunks lives unless ``--data-dir`` says otherwise (kept between runs)."""
-    return Path(tempfile.gettempdir()) / f"kvstore-bench-rebuild-{num_chunks}-seed{seed}"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RebuildBenchOptions:
-    """What ``run_rebuild_benchmark`` builds and measures.
-
-    Args:
-        num_chunks: chunks to store, rounded down to whole documents of 12 chunks (at least 5 documents).
-        data_dir: the data dir (default ``default_data_dir``); built when missing, reused when its manifest
-            matches, rebuilt when it is an older build of this benchmark, refused when it holds anything else.
-        num_queries: lookups that check the rebuilt index.
-        num_repeats: timed opens of the store, and of the baseline, alternating.
-        head_dim: of the tiny KV layout (1 layer, 1 KV head, fp16).
-        seed: of the documents (each document's tokens come from ``(seed, document index)``) and the queries.
-        cold: drop the data dir from the page cache before each timed open.
-    """
-
-    num_chunks: int = 1_000_000
-    data_dir: Path | None = None
-    num_queries: int = 200
-    num_repeats: int = 3
-    head_dim: int = 2
-    seed: int = 0
-    cold: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_chunks < 1:
-            raise ConfigError(f"--chunks {self.num_chunks}: give a positive chunk count, e.g. 1000000")
-        if self.num_queries < 1 or self.num_repeats < 1:
-            raise ConfigError("--queries and --repeats must be positive, e.g. --queries 200 --repeats 3")
-        if not 1 <= self.head_dim <= 256:
-            raise ConfigError(f"--head-dim {self.head_dim} must lie in [1, 256]; the default 2 keeps chunks tiny")
-
-    @property
-    def num_documents(self) -> int:
-        return max(DOCUMENTS_PER_QUERY, self.num_chunks // CHUNKS_PER_DOCUMENT)
-
-    @property
-    def layout(self) -> KVLayout:
-        return KVLayout(
-            model_id="kvstore-bench-rebuild",
-            num_layers=1,
-            num_kv_heads=1,
-            head_dim=self.head_dim,
-            dtype=KVDtype.FLOAT16,
-        )
-
-    @property
-    def resolved_data_dir(self) -> Path:
-        return self.data_dir if self.data_dir is not None else default_data_dir(self.num_chunks, self.seed)
-
-    @property
-    def capacity_bytes(self) -> int:
-        """Room for every chunk twice over: nothing is evicted, at build or at open."""
-        chunk_bound_bytes = self.layout.chunk_bytes(CHUNK_TOKENS) + 4 * CHUNK_TOKENS + 256
-        return 2 * self.num_documents * CHUNKS_PER_DOCUMENT * chunk_bound_bytes + 64 * _MIB
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,6 +125,23 @@ class RebuildBenchRow:
         return {"bench": "index_rebuild"} | {name: getattr(self, name) for name in self.__slots__}
 
 
+def bench_layout(options: RebuildBenchOptions) -> KVLayout:
+    """The tiny KV layout of the benchmark's chunks: 1 layer, 1 KV head, ``options.head_dim``, fp16."""
+    return KVLayout(
+        model_id="kvstore-bench-rebuild",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=options.head_dim,
+        dtype=KVDtype.FLOAT16,
+    )
+
+
+def capacity_bytes(options: RebuildBenchOptions) -> int:
+    """Room for every chunk twice over: nothing is evicted, at build or at open."""
+    chunk_bound_bytes = bench_layout(options).chunk_bytes(CHUNK_TOKENS) + 4 * CHUNK_TOKENS + 256
+    return 2 * options.num_documents * CHUNKS_PER_DOCUMENT * chunk_bound_bytes + 64 * _MIB
+
+
 def document_tokens(seed: int, document_idx: int) -> TokenArray:
     """The tokens of one document, regenerated from its seed (the run never holds every document)."""
     return np.random.default_rng((seed, document_idx)).integers(0, VOCAB, DOCUMENT_TOKENS).astype("<u4")
@@ -189,7 +153,7 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
     data_dir = options.resolved_data_dir
     build_s = _ensure_data_dir(options, data_dir, say)
     config = StoreConfig(
-        tiers=(TierName.DISK,), data_dir=data_dir, disk_capacity_bytes=options.capacity_bytes, enable_blend=True
+        tiers=(TierName.DISK,), data_dir=data_dir, disk_capacity_bytes=capacity_bytes(options), enable_blend=True
     )
     expected_chunks = options.num_documents * CHUNKS_PER_DOCUMENT
     samples: dict[str, list[float]] = {
@@ -213,7 +177,7 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
             drop_page_cache(data_dir)
         with _GcClock() as gc_clock:
             started_s, started_cpu_s = time.perf_counter(), time.process_time()
-            store = TieredStore(options.layout, config)
+            store = TieredStore(bench_layout(options), config)
             samples["rebuild"].append(time.perf_counter() - started_s)
             samples["cpu"].append(time.process_time() - started_cpu_s)
         samples["gc"].append(gc_clock.elapsed_s)
@@ -276,7 +240,7 @@ def _manifest(options: RebuildBenchOptions) -> dict[str, int | str]:
         "document_tokens": DOCUMENT_TOKENS,
         "chunk_size": CHUNK_TOKENS,
         "seed": options.seed,
-        "layout": options.layout.to_json(),
+        "layout": bench_layout(options).to_json(),
     }
 
 
@@ -298,7 +262,7 @@ def _ensure_data_dir(options: RebuildBenchOptions, data_dir: Path, say: RebuildP
         )
     data_dir.mkdir(parents=True, exist_ok=True)
     # KV + meta value per chunk, and half again for LMDB's pages (measured: docs/design-notes.md#bench-rebuild)
-    chunk_bytes = options.layout.chunk_bytes(CHUNK_TOKENS) + 4 * CHUNK_TOKENS + 72
+    chunk_bytes = bench_layout(options).chunk_bytes(CHUNK_TOKENS) + 4 * CHUNK_TOKENS + 72
     needed_bytes = options.num_documents * CHUNKS_PER_DOCUMENT * chunk_bytes * 3 // 2
     free_bytes = shutil.disk_usage(data_dir).free
     if free_bytes < 2 * needed_bytes:
@@ -316,12 +280,12 @@ def _ensure_data_dir(options: RebuildBenchOptions, data_dir: Path, say: RebuildP
 
 def _build(options: RebuildBenchOptions, data_dir: Path, say: RebuildProgress) -> None:
     """Write every document's chunks through a real disk tier, each with its key, position, tokens and parent."""
-    layout = options.layout
+    layout = bench_layout(options)
     generator = torch.Generator().manual_seed(options.seed)
     kv = torch.randn(layout.chunk_shape(DOCUMENT_TOKENS), generator=generator).to(layout.dtype.torch_dtype)
     namespace = layout.namespace
     total_chunks = options.num_documents * CHUNKS_PER_DOCUMENT
-    disk = DiskTier(data_dir, layout, CHUNK_TOKENS, options.capacity_bytes)
+    disk = DiskTier(data_dir, layout, CHUNK_TOKENS, capacity_bytes(options))
     try:
         for document_idx in range(options.num_documents):
             tokens = document_tokens(options.seed, document_idx)
@@ -346,7 +310,7 @@ def _time_baseline(options: RebuildBenchOptions, data_dir: Path) -> tuple[float,
     if options.cold:
         drop_page_cache(data_dir)
     started_s = time.perf_counter()
-    disk = DiskTier(data_dir, options.layout, CHUNK_TOKENS, options.capacity_bytes)
+    disk = DiskTier(data_dir, bench_layout(options), CHUNK_TOKENS, capacity_bytes(options))
     try:
         opened_s = time.perf_counter()
         num_records = sum(1 for _ in disk.iter_records())
@@ -375,7 +339,9 @@ def _time_one_pass_rebuild(options: RebuildBenchOptions, data_dir: Path) -> _One
     disk: DiskTier | None = None
     try:
         rebuild = catalog.start_rebuild()
-        disk = DiskTier(data_dir, options.layout, CHUNK_TOKENS, options.capacity_bytes, content_records=rebuild.add)
+        disk = DiskTier(
+            data_dir, bench_layout(options), CHUNK_TOKENS, capacity_bytes(options), content_records=rebuild.add
+        )
         rebuild.finish()
         elapsed_s, cpu_s = time.perf_counter() - started_s, time.process_time() - started_cpu_s
         return _OnePassTiming(elapsed_s=elapsed_s, cpu_s=cpu_s, num_entries=len(catalog.index))
@@ -422,7 +388,7 @@ class _LookupCheck:
 def _check_lookups(store: TieredStore, options: RebuildBenchOptions, say: RebuildProgress) -> _LookupCheck:
     """Look up reordered multi-document queries; every document must be found whole at its place."""
     rng = np.random.default_rng((options.seed, _QUERY_STREAM))
-    namespace = options.layout.namespace
+    namespace = bench_layout(options).namespace
     found = expected = covered = false_positives = 0
     latencies_ms: list[float] = []
     for query_idx in range(options.num_queries):

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 from kvstore.bench.serve_process import ServeProcess, start_serve_process
+from kvstore.bench.server_options import ServerBenchOptions
 from kvstore.client import Client
 from kvstore.config import GIB, StoreConfig
-from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.presets import preset_layout
 from kvstore.server.kv_events.consumer import free_port
@@ -49,41 +49,6 @@ logger = logging.getLogger(__name__)
 
 _TARGET_LOOKUP_P50_MS = 1.0
 _TARGET_BANDWIDTH_RATIO = 0.5
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerBenchOptions:
-    """What ``run_server_benchmark`` measures.
-
-    Args:
-        lookup_layout: preset of the lookup phase (the plan, not the KV size, is what a lookup costs).
-        bulk_layout: preset of the bandwidth phase.
-        lookup_tokens: prompt length of the lookup phase (all of it cached).
-        num_lookups: timed lookups per side.
-        bulk_tokens: tokens stored and retrieved per bandwidth repeat.
-        num_repeats: timed bandwidth repeats per side and variant, after one untimed warm-up.
-        chunk_size: tokens per chunk.
-        seed: seed of the token ids and KV.
-        kv_events: the servers publish KV events (``--kv-events`` on a bound socket nobody reads): with a run
-            without, what publishing costs, each run's figures against the in-process store of the same run.
-    """
-
-    lookup_layout: str = "smollm2-135m"
-    bulk_layout: str = "llama3.1-8b"
-    lookup_tokens: int = 15_360
-    num_lookups: int = 200
-    bulk_tokens: int = 2048
-    num_repeats: int = 5
-    chunk_size: int = 256
-    seed: int = 0
-    kv_events: bool = False
-
-    def __post_init__(self) -> None:
-        preset_layout(self.lookup_layout)
-        preset_layout(self.bulk_layout)
-        for name in ("lookup_tokens", "num_lookups", "bulk_tokens", "num_repeats", "chunk_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"server benchmark {name}={getattr(self, name)} must be positive")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

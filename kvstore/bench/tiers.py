@@ -40,10 +40,10 @@ import numpy as np
 import torch
 
 from kvstore.bench.page_cache import drop_page_cache
-from kvstore.errors import ConfigError
+from kvstore.bench.tier_options import TierBenchOptions
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.layout import KVLayout
-from kvstore.presets import PRESET_NAMES, preset_layout
+from kvstore.presets import preset_layout
 from kvstore.tiers.arena import ArenaTier
 from kvstore.tiers.base import ChunkRecord, TierName
 from kvstore.tiers.cpu import CpuTier
@@ -63,61 +63,6 @@ _TARGET_DISK_GET_RATIO = 1.0
 
 Op = Callable[[int], bool]
 """One timed operation on chunk ``i``; ``False`` when it failed (a miss or a rejected put)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TierBenchOptions:
-    """What ``run_tier_benchmark`` measures, and how much.
-
-    Args:
-        layouts: names from ``kvstore.presets.PRESET_NAMES``.
-        tiers: tiers to measure. ``gpu`` (put, get and cpu -> gpu promotion) is skipped, with a logged note,
-            when torch sees no CUDA device and ``device`` is a CUDA device.
-        chunk_size: tokens per chunk.
-        memory_bytes: KV bytes per repeat for the cpu tier (its arena and the baseline buffer each hold this).
-        gpu_memory_bytes: the same for the gpu tier and promotion (device memory; promotion adds pinned host).
-        disk_bytes: uncompressed KV bytes written and read back per disk repeat.
-        source_bytes: bytes of distinct random chunks rotated as sources (at least 2 chunks).
-        num_repeats: timed repeats of each cpu/gpu op, after one untimed warm-up.
-        num_disk_repeats: timed repeats of the disk ops, each in a fresh data dir.
-        directory: parent of the temporary disk data dir (default: the system temp dir); removed afterwards.
-        device: ``"cuda"``/``"cuda:N"`` for the gpu tier, or ``"cpu"`` to run its logic on host memory.
-        zstd_level: disk codec level.
-        num_codec_threads: disk codec threads.
-        seed: seed of the random KV and token ids.
-    """
-
-    layouts: tuple[str, ...] = PRESET_NAMES
-    tiers: tuple[TierName, ...] = (TierName.GPU, TierName.CPU, TierName.DISK)
-    chunk_size: int = 256
-    memory_bytes: int = 512 * _MIB
-    gpu_memory_bytes: int = 2048 * _MIB
-    disk_bytes: int = 768 * _MIB
-    source_bytes: int = 64 * _MIB
-    num_repeats: int = 5
-    num_disk_repeats: int = 5
-    directory: Path | None = None
-    device: str = "cuda"
-    zstd_level: int = 1
-    num_codec_threads: int = 2
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tiers", tuple(TierName(tier) for tier in self.tiers))
-        for name in self.layouts:
-            preset_layout(name)
-        for name in (
-            "chunk_size",
-            "memory_bytes",
-            "gpu_memory_bytes",
-            "disk_bytes",
-            "source_bytes",
-            "num_repeats",
-            "num_disk_repeats",
-            "num_codec_threads",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"tier benchmark {name}={getattr(self, name)} must be positive")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -41,9 +41,9 @@ import numpy as np
 from kvstore.bench.blend_quality import first_number
 from kvstore.bench.multidoc_stats import paired_facts
 from kvstore.bench.multidoc_workload import PromptFormat, pick_combinations, prose_documents
+from kvstore.bench.vllm_blend_options import VllmBlendOptions
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult
 from kvstore.bench.vllm_ttft import CONNECTOR_CONFIG, CPU_ENGINE_ENV
-from kvstore.errors import ConfigError
 
 __all__ = [
     "BlendQuery",
@@ -159,37 +159,6 @@ def run_standalone_blender(
                 )
             )
     return answers
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VllmBlendOptions:
-    """What ``kvstore bench vllm --blend`` runs.
-
-    Args:
-        model_dir: the vLLM model directory (SmolLM2 exported for vLLM).
-        num_documents: documents cached alone.
-        document_tokens: tokens per document.
-        docs_per_query: documents in each query.
-        num_queries: queries (samples per row).
-        ratio: the blend's recompute ratio.
-        answer_tokens: greedy tokens generated per query (to read the answer's number).
-        chunk_size: the store's chunk size.
-        engine_timeout_s: the longest one engine session may take.
-    """
-
-    model_dir: Path
-    num_documents: int = 5
-    document_tokens: int = 1000
-    docs_per_query: int = 5
-    num_queries: int = 3
-    ratio: float = 0.15
-    answer_tokens: int = 12
-    chunk_size: int = 256
-    engine_timeout_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        if self.num_queries < 1 or self.num_documents < 1:
-            raise ConfigError("--prompts and the document count must be at least 1")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

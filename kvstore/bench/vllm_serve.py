@@ -53,9 +53,11 @@ from kvstore.bench.vllm_serve_workload import (
     Corpus,
     ServePrompt,
     ServeWorkload,
+    check_workload_counts,
     serve_workload,
 )
 from kvstore.bench.vllm_ttft import CONNECTOR_CONFIG, CPU_ENGINE_ENV
+from kvstore.blend.config import check_recompute_ratio
 from kvstore.connectors.settings import parse_connector_settings
 from kvstore.errors import ConfigError
 
@@ -129,6 +131,14 @@ class ServeBenchOptions:
             raise ConfigError("--max-tokens must be at least 1")
         if not self.deployments or any(name not in DEPLOYMENTS for name in self.deployments):
             raise ConfigError(f"deployments {self.deployments}: a subset of {', '.join(DEPLOYMENTS)}")
+        check_workload_counts(
+            num_documents=self.num_documents,
+            document_tokens=self.document_tokens,
+            docs_per_query=self.docs_per_query,
+            num_queries=self.num_queries,
+            num_mixed=self.num_mixed,
+        )
+        check_recompute_ratio(self.ratio)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kvstore.bench.multidoc_options import check_docs_per_query
 from kvstore.bench.vllm_ttft import prose_prompts
 from kvstore.errors import ConfigError
 
@@ -33,6 +34,7 @@ __all__ = [
     "Corpus",
     "ServePrompt",
     "ServeWorkload",
+    "check_workload_counts",
     "serve_workload",
 ]
 
@@ -71,6 +73,20 @@ class ServeWorkload:
     mixed: tuple[ServePrompt, ...]
 
 
+def check_workload_counts(
+    *, num_documents: int, document_tokens: int, docs_per_query: int, num_queries: int, num_mixed: int
+) -> None:
+    """Raise ``ConfigError`` on counts no workload has (``ServeBenchOptions`` checks them before a model loads).
+
+    Raises:
+        ConfigError: a document count or length below 1, a negative query or mixed count, or more documents per
+            query than documents.
+    """
+    if num_documents < 1 or document_tokens < 1 or num_queries < 0 or num_mixed < 0:
+        raise ConfigError("--documents and --document-tokens must be >= 1, --queries and the mixed count >= 0")
+    check_docs_per_query(docs_per_query, num_documents, documents_flag="--documents")
+
+
 def serve_workload(
     encode: Encode,
     *,
@@ -95,10 +111,13 @@ def serve_workload(
     Raises:
         ConfigError: a count out of range, or a prose corpus too small.
     """
-    if num_documents < 1 or document_tokens < 1 or num_queries < 0 or num_mixed < 0:
-        raise ConfigError("--documents and --document-tokens must be >= 1, --queries and the mixed count >= 0")
-    if not 1 <= docs_per_query <= num_documents:
-        raise ConfigError(f"--docs-per-query {docs_per_query}: between 1 and --documents ({num_documents})")
+    check_workload_counts(
+        num_documents=num_documents,
+        document_tokens=document_tokens,
+        docs_per_query=docs_per_query,
+        num_queries=num_queries,
+        num_mixed=num_mixed,
+    )
     num_misses = num_mixed // 3
     documents = _documents(encode, corpus, num_documents + num_misses, document_tokens)
     system, sep, ask = (tuple(encode(text)) for text in (system_prompt, separator, question))
