@@ -3,10 +3,10 @@ item 9: every refusal in <= 0.5 s).
 
 Each round runs ``kvstore --version`` and then every mistake of ``tests/cli/cli_mistakes.py`` once, as a user would
 (the ``kvstore`` console script of this interpreter's environment, a fresh process each, wall time from spawn to
-exit); the figures are the median and the max over ``--repeats`` rounds. ``--bench`` adds the benchmark mistakes,
-which import torch before refusing.
+exit); the figures are the median and the max over ``--repeats`` rounds. The ``kvstore bench`` mistakes are among
+them; ``--no-bench`` leaves them out, ``--only TEXT`` keeps the mistakes whose name holds TEXT (``--only bench``).
 
-    .venv/bin/python benchmarks/cli_refusal_times.py --repeats 5 [--bench] [--json]
+    .venv/bin/python benchmarks/cli_refusal_times.py --repeats 5 [--no-bench] [--only TEXT] [--json]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.cli.cli_mistakes import Mistake, cli_mistakes, heavy_mistakes  # noqa: E402
+from tests.cli.cli_mistakes import Mistake, cli_mistakes  # noqa: E402
 
 _TARGET_S = 0.5
 
@@ -52,7 +52,7 @@ def _time(argv: tuple[str, ...], scratch: Path, env: dict[str, str], timeout_s: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="Rounds (each: --version, then every mistake).")
-    parser.add_argument("--bench", action="store_true", help="Add the benchmark mistakes (they import torch).")
+    parser.add_argument("--no-bench", action="store_true", help="Leave out the kvstore bench mistakes.")
     parser.add_argument("--json", action="store_true", help="One JSON object per mistake.")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="Kill a command that runs longer.")
     parser.add_argument("--only", default="", help="Only the mistakes whose name contains this text.")
@@ -64,8 +64,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvstore-refusals-") as directory:
         scratch = Path(directory)
-        mistakes: list[Mistake] = cli_mistakes(scratch) + (heavy_mistakes() if args.bench else [])
-        mistakes = [mistake for mistake in mistakes if args.only in mistake.name]
+        mistakes: list[Mistake] = [
+            mistake
+            for mistake in cli_mistakes(scratch)
+            if args.only in mistake.name and not (args.no_bench and mistake.argv[0] == "bench")
+        ]
         extra = {"PYTHONPATH": args.pythonpath} if args.pythonpath else {}
         baseline = Mistake(name="kvstore --version (baseline)", argv=("--version",), fragment="", exit_code=0)
         timings: dict[str, list[float]] = {m.name: [] for m in [baseline, *mistakes]}

@@ -58,12 +58,13 @@ def test_values_modules_load_no_storage_library() -> None:
 
 def test_the_lazy_names_still_resolve() -> None:
     loaded = loaded_by(
-        "import kvstore, kvstore.blend, kvstore.content, kvstore.tiers, kvstore.server, kvstore.wire\n"
-        "for package in (kvstore, kvstore.blend, kvstore.content, kvstore.tiers, kvstore.server, kvstore.wire):\n"
+        "import kvstore, kvstore.blend, kvstore.content, kvstore.tiers, kvstore.server, kvstore.wire, kvstore.models\n"
+        "for package in (kvstore, kvstore.blend, kvstore.content, kvstore.tiers, kvstore.server, kvstore.wire,\n"
+        "                kvstore.models):\n"
         "    assert all(getattr(package, name) is not None for name in package.__all__), package\n"
         "    assert set(package.__all__) <= set(dir(package)), package"
     )
-    assert {"kvstore.store", "kvstore.content.index", "kvstore.server.app"} <= loaded
+    assert {"kvstore.store", "kvstore.content.index", "kvstore.server.app", "kvstore.models.loading"} <= loaded
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:
@@ -71,3 +72,15 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="has no attribute 'Nonexistent'"):
         kvstore.Nonexistent  # noqa: B018
+
+
+def test_the_benchmark_commands_load_no_torch_until_they_run() -> None:
+    """``kvstore bench ...`` checks its options before the benchmark is imported: the command modules, with every
+    option class and its defaults, load none of torch, numba or LMDB (``kvstore bench vllm``'s default and
+    ``--serve`` options live in ``kvstore.bench.vllm_ttft`` and ``vllm_serve``, held light by this test alone)."""
+    loaded = loaded_by(
+        "import kvstore.cli.bench_store, kvstore.cli.bench_blend, kvstore.cli.bench_server\n"
+        "import kvstore.cli.bench_remote, kvstore.cli.bench_vllm"
+    )
+    assert "kvstore.bench.vllm_ttft" in loaded and "kvstore.bench.multidoc_options" in loaded
+    assert _offenders(loaded, ("torch", "numba", "lmdb", "transformers", "redis")) == []

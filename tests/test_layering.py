@@ -39,6 +39,24 @@ _BEFORE_TORCH = (
     "kvstore.server.loop",
     "kvstore.server.app",
 )
+_HEAVY_LIBRARIES = ("torch", "numpy", "numba", "lmdb", "zstandard", "transformers", "redis")
+# kvstore bench's option checks, run before the benchmark is imported: the light modules below, the values the
+# server's light checks use, and nothing that imports torch, numba or LMDB (tests/cli/test_refusals.py runs them)
+_LIGHT_BENCH = ("option_checks", "rag_shape", "tier_options", "rebuild_options", "server_options",
+                "multidoc_options", "vllm_blend_options")  # fmt: skip
+_HEAVY_BENCH = tuple(
+    f"kvstore.bench.{path.stem}"
+    for path in (PACKAGE_ROOT / "bench").glob("*.py")
+    if path.stem not in (*_LIGHT_BENCH, "__init__")
+)
+_BENCH_OPTIONS = (
+    *_HEAVY_LIBRARIES,
+    *(name for name in _BEFORE_TORCH if name != "kvstore.bench"),
+    *_HEAVY_BENCH,
+    "kvstore.blend.",
+    "kvstore.models.",
+)
+_BENCH_OPTIONS_ALLOWED = ("kvstore.blend.config", "kvstore.models.random_init_names")
 FORBIDDEN = {
     # values
     "kvstore.errors": ("kvstore.",),
@@ -122,8 +140,12 @@ FORBIDDEN = {
     # The blender takes a StoreSurface: a store in process or a client.
     "kvstore.blend": (*_TOOLS, "kvstore.store", "kvstore.server", *_TIERS_BUT_BASE, "kvstore.content"),
     "kvstore.models": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.tiers", "kvstore.content", "kvstore.wire"),
+    # checked by kvstore bench before torch is imported
+    "kvstore.models.random_init_names": (*_HEAVY_LIBRARIES, "kvstore.layout", "kvstore.models."),
+    "kvstore.blend.config": (*_HEAVY_LIBRARIES, *_BEFORE_TORCH, "kvstore.blend.", "kvstore.models"),
     # tools
     "kvstore.bench": ("kvstore.cli",),
+    **{f"kvstore.bench.{name}": _BENCH_OPTIONS for name in _LIGHT_BENCH},
     "kvstore.cli": (),
 }
 
@@ -158,6 +180,11 @@ def _under(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
 
+def _allowed(module: str) -> tuple[str, ...]:
+    """The light modules a bench option module may import from packages its rule otherwise bans."""
+    return _BENCH_OPTIONS_ALLOWED if module in {f"kvstore.bench.{name}" for name in _LIGHT_BENCH} else ()
+
+
 def test_no_upward_imports() -> None:
     violations = []
     for path in PACKAGE_ROOT.rglob("*.py"):
@@ -167,7 +194,7 @@ def test_no_upward_imports() -> None:
                 violations += [
                     f"{name} imports {imported}"
                     for imported in imports_of(path)
-                    if any(_under(imported, prefix) for prefix in banned)
+                    if any(_under(imported, prefix) for prefix in banned) and imported not in _allowed(name)
                 ]
     assert violations == []
 

@@ -1,26 +1,31 @@
-"""``kvstore bench multi-doc-qa`` and ``kvstore bench shuffle``: blended prefill against full and prefix prefill."""
+"""``kvstore bench multi-doc-qa`` and ``kvstore bench shuffle``: blended prefill against full and prefix prefill.
+
+The options (``kvstore.bench.multidoc_options``, the blend settings of ``kvstore.blend.config``) are checked before
+the benchmark, torch and the models are imported: a bad one is refused in a fraction of a second.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvstore.bench.multidoc import BenchMode, BenchWorkload, MultiDocOptions, WarmUp, run_multidoc_benchmark
-from kvstore.bench.multidoc_rows import MultiDocRow
-from kvstore.bench.multidoc_workload import FactStyle
-from kvstore.blend import BlendConfig, DeviationMetric, SelectionPolicy
-from kvstore.blend.query_attention import AttentionKernel
+from kvstore.bench.multidoc_options import BenchMode, BenchWorkload, FactStyle, MultiDocOptions, WarmUp
+from kvstore.blend.config import AttentionKernel, BlendConfig, DeviationMetric, SelectionPolicy
 from kvstore.config import parse_size, parse_tiers
 from kvstore.errors import ConfigError
-from kvstore.models import default_model_cache_dir
-from kvstore.models.random_init import RANDOM_INIT_PRESETS
+from kvstore.models.random_init_names import RANDOM_INIT_PRESETS
+
+if TYPE_CHECKING:
+    from kvstore.bench.multidoc_rows import MultiDocRow
 
 __all__ = ["multi_doc_qa_command", "shuffle_command"]
 
@@ -212,7 +217,6 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
         options = MultiDocOptions(
             workload=workload,
             model_path=model_path,
-            model_cache_dir=default_model_cache_dir(os.environ),
             random_init=random_init,
             num_layers=num_layers,
             device=device,
@@ -245,6 +249,10 @@ def _command(workload: BenchWorkload) -> Callable[..., None]:
             seed=seed,
             samples_path=samples_path,
         )
+        from kvstore.bench.multidoc import run_multidoc_benchmark
+        from kvstore.models import default_model_cache_dir
+
+        options = dataclasses.replace(options, model_cache_dir=default_model_cache_dir(os.environ))
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task(f"kvstore bench {workload.value.replace('_', '-')}", total=None)

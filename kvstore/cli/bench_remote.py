@@ -1,5 +1,9 @@
 """``kvstore bench remote``: the remote tier and fleet directory against a real Valkey, each figure with its
-same-run baseline (raw SET/GET, a loopback round trip) or LMCache's published one."""
+same-run baseline (raw SET/GET, a loopback round trip) or LMCache's published one.
+
+The options are checked before the benchmark's modules (torch, LMDB, redis) are imported: a bad one is refused in a
+fraction of a second.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +11,25 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.progress import Progress
 
-from kvstore.bench.remote_directory import DirectoryRow, run_directory
-from kvstore.bench.remote_fleet import FleetRow, run_fleet
-from kvstore.bench.remote_throughput import ThroughputRow, run_throughput
-from kvstore.bench.valkey_servers import ValkeyServer
+from kvstore.bench.option_checks import check_preset_names
 from kvstore.errors import ConfigError
-from kvstore.presets import PRESET_NAMES, preset_layout
+
+if TYPE_CHECKING:
+    from kvstore.bench.remote_directory import DirectoryRow
+    from kvstore.bench.remote_fleet import FleetRow
+    from kvstore.bench.remote_throughput import ThroughputRow
+
+    _Row = ThroughputRow | DirectoryRow | FleetRow
 
 __all__ = ["bench_remote_command"]
 
 _PARTS = ("throughput", "directory", "fleet")
-_Row = ThroughputRow | DirectoryRow | FleetRow
 
 
 def bench_remote_command(
@@ -57,9 +64,14 @@ def bench_remote_command(
     if hosts < 2 or run_s <= 0 or chunks < 60 or throughput_chunks < 1 or repeats < 1:
         raise ConfigError("--hosts needs 2 or more, --run-s a positive time, --chunks 60 or more, --repeats 1 or more")
     names = [name.strip() for name in layouts.split(",") if name.strip()]
-    for name in names:
-        if name not in PRESET_NAMES:
-            raise ConfigError(f"--layouts {name!r} is not a preset ({', '.join(PRESET_NAMES)})")
+    check_preset_names(names)
+    # torch, LMDB and redis: only once every option is checked
+    from kvstore.bench.remote_directory import run_directory
+    from kvstore.bench.remote_fleet import run_fleet
+    from kvstore.bench.remote_throughput import run_throughput
+    from kvstore.bench.valkey_servers import ValkeyServer
+    from kvstore.presets import preset_layout
+
     rows: list[_Row] = []
 
     def emit(row: _Row) -> None:

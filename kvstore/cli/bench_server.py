@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvstore.bench.server import ServerBenchOptions, ServerBenchRow, run_server_benchmark
+from kvstore.bench.server_options import ServerBenchOptions
+
+if TYPE_CHECKING:
+    from kvstore.bench.server import ServerBenchRow
 
 __all__ = ["bench_server_command"]
 
@@ -53,6 +57,8 @@ def bench_server_command(
         seed=seed,
         kv_events=kv_events,
     )
+    from kvstore.bench.server import run_server_benchmark  # torch and the store: after the options' checks
+
     rows: list[ServerBenchRow] = []
     with (
         tempfile.TemporaryDirectory(prefix="kvstore-bench-server-") as directory,

@@ -1,22 +1,29 @@
 """``kvstore bench tiers``, ``index`` and ``rebuild``: the store's own benchmarks, each figure against a baseline
-measured in the same run."""
+measured in the same run.
+
+Each command checks its options (``kvstore.bench.*_options``, torch-free) before it imports its benchmark, which
+imports torch, numba or LMDB: a bad option is refused in a fraction of a second.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvstore.bench.index import run_index_benchmark
-from kvstore.bench.rebuild import RebuildBenchOptions, default_data_dir, run_rebuild_benchmark
-from kvstore.bench.tiers import TierBenchOptions, TierBenchRow, run_tier_benchmark
+from kvstore.bench.rebuild_options import RebuildBenchOptions, default_data_dir
+from kvstore.bench.tier_options import TierBenchOptions
 from kvstore.config import parse_size, parse_tiers
 from kvstore.errors import ConfigError
-from kvstore.presets import PRESET_NAMES
+from kvstore.preset_names import PRESET_NAMES
+
+if TYPE_CHECKING:
+    from kvstore.bench.tiers import TierBenchRow
 
 __all__ = ["bench_index_command", "bench_rebuild_command", "bench_tiers_command"]
 
@@ -64,6 +71,8 @@ def bench_tiers_command(
         num_codec_threads=codec_threads,
         seed=seed,
     )
+    from kvstore.bench.tiers import run_tier_benchmark
+
     console = Console(stderr=True)
     rows: list[TierBenchRow] = []
     with console.status("benchmarking tiers") as status:
@@ -135,6 +144,8 @@ def bench_index_command(
         raise ConfigError(f"--chunks {chunks!r}: give comma-separated chunk counts, e.g. 2200,220000") from None
     if not sizes or min(sizes) < 1 or queries < 1:
         raise ConfigError("--chunks needs positive chunk counts and --queries a positive number")
+    from kvstore.bench.index import run_index_benchmark
+
     console = Console(stderr=True)
     for num_chunks in sizes:
         with console.status(f"fingerprint index: {num_chunks:,} chunks"):
@@ -179,6 +190,8 @@ def bench_rebuild_command(
         seed=seed,
         cold=cold,
     )
+    from kvstore.bench.rebuild import run_rebuild_benchmark
+
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("kvstore bench rebuild", total=None)
 

@@ -7,12 +7,13 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvstore.bench.vllm_blend import VllmBlendOptions, VllmBlendRow, run_vllm_blend_benchmark
+from kvstore.bench.vllm_blend_options import VllmBlendOptions
 from kvstore.bench.vllm_serve import ServeBenchOptions, ServeRow, run_serve_benchmark, ttft_gain_failure
 from kvstore.bench.vllm_serve_workload import Corpus
 from kvstore.bench.vllm_ttft import (
@@ -23,6 +24,9 @@ from kvstore.bench.vllm_ttft import (
     run_vllm_benchmark,
 )
 from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvstore.bench.vllm_blend import VllmBlendRow
 
 __all__ = ["bench_vllm_command"]
 
@@ -166,6 +170,8 @@ def bench_vllm_command(
             serve_options = dataclasses.replace(serve_options, model_dir=model_dir)
             serve_rows = run_serve_benchmark(serve_options, lambda message: status.update(message))
         elif blend:
+            from kvstore.bench.vllm_blend import run_vllm_blend_benchmark  # torch: after the options' checks
+
             blend_options = dataclasses.replace(blend_options, model_dir=model_dir)
             blend_rows = run_vllm_blend_benchmark(
                 blend_options,

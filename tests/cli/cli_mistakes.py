@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BLOCKED_MODULES", "Mistake", "cli_mistakes", "heavy_mistakes", "refusal_command"]
+__all__ = ["BLOCKED_MODULES", "Mistake", "bench_mistakes", "cli_mistakes", "refusal_command"]
 
 BLOCKED_MODULES = ("torch", "numba", "lmdb")
 """What a refusal must not import: together they are most of the 2.5 s a command took before checking anything."""
@@ -201,21 +201,60 @@ def cli_mistakes(scratch: Path) -> list[Mistake]:
             fragment="kvstore evict --url tcp://127.0.0.1:5999",
         ),
         Mistake(name="demo: data dir is a file", argv=("demo", "--data-dir", str(a_file)), fragment="not a directory"),
+        *bench_mistakes(),
     ]
 
 
-def heavy_mistakes() -> list[Mistake]:
-    """Benchmark mistakes, refused in one line but only after torch is imported: the options' defaults live in
-    ``kvstore.bench`` modules that import it (see docs/benchmarks.md, "CLI refusals")."""
+def bench_mistakes() -> list[Mistake]:
+    """Mistakes of every ``kvstore bench`` command: each option dataclass checks itself before the benchmark (torch,
+    numba, LMDB, a model) is imported."""
+
+    def bench(name: str, command: str, fragment: str) -> Mistake:
+        argv = tuple(command.split())
+        return Mistake(name=f"bench {argv[0]}: {name}", argv=("bench", *argv), fragment=fragment)
+
     return [
-        Mistake(
-            name="bench vllm: negative prompt",
-            argv=("bench", "vllm", "--prompt-tokens", "-3"),
-            fragment="--prompt-tokens -3",
+        bench("unknown tier", "tiers --tiers cpu,ssd", "each tier must be one"),
+        bench("unknown layout", "tiers --layouts llama-70b", "unknown layout preset 'llama-70b'"),
+        bench("size typo", "tiers --cpu-size 12XB", "'12XB' is not a size"),
+        bench("no repeats", "tiers --repeats 0", "num_repeats=0 must be positive"),
+        bench("no chunks", "index --chunks 0", "--chunks needs positive chunk counts"),
+        bench("count with a suffix", "index --chunks 1M", "give comma-separated chunk counts"),
+        bench("negative chunks", "rebuild --chunks -1", "--chunks -1: give a positive chunk count"),
+        bench("head too wide", "rebuild --head-dim 1024", "--head-dim 1024 must lie in [1, 256]"),
+        bench("ratio above 1", "multi-doc-qa --recompute-ratio 1.5", "recompute_ratio=1.5"),
+        bench(
+            "more documents a query than stored",
+            "multi-doc-qa --docs-per-query 9",
+            "--docs-per-query 9 must be between 1 and --num-documents 8",
         ),
-        Mistake(
-            name="bench tiers: unknown tier",
-            argv=("bench", "tiers", "--tiers", "cpu,ssd"),
-            fragment="each tier must be one",
+        bench("model and random model", "multi-doc-qa --model m --random-init tiny-llama", "exclude each other"),
+        bench("unknown random model", "multi-doc-qa --random-init llama-70b", "unknown random-init"),
+        bench("unknown selection", "multi-doc-qa --selection magic", "selection='magic' is not one"),
+        bench("no documents", "shuffle --num-documents 0", "num-documents=0 must be at least 1"),
+        bench("unknown tier", "shuffle --tiers ssd", "each tier must be one"),
+        bench("no lookups", "server --lookups 0", "num_lookups=0 must be positive"),
+        bench("unknown layout", "server --bulk-layout llama-70b", "unknown layout preset"),
+        bench(
+            "fleet on an existing Valkey",
+            "remote --parts fleet --remote-url valkey://c:6379",
+            "run it without --remote-url",
         ),
+        bench("one host", "remote --hosts 1", "--hosts needs 2 or more"),
+        bench("unknown layout", "remote --layouts gpt-9", "unknown layout preset 'gpt-9'"),
+        bench("negative prompt", "vllm --prompt-tokens -3", "--prompt-tokens -3"),
+        bench("unknown KV dtype", "vllm --kv-cache-dtype fp4", "--kv-cache-dtype fp4"),
+        bench(
+            "parallel blend",
+            "vllm --blend --tensor-parallel-size 2",
+            "--tensor-parallel-size 2 is for the default mode",
+        ),
+        bench("blend ratio above 1", "vllm --blend --ratio 1.5", "recompute_ratio=1.5"),
+        bench(
+            "blend, more documents a query than stored",
+            "vllm --blend --docs-per-query 9",
+            "--docs-per-query 9 must be between 1 and --documents 5",
+        ),
+        bench("unknown corpus", "vllm --serve --corpus poems", "--corpus 'poems'"),
+        bench("nothing in flight", "vllm --serve --max-inflight 0", "--max-inflight 0"),
     ]
