@@ -77,10 +77,12 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 def test_the_benchmark_commands_load_no_torch_until_they_run() -> None:
     """``kvstore bench ...`` checks its options before the benchmark is imported: the command modules, with every
     option class and its defaults, load none of torch, numba or LMDB (``kvstore bench vllm``'s default and
-    ``--serve`` options live in ``kvstore.bench.vllm_ttft`` and ``vllm_serve``, held light by this test alone)."""
+    ``--serve`` options live in ``kvstore.bench.vllm_ttft`` and ``vllm_serve_options``, held light by this test
+    alone), nor the ``--serve`` benchmark's servers and asyncio client."""
     loaded = loaded_by(
         "import kvstore.cli.bench_store, kvstore.cli.bench_blend, kvstore.cli.bench_server\n"
         "import kvstore.cli.bench_remote, kvstore.cli.bench_vllm"
     )
     assert "kvstore.bench.vllm_ttft" in loaded and "kvstore.bench.multidoc_options" in loaded
+    assert "kvstore.bench.vllm_serve" not in loaded and "asyncio" not in loaded
     assert _offenders(loaded, ("torch", "numba", "lmdb", "transformers", "redis")) == []

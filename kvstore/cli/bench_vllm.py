@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.bench.vllm_blend_options import VllmBlendOptions
-from kvstore.bench.vllm_serve import ServeBenchOptions, ServeRow, run_serve_benchmark, ttft_gain_failure
+from kvstore.bench.vllm_serve_options import ServeBenchOptions
 from kvstore.bench.vllm_serve_workload import Corpus
 from kvstore.bench.vllm_ttft import (
     VllmBenchOptions,
@@ -27,6 +27,7 @@ from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvstore.bench.vllm_blend import VllmBlendRow
+    from kvstore.bench.vllm_serve import ServeRow
 
 __all__ = ["bench_vllm_command"]
 
@@ -167,6 +168,8 @@ def bench_vllm_command(
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory")
         if serve:
+            from kvstore.bench.vllm_serve import run_serve_benchmark  # its servers and client: after the checks
+
             serve_options = dataclasses.replace(serve_options, model_dir=model_dir)
             serve_rows = run_serve_benchmark(serve_options, lambda message: status.update(message))
         elif blend:
@@ -187,6 +190,8 @@ def bench_vllm_command(
             rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
     if serve:
         _print_serve(serve_rows, as_json)
+        from kvstore.bench.vllm_serve import ttft_gain_failure
+
         failure = None if expected_ttft_gain is None else ttft_gain_failure(serve_rows, expected_ttft_gain)
         if failure is not None:
             typer.echo(f"kvstore bench vllm --serve: {failure}", err=True)

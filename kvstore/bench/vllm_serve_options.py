@@ -1,0 +1,91 @@
+"""What ``kvstore bench vllm --serve`` runs (``ServeBenchOptions``, the ``DEPLOYMENTS``), checked before the benchmark's
+servers, client and asyncio are imported.
+
+Why apart from ``kvstore.bench.vllm_serve``: ``kvstore bench vllm`` builds these options, which check themselves,
+before it imports the benchmark, so a bad option is refused in a fraction of a second. ``kvstore.bench.vllm_serve``
+re-exports both names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.bench.vllm_serve_workload import (
+    DEFAULT_QUESTION,
+    DEFAULT_SEPARATOR,
+    DEFAULT_SYSTEM_PROMPT,
+    Corpus,
+    check_workload_counts,
+)
+from kvstore.blend.config import check_recompute_ratio
+from kvstore.errors import ConfigError
+
+__all__ = ["DEPLOYMENTS", "ServeBenchOptions"]
+
+DEPLOYMENTS = ("vllm", "kvstore_prefix", "kvstore_blend")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeBenchOptions:
+    """What ``kvstore bench vllm --serve`` runs.
+
+    Args:
+        model_dir: a Hugging Face model directory vLLM loads.
+        corpus: ``synthetic`` (the guide's documents) or ``prose`` (real English).
+        num_documents, document_tokens, docs_per_query, num_queries: the workload.
+        num_mixed: requests of the mixed round (0: no mixed round).
+        max_inflight: requests in flight at most, every round.
+        max_tokens: tokens generated per warm-up and query request.
+        mixed_max_tokens: tokens generated per mixed request (enough for an inter-token latency).
+        separator, system_prompt, question: the prompts' fixed parts.
+        ratio: the blend's recompute ratio (``kvstore.blend_ratio``).
+        chunk_size: the store's chunk size (``None``: the store's default).
+        dtype: the model's dtype.
+        deployments: which deployments to run, a subset of ``DEPLOYMENTS`` in that order (``vllm`` is the reference
+            of the output checks and of ``ttft_vs_vllm``).
+        stored_wait_s: after the warm-up round, the longest to wait until the store holds every warm-up prompt
+            (the connector saves asynchronously).
+        env: extra environment for the servers (over the CPU defaults).
+        work_dir: where logs and data dirs go (a temporary dir, removed, when ``None``).
+        seed: the query sampling's seed.
+    """
+
+    model_dir: Path
+    corpus: Corpus = "synthetic"
+    num_documents: int = 5
+    document_tokens: int = 1000
+    docs_per_query: int = 5
+    num_queries: int = 20
+    num_mixed: int = 12
+    max_inflight: int = 1
+    max_tokens: int = 2
+    mixed_max_tokens: int = 16
+    separator: str = DEFAULT_SEPARATOR
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    question: str = DEFAULT_QUESTION
+    ratio: float = 0.15
+    chunk_size: int | None = None
+    dtype: str = "float32"
+    deployments: tuple[str, ...] = DEPLOYMENTS
+    stored_wait_s: float = 60.0
+    env: Mapping[str, str] | None = None
+    work_dir: Path | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1:
+            raise ConfigError(f"--max-inflight {self.max_inflight}: at least 1")
+        if self.max_tokens < 1 or self.mixed_max_tokens < 1:
+            raise ConfigError("--max-tokens must be at least 1")
+        if not self.deployments or any(name not in DEPLOYMENTS for name in self.deployments):
+            raise ConfigError(f"deployments {self.deployments}: a subset of {', '.join(DEPLOYMENTS)}")
+        check_workload_counts(
+            num_documents=self.num_documents,
+            document_tokens=self.document_tokens,
+            docs_per_query=self.docs_per_query,
+            num_queries=self.num_queries,
+            num_mixed=self.num_mixed,
+        )
+        check_recompute_ratio(self.ratio)
