@@ -43,8 +43,7 @@ SHAPES = {"tp2": TP2, "pp2": PP2, "tp2_pp2": TP2_PP2}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A server whose incomplete assemblies (and open plans) expire after a second."""
-    with running_server(tmp_path_factory.mktemp("parts") / "data", "--plan-ttl-s", "1") as started:
+    with running_server(tmp_path_factory.mktemp("parts") / "data") as started:
         yield started
 
 
@@ -149,10 +148,13 @@ def test_a_part_of_a_chunk_only_the_disk_holds_is_decoded_and_sliced(server: Ser
         assert torch.equal(result.kv, PP2[1].of(kv)[:, :, CHUNK_SIZE // 2 :])
 
 
-def test_an_assembly_a_rank_never_completes_expires_and_is_counted(server: ServerProcess) -> None:
+def test_an_assembly_a_rank_never_completes_expires_and_is_counted(tmp_path: Path) -> None:
     tokens, kv = make_tokens(2 * CHUNK_SIZE, seed=81), make_kv(SERVER_LAYOUT, 2 * CHUNK_SIZE, seed=81)
-    expired_before = parts_counted(server, "expired")
-    with Client(server.url, SERVER_LAYOUT) as client:
+    with (
+        running_server(tmp_path / "data", "--plan-ttl-s", "1") as server,  # assemblies expire after a second
+        Client(server.url, SERVER_LAYOUT) as client,
+    ):
+        expired_before = parts_counted(server, "expired")
         client.store(tokens, TP2[0].of(kv).contiguous(), part=TP2[0])
         deadline = time.monotonic() + 30
         while parts_counted(server, "expired") - expired_before < 2 and time.monotonic() < deadline:
@@ -173,7 +175,7 @@ def test_a_part_outside_the_layout_is_refused_in_one_line(server: ServerProcess)
             KVPart(layer_start=1, layer_end=1, head_start=0, head_end=1)
 
 
-def test_tokens_stored_by_parts_extend_a_prefix_stored_whole(server: ServerProcess, tmp_path: Path) -> None:
+def test_tokens_stored_by_parts_extend_a_prefix_stored_whole(server: ServerProcess) -> None:
     num_tokens, start = 3 * CHUNK_SIZE, CHUNK_SIZE
     tokens, kv = make_tokens(num_tokens, seed=101), make_kv(SERVER_LAYOUT, num_tokens, seed=101)
     with Client(server.url, SERVER_LAYOUT) as client:
