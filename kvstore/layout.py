@@ -200,11 +200,13 @@ class MLASpec:
 
 
 class RopeScaling(enum.StrEnum):
-    """RoPE frequency schemes of Llama-family models."""
+    """RoPE frequency schemes of Llama-family models, and yarn (DeepSeek-V2/V3's MLA models): stored and named in the
+    identity, never re-rotated (``kvstore.blend.rope`` refuses it)."""
 
     DEFAULT = "default"
     LINEAR = "linear"
     LLAMA3 = "llama3"
+    YARN = "yarn"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,7 +219,9 @@ class RopeSpec:
         factor: position scale (``linear``) or wavelength scale (``llama3``); 1.0 for ``default``.
         low_freq_factor: llama3 scaling only.
         high_freq_factor: llama3 scaling only.
-        original_max_position_embeddings: llama3 scaling only.
+        original_max_position_embeddings: llama3 (and yarn) scaling only.
+        extra: a scheme's further parameters, by name (yarn's ``beta_fast``, ``beta_slow``, ``mscale``,
+            ``mscale_all_dim``); in the identity only when given, so every earlier layout keeps its namespace.
     """
 
     theta: float = 10000.0
@@ -226,9 +230,11 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    extra: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scaling", RopeScaling(self.scaling))
+        object.__setattr__(self, "extra", tuple(sorted((str(name), float(value)) for name, value in self.extra)))
         if not self.theta > 0:
             raise ConfigError(f"rope theta={self.theta} must be positive (the model config's rope_theta)")
         if not self.factor > 0:
@@ -243,6 +249,7 @@ class RopeSpec:
                 float(self.low_freq_factor).hex(),
                 float(self.high_freq_factor).hex(),
                 str(self.original_max_position_embeddings),
+                *([",".join(f"{name}={value.hex()}" for name, value in self.extra)] if self.extra else []),
             ]
         )
 
@@ -425,6 +432,7 @@ class KVLayout:
                     "low_freq_factor": rope.low_freq_factor,
                     "high_freq_factor": rope.high_freq_factor,
                     "original_max_position_embeddings": rope.original_max_position_embeddings,
+                    **({"extra": dict(rope.extra)} if rope.extra else {}),
                 },
                 # only where present, so an earlier layout's JSON is unchanged
                 **({"kv_scales": {"k": list(self.kv_scales.k), "v": list(self.kv_scales.v)}} if self.kv_scales else {}),
@@ -437,7 +445,9 @@ class KVLayout:
     def from_json(cls, text: str) -> KVLayout:
         try:
             data = json.loads(text)
-            rope = RopeSpec(**data.pop("rope"))
+            rope_data = data.pop("rope")
+            extra = tuple(rope_data.pop("extra", {}).items())
+            rope = RopeSpec(**rope_data, extra=extra)
             scales = data.pop("kv_scales", None)
             mla = data.pop("mla", None)
             return cls(

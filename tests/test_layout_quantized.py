@@ -127,7 +127,7 @@ def test_a_scale_must_be_positive_and_finite(bad: float) -> None:
 
 def test_fp8_kv_travels_as_bytes() -> None:
     FP8.check_kv(torch.zeros(FP8.chunk_shape(3), dtype=torch.uint8), 3)
-    with pytest.raises(InvalidInputError, match="torch.uint8"):
+    with pytest.raises(InvalidInputError, match=r"torch\.uint8"):
         FP8.check_kv(torch.zeros(FP8.chunk_shape(3), dtype=torch.float8_e4m3fn), 3)
 
 
@@ -182,5 +182,62 @@ def test_a_server_reads_fp8_and_mla_layouts_off_the_wire() -> None:
     for layout in (FP8, calibrated, MLA):
         assert layout_from_json(layout.to_json()) == layout
     bad = json.loads(FP8.to_json()) | {"kv_scales": {"k": ["1"], "v": [1.0]}}
-    with pytest.raises(RequestError, match="kv_scales.k"):
+    with pytest.raises(RequestError, match=r"kv_scales\.k"):
         layout_from_json(json.dumps(bad))
+
+
+DEEPSEEK_V3_ROPE = {
+    "type": "yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def deepseek_config(rope_scaling: dict[str, object] | None) -> dict[str, object]:
+    return {
+        "_name_or_path": "deepseek-ai/DeepSeek-V3",
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "hidden_size": 7168,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "rope_theta": 10000,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": 163840,
+        "dtype": "bfloat16",
+    }
+
+
+def test_an_mla_model_with_yarn_rope_is_named_by_all_its_parameters() -> None:
+    from kvstore.blend.rope import RopeRotator
+    from kvstore.wire.messages import layout_from_json
+
+    layout = layout_from_hf_config(deepseek_config(DEEPSEEK_V3_ROPE))
+    rope = layout.rope
+    assert layout.mla is not None and rope.scaling is RopeScaling.YARN
+    assert (rope.factor, rope.original_max_position_embeddings) == (40.0, 4096)
+    assert dict(rope.extra) == {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    assert "rope yarn" in layout.describe()
+    assert KVLayout.from_json(layout.to_json()) == layout == layout_from_json(layout.to_json())
+    other_mscale = layout_from_hf_config(deepseek_config(DEEPSEEK_V3_ROPE | {"mscale": 0.707}))
+    assert other_mscale.namespace != layout.namespace
+    assert layout_from_hf_config(deepseek_config(None)).namespace != layout.namespace
+    with pytest.raises(ConfigError, match="no rotation"):
+        RopeRotator(rope, 64)  # stored, never re-rotated
+
+
+def test_yarn_is_still_refused_for_a_model_kvstore_would_blend() -> None:
+    config = deepseek_config(DEEPSEEK_V3_ROPE)
+    for key in ("kv_lora_rank", "qk_rope_head_dim"):
+        config.pop(key)
+    with pytest.raises(ConfigError, match="rope type 'yarn'"):
+        layout_from_hf_config(config)
+
+
+def test_vllms_deepseek_yarn_is_the_same_identity_as_the_configs_yarn() -> None:
+    renamed = DEEPSEEK_V3_ROPE | {"rope_type": "deepseek_yarn"}  # what vLLM's config holds for a DeepSeek model
+    assert layout_from_hf_config(deepseek_config(renamed)) == layout_from_hf_config(deepseek_config(DEEPSEEK_V3_ROPE))

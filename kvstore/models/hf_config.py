@@ -3,7 +3,9 @@
 Accepts a transformers ``PretrainedConfig`` or the plain dict of a ``config.json``, written by transformers 4
 (``rope_theta`` and ``rope_scaling`` at the top level) or 5 (both inside ``rope_parameters``). Only the RoPE schemes
 a rotation can correct (default, linear, llama3; see ``kvstore.blend.rope``) are accepted; any other is refused here,
-where the config enters, so no KV of such a model is ever re-rotated. Nothing here imports transformers.
+where the config enters, so no KV of such a model is ever re-rotated. The one exception is an MLA model (DeepSeek-V2/V3,
+Kimi K2), which kvstore stores but never blends: its yarn RoPE is accepted as part of its layout's identity, and
+``kvstore.blend.rope`` refuses to rotate it. Nothing here imports transformers.
 
 Pure functions; thread-safe.
 """
@@ -23,6 +25,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 """``rope_type`` values whose K can be moved by one rotation."""
 
 _DEFAULT_THETA = 10000.0
+_YARN_TYPES = ("yarn", "deepseek_yarn")
+"""yarn as a config names it, and as vLLM renames it in a DeepSeek model's config (the same parameters)."""
 
 
 def _field(config: object, name: str) -> object:
@@ -45,11 +49,13 @@ def _number(value: object, key: str, rope_type: str, config: object) -> float:
     return float(value)
 
 
-def rope_spec_from_hf_config(config: object) -> RopeSpec:
+def rope_spec_from_hf_config(config: object, *, stored_only: bool = False) -> RopeSpec:
     """The ``RopeSpec`` of a Hugging Face model config.
 
     Args:
         config: a ``PretrainedConfig`` or a ``config.json`` dict.
+        stored_only: the model's KV is stored and never re-rotated (an MLA model: blending refuses it), so yarn (what
+            DeepSeek-V2/V3 and Kimi K2 use) is accepted too, named with all its parameters in the identity.
 
     Raises:
         ConfigError: the model uses a RoPE scheme a rotation cannot correct (yarn, dynamic, longrope, ...), rotates
@@ -74,6 +80,8 @@ def rope_spec_from_hf_config(config: object) -> RopeSpec:
             f"model {_model_name(config)} rotates only part of each head (partial_rotary_factor={partial}); "
             "kvstore re-rotates fully rotary heads only"
         )
+    if stored_only and rope_type in _YARN_TYPES:
+        return _yarn_spec(parameters, theta, config)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
             f"refusing RoPE correction for model {_model_name(config)}: rope type {rope_type!r} cannot be moved "
@@ -95,6 +103,27 @@ def rope_spec_from_hf_config(config: object) -> RopeSpec:
         original_max_position_embeddings=int(
             _number(original, "original_max_position_embeddings", rope_type, config)
         ),
+    )
+
+
+def _yarn_spec(parameters: Mapping[str, object], theta: object, config: object) -> RopeSpec:
+    """Yarn's parameters as a ``RopeSpec`` (``extra``: every further number it names: beta_fast, beta_slow, mscale,
+    mscale_all_dim, ...), so two yarn models of other parameters never share KV."""
+    named = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings"}
+    extra: list[tuple[str, float]] = []
+    for name, value in parameters.items():
+        if name in named or value is None:
+            continue
+        if not isinstance(value, int | float):  # bools are ints: stored as 0.0 / 1.0
+            raise ConfigError(f"model {_model_name(config)}: yarn rope parameter {name}={value!r} is not a number")
+        extra.append((name, float(value)))
+    original = parameters.get("original_max_position_embeddings") or _field(config, "max_position_embeddings")
+    return RopeSpec(
+        theta=_number(_DEFAULT_THETA if theta is None else theta, "rope_theta", "yarn", config),
+        scaling=RopeScaling.YARN,
+        factor=_number(parameters.get("factor"), "factor", "yarn", config),
+        original_max_position_embeddings=int(_number(original, "original_max_position_embeddings", "yarn", config)),
+        extra=tuple(extra),
     )
 
 
@@ -150,7 +179,7 @@ def layout_from_hf_config(
             kv_lora_rank=kv_lora_rank,
             rope_dim=_required_int(config, "qk_rope_head_dim"),
             dtype=KVDtype.parse(dtype),
-            rope=rope_spec_from_hf_config(config),
+            rope=rope_spec_from_hf_config(config, stored_only=True),  # MLA is never blended
         )
     return KVLayout(
         model_id=str(name),

@@ -111,6 +111,15 @@ def layout_from_json(text: str) -> KVLayout:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"hello layout.rope.{name} must be finite")
     rope.required_str("scaling", 16)
     rope.required_int("original_max_position_embeddings", 1, 2**31)
+    extra = rope.optional_map("extra")  # a yarn scheme's further parameters
+    if extra is not None:
+        names = extra.names()
+        if len(names) > 16 or any(len(name) > 64 for name in names):
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, "hello layout.rope.extra has too many or too long names")
+        for name in names:
+            if not math.isfinite(extra.float_(name, -1e30, 1e30)):
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"hello layout.rope.extra.{name} must be finite")
+        extra.finish()
     rope.finish()
     scales = fields.optional_map("kv_scales")  # an fp8 layout's (KVScales)
     if scales is not None:

@@ -182,7 +182,7 @@ def test_layouts_are_checked_field_by_field(small_layout: KVLayout) -> None:
         json.dumps(good | {"dtype": "int4"}),
         json.dumps(good | {"extra": 1}),
         json.dumps(good | {"rope": good["rope"] | {"theta": float("nan")}}),
-        json.dumps(good | {"rope": good["rope"] | {"scaling": "yarn"}}),
+        json.dumps(good | {"rope": good["rope"] | {"scaling": "dynamic"}}),  # yarn is stored (MLA), dynamic is not
     ]
     for text in bad_variants:
         with pytest.raises(RequestError) as caught:
