@@ -63,7 +63,8 @@ def test_an_fp8_cache_probes_to_the_float_format_and_copies_bytes_exactly(fmt: s
     assert fp8_format == float_format  # element offsets: the same layout, one byte an element
     assert torch.count_nonzero(fp8_cache) == 0, "the probe zeroes block 0 after it"
 
-    fp8_cache.copy_(torch.randint(0, 256, fp8_cache.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    generator = torch.Generator().manual_seed(1)
+    fp8_cache.copy_(torch.randint(0, 256, fp8_cache.shape, dtype=torch.uint8, generator=generator))
     layers = PagedLayers.of([fp8_cache], fp8_format)
     ids = torch.tensor([3, 1])
     chunk = torch.empty((1, 2, 2 * slots, heads, dim), dtype=torch.uint8)
