@@ -59,6 +59,7 @@ def _exported_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     """Every family a server's registry exports (name as scraped, type, labels), each made to show its samples."""
     import dataclasses
 
+    from kvstore.server.chunk_assembly import AssemblyCounts
     from kvstore.server.kv_events.options import KVEventStats
     from kvstore.server.metrics import BulkTransfer, ServerMetrics
     from kvstore.server.usage.plan_coverage import PlanCoverage
@@ -86,6 +87,8 @@ def _exported_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     metrics.requests.labels("lookup", "ok").inc()
     events = KVEventStats(batches=1, events={"BlockStored": 1}, queued=0, requests={"snapshot": 1}, cpu_s=0.5)
     metrics.watch_kv_events(lambda: events)
+    parts = AssemblyCounts(parts=2, completed=1, pending=1, pending_bytes=64)
+    metrics.watch_chunk_parts(lambda: parts)
     exported = {}
     for family in metrics.registry.collect():
         labels = tuple(sorted({label for sample in family.samples for label in sample.labels} - {"le"}))

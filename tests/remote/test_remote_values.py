@@ -147,6 +147,7 @@ def test_any_flipped_bit_is_a_miss_never_wrong_bytes(key: PrefixKey, seed: int, 
     assert decode_remote_value_into(chunk, CODEC, out) is not FrameStatus.OK  # every byte is covered by a check
 
 
+@settings(deadline=None)  # decodes in about a millisecond, but a loaded CI host once took 264 ms over one example
 @given(key=PARENTS, cut=st.integers(0, 400))
 def test_truncated_foreign_and_misnamed_values_are_misses(key: PrefixKey, cut: int) -> None:
     record, data = _chunk(key, 16, 3)
