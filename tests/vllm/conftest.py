@@ -71,6 +71,16 @@ E2E_CHUNK_TOKENS = 128
 E2E_PROMPT_TOKENS = 400
 """The connector tests' prompts: three whole 128-token chunks and a partial one (each prompt computed costs seconds
 of one core here: they are as short as the cases they test allow)."""
+KVSTORE_CONNECTOR = MappingProxyType(
+    {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+)
+"""The ``--kv-transfer-config`` of every test engine with kvstore's connector, less its ``kv_connector_extra_config``
+(docs/vllm.md's; ``"recompute"`` so a failed load is recomputed, not a failed request)."""
 SHARED_PREFIX_TOKENS = 256
 """``shared_prefix`` starts with ``first``'s first two chunks."""
 BASELINE_PROMPT_TOKENS = 300

@@ -22,6 +22,7 @@ import torch
 
 from kvstore.bench.vllm_engine import EngineSpec
 from tests.server.conftest import ServerProcess
+from tests.vllm.conftest import KVSTORE_CONNECTOR
 
 TINY_PARALLEL_LLAMA: dict[str, Any] = {
     "vocab_size": 49152,  # SmolLM2's tokenizer
@@ -91,13 +92,7 @@ def engine_spec(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         max_model_len_tokens=1024,
-        kv_transfer_config={
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.connectors.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"kvstore.url": url},
-        },
+        kv_transfer_config={**KVSTORE_CONNECTOR, "kv_connector_extra_config": {"kvstore.url": url}},
         wait_until_stored_s=SAVE_WAIT_S,
         commands_before=commands_before or {},
     )

@@ -41,6 +41,7 @@ from kvstore.connectors.hook_clock import TRACE_ENV
 from tests.server.conftest import ServerProcess, running_server
 from tests.vllm.conftest import (
     E2E_CHUNK_TOKENS,
+    KVSTORE_CONNECTOR,
     REFERENCE_NEW_TOKENS,
     SHARED_PREFIX_TOKENS,
     ColdReference,
@@ -51,13 +52,6 @@ FULL_HIT_TOKENS = 384  # 400 cut to a 128-token block, leaving the last token to
 MAX_TOKENS = 4
 SAVE_WAIT_S = 60.0
 SESSION_TIMEOUT_S = 1200  # three engine sessions on a loaded 2-core machine
-
-CONNECTOR = {
-    "kv_connector": "KVStoreConnector",
-    "kv_connector_module_path": "kvstore.connectors.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
 
 
 def connector_spec(
@@ -73,7 +67,7 @@ def connector_spec(
         prompts=prompts,
         max_tokens=max_tokens,
         env=env,
-        kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": dict(extra)},
+        kv_transfer_config={**KVSTORE_CONNECTOR, "kv_connector_extra_config": dict(extra)},
         wait_until_stored_s=SAVE_WAIT_S,
         **more,  # type: ignore[arg-type]
     )

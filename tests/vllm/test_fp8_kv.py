@@ -33,7 +33,7 @@ from kvstore.connectors.vllm.engine_facts import engine_layout
 from kvstore.layout import KVDtype, KVLayout
 from kvstore.models import default_model_cache_dir
 from tests.server.conftest import running_server
-from tests.vllm.conftest import EngineRunner
+from tests.vllm.conftest import KVSTORE_CONNECTOR, EngineRunner
 from tests.vllm.tiny_models import TINY_LLAMA, tiny_model_dir
 
 PROMPT_TOKENS = 400
@@ -41,12 +41,6 @@ HIT_TOKENS = 384  # three whole 128-token blocks: vLLM computes at least the pro
 MAX_TOKENS = 6
 CHUNK = 128
 STORE_FLAGS = ("--chunk-size", str(CHUNK), "--cpu-size", "64MiB")
-CONNECTOR = {
-    "kv_connector": "KVStoreConnector",
-    "kv_connector_module_path": "kvstore.connectors.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +49,7 @@ def tiny_llama(vllm_model_dir: Path) -> Path:
 
 
 def engine_config(model_dir: Path, kv_cache_dtype: str, url: str) -> VllmConfig:
-    transfer = KVTransferConfig(**CONNECTOR, kv_connector_extra_config={"kvstore.url": url})  # type: ignore[arg-type]
+    transfer = KVTransferConfig(**KVSTORE_CONNECTOR, kv_connector_extra_config={"kvstore.url": url})  # type: ignore[arg-type]
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=2048),
         device_config=DeviceConfig(device="cpu"),
@@ -93,7 +87,7 @@ def test_fp8_kv_is_stored_as_bytes_and_loads_into_another_engine(
                 enable_prefix_caching=prefix_caching,
                 max_model_len_tokens=2048,
                 env=vllm_env,
-                kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
+                kv_transfer_config={**KVSTORE_CONNECTOR, "kv_connector_extra_config": extra},
                 wait_until_stored_s=60.0,
             )
 

@@ -25,7 +25,7 @@ from kvstore.bench.vllm_engine import EngineSpec
 from kvstore.layout import MLASpec
 from kvstore.models import default_model_cache_dir
 from tests.server.conftest import running_server
-from tests.vllm.conftest import EngineRunner
+from tests.vllm.conftest import KVSTORE_CONNECTOR, EngineRunner
 from tests.vllm.tiny_models import TINY_DEEPSEEK_V2, tiny_model_dir
 
 PROMPT_TOKENS = 400
@@ -33,12 +33,6 @@ HIT_TOKENS = 384  # three whole 128-token blocks (the AMX MLA backend's block si
 MAX_TOKENS = 6
 CHUNK = 128
 STORE_FLAGS = ("--chunk-size", str(CHUNK), "--cpu-size", "64MiB")
-CONNECTOR = {
-    "kv_connector": "KVStoreConnector",
-    "kv_connector_module_path": "kvstore.connectors.vllm",
-    "kv_role": "kv_both",
-    "kv_load_failure_policy": "recompute",
-}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +57,7 @@ def test_mla_latents_are_stored_once_and_load_into_another_engine(
                 enable_prefix_caching=prefix_caching,
                 max_model_len_tokens=2048,
                 env=vllm_env,
-                kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": {"kvstore.url": server.url}},
+                kv_transfer_config={**KVSTORE_CONNECTOR, "kv_connector_extra_config": {"kvstore.url": server.url}},
                 wait_until_stored_s=60.0,
             )
 

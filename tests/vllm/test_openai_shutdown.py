@@ -35,7 +35,7 @@ import pytest
 
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.pids import pid_alive
-from tests.vllm.conftest import E2E_CHUNK_TOKENS
+from tests.vllm.conftest import E2E_CHUNK_TOKENS, KVSTORE_CONNECTOR
 
 EXIT_BOUND_S = 5.0
 """The target: the server process gone this long after the signal (issue 28)."""
@@ -70,10 +70,7 @@ class Server:
         self.data_dir = data_dir
         self.log_path = log_path
         config = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.connectors.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
+            **KVSTORE_CONNECTOR,
             "kv_connector_extra_config": {
                 "kvstore.data_dir": str(data_dir),
                 "kvstore.chunk_size": E2E_CHUNK_TOKENS,
