@@ -72,9 +72,10 @@ def test_blend_settings_are_checked_at_start_and_turn_on_the_embedded_servers_in
     assert (chosen.blend_selection, chosen.blend_chunk_start_tokens) == ("query_attention", 8)
     assert parse_connector_settings({}).blend_passes_per_step == 1
     assert parse_connector_settings({"kvstore.blend_passes_per_step": 3}).blend_passes_per_step == 3
-    settings = parse_connector_settings({"kvstore.blend": True, "kvstore.blend_disk_policy": "recompute"})
+    data_dir = {"kvstore.data_dir": "kvstore-data/engine"}  # else the engine's layout names it (settle_data_dir)
+    settings = parse_connector_settings({"kvstore.blend": True, "kvstore.blend_disk_policy": "recompute"} | data_dir)
     assert "--enable-blend" in settings.embedded.serve_flags()
-    assert "--enable-blend" not in parse_connector_settings({}).embedded.serve_flags()
+    assert "--enable-blend" not in parse_connector_settings(data_dir).embedded.serve_flags()
     for bad, message in (
         ({"kvstore.blend_ratio": 1.5}, "kvstore.blend_ratio must be a fraction in [0, 1]"),
         ({"kvstore.blend_check_layer": -1}, "kvstore.blend_check_layer must be a layer index >= 0"),
