@@ -1,7 +1,7 @@
 """``kvstore bench ...``: benchmarks that report each figure as a ratio to a baseline measured in the same run.
 
 Each benchmark's module is imported when it runs (``LazyGroup``): ``kvstore bench vllm`` does not import the store's
-benchmarks, nor they vLLM's driver, and ``kvstore bench --help`` imports none of them (issue 45).
+benchmarks, nor they vLLM's driver, and ``kvstore bench --help`` imports none of them.
 """
 
 from __future__ import annotations

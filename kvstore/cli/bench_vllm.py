@@ -110,7 +110,7 @@ def bench_vllm_command(
 
         .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
     """
-    # The options check the counts before the model is exported or loaded (tens of seconds): issue 45.
+    # The options check the counts before the model is exported or loaded (tens of seconds).
     model_dir = model if model is not None else Path("kvstore-default-model")  # replaced once exported, below
     if tensor_parallel_size != 1 and (serve or blend):
         raise ConfigError(
