@@ -103,14 +103,16 @@ def _frozen_heap() -> Iterator[None]:
     gc.unfreeze()
 
 
-def vllm_config(model_dir: Path, shape: EngineShape, extra_config: dict[str, object] | None) -> VllmConfig:
+def vllm_config(
+    model_dir: Path, shape: EngineShape, extra_config: dict[str, object] | None, kv_role: str = "kv_both"
+) -> VllmConfig:
     """The engine's config; with ``extra_config``, the connector is ``KVStoreConnector`` with those settings."""
     transfer = None
     if extra_config is not None:
         transfer = KVTransferConfig(
             kv_connector="KVStoreConnector",
             kv_connector_module_path="kvstore.connectors.vllm",
-            kv_role="kv_both",
+            kv_role=kv_role,
             kv_connector_extra_config=dict(extra_config),
             kv_load_failure_policy="recompute",
         )
@@ -146,13 +148,16 @@ def store(tmp_path_factory: pytest.TempPathFactory, layout: KVLayout) -> Iterato
 
 @pytest.fixture
 def make_scheduler(vllm_model_dir: Path, layout: KVLayout) -> Iterator[SchedulerFactory]:
-    """``make_scheduler(url, shape, **settings)``: vLLM's scheduler with ``KVStoreConnector`` on the store at
-    ``url``, ``kvstore.<name>`` settings from ``settings``; shut down (the connector's link closed) after the test."""
+    """``make_scheduler(url, shape, kv_role=..., **settings)``: vLLM's scheduler with ``KVStoreConnector`` in that
+    role on the store at ``url``, ``kvstore.<name>`` settings from ``settings``; shut down (the connector's link
+    closed) after the test."""
     schedulers: list[Scheduler] = []
 
-    def make(url: str, shape: EngineShape = EngineShape(), **settings: object) -> Scheduler:
+    def make(
+        url: str, shape: EngineShape = EngineShape(), *, kv_role: str = "kv_both", **settings: object
+    ) -> Scheduler:
         extra = {"kvstore.url": url} | {f"kvstore.{name}": value for name, value in settings.items()}
-        config = vllm_config(vllm_model_dir, shape, extra)
+        config = vllm_config(vllm_model_dir, shape, extra, kv_role)
         spec = FullAttentionSpec(
             block_size=shape.block_size,
             num_kv_heads=layout.num_kv_heads,
@@ -501,6 +506,56 @@ def test_the_save_starts_at_the_block_holding_the_end_of_the_stores_hit_though_v
     assert metadata.saves == [
         SaveSpec(request_id="partial", token_ids=tuple(tokens), block_ids=tuple(blocks), start=0, end=300)
     ]  # from block 0: the store writes the chunks from its hit on (token 96), vLLM's blocks hold whole blocks
+    assert open_plans(store.url) == 0
+
+
+def test_a_producer_loads_nothing_and_saves_from_the_block_holding_the_end_of_the_stores_hit(
+    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
+) -> None:
+    """A prefill engine (``kv_producer``) computes every prompt, and sends only what the store lacks."""
+    tokens = prompt(300, seed=21)
+    preload(store.url, layout, tokens[:200])  # hit: 192 tokens, one whole 128-token block
+    scheduler = make_scheduler(store.url, EngineShape(block_size=128, num_blocks=16), kv_role="kv_producer")
+    add_request(scheduler, "prefill", tokens, max_tokens=1)
+
+    output = scheduler.schedule()
+
+    assert num_computed_at_admission(output, "prefill") == 0
+    metadata = metadata_of(output)
+    assert metadata.loads == [] and metadata.blends == []
+    blocks = new_request_blocks(output, "prefill")
+    assert metadata.saves == [
+        SaveSpec(request_id="prefill", token_ids=tuple(tokens), block_ids=tuple(blocks[1:]), start=128, end=300)
+    ]
+    params = finish_step(scheduler, output)
+    assert params["prefill"] == {"kvstore": {"loaded_tokens": 0, "load_failed_tokens": 0}}
+    assert open_plans(store.url) == 0
+
+
+def test_a_consumer_loads_its_hit_and_saves_nothing_it_computes(
+    make_scheduler: SchedulerFactory, store: ServerProcess, layout: KVLayout
+) -> None:
+    """A decode engine (``kv_consumer``) loads what the prefill engine stored and stores nothing: neither the rest of
+    a partly stored prompt nor a prompt the store lacks."""
+    stored, absent = prompt(300, seed=22), prompt(300, seed=23)
+    preload(store.url, layout, stored[:200])
+    scheduler = make_scheduler(store.url, EngineShape(block_size=128, num_blocks=16), kv_role="kv_consumer")
+    add_request(scheduler, "decode", stored)
+    add_request(scheduler, "cold", absent)
+
+    output = scheduler.schedule()
+
+    assert num_computed_at_admission(output, "decode") == 128
+    assert num_computed_at_admission(output, "cold") == 0
+    metadata = metadata_of(output)
+    assert [(load.request_id, load.start, load.end) for load in metadata.loads] == [("decode", 0, 128)]
+    assert metadata.saves == []
+    worker_loads(store.url, layout, *metadata.loads)
+    finish_step(scheduler, output, finished_loads={"decode"})
+    for _ in range(2):  # decode steps
+        output = scheduler.schedule()
+        assert metadata_of(output).saves == [] and metadata_of(output).loads == []
+        finish_step(scheduler, output)
     assert open_plans(store.url) == 0
 
 
@@ -869,5 +924,7 @@ def test_a_short_load_is_missed_under_the_workers_reasons_and_the_engine_stats_a
     reduced = KVStoreConnectorStats(data=stats).reduce()
     assert reduced["looked_up_tokens"] == 130
     assert {name: count for name, count in reduced.items() if name.startswith("missed_")} == {
-        "missed_checksum": 32, "missed_load_failed": 32, "missed_never_stored": 34
+        "missed_checksum": 32,
+        "missed_load_failed": 32,
+        "missed_never_stored": 34,
     }

@@ -11,7 +11,8 @@ each worker process (``WorkerSide``); this class only checks the engine, links e
 vLLM's calls. Without ``kvstore.url`` the first instance starts a private ``kvstore serve`` on
 ``kvstore.data_dir`` (``embedded_server``) and the other finds it there.
 
-``kv_role``: ``kv_both`` loads and stores, ``kv_consumer`` only loads, ``kv_producer`` only stores.
+``kv_role``: ``kv_both`` loads and stores, ``kv_consumer`` only loads, ``kv_producer`` only stores, and answers a
+request only once its prompt is in the store (a prefill/decode split: docs/vllm.md).
 
 Besides the hooks every connector implements, vLLM (0.32 to 0.34) reads:
 
@@ -157,6 +158,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 blend_link=blend_link,
                 settings=settings,
+                wait_for_saves=transfer.is_kv_producer and not transfer.is_kv_consumer,
             )
         logger.info(
             "KVStoreConnector (%s): layout %s, store %s",

@@ -20,6 +20,11 @@ Saves are asynchronous: a prompt is in the store some milliseconds after its pre
 so an identical prompt arriving in between misses (vLLM's own prefix cache serves that case within one engine).
 The scheduler does not wait for saves: vLLM has no way to park a request without spinning its step loop.
 
+Roles (``kv_role``): ``kv_consumer`` (a decode engine) loads and never saves; ``kv_producer`` (a prefill engine)
+never loads and looks a prompt up only so that its save skips the chunks the store holds. A producer's workers wait
+for their saves within the step (``WorkerSide``'s ``wait_for_saves``), so its answer to a request means the prompt is
+in the store: a prefill/decode proxy sends the request on to the decode engine the moment prefill answers.
+
 vLLM accepts only a contiguous external prefix, so the hit is the store's exact prefix (with segmented prefix on
 the server, only its gap-free start counts), cut down to a block boundary and never the whole prompt (vLLM must
 compute at least the last token). A hit that must come from the disk tier is loaded asynchronously (the request
@@ -273,7 +278,10 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = tuple(request.prompt_token_ids or ())
-        if not self._load or len(prompt) <= self._block_size:
+        if len(prompt) <= self._block_size:
+            return 0, False
+        if not self._load:
+            self._probe_for_save(request.request_id, prompt)
             return 0, False
         tracked = self._tracked.get(request.request_id)
         if tracked is not None and tracked.load_failed_tokens:
@@ -534,6 +542,18 @@ class SchedulerSide:
         if answered is not None:  # finished in its blend step: complete the answer vLLM has not sent yet
             answered.update(self._finished_params(tracked))
             self._tracked.pop(request_id, None)
+
+    def _probe_for_save(self, request_id: str, prompt: tuple[int, ...]) -> None:
+        """A producer (``kv_producer``) loads nothing, but it looks the prompt up (unpinned) so that its save skips
+        the chunks the store holds already: a prefill engine sees the same documents again and again, and would
+        otherwise send every one of them back in every prefill. No miss account: it looked up nothing to load."""
+        if not self._save:
+            return
+        probe = self._link.call("lookup", lambda client: _probe(client, prompt))
+        if probe is None:
+            self._probes.pop(request_id, None)
+        else:
+            self._probes[request_id] = probe
 
     def _loadable_end(self, prefix_tokens: int, prompt_tokens: int) -> int:
         """The store's hit cut to a block boundary, leaving at least one prompt token for vLLM to compute."""

@@ -136,6 +136,9 @@ class WorkerSide:
         block_size: vLLM's block size.
         blend_link: the link blend passes use (``None``: blending is off).
         settings: the connector's settings (the blend check layer and disk policy).
+        wait_for_saves: finish each step only once its saves are in the store (a prefill engine, ``kv_producer``:
+            its answer tells a prefill/decode proxy that the decode engine can load the prompt now); otherwise a
+            save lands some milliseconds after its step, which only a request racing it notices.
     """
 
     def __init__(
@@ -147,8 +150,10 @@ class WorkerSide:
         block_size: int,
         blend_link: StoreLink | None = None,
         settings: ConnectorSettings | None = None,
+        wait_for_saves: bool = False,
     ) -> None:
         self._vllm_config = vllm_config
+        self._wait_for_saves = wait_for_saves
         self._settings = settings or ConnectorSettings()
         self._blend_link = blend_link
         self._blend_engine: BlendEngine | None = None
@@ -345,6 +350,8 @@ class WorkerSide:
                     "request %s: only %d layers were saved; not stored", save.spec.request_id, save.num_layers_computed
                 )
         self._saves = []
+        if self._wait_for_saves:  # _store never raises, and its link gives up after the transfer timeout
+            concurrent.futures.wait(self._save_futures)
         self._save_futures = [future for future in self._save_futures if not future.done()]
 
     def get_finished(self) -> FinishedLoads:
