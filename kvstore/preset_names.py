@@ -8,7 +8,9 @@ against its layout.
 
 from __future__ import annotations
 
-__all__ = ["PRESET_NAMES", "SMALLEST_PRESET", "SMALLEST_PRESET_ELEMENTS_PER_TOKEN"]
+from kvstore.errors import ConfigError
+
+__all__ = ["PRESET_NAMES", "SMALLEST_PRESET", "SMALLEST_PRESET_ELEMENTS_PER_TOKEN", "check_preset_name"]
 
 PRESET_NAMES = ("smollm2-135m", "llama3.1-8b")
 """The names ``kvstore.presets.preset_layout`` knows, in the order help texts list them."""
@@ -19,3 +21,9 @@ SMALLEST_PRESET = "smollm2-135m"
 SMALLEST_PRESET_ELEMENTS_PER_TOKEN = 30 * 2 * 3 * 64
 """KV elements per token of ``SMALLEST_PRESET``: 30 layers x (K, V) x 3 KV heads x 64 dimensions (bytes, at one
 byte an element: fp8)."""
+
+
+def check_preset_name(name: str) -> None:
+    """Raise ``ConfigError`` unless ``name`` is a layout preset (the one message, for ``preset_layout`` and the CLI)."""
+    if name not in PRESET_NAMES:
+        raise ConfigError(f"unknown layout preset {name!r}; use one of {', '.join(PRESET_NAMES)}")

@@ -6,9 +6,8 @@ is the shape the speed benchmarks use (128 KiB of bf16 KV per token, 32 MiB per 
 
 from __future__ import annotations
 
-from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout, RopeScaling, RopeSpec
-from kvstore.preset_names import PRESET_NAMES
+from kvstore.preset_names import PRESET_NAMES, check_preset_name
 
 __all__ = ["PRESET_NAMES", "preset_layout"]
 
@@ -19,6 +18,7 @@ def preset_layout(name: str) -> KVLayout:
     Raises:
         ConfigError: the name is not one of ``PRESET_NAMES``.
     """
+    check_preset_name(name)
     if name == "smollm2-135m":
         return KVLayout(
             model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -44,4 +44,4 @@ def preset_layout(name: str) -> KVLayout:
                 original_max_position_embeddings=8192,
             ),
         )
-    raise ConfigError(f"unknown layout preset {name!r}; use one of {', '.join(PRESET_NAMES)}")
+    raise AssertionError(f"preset {name!r} is in PRESET_NAMES but has no layout here")

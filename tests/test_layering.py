@@ -27,7 +27,7 @@ _TIERS_BUT_BASE = (
     "kvstore.tiers.shared",
 )
 _VALUES = (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", *_TIERS_BUT_BASE, "kvstore.wire", "kvstore.models")
-# kvstore serve's checks that run before torch is imported (issue 45): nothing that imports it, nor the server's rest
+# kvstore serve's checks that run before torch is imported: nothing that imports it, nor the server's rest
 _BEFORE_TORCH = (
     *_TOOLS,
     "kvstore.store",
@@ -74,7 +74,7 @@ FORBIDDEN = {
     "kvstore.session": (*_VALUES, "kvstore.config"),
     "kvstore.remote_address": (*_VALUES, "kvstore.config"),
     "kvstore.presets": _VALUES,
-    "kvstore.preset_names": ("kvstore.",),  # the CLI's light checks read it before torch is imported
+    "kvstore.preset_names": (*_VALUES, *_BEFORE_TORCH, "kvstore.config"),  # read by the CLI before torch is imported
     "kvstore.data_dir": _VALUES,
     "kvstore.config": _VALUES,
     "kvstore.__init__": (),  # the package root: the public entry points, imported lazily (lazy_exports)

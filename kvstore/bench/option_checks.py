@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvstore.errors import ConfigError
-from kvstore.preset_names import PRESET_NAMES
+from kvstore.preset_names import check_preset_name
 
 __all__ = ["check_positive", "check_preset_names"]
 
@@ -18,8 +18,7 @@ __all__ = ["check_positive", "check_preset_names"]
 def check_preset_names(names: Iterable[str]) -> None:
     """Raise ``ConfigError`` on the first name that is not a layout preset (as ``preset_layout`` would, later)."""
     for name in names:
-        if name not in PRESET_NAMES:
-            raise ConfigError(f"unknown layout preset {name!r}; use one of {', '.join(PRESET_NAMES)}")
+        check_preset_name(name)
 
 
 def check_positive(benchmark: str, options: object, names: Iterable[str]) -> None:
