@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 SHUTDOWN_TIMEOUT_S = 30.0
 """How long the engine's processes get to exit. vLLM's default (5 s) can kill the engine core while it still waits for
@@ -183,15 +183,36 @@ class RequestResult:
 
 def main(argv: Sequence[str]) -> int:
     spec = EngineSpec.from_json(Path(argv[1]).read_text() if len(argv) > 1 else sys.stdin.read())
-    results = os.fdopen(os.dup(sys.stdout.fileno()), "w")  # not inherited by the engine's processes
+    results = take_stdout()
+    engine = start_engine(spec)
+    for index, prompt in enumerate(spec.prompts):
+        for command in spec.commands_before.get(str(index), ()):
+            subprocess.run(list(command), check=True)
+        result = generate_one(engine, spec, prompt, spec.max_tokens, spec.transfer_params.get(str(index)))
+        results.write(result.to_json() + "\n")
+        results.flush()
+        if spec.wait_until_stored_s and not result.kvstore_blended:  # kvstore stores no blended prompt
+            wait_until_stored(spec, prompt, spec.wait_until_stored_s)
+    results.close()
+    stop_engine(engine)
+    return 0
+
+
+def take_stdout() -> IO[str]:
+    """This process's stdout for the results alone: the stream returned is a copy of it that the engine's processes
+    do not inherit, and fd 1 becomes stderr (vLLM and its children log to stdout)."""
+    results = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return results
+
+
+def start_engine(spec: EngineSpec) -> Any:
+    """A ``vllm.LLM`` as ``spec`` describes it (``spec.env`` set first: vLLM reads it at import and start)."""
     os.environ.update(spec.env)
-
     import vllm
-    from vllm.inputs import TokensPrompt
 
-    engine = vllm.LLM(
+    return vllm.LLM(
         model=str(spec.model_dir),
         dtype=spec.dtype,
         kv_cache_dtype=spec.kv_cache_dtype,
@@ -203,35 +224,37 @@ def main(argv: Sequence[str]) -> int:
         max_model_len=spec.max_model_len_tokens,
         disable_log_stats=False,  # the request metrics (time to first token) exist only with stats on
     )
-    for index, prompt in enumerate(spec.prompts):
-        for command in spec.commands_before.get(str(index), ()):
-            subprocess.run(list(command), check=True)
-        params = spec.transfer_params.get(str(index))
-        sampling = vllm.SamplingParams(
-            temperature=0.0,
-            max_tokens=spec.max_tokens,
-            ignore_eos=spec.ignore_eos,
-            extra_args=None if params is None else {"kv_transfer_params": dict(params)},
-        )
-        started_at = time.time()
-        (output,) = engine.generate([TokensPrompt(prompt_token_ids=list(prompt))], sampling, use_tqdm=False)
-        finished_at = time.time()
-        metrics = output.metrics
-        result = RequestResult(
-            token_ids=tuple(output.outputs[0].token_ids),
-            num_cached_tokens=output.num_cached_tokens,
-            ttft_s=getattr(metrics, "first_token_latency", None) or None,
-            kv_transfer_params=output.kv_transfer_params,
-            started_at=started_at,
-            finished_at=finished_at,
-        )
-        results.write(result.to_json() + "\n")
-        results.flush()
-        if spec.wait_until_stored_s and not result.kvstore_blended:  # kvstore stores no blended prompt
-            wait_until_stored(spec, prompt, spec.wait_until_stored_s)
-    results.close()
+
+
+def generate_one(
+    engine: Any, spec: EngineSpec, prompt: Sequence[int], max_tokens: int, params: Mapping[str, Any] | None
+) -> RequestResult:
+    """One greedy request of ``max_tokens`` (with ``params`` as its ``kv_transfer_params``), alone in the engine."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    sampling = vllm.SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=spec.ignore_eos,
+        extra_args=None if params is None else {"kv_transfer_params": dict(params)},
+    )
+    started_at = time.time()
+    (output,) = engine.generate([TokensPrompt(prompt_token_ids=list(prompt))], sampling, use_tqdm=False)
+    finished_at = time.time()
+    return RequestResult(
+        token_ids=tuple(output.outputs[0].token_ids),
+        num_cached_tokens=output.num_cached_tokens,
+        ttft_s=getattr(output.metrics, "first_token_latency", None) or None,
+        kv_transfer_params=output.kv_transfer_params,
+        started_at=started_at,
+        finished_at=finished_at,
+    )
+
+
+def stop_engine(engine: Any) -> None:
+    """Stop the engine's processes, giving them ``SHUTDOWN_TIMEOUT_S`` to exit."""
     engine.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
-    return 0
 
 
 def engine_command() -> list[str]:

@@ -65,7 +65,9 @@ __all__ = [
     "CPU_ENGINE_ENV",
     "VllmBenchOptions",
     "VllmBenchRow",
+    "bench_row",
     "prose_prompts",
+    "run_driver",
     "run_engine_session",
     "run_vllm_benchmark",
     "store_killed_session",
@@ -137,19 +139,25 @@ class VllmBenchRow:
     connector_ms_p50: float | None = None
     connector_share_p50: float | None = None
     misses: MissTally = field(default_factory=MissTally)
+    outputs_equal: tuple[int, int] | None = None  # (equal, compared): greedy outputs against a single engine's
 
     def to_json_dict(self) -> dict[str, object]:
-        return {
-            "mode": self.mode,
-            "prompt_tokens": self.prompt_tokens,
-            "ttft_ms_p50": round(self.ttft_ms_p50, 1),
-            "speedup_vs_cold": round(self.speedup_vs_cold, 3),
-            "num_cached_tokens_p50": self.num_cached_tokens_p50,
-            "kvstore_loaded_tokens_p50": self.kvstore_loaded_tokens_p50,
-            "ttft_ms_samples": [round(sample, 1) for sample in self.ttft_ms_samples],
-            "connector_ms_p50": None if self.connector_ms_p50 is None else round(self.connector_ms_p50, 1),
-            "connector_share_p50": None if self.connector_share_p50 is None else round(self.connector_share_p50, 5),
-        } | self.misses.to_json_dict()
+        equal = {} if self.outputs_equal is None else {"outputs_equal": list(self.outputs_equal)}
+        return (
+            {
+                "mode": self.mode,
+                "prompt_tokens": self.prompt_tokens,
+                "ttft_ms_p50": round(self.ttft_ms_p50, 1),
+                "speedup_vs_cold": round(self.speedup_vs_cold, 3),
+                "num_cached_tokens_p50": self.num_cached_tokens_p50,
+                "kvstore_loaded_tokens_p50": self.kvstore_loaded_tokens_p50,
+                "ttft_ms_samples": [round(sample, 1) for sample in self.ttft_ms_samples],
+                "connector_ms_p50": None if self.connector_ms_p50 is None else round(self.connector_ms_p50, 1),
+                "connector_share_p50": None if self.connector_share_p50 is None else round(self.connector_share_p50, 5),
+            }
+            | self.misses.to_json_dict()
+            | equal
+        )
 
 
 _PROSE_MODULES = (
@@ -243,28 +251,37 @@ def run_vllm_benchmark(
         "kvstore_back_hit": killed[4::4],
     }
     cold_p50 = statistics.median(_ttft_ms(measured["cold"]))
-    rows = []
-    for mode, results in measured.items():
-        samples = _ttft_ms(results)
-        p50 = statistics.median(samples)
-        loaded = [result.kvstore_loaded_tokens for result in results if result.kvstore_loaded_tokens is not None]
-        on_path = [result.connector_ms for result in results if result.connector_ms is not None]
-        shares = [ms / ttft for ms, ttft in zip(on_path, samples, strict=False) if ttft > 0]
-        rows.append(
-            VllmBenchRow(
-                mode=mode,
-                prompt_tokens=len(prompts[0]),
-                ttft_ms_p50=p50,
-                speedup_vs_cold=cold_p50 / p50,
-                num_cached_tokens_p50=statistics.median(result.num_cached_tokens or 0 for result in results),
-                kvstore_loaded_tokens_p50=statistics.median(loaded) if loaded else None,
-                ttft_ms_samples=tuple(samples),
-                connector_ms_p50=statistics.median(on_path) if loaded and on_path else None,
-                connector_share_p50=statistics.median(shares) if loaded and shares else None,
-                misses=tally_misses(results),
-            )
-        )
-    return rows
+    return [bench_row(mode, results, len(prompts[0]), cold_p50) for mode, results in measured.items()]
+
+
+def bench_row(
+    mode: str,
+    results: Sequence[RequestResult],
+    prompt_tokens: int,
+    cold_p50: float,
+    *,
+    ttft_ms: Sequence[float] | None = None,
+    outputs_equal: tuple[int, int] | None = None,
+) -> VllmBenchRow:
+    """One mode's row from its requests: TTFT as vLLM measured it unless ``ttft_ms`` gives each request's."""
+    samples = list(ttft_ms) if ttft_ms is not None else _ttft_ms(results)
+    p50 = statistics.median(samples)
+    loaded = [result.kvstore_loaded_tokens for result in results if result.kvstore_loaded_tokens is not None]
+    on_path = [result.connector_ms for result in results if result.connector_ms is not None]
+    shares = [ms / ttft for ms, ttft in zip(on_path, samples, strict=False) if ttft > 0]
+    return VllmBenchRow(
+        mode=mode,
+        prompt_tokens=prompt_tokens,
+        ttft_ms_p50=p50,
+        speedup_vs_cold=cold_p50 / p50,
+        num_cached_tokens_p50=statistics.median(result.num_cached_tokens or 0 for result in results),
+        kvstore_loaded_tokens_p50=statistics.median(loaded) if loaded else None,
+        ttft_ms_samples=tuple(samples),
+        connector_ms_p50=statistics.median(on_path) if loaded and on_path else None,
+        connector_share_p50=statistics.median(shares) if loaded and shares else None,
+        misses=tally_misses(results),
+        outputs_equal=outputs_equal,
+    )
 
 
 def tp_cpu_env(tensor_parallel_size: int) -> dict[str, str]:
@@ -376,10 +393,21 @@ def _ttft_ms(results: Sequence[RequestResult]) -> list[float]:
 
 def run_engine_session(spec: EngineSpec, timeout_s: float) -> list[RequestResult]:
     """One engine session in a subprocess; its log goes to this process's stderr only when it fails."""
+    lines = run_driver(engine_command(), spec.to_json(), len(spec.prompts), timeout_s)
+    return [RequestResult.from_json(line) for line in lines]
+
+
+def run_driver(command: Sequence[str], spec_json: str, num_lines: int, timeout_s: float) -> list[str]:
+    """Run an engine driver (``vllm_engine``, ``vllm_pd_engines``) on its spec; its result lines, ``num_lines`` of
+    them, or a ``ConfigError`` ending with its log's last lines.
+
+    Raises:
+        ConfigError: the driver failed, or printed another number of lines.
+    """
     with tempfile.TemporaryFile() as log:
         completed = subprocess.run(
-            engine_command(),
-            input=spec.to_json(),
+            list(command),
+            input=spec_json,
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -388,10 +416,10 @@ def run_engine_session(spec: EngineSpec, timeout_s: float) -> list[RequestResult
             check=False,
         )
         lines = completed.stdout.splitlines()
-        if completed.returncode != 0 or len(lines) != len(spec.prompts):
+        if completed.returncode != 0 or len(lines) != num_lines:
             log.seek(0)
             tail = log.read().decode(errors="replace").splitlines()[-20:]
             raise ConfigError(
                 f"the vLLM engine session failed (exit {completed.returncode}); its log ends: " + " | ".join(tail)
             )
-    return [RequestResult.from_json(line) for line in lines]
+    return lines

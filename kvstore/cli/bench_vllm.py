@@ -64,6 +64,11 @@ def bench_vllm_command(
         _BLEND_DEFAULTS.docs_per_query, "--docs-per-query", help="--blend: documents in each query."
     ),
     ratio: float = typer.Option(_BLEND_DEFAULTS.ratio, "--ratio", help="--blend, --serve: the recompute ratio."),
+    prefill_decode: bool = typer.Option(
+        False,
+        "--prefill-decode",
+        help="A prefill engine (kv_producer) and a decode engine (kv_consumer) on one store, through a proxy.",
+    ),
     serve: bool = typer.Option(
         False, "--serve", help="Multi-doc QA through vLLM's OpenAI server: vLLM alone, + kvstore, + kvstore blending."
     ),
@@ -106,6 +111,8 @@ def bench_vllm_command(
 
         .venv-vllm/bin/kvstore bench vllm --kv-cache-dtype fp8 --prompt-tokens 4000   # the engine's fp8 KV bytes
 
+        .venv-vllm/bin/kvstore bench vllm --prefill-decode --prompt-tokens 2000 --prompts 2
+
         .venv-vllm/bin/kvstore bench vllm --blend --json --prompts 3   # 5 documents x 1,000 tokens per query
 
         .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
@@ -119,6 +126,11 @@ def bench_vllm_command(
         )
     if kv_cache_dtype != "auto" and (serve or blend):
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is for the default mode; --blend and --serve run auto")
+    if prefill_decode and (serve or blend or tensor_parallel_size != 1 or kv_cache_dtype != "auto"):
+        raise ConfigError(
+            "--prefill-decode runs its own sessions at TP=1 with an auto KV cache; drop --serve, --blend, "
+            "--tensor-parallel-size and --kv-cache-dtype"
+        )
     if serve:
         serve_options = ServeBenchOptions(
             model_dir=model_dir,
@@ -187,7 +199,12 @@ def bench_vllm_command(
             options = dataclasses.replace(options, model_dir=model_dir)
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             token_prompts = prose_prompts(tokenizer.encode, options.num_prompts + 1, options.prompt_tokens)
-            rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
+            if prefill_decode:
+                from kvstore.bench.vllm_pd import run_prefill_decode_benchmark  # the two-engine driver
+
+                rows = run_prefill_decode_benchmark(options, token_prompts, lambda message: status.update(message))
+            else:
+                rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
     if serve:
         _print_serve(serve_rows, as_json)
         from kvstore.bench.vllm_serve import ttft_gain_failure
@@ -220,6 +237,9 @@ def _render(rows: list[VllmBenchRow]) -> None:
             row.misses.describe(),
         )  # fmt: skip
     Console(width=160).print(table)
+    for row in rows:
+        if row.outputs_equal is not None:
+            typer.echo(f"{row.mode}: {row.outputs_equal[0]}/{row.outputs_equal[1]} outputs equal a single engine's")
 
 
 def _print_blend(rows: list[VllmBlendRow], as_json: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.bench.miss_tally import MissTally
+from kvstore.bench.pd_proxy import PrefillDecodeProxy
 from kvstore.bench.vllm_engine import EngineSpec, RequestResult
 from kvstore.bench.vllm_ttft import (
     VllmBenchOptions,
@@ -163,3 +165,20 @@ def test_the_store_killed_session_kills_the_server_then_waits_for_a_new_one(tmp_
         first.kill()
         assert first.process.stdout is not None
         first.process.stdout.close()
+
+
+def test_the_split_proxy_sends_one_token_of_prefill_then_the_decode_and_times_both_for_its_client() -> None:
+    calls: list[tuple[str, int]] = []
+
+    def engine(name: str, started_at: float, ttft_s: float) -> Callable[[Sequence[int], int], RequestResult]:
+        def generate(prompt: Sequence[int], max_tokens: int) -> RequestResult:
+            calls.append((name, max_tokens))
+            return RequestResult(token_ids=(1,) * max_tokens, num_cached_tokens=0, ttft_s=ttft_s, started_at=started_at)
+
+        return generate
+
+    proxy = PrefillDecodeProxy(prefill=engine("prefill", 100.0, 2.0), decode=engine("decode", 102.5, 0.25))
+    routed = proxy.complete([7] * 300, 16)
+    assert calls == [("prefill", 1), ("decode", 16)]
+    assert len(routed.decode.token_ids) == 16
+    assert routed.ttft_s == pytest.approx(2.75)  # prefill call to the decode engine's first token

@@ -250,6 +250,7 @@ def bench_mistakes() -> list[Mistake]:
             "--tensor-parallel-size 2 is for the default mode",
         ),
         bench("blend ratio above 1", "vllm --blend --ratio 1.5", "recompute_ratio=1.5"),
+        bench("split and serve", "vllm --prefill-decode --serve", "--prefill-decode runs its own sessions"),
         bench(
             "blend, more documents a query than stored",
             "vllm --blend --docs-per-query 9",
