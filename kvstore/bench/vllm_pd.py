@@ -41,7 +41,7 @@ from kvstore.bench.vllm_ttft import (
 )
 from kvstore.errors import ConfigError
 
-__all__ = ["DECODE_TOKENS", "run_prefill_decode_benchmark"]
+__all__ = ["DECODE_TOKENS", "run_prefill_decode_benchmark", "run_split_session"]
 
 DECODE_TOKENS = 16
 """Greedy tokens the decode engine (and the cold engine it is compared with) generates per prompt."""
@@ -74,7 +74,7 @@ def run_prefill_decode_benchmark(
         data_dir = options.data_dir or Path(scratch) / "kvstore-data"
         extra = {"kvstore.data_dir": str(data_dir), "kvstore.tiers": "cpu,disk", "kvstore.cpu_size": "2GiB"}
         progress(f"vLLM session: prefill/decode ({len(prompts)} requests, two engines)")
-        routed = _split_session(
+        routed = run_split_session(
             replace(
                 spec,
                 kv_transfer_config={**CONNECTOR_CONFIG, "kv_role": "kv_producer", "kv_connector_extra_config": extra},
@@ -108,8 +108,9 @@ def run_prefill_decode_benchmark(
     ]
 
 
-def _split_session(prefill: EngineSpec, decode: EngineSpec, timeout_s: float) -> list[RoutedRequest]:
-    """The two engines in one driver subprocess (``vllm_pd_engines``)."""
+def run_split_session(prefill: EngineSpec, decode: EngineSpec, timeout_s: float) -> list[RoutedRequest]:
+    """The two engines in one driver subprocess (``vllm_pd_engines``), each of ``decode``'s prompts through the
+    proxy; its log goes to this process's stderr only when it fails."""
     spec = json.dumps({"prefill": json.loads(prefill.to_json()), "decode": json.loads(decode.to_json())})
     lines = run_driver(prefill_decode_command(), spec, len(decode.prompts), timeout_s)
     return [_routed(json.loads(line)) for line in lines]

