@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -69,6 +70,19 @@ def tiny_parallel_model_dir(cache_dir: Path, tokenizer_dir: Path) -> Path:
         shutil.copy(tokenizer_dir / name, building / name)
     building.rename(target)
     return target
+
+
+def tiny_model_and_prompts(vllm_model_dir: Path, num_prompts: int) -> tuple[Path, list[tuple[int, ...]]]:
+    """The tiny model's directory (in the machine's model cache; SmolLM2's tokenizer from ``vllm_model_dir``) and
+    ``num_prompts`` disjoint prompts of ``PROMPT_TOKENS`` tokens of prose."""
+    from transformers import AutoTokenizer
+
+    from kvstore.bench.vllm_ttft import prose_prompts
+    from kvstore.models import default_model_cache_dir
+
+    model_dir = tiny_parallel_model_dir(default_model_cache_dir(os.environ), vllm_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return model_dir, [tuple(prompt) for prompt in prose_prompts(tokenizer.encode, num_prompts, PROMPT_TOKENS)]
 
 
 def engine_spec(

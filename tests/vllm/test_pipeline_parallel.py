@@ -12,24 +12,19 @@ Every load must leave the greedy tokens as the cold run of the same prompt made 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
-from kvstore.bench.vllm_ttft import prose_prompts
-from kvstore.models import default_model_cache_dir
 from tests.server.conftest import running_server
 from tests.vllm.conftest import EngineRunner
 from tests.vllm.parallel_engines import (
     HIT_TOKENS,
-    PROMPT_TOKENS,
     SERVER_FLAGS,
     engine_spec,
     scrape,
-    tiny_parallel_model_dir,
+    tiny_model_and_prompts,
 )
 
 SESSION_TIMEOUT_S = 900
@@ -39,9 +34,7 @@ SESSION_TIMEOUT_S = 900
 def test_pp2_and_pp1_engines_load_each_others_kv_with_identical_output(
     run_engine: EngineRunner, vllm_model_dir: Path, vllm_env: Mapping[str, str], tmp_path: Path
 ) -> None:
-    model_dir = tiny_parallel_model_dir(default_model_cache_dir(os.environ), vllm_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    u, v = (tuple(prompt) for prompt in prose_prompts(tokenizer.encode, 2, PROMPT_TOKENS))
+    model_dir, (u, v) = tiny_model_and_prompts(vllm_model_dir, 2)
     with running_server(tmp_path / "data", *SERVER_FLAGS, layout=None) as server:
         (u1,) = run_engine(engine_spec(model_dir, vllm_env, [u], server.url))
         assert u1.kvstore_loaded_tokens == 0

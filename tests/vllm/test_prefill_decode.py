@@ -15,27 +15,22 @@ it, is checked under vLLM's scheduler (``test_scheduler_side.py``).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from kvstore import Client
 from kvstore.bench.vllm_engine import EngineSpec
 from kvstore.bench.vllm_pd import run_split_session
-from kvstore.bench.vllm_ttft import prose_prompts
-from kvstore.models import default_model_cache_dir
 from tests.server.conftest import ServerProcess, running_server
 from tests.vllm.conftest import ENGINE_TIMEOUT_S, EngineRunner
 from tests.vllm.parallel_engines import (
     HIT_TOKENS,
-    PROMPT_TOKENS,
     SERVER_FLAGS,
     engine_spec,
     scrape,
-    tiny_parallel_model_dir,
+    tiny_model_and_prompts,
 )
 
 SESSION_TIMEOUT_S = 600
@@ -56,9 +51,7 @@ def open_plans(server: ServerProcess) -> int:
 def test_a_decode_engine_loads_what_the_prefill_engine_just_stored_and_answers_as_a_single_engine(
     run_engine: EngineRunner, vllm_model_dir: Path, vllm_env: Mapping[str, str], tmp_path: Path
 ) -> None:
-    model_dir = tiny_parallel_model_dir(default_model_cache_dir(os.environ), vllm_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    a, b = (tuple(prompt) for prompt in prose_prompts(tokenizer.encode, 2, PROMPT_TOKENS))
+    model_dir, (a, b) = tiny_model_and_prompts(vllm_model_dir, 2)
     with running_server(tmp_path / "data", *SERVER_FLAGS, layout=None) as server:
         spec = engine_spec(model_dir, vllm_env, [a, b, a], server.url)
         routed = run_split_session(role(spec, "kv_producer"), role(spec, "kv_consumer"), ENGINE_TIMEOUT_S)

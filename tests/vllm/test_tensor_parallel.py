@@ -13,25 +13,20 @@ one copy of X (its chunks committed once, whole, from two parts each).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
-from kvstore.bench.vllm_ttft import prose_prompts
-from kvstore.models import default_model_cache_dir
 from tests.server.conftest import running_server
 from tests.vllm.conftest import EngineRunner
 from tests.vllm.parallel_engines import (
     HIT_TOKENS,
-    PROMPT_TOKENS,
     SERVER_FLAGS,
     engine_spec,
     scrape,
-    tiny_parallel_model_dir,
+    tiny_model_and_prompts,
 )
 
 SESSION_TIMEOUT_S = 900
@@ -54,9 +49,7 @@ with Client(url, layout) as client:
 def test_tp2_and_tp1_engines_load_each_others_kv_with_identical_output_and_never_half_a_chunk(
     run_engine: EngineRunner, vllm_model_dir: Path, vllm_env: Mapping[str, str], tmp_path: Path
 ) -> None:
-    model_dir = tiny_parallel_model_dir(default_model_cache_dir(os.environ), vllm_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    z, w, x = (tuple(prompt) for prompt in prose_prompts(tokenizer.encode, 3, PROMPT_TOKENS))
+    model_dir, (z, w, x) = tiny_model_and_prompts(vllm_model_dir, 3)
     with running_server(tmp_path / "data", *SERVER_FLAGS, layout=None) as server:
         store_part = [sys.executable, "-c", STORE_ONE_RANKS_PART, server.url, json.dumps(list(w))]
         z1, w1 = run_engine(engine_spec(model_dir, vllm_env, [z, w], server.url, commands_before={"1": [store_part]}))
@@ -76,6 +69,4 @@ def test_tp2_and_tp1_engines_load_each_others_kv_with_identical_output_and_never
 
         (x1,) = run_engine(engine_spec(model_dir, vllm_env, [x], server.url))
         assert x1.kvstore_loaded_tokens == HIT_TOKENS, f"TP=2 -> TP=1: {x1.kvstore_report}"
-        assert x1.token_ids == x2.token_ids, (
-            "KV stored by the TP=2 ranks, loaded at TP=1, changed the output"
-        )
+        assert x1.token_ids == x2.token_ids, "KV stored by the TP=2 ranks, loaded at TP=1, changed the output"
