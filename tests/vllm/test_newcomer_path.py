@@ -63,6 +63,15 @@ def _no_traceback(what: str, output: str) -> None:
     assert "Traceback" not in output, f"{what} printed a traceback:\n{output[-4000:]}"
 
 
+def _without_vllms_shutdown_race(shutdown_log: str) -> str:
+    """The shutdown's log less vLLM's own race on Ctrl-C (seen in 2 of 6 runs): the API server's output handler may
+    notice the engine core it just force-killed and log ``AsyncLLM output_handler failed`` with an ``EngineDeadError``
+    traceback, every line tagged ``[async_llm.py:...]``. Any other traceback, a connector thread's included, stays."""
+    if "EngineDeadError" not in shutdown_log:
+        return shutdown_log
+    return "\n".join(line for line in shutdown_log.splitlines() if "[async_llm.py:" not in line)
+
+
 def _run(what: str, command: list[str], root: Path, timeout_s: float) -> tuple[str, str]:
     """The command's stdout and stderr, once it exited 0 and printed no traceback."""
     done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout_s)
@@ -134,6 +143,7 @@ def test_the_readme_then_the_vllm_quick_start_in_one_directory(tmp_path: Path) -
         assert len(loaded) == 2 and loaded[0] == 0 and loaded[1] > 1000, output
         assert "asking it at tcp://" in said and "never_stored" in output, output + said
 
+        before_ctrl_c = log_path.read_text(errors="replace")
         started = time.monotonic()
         os.killpg(server.pid, signal.SIGINT)  # Ctrl-C
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -142,6 +152,7 @@ def test_the_readme_then_the_vllm_quick_start_in_one_directory(tmp_path: Path) -
     print(f"\nquick start: vLLM's OpenAI server exited {exit_s:.2f} s after Ctrl-C")
     assert server.returncode is not None and exit_s <= EXIT_BOUND_S, f"still running after {exit_s:.1f} s"
     log = log_path.read_text(errors="replace")
-    _no_traceback("the server", log)
+    _no_traceback("the server", before_ctrl_c)
+    _no_traceback("the server's shutdown", _without_vllms_shutdown_race(log[len(before_ctrl_c) :]))
     (data_dir,) = (root / "kvstore-data").glob("SmolLM2-135M-Instruct-*-float32-*")
     assert f"store {data_dir.relative_to(root)}" in log
