@@ -16,7 +16,7 @@ poll as soon as a worker pushes (no polling interval on the hot path).
 Why health and lookups of prompts up to ~32K tokens are answered on the I/O thread: they are short, in-memory and
 GIL-bound (the store holds its locks only for bookkeeping), so a worker could not run them any sooner, while the
 hand-off to a worker and back (pool queue, thread wake-up, PUSH, PULL, two GIL hand-overs) costs a sizeable share of a
-lookup round trip that must stay within its target (issue 5, lookup p50 <= 1 ms; measured:
+lookup round trip that must stay within its target (lookup p50 <= 1 ms; measured:
 docs/design-notes.md#server-loop). A longer prompt's plan goes to the control pool, so one request never keeps the I/O
 thread from receiving and forwarding for longer than a lookup's target. So does every release: its small header does
 not say how many pins it drops (a 4M-token plan holds 16K).

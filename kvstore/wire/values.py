@@ -11,7 +11,7 @@ client decodes them back into the same classes, so code written against ``Tiered
 
 Why rows in one ``bin`` and not an array per segment: a 15k-token prompt has 60 segments, and packing or unpacking
 60 six-item msgpack arrays and checking their 360 values one by one cost a lookup several times what rows cost, on
-the two sides together (issue 5, lookup p50 <= 1 ms; measured: docs/design-notes.md#wire-values); ``struct`` packs and
+the two sides together (target: lookup p50 <= 1 ms; measured: docs/design-notes.md#wire-values); ``struct`` packs and
 unpacks the rows in C. Gaps are derived from the segments; their reasons (``kvstore.misses``) travel as rows too::
 
     | start u64 | end u64 | reason u8 |      reason: the index in _REASON_BY_CODE (append only)
@@ -92,7 +92,7 @@ def decode_segments(fields: Fields, name: str, num_query_tokens: int) -> tuple[S
 
     The ``Segment`` values are built by setting their slots (``_SEGMENT_SLOT_SETTERS``), not through the dataclass
     ``__init__``: a frozen, slotted, keyword-only ``__init__`` costs markedly more a segment, and a
-    60-segment plan is rebuilt on the client of every lookup (issue 5). ``Segment`` has no ``__post_init__`` to
+    60-segment plan is rebuilt on the client of every lookup. ``Segment`` has no ``__post_init__`` to
     skip; ``tests/server/test_protocol.py`` checks that, and that both ways build equal values (a field added to
     ``Segment`` and not set here fails its comparison).
     """

@@ -11,8 +11,9 @@ Meta page layout (lmdb.h / mdb.c, native byte order): a 16-byte page header, the
 ``md_pad`` is the page size), ``mm_last_pg`` (u64) and ``mm_txnid`` (u64). A meta page has no checksum, so a
 flipped bit there is told apart from a truncation by what LMDB itself requires of both metas at open (the page
 header's meta flag, the magic, data format version 1) and by its invariant that the last page lies inside the map;
-a last page one bit away from the file's own is named as a likely flipped bit (issue 27). Last, every value of the
-newest commit's trees must lie inside the file (``value_extents``).
+a last page one bit away from the file's own is named as a likely flipped bit, so that the message points at damage
+rather than at a short copy. Last, every value of the newest commit's trees must lie inside the file
+(``value_extents``).
 """
 
 from __future__ import annotations

@@ -272,7 +272,8 @@ class DiskEnvironment:
 
         Raises:
             StorageError: the record is there but unreadable: LMDB keeps no checksum of values, so a flipped bit
-                in it is damage to name, not a bad layout or setting of the caller's (issue 27).
+                in it is damage to name, not a bad layout or setting of the caller's
+                (``tests/integration/test_damaged_data_dir.py``).
         """
         with self.read() as txn:
             names = (INFO_FORMAT_VERSION, INFO_LAYOUT, INFO_CHUNK_SIZE)

@@ -5,7 +5,7 @@ decode frame ``i`` straight from the map into the destination, so a cold read ov
 and nothing proportional to the chunk is allocated. A frame whose checksum or format fails is reported, never
 decoded into wrong bytes. A damaged LMDB page on the way to a frame (a flipped bit in a page number or a page
 header: LMDB says page not found, corrupted or bad transaction) is reported the same way, as ``PageDamage``: the
-chunk is a miss, the reader's call never an error (issue 27; tests/integration/test_damaged_data_dir.py).
+chunk is a miss, the reader's call never an error (tests/integration/test_damaged_data_dir.py).
 
 Threads: ``read_chunk`` runs on any caller thread; its read transaction stays open until every decode task of
 the chunk has finished (the tasks read the transaction's map).

@@ -2,8 +2,8 @@
 
 LMDB takes a leaf node's data size on trust, and py-lmdb touches every page of a value it hands out (to fault it in
 without the GIL): a flipped bit in the size of a big value (one on overflow pages) makes that value run past the end
-of the file, and the first read of it is a SIGBUS that kills the process with no message (issue 27, found by
-random bit flips; tests/integration/test_damaged_data_dir.py). A page number past the last page is safe (LMDB says
+of the file, and the first read of it is a SIGBUS that kills the process with no message (random bit flips find
+it; tests/integration/test_damaged_data_dir.py). A page number past the last page is safe (LMDB says
 page not found), so only sizes need checking: a big value must end inside the file, an inline one inside its page.
 
 Page layout (mdb.c, native byte order): ``mp_pgno`` (u64), ``mp_pad`` (u16), ``mp_flags`` (u16), ``mp_lower`` and
