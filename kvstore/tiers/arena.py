@@ -127,10 +127,6 @@ class ArenaTier(Tier):
             " (pinned)" if self._arena.is_pinned() else "",
         )
 
-    def set_spill(self, spill: SpillCallback | None) -> None:
-        """Wire the callback that demotes victims (set by the store once every tier exists)."""
-        self._spill = spill
-
     def slot_view(self, index: int, num_tokens: int) -> torch.Tensor:
         """The KV view of slot ``index`` holding ``num_tokens`` tokens."""
         if num_tokens == self.chunk_size:

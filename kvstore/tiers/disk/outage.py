@@ -53,10 +53,6 @@ class DiskOutage:
         self._since: float | None = None
         self._failed_writes = 0
 
-    @property
-    def ongoing(self) -> bool:
-        return self._since is not None
-
     def free_bytes(self) -> int:
         """Bytes an unprivileged writer may still use on the data dir's filesystem."""
         info = os.statvfs(self._path)

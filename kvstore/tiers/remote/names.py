@@ -53,10 +53,6 @@ class RemoteNames:
         """The key of a chunk's value."""
         return f"{self.namespace}:kv:{self.layout_tag}:{{{key.hex()}}}".encode()
 
-    def chunk_pattern(self) -> bytes:
-        """A ``SCAN MATCH`` pattern for every chunk of this layout."""
-        return f"{self.namespace}:kv:{self.layout_tag}:*".encode()
-
     def epoch(self) -> bytes:
         """The key whose value changes when the remote lost its data (restarted empty, flushed)."""
         return f"{self.namespace}:epoch:{self.layout_tag}".encode()
