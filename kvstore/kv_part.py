@@ -100,22 +100,14 @@ class PartCoverage:
     """Which (layer, head) cells of a chunk or plan the parts added so far cover. Not thread-safe: its owner
     guards it."""
 
-    __slots__ = ("_cells", "_layout")
+    __slots__ = ("_cells",)
 
     def __init__(self, layout: KVLayout) -> None:
-        self._layout = layout
         self._cells = torch.zeros((layout.num_layers, layout.num_kv_heads), dtype=torch.bool)
 
     def add(self, part: KVPart) -> None:
         self._cells[part.layer_start : part.layer_end, part.head_start : part.head_end] = True
 
-    def covers(self, part: KVPart) -> bool:
-        return bool(self._cells[part.layer_start : part.layer_end, part.head_start : part.head_end].all())
-
     @property
     def complete(self) -> bool:
         return bool(self._cells.all())
-
-    @property
-    def fraction(self) -> float:
-        return float(self._cells.float().mean())

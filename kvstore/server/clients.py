@@ -220,12 +220,6 @@ class ClientRegistry:
             del self._shared[(owner, plan_id)]
             return shared.open_plan
 
-    @property
-    def num_shared_plans(self) -> int:
-        """Plans some of whose readers are still to come."""
-        with self._clients_lock:
-            return len(self._shared)
-
     def take_session(self, client_id: str, session_id: str) -> list[OpenPlan]:
         """Forget a session's open plans (the caller ends the store's session, which releases them)."""
         with self._clients_lock:

@@ -408,10 +408,6 @@ class DiskEnvironment:
         """Current size of ``data.mdb`` on disk."""
         return (self.path / DATA_FILE).stat().st_size
 
-    @property
-    def data_file(self) -> Path:
-        return self.path / DATA_FILE
-
     def sync(self) -> None:
         """Make every commit durable (fdatasync of the data file)."""
         self.env.sync(True)
