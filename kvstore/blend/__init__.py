@@ -1,13 +1,19 @@
 """Blending, the engine side: reuse the store's cached KV at new positions in a prompt (CacheBlend).
 
-- ``blender``, ``layerwise``, ``llama_layers``: one blended prefill, layer by layer, of a Llama-family model;
-- ``rope``, ``rope_gate``: re-rotating cached K to new positions, and the per-model proof that this is exact;
-- ``config``: ``BlendConfig`` and its choices (selection policy, deviation, attention kernel, disk policy), torch-free
-  so that a command line's blend settings are checked before torch is imported;
-- ``selection``, ``recurring_context``, ``query_attention``: which tokens are recomputed, and their attention;
-- ``kv_loading``, ``load_cost``, ``stage_clock``: loading a plan's KV while the model computes, the disk-or-recompute
-  choice, and timing the stages.
-- ``layer_stack``: what the pass needs from a model (``LlamaStack`` for Hugging Face models);
+- ``blender``: ``LayerwiseBlender``, a blended prefill of a Llama-family model;
+- ``layerwise``: one blended prefill, layer by layer: reuse cached KV, recompute the tokens that need it;
+- ``llama_layers``: a Llama-family Hugging Face model's forward pass, one decoder layer at a time;
+- ``layer_stack``: ``LayerStack``, what the pass needs from a model (``LlamaStack`` for Hugging Face models);
+- ``rope``: re-rotating cached K from the positions it was computed at to those it is reused at;
+- ``rope_gate``: the per-model proof, with the model's own code, that this re-rotation is exact;
+- ``config``: ``BlendConfig`` and its choices, torch-free so that a command line's blend settings are checked
+  before torch is imported;
+- ``selection``: which tokens are recomputed (the most deviating cached ones, and every uncached one);
+- ``recurring_context``: cached tokens whose context recurs earlier in the prompt;
+- ``query_attention``: attention of a subset of the tokens over the whole prompt, causal by absolute position;
+- ``kv_loading``: loading a plan's KV layer by layer on a worker thread while the model computes;
+- ``load_cost``: waiting for the disk or recomputing, whichever is faster for disk-only chunks;
+- ``stage_clock``: timing the stages of a prefill truthfully on the CPU and on a GPU;
 - ``vllm``: the same pass inside vLLM, on the modules of the model a vLLM worker loaded (kvstore's vLLM plugin).
 
 Finding cached chunks by content is the store's job (``kvstore.content``, below the store).

@@ -1,10 +1,15 @@
 """The content index: finds stored chunks by their tokens anywhere in a new prompt (below the store).
 
-- ``rolling_hash``, ``fingerprint_table``, ``match_scan``, ``index``: content fingerprints, their numba table and the
-  scan that plans matches over a query (``FingerprintIndex``);
-- ``catalog``: the store's content side (``ContentCatalog``): the index, asynchronous ``registration``, lazy
-  two-strike eviction (``strikes``), dedup-content ``aliases``;
-- ``relink``, ``catalog_rebuild``: the index of a reopened data dir, rebuilt from the disk tier's chunk records.
+- ``rolling_hash``: content fingerprints, a 64-bit polynomial hash of a token window;
+- ``fingerprint_table``: the numba kernels over the index's struct-of-arrays table;
+- ``match_scan``: the scan of a query that probes windows only where no planned match covers them;
+- ``index``: ``FingerprintIndex``, stored chunks found by their tokens at any offset;
+- ``catalog``: ``ContentCatalog``, the store's content side, over the modules below;
+- ``registration``: asynchronous fingerprint registration, off the store path;
+- ``strikes``: lazy two-strike eviction of entries whose chunk has left every tier;
+- ``aliases``: dedup-content aliases, prefix keys whose content is stored once under another key;
+- ``relink``: which stored chunk continues which, from their chunk records;
+- ``catalog_rebuild``: the index of a reopened data dir, rebuilt from the disk tier's chunk records.
 
 The engine side of blending (RoPE re-rotation, selective recompute) is ``kvstore.blend``, above the store.
 """

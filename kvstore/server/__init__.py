@@ -1,15 +1,21 @@
 """``kvstore serve``: one process that owns a ``TieredStore`` and serves it over ZeroMQ to engines.
 
-- ``handlers``: what each operation does to the store; ``clients``: what each client holds;
-- ``loop``: the ROUTER socket, worker pools and janitor; ``app``: start-up and shutdown of the whole server;
-- ``serve_sources``, ``serve_flags``, ``settings``, ``host_facts``, ``store_host``: flags, environment and config
-  file, the checks before start-up (those needing no torch first), the one store and its layout (``serve.json``,
-  where a running server is found, is ``kvstore.data_dir.server_record``);
-- ``metrics``: Prometheus ``/metrics`` and ``/healthz``; ``kv_events``: the residency as vLLM KV events for routers;
-- ``usage``: what lookups used, per chunk, per stored document (kept in the data dir across restarts) and per plan
-  (``UsageLedger``, the one vocabulary of hits).
+- ``app``: start-up and shutdown of the whole server (store, clients, handler, loop, metrics);
+- ``loop``: the ROUTER socket's I/O thread, the two worker pools and the janitor;
+- ``handlers``: what each operation does to the store: a request in, reply frames out;
+- ``clients``: who is connected and what each client holds (open plans, sessions, shared-memory segments);
+- ``chunk_assembly``: chunks assembled from the parts a tensor- or pipeline-parallel engine's ranks store;
+- ``serve_sources``: the settings as given, and where each comes from (flags, environment, config file);
+- ``serve_flags``: the settings merged and checked before torch, LMDB or the store is imported;
+- ``settings``: the settings completed and checked against this machine and the data dir;
+- ``host_facts``: what this machine has (CUDA, free RAM, device memory, disk), for those checks;
+- ``store_host``: the server's one ``TieredStore`` and the rule that decides its layout;
+- ``metrics``: Prometheus ``/metrics`` and ``/healthz``;
+- ``kv_events``: the store's residency as vLLM KV events, for routers;
+- ``usage``: what lookups used, per chunk, per stored document (kept across restarts) and per plan (``UsageLedger``).
 
-The wire format both ends speak is ``kvstore.wire``; the client end is ``kvstore.Client`` (``kvstore/client.py``).
+``serve.json``, where a running server is found, is ``kvstore.data_dir.server_record``. The wire format both ends
+speak is ``kvstore.wire``; the client end is ``kvstore.Client`` (``kvstore/client.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,19 @@
-"""Storage tiers behind one interface (``base``): gpu (device arena), cpu (host arena), disk (LMDB + zstd,
-``kvstore.tiers.disk``). ``arena`` is the body of the gpu and cpu tiers."""
+"""Storage tiers: the local ones behind one interface (``base.Tier``), the shared one behind another
+(``shared.SharedTier``), and the stored frame those outside memory keep chunks in.
+
+- ``base``: the ``Tier`` interface every local tier implements, and the values that cross it;
+- ``names``: ``TierName``, the tiers fastest first, importable without torch;
+- ``arena``: preallocated chunk slots with LRU eviction and pins, the body of the gpu and cpu tiers;
+- ``gpu``: chunk slots in device memory, demoting to the cpu tier on eviction;
+- ``cpu``: chunk slots in host RAM, page-locked when CUDA is present;
+- ``disk``: chunks in LMDB, compressed per frame, kept across restarts;
+- ``residency``: the residency changes a tier reports to whoever mirrors what the store holds (KV events);
+- ``shared``: ``SharedTier``, the contract of a tier many hosts share;
+- ``remote``: the shared tier in Valkey (or Redis), with its fleet-wide content directory;
+- ``frames``: the stored frame (meta value, codec, host copies) the disk and the remote tier share.
+
+No tier imports another; ``frames`` is below both tiers that use it.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,15 @@
 """The wire between ``kvstore.Client`` and ``kvstore serve``: shared by both ends, importing neither.
 
-- ``protocol``: ZeroMQ frames carrying msgpack headers (``Op``, ``Limits``); ``error_codes``: the error of a reply;
+- ``protocol``: ZeroMQ frames carrying msgpack headers (``Op``, ``Limits``);
+- ``error_codes``: the error of a reply, and the exception a handler raises to send one;
 - ``fields``: strict, typed reads of a decoded map (the only place wire values become Python values);
-- ``messages``: each operation's arguments; ``values``: plans, results, stats and the server's descriptions;
-  ``documents``: the ``documents`` report;
-- bulk KV by reference: ``shm`` (sealed memfd segments on the same host; the client's own in ``client_segments``)
-  and ``cuda_ipc`` (CUDA tensors by IPC handle);
+- ``messages``: each operation's arguments;
+- ``values``: plans, store results, stats and the server's descriptions;
+- ``documents``: the ``documents`` operation's report;
+- ``address``: server URLs, the one check of what a client may be pointed at;
+- ``shm``: bulk KV by reference in sealed memfd segments on the same host;
+- ``client_segments``: a client's own segments (a reusable scratch segment, buffers handed to the caller);
+- ``cuda_ipc``: bulk KV as CUDA tensors shared by IPC handle;
 - ``connection``: the client end of the socket.
 """
 

@@ -1,9 +1,13 @@
 """The remote tier: chunks and a fleet-wide content directory in Valkey (or Redis), shared by many hosts.
 
-Modules: ``names`` (key names), ``link`` (the connection and its outages), ``remote_value`` (a chunk as one value),
-``directory`` (the fleet content directory), ``tier`` (``RemoteTier``). The URL and the namespace are configuration
-values (``kvstore.remote_address``). Names are exported lazily, so importing one module does not load the client
-library.
+- ``names``: the names of kvstore's keys in Valkey (namespace, layout tag, hash tags);
+- ``link``: the connection to Valkey and its outages;
+- ``remote_value``: a chunk as one Valkey value;
+- ``directory``: the fleet content directory (which runs of chunks each host published);
+- ``tier``: ``RemoteTier``, the shared tier the store's ``Fleet`` holds.
+
+The URL and the namespace are configuration values (``kvstore.remote_address``). Names are exported lazily, so
+importing one module does not load the client library.
 """
 
 from __future__ import annotations
