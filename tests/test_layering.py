@@ -57,6 +57,14 @@ _BENCH_OPTIONS = (
     "kvstore.models.",
 )
 _BENCH_OPTIONS_ALLOWED = ("kvstore.blend.config", "kvstore.models.random_init_names")
+# Blending inside vLLM lives in kvstore.blend.vllm; the connector imports only its light modules (the contract, the
+# request's choice, the span and the gate), never the pass, and nothing in kvstore.blend imports the connector.
+_CONNECTOR_BLEND_ALLOWED = (
+    "kvstore.blend.vllm.hook",
+    "kvstore.blend.vllm.request_choice",
+    "kvstore.blend.vllm.span",
+    "kvstore.blend.vllm.gate",
+)
 FORBIDDEN = {
     # values
     "kvstore.errors": ("kvstore.",),
@@ -137,8 +145,15 @@ FORBIDDEN = {
     # engines
     # An engine's connector reaches the store through a server only (its scheduler and workers are processes).
     "kvstore.connectors": (*_TOOLS, "kvstore.store", "kvstore.server", "kvstore.blend", "kvstore.content"),
-    # The blender takes a StoreSurface: a store in process or a client.
-    "kvstore.blend": (*_TOOLS, "kvstore.store", "kvstore.server", *_TIERS_BUT_BASE, "kvstore.content"),
+    # The blender takes a StoreSurface: a store in process or a client; the connector builds on it, not the reverse.
+    "kvstore.blend": (
+        *_TOOLS,
+        "kvstore.store",
+        "kvstore.server",
+        *_TIERS_BUT_BASE,
+        "kvstore.content",
+        "kvstore.connectors",
+    ),
     "kvstore.models": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.tiers", "kvstore.content", "kvstore.wire"),
     # checked by kvstore bench before torch is imported
     "kvstore.models.random_init_names": (*_HEAVY_LIBRARIES, "kvstore.layout", "kvstore.models."),
@@ -181,8 +196,10 @@ def _under(module: str, prefix: str) -> bool:
 
 
 def _allowed(module: str) -> tuple[str, ...]:
-    """The light modules a bench option module may import from packages its rule otherwise bans."""
-    return _BENCH_OPTIONS_ALLOWED if module in {f"kvstore.bench.{name}" for name in _LIGHT_BENCH} else ()
+    """The light modules a bench option module or a connector may import from packages its rule otherwise bans."""
+    if module in {f"kvstore.bench.{name}" for name in _LIGHT_BENCH}:
+        return _BENCH_OPTIONS_ALLOWED
+    return _CONNECTOR_BLEND_ALLOWED if _under(module, "kvstore.connectors") else ()
 
 
 def test_no_upward_imports() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.connectors.vllm.blend_gate import BlendGate, SpanMakeup, span_makeup
+from kvstore.blend.vllm.gate import BlendGate, SpanMakeup, span_makeup
 from kvstore.plan import Segment
 from kvstore.tiers.base import TierName
 

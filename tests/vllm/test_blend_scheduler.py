@@ -19,7 +19,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from kvstore import KVLayout
-from kvstore.connectors.blend_hook import BlendOutcome
+from kvstore.blend.vllm.hook import BlendOutcome
 from kvstore.connectors.vllm.metadata import BlendSpec
 from tests.server.conftest import ServerProcess, running_server
 from tests.vllm.test_scheduler_side import (  # noqa: F401  (fixtures)

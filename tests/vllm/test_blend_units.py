@@ -13,10 +13,10 @@ import pytest
 
 from kvstore.blend.load_cost import DiskPolicy
 from kvstore.blend.selection import SelectionPolicy
-from kvstore.connectors import blend_hook
+from kvstore.blend.vllm import hook as blend_hook
+from kvstore.blend.vllm.request_choice import blend_choice
+from kvstore.blend.vllm.span import blend_span_end
 from kvstore.connectors.settings import BLEND_DISK_POLICIES, BLEND_SELECTIONS, parse_connector_settings
-from kvstore.connectors.vllm.blend_request import blend_choice
-from kvstore.connectors.vllm.blend_span import blend_span_end
 from kvstore.keys import PrefixKey
 from kvstore.plan import Segment
 from kvstore.tiers import TierName
@@ -98,7 +98,7 @@ def test_the_plugin_is_an_entry_point_that_registers_without_importing_vllm_or_t
         "from importlib.metadata import entry_points\n"
         "(point,) = [p for p in entry_points(group='vllm.general_plugins') if p.name == 'kvstore_blend']\n"
         "point.load()(); point.load()()\n"
-        "from kvstore.connectors.blend_hook import blend_engine_factory\n"
+        "from kvstore.blend.vllm.hook import blend_engine_factory\n"
         "assert blend_engine_factory() is not None\n"
         "heavy = ('vllm', 'numba', 'transformers', 'lmdb', 'kvstore.blend.layerwise', 'kvstore.blend.vllm.engine')\n"
         "assert not [name for name in heavy if name in sys.modules], [n for n in heavy if n in sys.modules]\n"

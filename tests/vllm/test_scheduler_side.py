@@ -42,7 +42,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvstore import Client, KVLayout
-from kvstore.connectors.blend_hook import BlendOutcome
+from kvstore.blend.vllm.hook import BlendOutcome
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.vllm.engine_facts import engine_layout
 from kvstore.connectors.vllm.metadata import (

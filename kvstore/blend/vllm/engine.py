@@ -1,14 +1,15 @@
 """``VllmBlendEngine``: CacheBlend passes on the model a vLLM worker loaded, written into the engine's paged blocks.
 
 Built once per worker, at ``register_kv_caches``, by the factory kvstore's plugin registers
-(``kvstore.connectors.blend_hook``): it finds the loaded model (``model_lookup``), wraps its layers
+(``kvstore.blend.vllm.hook``): it finds the loaded model (``model_lookup``), wraps its layers
 (``VllmLlamaStack``), runs the RoPE gate on vLLM's own rotary embedding and refuses, with one line, anything the
 pass cannot run exactly. Each ``run`` is one request's blended span ``[0, end)``: the layerwise pass
 (``run_blend_pass``, the same code as the standalone ``LayerwiseBlender``) looks the whole prompt up by content,
 loads its cached KV while it computes, re-rotates, selects at the check layer and recomputes; then every layer's
-tokens ``[local_end, end)`` go into the request's blocks (``PagedChunk.scatter_all``). Tokens below ``local_end`` are
-vLLM's own prefix-cache blocks, possibly shared with other requests: read by nobody here and never written. The
-pass attends over the store's KV for them (the same tokens after the same prefix; a gap is computed).
+tokens ``[local_end, end)`` go into the request's blocks through the connector's ``SpanWriter`` (the engine knows
+no block format). Tokens below ``local_end`` are vLLM's own prefix-cache blocks, possibly shared with other requests:
+read by nobody here and never written. The pass attends over the store's KV for them (the same tokens after the same
+prefix; a gap is computed).
 
 The load-or-recompute choice learns from this engine's own passes (``LoadCostModel``): the compute rate from every
 pass, the disk rate from every pass that waited for the disk, so ``disk_policy="auto"`` never waits for a disk that
@@ -31,12 +32,10 @@ from kvstore.blend.load_cost import DiskPolicy, LoadCostModel
 from kvstore.blend.rope import RopeRotator
 from kvstore.blend.selection import SelectionPolicy
 from kvstore.blend.stage_clock import StageClock
+from kvstore.blend.vllm.hook import BlendEngineContext, BlendOutcome
 from kvstore.blend.vllm.llama_stack import VllmLlamaStack
 from kvstore.blend.vllm.model_lookup import find_loaded_model
 from kvstore.blend.vllm.rope_gate import require_vllm_rope_gate
-from kvstore.connectors.blend_hook import BlendEngineContext, BlendOutcome
-from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import PagedChunk, PagedLayers, device_block_ids
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array
 
@@ -75,7 +74,7 @@ class VllmBlendEngine:
             )
         self._layout = context.layout
         self.rope_gate = require_vllm_rope_gate(self._stack, self._layout, vllm_config.model_config.hf_config)
-        self._paged: PagedLayers = context.paged_layers
+        self._span_writer = context.span_writer
         self._check_layer = context.check_layer
         self._disk_policy = context.disk_policy
         self._selection = SelectionPolicy(context.selection)
@@ -83,7 +82,7 @@ class VllmBlendEngine:
         device = self._stack.device
         self._rotator = RopeRotator(self._layout.rope, self._layout.head_dim)
         self._loader = KVLoader(device)
-        self._buffers = LoadBuffers()  # shared memory the server retrieves into, kept between passes (cpu engines)
+        self._buffers = context.buffers  # shared memory the server retrieves into, kept between passes (cpu engines)
         self._clock = StageClock(device)
         self._costs = LoadCostModel(self._layout)
 
@@ -118,7 +117,7 @@ class VllmBlendEngine:
             try:
                 result = self._pass(session, token_ids, end, settings, make_buffer)
                 written = time.perf_counter()
-                self._write_blocks(result.kv, block_ids, local_end, end)
+                self._span_writer.write(result.kv, block_ids, local_end, end)
                 write_ms = (time.perf_counter() - written) * 1e3
             finally:
                 for buffer in taken:
@@ -162,13 +161,6 @@ class VllmBlendEngine:
             make_buffer=make_buffer,
             repeat_lookup=True,  # the scheduler's probe counted the request
         )
-
-    def _write_blocks(self, kv: torch.Tensor, block_ids: tuple[int, ...], local_end: int, end: int) -> None:
-        """Every layer's tokens ``[local_end, end)`` into the request's blocks (whole blocks, in order)."""
-        if end <= local_end:
-            return
-        ids = device_block_ids(block_ids, self._paged[0].cache.device)
-        PagedChunk(self._paged, ids, kv[:, :, local_end:end]).scatter_all()
 
     def close(self) -> None:
         """Join the loader thread. Idempotent."""

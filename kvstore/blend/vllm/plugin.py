@@ -2,7 +2,7 @@
 
 vLLM calls ``register()`` early in every one of its processes (the API server, the engine core, each worker),
 for every user with kvstore installed, blending or not, and without a guard: an exception here would stop vLLM.
-So it only puts a factory into the connector's blend hook and imports nothing heavy (no torch, no vLLM model code);
+So it only puts a factory into the blend hook (``hook``) and imports nothing heavy (no torch, no vLLM model code);
 the engine and its modules load when a worker whose connector has ``kvstore.blend`` on builds it.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvstore.connectors.blend_hook import register_blend_engine
+from kvstore.blend.vllm.hook import register_blend_engine
 
 if TYPE_CHECKING:
-    from kvstore.connectors.blend_hook import BlendEngine, BlendEngineContext
+    from kvstore.blend.vllm.hook import BlendEngine, BlendEngineContext
 
 __all__ = ["register"]
 

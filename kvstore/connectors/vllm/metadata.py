@@ -12,7 +12,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvstore.connectors.blend_hook import BlendOutcome
+from kvstore.blend.vllm.hook import BlendOutcome
 from kvstore.plan import LookupPlan
 
 __all__ = [
@@ -79,7 +79,7 @@ class SaveSpec:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlendSpec:
     """Blend tokens ``[0, end)`` of a request's prompt and write ``[local_end, end)`` into its blocks, before the
-    step's forward computes ``[end, T)`` (``blend_span``).
+    step's forward computes ``[end, T)`` (``kvstore.blend.vllm.span``).
 
     Args:
         request_id: vLLM's request id.

@@ -30,19 +30,18 @@ the server, only its gap-free start counts), cut down to a block boundary and ne
 compute at least the last token). A hit that must come from the disk tier is loaded asynchronously (the request
 waits in ``WAITING_FOR_REMOTE_KVS`` while other requests run), unless ``kvstore.async_disk_loads`` is off.
 
-Blending (``kvstore.blend``, per request ``blend_request``): the probe is a content lookup (``lookup(blend=True)``),
-and when the prompt holds cached chunks past its exact prefix the whole span up to the last cached block
-(``blend_span``) is reported as external tokens, loaded synchronously: the worker's blend pass computes it (gaps
-included) before the step's forward. At most ``kvstore.blend_passes_per_step`` passes go into one step (every
-request decoding in it waits for them); a request over that answers ``None`` ("ask again"), and vLLM keeps it
-waiting for a later step. No pin is taken: the pass looks the prompt up itself, and a chunk evicted in
-between is one more gap it computes. The response's ``kv_transfer_params["kvstore"]["blend"]`` says how the span was
-served (``reused_tokens``, ``recomputed_tokens``, ...). A blended prompt is not stored: its KV is approximate (a
-later prompt with the same prefix would take it as exact) and its documents are stored already (storing it would
-keep a near-copy of every document it holds under a new prefix). A request that finishes in its blend step (one new
-token)
-is answered before the worker's report comes back in the same scheduler update, so its report is filled into the
-answer's parameters then (vLLM sends the answer after the update).
+Blending (``kvstore.blend``, per request ``kvstore.blend.vllm.request_choice``): the probe is a content lookup
+(``lookup(blend=True)``), and when the prompt holds cached chunks past its exact prefix the whole span up to the last
+cached block (``kvstore.blend.vllm.span``) is reported as external tokens, loaded synchronously: the worker's blend pass
+computes it (gaps included) before the step's forward. At most ``kvstore.blend_passes_per_step`` passes go into one step
+(every request decoding in it waits for them); a request over that answers ``None`` ("ask again"), and vLLM keeps it
+waiting for a later step. No pin is taken: the pass looks the prompt up itself, and a chunk evicted in between is one
+more gap it computes. The response's ``kv_transfer_params["kvstore"]["blend"]`` says how the span was served
+(``reused_tokens``, ``recomputed_tokens``, ...). A blended prompt is not stored: its KV is approximate (a later prompt
+with the same prefix would take it as exact) and its documents are stored already (storing it would keep a near-copy of
+every document it holds under a new prefix). A request that finishes in its blend step (one new token) is answered
+before the worker's report comes back in the same scheduler update, so its report is filled into the answer's parameters
+then (vLLM sends the answer after the update).
 
 Single-threaded, as vLLM's scheduler is.
 """
@@ -57,13 +56,13 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import RequestStatus
 
+from kvstore.blend.vllm.gate import BlendGate, GateDecision, SpanMakeup, span_makeup
+from kvstore.blend.vllm.hook import BlendOutcome
+from kvstore.blend.vllm.request_choice import BlendChoice, blend_choice
+from kvstore.blend.vllm.span import blend_span_end
 from kvstore.client import Client
-from kvstore.connectors.blend_hook import BlendOutcome
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
-from kvstore.connectors.vllm.blend_gate import BlendGate, GateDecision, SpanMakeup, span_makeup
-from kvstore.connectors.vllm.blend_request import BlendChoice, blend_choice
-from kvstore.connectors.vllm.blend_span import blend_span_end
 from kvstore.connectors.vllm.hit_sources import tokens_by_tier
 from kvstore.connectors.vllm.metadata import (
     MISSED_PREFIX,

@@ -23,9 +23,9 @@ nothing per request (``StoreLink``), and the engine's thread never waits on one 
 ``lookup_timeout_s``: a sync load's lookup gives up after it (the thread waits for that fetch), and a save stages
 without asking the store (a kept shared buffer taken with no request, else plain memory).
 
-Blends (``kvstore.blend``). A request's blend span runs whole in ``start_load_kv``, before the step's forward: the
-blend engine (registered by kvstore's vLLM plugin, ``kvstore.connectors.blend_hook``) looks the prompt up, runs the
-layerwise pass on the engine's own model and writes the span's KV into the request's blocks; vLLM's forward then
+Blends (``kvstore.blend``). A request's blend span runs whole in ``start_load_kv``, before the step's forward: the blend
+engine (registered by kvstore's vLLM plugin, ``kvstore.blend.vllm.hook``) looks the prompt up, runs the layerwise pass
+on the engine's own model and writes the span's KV into the request's blocks (``PagedSpanWriter``); vLLM's forward then
 computes the rest of the prompt over it. A pass that fails reports its blocks as failed, and vLLM recomputes them.
 
 Copies between blocks and chunks use the block format read from the backend at ``register_kv_caches``
@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.blend.vllm.hook import BlendEngine, BlendEngineContext, BlendOutcome, blend_engine_factory
 from kvstore.client import Client
-from kvstore.connectors.blend_hook import BlendEngine, BlendEngineContext, BlendOutcome, blend_engine_factory
 from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.connectors.paged import (
     BlockFormat,
@@ -75,6 +75,7 @@ from kvstore.connectors.vllm.metadata import (
     SaveSpec,
 )
 from kvstore.connectors.vllm.parallel import RankPart, rank_part
+from kvstore.connectors.vllm.span_writer import PagedSpanWriter
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss, tokens_by_reason
@@ -260,7 +261,8 @@ class WorkerSide:
         context = BlendEngineContext(
             engine_config=self._vllm_config,
             layout=self._layout,
-            paged_layers=self._layers,
+            span_writer=PagedSpanWriter(self._registered_layers()),
+            buffers=LoadBuffers(),
             layer_names=layer_names,
             check_layer=settings.blend_check_layer,
             disk_policy=settings.blend_disk_policy,

@@ -19,12 +19,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvstore.connectors.settings import ConnectorSettings
-
-__all__ = ["BlendChoice", "blend_choice"]
+__all__ = ["BlendChoice", "DeploymentBlend", "blend_choice"]
 
 _KEYS = ("blend", "blend_ratio", "blend_report_selection")
+
+
+class DeploymentBlend(Protocol):
+    """The deployment's blend settings a request starts from (the connector's ``ConnectorSettings`` has them)."""
+
+    @property
+    def blend(self) -> bool: ...
+
+    @property
+    def blend_ratio(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,7 +54,7 @@ class BlendChoice:
     notes: tuple[str, ...] = ()
 
 
-def blend_choice(settings: ConnectorSettings, transfer_params: Mapping[str, object] | None) -> BlendChoice:
+def blend_choice(settings: DeploymentBlend, transfer_params: Mapping[str, object] | None) -> BlendChoice:
     """The deployment's blend settings with the request's ``kv_transfer_params["kvstore"]`` applied."""
     raw = (transfer_params or {}).get("kvstore") if isinstance(transfer_params, Mapping) else None
     asked: Mapping[str, object] = raw if isinstance(raw, Mapping) else {}

@@ -1,8 +1,11 @@
-"""Where a connector finds the blend engine: a registry the blend side fills, so connectors never import it.
+"""The contract between kvstore's vLLM connector and the blend engine, and the registry the plugin fills.
 
-Blending inside an engine needs the model's layers and kvstore's layerwise pass (``kvstore.blend``), which the
-connector layer may not import (the layer rules in ``tests/test_layering.py``: blend builds on connectors, not the
-other way round). The composition root is kvstore's vLLM plugin (``kvstore.blend.vllm.plugin``, the
+Blending inside vLLM needs the model's layers and kvstore's layerwise pass (``kvstore.blend``), which the connector
+does not import: the connector imports this package's light modules (this contract, the gate, the span and the
+request's choice) and nothing else of ``kvstore.blend``, and nothing in ``kvstore.blend`` imports the connector
+(``tests/test_layering.py``). The connector's half of a pass (writing the span into the engine's paged blocks, the
+shared buffers the server retrieves into) reaches the engine through its context as a ``SpanWriter`` and a
+``RetrieveBuffers``. The composition root is kvstore's vLLM plugin (``kvstore.blend.vllm.plugin``, the
 ``vllm.general_plugins`` entry point): vLLM loads it in every engine process and it registers a factory here; the
 worker-side connector asks for it when a deployment turns blending on, and refuses to start without one.
 
@@ -17,6 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from kvstore.client import Client
     from kvstore.layout import KVLayout
 
@@ -25,9 +30,32 @@ __all__ = [
     "BlendEngineContext",
     "BlendEngineFactory",
     "BlendOutcome",
+    "RetrieveBuffers",
+    "SpanWriter",
     "blend_engine_factory",
     "register_blend_engine",
 ]
+
+
+class SpanWriter(Protocol):
+    """Writes a computed span's KV into a request's paged blocks (the connector's block format, every layer)."""
+
+    def write(self, kv: torch.Tensor, block_ids: tuple[int, ...], local_end: int, end: int) -> None:
+        """Tokens ``[local_end, end)`` of ``kv`` (every layer, from token 0) into ``block_ids``, whole blocks in
+        order."""
+        ...
+
+
+class RetrieveBuffers(Protocol):
+    """Shared-memory buffers a server on this host retrieves into, kept between passes."""
+
+    def take(self, client: Client, num_tokens: int) -> torch.Tensor | None:
+        """A buffer with room for ``num_tokens`` (``None``: the server is not on this host)."""
+        ...
+
+    def give_back(self, buffer: torch.Tensor | None) -> None:
+        """Keep a buffer from ``take`` for the next pass."""
+        ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,7 +65,8 @@ class BlendEngineContext:
     Args:
         engine_config: the engine's own config object (vLLM's ``VllmConfig``).
         layout: the model's KV layout.
-        paged_layers: the engine's layers, in model order (``kvstore.connectors.paged.PagedLayers``).
+        span_writer: writes a pass's span into the request's blocks.
+        buffers: the buffers the pass's retrieves land in.
         layer_names: the engine's attention layer names, in the same order.
         check_layer: the deployment's check layer (validated against the model when the engine is built).
         selection: the deployment's selection policy (``kvstore.blend_selection``).
@@ -47,7 +76,8 @@ class BlendEngineContext:
 
     engine_config: Any
     layout: KVLayout
-    paged_layers: Any
+    span_writer: SpanWriter
+    buffers: RetrieveBuffers
     layer_names: tuple[str, ...]
     check_layer: int
     disk_policy: str
