@@ -1,7 +1,7 @@
 """Re-exports a package imports only when they are first read.
 
 Why: a package ``__init__`` that imports its public names imports the whole package, and every import of one of
-its modules runs that ``__init__`` first. ``import kvstore.client`` used to load the store, LMDB, zstd, numba and
+its modules runs that ``__init__`` first: ``import kvstore.client`` would load the store, LMDB, zstd, numba and
 the server loop that way. A package lists its public names here instead (and imports them under
 ``TYPE_CHECKING`` for type checkers); an engine process then pays only for the modules it uses.
 

@@ -3,7 +3,7 @@
 Why a module of its own: ``kvstore bench multi-doc-qa``, ``shuffle`` and ``vllm --blend`` refuse a bad blend
 setting (a ratio outside ``[0, 1]``, an unknown selection policy) before torch is imported, and the modules that
 use these settings (``layerwise``, ``selection``, ``query_attention``, ``load_cost``) import torch. Each of them
-re-exports the names it used to define; every check is written here once.
+re-exports the names of its settings from here, so that every check is written once.
 """
 
 from __future__ import annotations

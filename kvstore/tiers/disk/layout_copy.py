@@ -2,7 +2,7 @@
 
 A server resolving its settings needs the layout and chunk size the data dir recorded (to adopt them, or to refuse
 flags that disagree) before it opens the store, and LMDB cannot open one environment twice in a process: reading
-the info record first meant opening the data dir twice at every start (read-only, then for the store). So the disk
+the info record first would mean opening the data dir twice at every start (read-only, then for the store). So the disk
 tier keeps a copy of those two values in ``layout.json`` beside ``data.mdb``: every writable open makes it say what
 the info record says (a dir from before the copy, a damaged or edited copy), even an open it then refuses. The
 info record in LMDB stays the truth: the store checks every open against it, so a wrong copy costs one refused

@@ -1,9 +1,9 @@
 """The chunks a data dir held at open and that nobody has used since: arrays, not an object per chunk.
 
-Opening a data dir of a million chunks used to build a million ``IndexEntry`` objects in an ``OrderedDict`` (and
-the garbage collections they set off): most of a 1M-chunk open. ``RecoveredRows`` keeps those chunks in numpy
-arrays, one row per chunk, plus a dict from key to row; ``DiskState`` keeps only the chunks used since the open
-(written, read) as objects, in its LRU ``OrderedDict``. A recovered chunk that is read moves there.
+An object per chunk would make most of the cost of opening a data dir of a million chunks: a million ``IndexEntry``
+objects in an ``OrderedDict``, and the garbage collections they set off. ``RecoveredRows`` keeps those chunks in
+numpy arrays, one row per chunk, plus a dict from key to row; ``DiskState`` keeps only the chunks used since the
+open (written, read) as objects, in its LRU ``OrderedDict``. A recovered chunk that is read moves there.
 
 LRU order is exact: the rows are ordered by last access at open (ties in key order, as the records come), and every
 chunk used since the open is more recent than every row still here, so the index's order is "rows in last-access

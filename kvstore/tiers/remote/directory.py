@@ -27,9 +27,9 @@ Record layout (little-endian)::
 
 A record that fails any check is skipped and counted, never fed to an index. So is a shard that is not a stream
 (an operator's ``SET`` over it, another program's key): each read counts it as one bad record, it is logged once
-until it reads as a stream again, and the other shards are read as usual (one such key used to fail every read, on
-every host, 19 times a second). The shards are read per cluster master (``RemoteLink.call_keyed``): a lost master
-hides its shards only.
+until it reads as a stream again, and the other shards are read as usual (so that one such key does not fail every
+read, on every host, 19 times a second). The shards are read per cluster master (``RemoteLink.call_keyed``): a
+lost master hides its shards only.
 
 Pure functions and one reader per host; ``DirectoryFeed`` is used by one thread at a time.
 """
