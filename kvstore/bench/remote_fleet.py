@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvstore.bench.serve_process import ServeProcess, start_serve_process
-from kvstore.bench.valkey_servers import ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 from kvstore.client import Client
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, Segment

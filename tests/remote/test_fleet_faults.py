@@ -18,7 +18,7 @@ import torch
 from _pytest.logging import LogCaptureFixture
 from redis.crc import key_slot
 
-from kvstore.bench.valkey_servers import ValkeyCluster, ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 from kvstore.keys import prefix_keys
 from kvstore.remote_address import parse_remote_url
 from kvstore.store import TieredStore
@@ -26,6 +26,7 @@ from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.link import RemoteLink
 from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens
+from tests.harness.valkey_cluster import ValkeyCluster
 from tests.remote.test_fleet_store import CHUNK, LAYOUT, host_config, two_hosts
 
 NAMES = RemoteNames.for_layout("kvstore", LAYOUT, CHUNK)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvstore.bench.valkey_servers import ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.remote_address import parse_remote_url

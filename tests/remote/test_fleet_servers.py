@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvstore.bench.remote_fleet import lookup_when_known
-from kvstore.bench.valkey_servers import ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 from kvstore.client import Client
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.bench.valkey_servers import ValkeyCluster, ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 from kvstore.config import StoreConfig
 from kvstore.keys import PrefixKey, prefix_keys
 from kvstore.layout import KVLayout
@@ -24,6 +24,7 @@ from kvstore.tiers.base import TierName
 from kvstore.tiers.remote.directory import DirectoryRun, encode_run
 from kvstore.tiers.remote.names import RemoteNames
 from tests.factories import make_kv, make_tokens
+from tests.harness.valkey_cluster import ValkeyCluster
 from tests.remote.tls_proxy import TlsProxy, self_signed_certificate
 
 CHUNK = 16

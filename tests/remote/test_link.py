@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.bench.valkey_servers import ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 from kvstore.remote_address import parse_remote_url
 from kvstore.tiers.remote.link import RemoteLink
 

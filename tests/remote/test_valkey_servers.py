@@ -1,5 +1,6 @@
-"""The launcher of real valkey-server processes (kvstore.bench.valkey_servers) does what the remote tier's tests
-will rely on: it starts, authenticates, crashes, restarts, hangs, evicts, forms a cluster and leaves nothing behind."""
+"""The launchers of real valkey-server processes (kvstore.bench.valkey_server, tests.harness.valkey_cluster) do what
+the remote tier's tests rely on: they start, authenticate, crash, restart, hang, evict, form a cluster and leave nothing
+behind."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import MovedError
 from redis.retry import Retry
 
-import kvstore
-from kvstore.bench.valkey_servers import ENV_BINARY, HOST, ValkeyCluster, ValkeyServer, valkey_binary
+from kvstore.bench.valkey_server import ENV_BINARY, HOST, ValkeyServer, valkey_binary
 from kvstore.errors import ConfigError
+from tests.harness.valkey_cluster import ValkeyCluster
 
 MIB = 1 << 20
 
@@ -130,22 +131,16 @@ def test_a_port_held_by_another_server_is_not_mistaken_for_ours(valkey: ValkeySe
 
 
 def test_servers_left_running_are_killed_at_interpreter_exit(tmp_path: Path) -> None:
-    # kvstore/__init__ imports torch and kvstore/bench/__init__ every benchmark (4 s together): empty stand-ins for
-    # the two packages let the child import just the launcher and kvstore.errors.
     script = """
-import sys, types
+import sys
 from pathlib import Path
-for name, path in (("kvstore", Path(sys.argv[2])), ("kvstore.bench", Path(sys.argv[2]) / "bench")):
-    sys.modules[name] = types.ModuleType(name)
-    sys.modules[name].__path__ = [str(path)]
-from kvstore.bench.valkey_servers import ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 server = ValkeyServer(Path(sys.argv[1]))
 server.start()
 print(server.pid)
 """
-    package = str(Path(kvstore.__file__).parent)
     completed = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path), package], capture_output=True, text=True, check=True, timeout=30
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True, timeout=30
     )
     pid = int(completed.stdout.split()[-1])
     try:

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from kvstore import Client
 from kvstore.bench.remote_fleet import lookup_when_known
-from kvstore.bench.valkey_servers import ValkeyServer
+from kvstore.bench.valkey_server import ValkeyServer
 from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.plan import LookupPlan, Segment
 from kvstore.tiers.base import TierName
