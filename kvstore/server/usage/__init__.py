@@ -1,5 +1,12 @@
 """Usage accounting of a server: what its lookups used, per chunk, per stored document and per plan
-(``UsageLedger``, the one entry point; its docstring holds the vocabulary)."""
+(``UsageLedger``, the one entry point; its docstring holds the vocabulary).
+
+- ``ledger``: ``UsageLedger``, everything the server counts about what its lookups used;
+- ``chunk_hits``: hits per chunk, a bounded counter of the plans that used each chunk;
+- ``documents``: hits per stored document (the chunks one ``store()`` call added);
+- ``documents_file``: ``DIR/document-hits.msgpack``, the document counts kept across restarts;
+- ``plan_coverage``: how one lookup plan covers its prompt, for the lookup metrics.
+"""
 
 from __future__ import annotations
 
