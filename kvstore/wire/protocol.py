@@ -59,7 +59,6 @@ PROTOCOL_VERSION = 3
 _MIB = 1024 * 1024
 _MAX_REQUEST_ID = 2**63 - 1
 _MAX_CLIENT_ID_CHARS = 64
-_HEADER_KEYS = frozenset({"v", "id", "op", "client", "args"})
 
 
 class Op(enum.StrEnum):
