@@ -21,6 +21,9 @@ share between threads.
 from __future__ import annotations
 
 import concurrent.futures
+import enum
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +33,17 @@ from kvstore.keys import PrefixKey
 from kvstore.misses import Miss
 from kvstore.tiers.base import TierName
 
-__all__ = ["UNPINNED_PLAN_ID", "Gap", "LookupPlan", "RetrieveProgress", "RetrieveResult", "Segment", "StoreResult"]
+__all__ = [
+    "UNPINNED_PLAN_ID",
+    "ChunkOutcome",
+    "Gap",
+    "LookupPlan",
+    "RetrieveProgress",
+    "RetrieveResult",
+    "Segment",
+    "StoreResult",
+    "StoredChunk",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,9 +230,47 @@ class RetrieveResult:
         return sum(segment.num_tokens for segment in self.segments)
 
 
+class ChunkOutcome(enum.Enum):
+    """What a ``store`` call did with one chunk it was handed."""
+
+    WRITTEN = "written"
+    """Not stored before: written into the fastest local tier with room."""
+    HELD = "held"
+    """Already stored (in a local tier, or as a dedup alias): left as it was."""
+    ALIASED = "aliased"
+    """Its content was already stored under another key: recorded as an alias of that copy (dedup-content)."""
+    REJECTED = "rejected"
+    """No tier could take it: everything resident was pinned."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredChunk:
+    """One chunk of a ``store`` call: where it lies in the sequence and what the store did with it.
+
+    Args:
+        key: the chunk's prefix key.
+        start: position of its first token in the stored sequence.
+        end: position after its last token.
+        outcome: what the store did with it.
+    """
+
+    key: PrefixKey
+    start: int
+    end: int
+    outcome: ChunkOutcome
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreResult:
     """What a ``store`` call did.
+
+    The counts travel over the wire; ``chunks`` does not (a ``Client``'s result has the counts only), so a caller
+    in the store's process (the server's store handler) reads what happened to each chunk without asking the tiers
+    again.
 
     Args:
         num_chunks: chunks the tokens split into.
@@ -227,9 +278,27 @@ class StoreResult:
         num_rejected_chunks: chunks no tier could take because everything resident was pinned.
         num_aliased_chunks: new chunks whose content was already stored under another key (dedup-content): recorded
             as aliases of that copy instead of a second payload.
+        chunks: each chunk handed over, in sequence order, when the store itself answered (empty otherwise).
     """
 
     num_chunks: int
     num_new_chunks: int
     num_rejected_chunks: int = 0
     num_aliased_chunks: int = 0
+    chunks: tuple[StoredChunk, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.chunks:
+            assert len(self.chunks) == self.num_chunks, "StoreResult.chunks must list every chunk num_chunks counts"
+
+    @staticmethod
+    def of(chunks: Sequence[StoredChunk]) -> StoreResult:
+        """The result of a store that did ``chunks``, its counts taken from their outcomes."""
+        outcomes = Counter(chunk.outcome for chunk in chunks)
+        return StoreResult(
+            num_chunks=len(chunks),
+            num_new_chunks=outcomes[ChunkOutcome.WRITTEN],
+            num_rejected_chunks=outcomes[ChunkOutcome.REJECTED],
+            num_aliased_chunks=outcomes[ChunkOutcome.ALIASED],
+            chunks=tuple(chunks),
+        )

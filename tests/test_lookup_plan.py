@@ -267,7 +267,8 @@ def test_registration_runs_off_the_store_path_and_shields_its_chunks(
         assert result.num_new_chunks == 2, "store returns while the registration waits"
         keys = prefix_keys(small_layout.namespace, as_token_array(doc), CHUNK)
         assert all(catalog._worker.is_pending(key) for key in keys)
-        assert store._gpu is not None and store._gpu.stats().num_pinned == 2  # store.stats() would wait for the lock
+        gpu = store._tiers.named(TierName.GPU)
+        assert gpu is not None and gpu.stats().num_pinned == 2  # store.stats() would wait for the lock
         store.evict(keys)
         assert all(TierName.GPU in store.contains(key) for key in keys), "the shield keeps them resident"
     store.flush()

@@ -18,6 +18,8 @@ from kvstore import (
     TieredStore,
 )
 from kvstore.config import StoreConfig
+from kvstore.keys import prefix_keys
+from kvstore.plan import ChunkOutcome
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens, run_in_threads, store_config
 
@@ -202,6 +204,37 @@ def test_everything_pinned_rejects_instead_of_raising(tmp_path: Path, small_layo
         store.release(lookup)
 
 
+def test_store_result_says_what_happened_to_each_chunk(tmp_path: Path, small_layout: KVLayout) -> None:
+    """Each chunk handed over, with its key, its place and its outcome; the counts follow from them."""
+    cfg = config(
+        tmp_path, small_layout, tiers=(TierName.CPU,), cpu_capacity_bytes=3 * small_layout.chunk_bytes(CHUNK)
+    )
+    with TieredStore(small_layout, cfg) as store:
+        tokens, kv = make_tokens(2 * CHUNK + 4), make_kv(small_layout, 2 * CHUNK + 4)
+        first = store.store(tokens[:CHUNK], kv[:, :, :CHUNK])
+        assert [chunk.outcome for chunk in first.chunks] == [ChunkOutcome.WRITTEN]
+        keys = prefix_keys(small_layout.namespace, tokens, CHUNK)
+        lookup = store.lookup(tokens[:CHUNK])  # pins chunk 0: two free slots are left
+        result = store.store(tokens, kv)
+        assert [(chunk.key, chunk.start, chunk.end, chunk.outcome) for chunk in result.chunks] == [
+            (keys[0], 0, CHUNK, ChunkOutcome.HELD),
+            (keys[1], CHUNK, 2 * CHUNK, ChunkOutcome.WRITTEN),
+            (keys[2], 2 * CHUNK, 2 * CHUNK + 4, ChunkOutcome.WRITTEN),
+        ]
+        assert (result.num_chunks, result.num_new_chunks, result.num_rejected_chunks) == (3, 2, 0)
+        tail = store.store(tokens, kv[:, :, CHUNK:], start=CHUNK)
+        assert [(chunk.start, chunk.outcome) for chunk in tail.chunks] == [
+            (CHUNK, ChunkOutcome.HELD),
+            (2 * CHUNK, ChunkOutcome.HELD),
+        ], "a store from start lists only the chunks handed over"
+        every_chunk = store.lookup(tokens)  # every slot pinned now
+        other = store.store(make_tokens(CHUNK, 3), make_kv(small_layout, CHUNK, 3))
+        assert [chunk.outcome for chunk in other.chunks] == [ChunkOutcome.REJECTED]
+        assert (other.num_new_chunks, other.num_rejected_chunks) == (0, 1)
+        store.release(every_chunk)
+        store.release(lookup)
+
+
 @pytest.mark.parametrize(
     ("make_bad", "message"),
     [
@@ -280,8 +313,8 @@ def test_disk_staging_is_preallocated_only_when_no_cpu_tier_lends_its_slots(
     tmp_path: Path, small_layout: KVLayout
 ) -> None:
     with TieredStore(small_layout, config(tmp_path / "a", small_layout)) as with_cpu:
-        assert with_cpu._disk is not None and with_cpu._disk._staging.num_allocated == 0
+        assert with_cpu._tiers.durable is not None and with_cpu._tiers.durable._staging.num_allocated == 0
     disk_only = config(tmp_path / "b", small_layout, tiers=(TierName.DISK,))
     with TieredStore(small_layout, disk_only) as store:
-        assert store._disk is not None
-        assert store._disk._staging.num_allocated == store._disk._staging.max_buffers
+        assert store._tiers.durable is not None
+        assert store._tiers.durable._staging.num_allocated == store._tiers.durable._staging.max_buffers

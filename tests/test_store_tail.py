@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvstore import InvalidInputError, KVLayout, TieredStore
 from kvstore.config import StoreConfig
 from kvstore.keys import as_token_array, prefix_keys
-from kvstore.plan import LookupPlan
+from kvstore.plan import ChunkOutcome, LookupPlan
 from kvstore.tiers.base import TierName
 from tests.factories import make_kv, make_tokens, store_config
 
@@ -116,6 +116,11 @@ def test_the_tail_is_deduplicated_like_a_whole_store(tmp_path: Path) -> None:
         at_once = whole.store(second, kv_second)
         assert (tail.num_chunks, tail.num_new_chunks, tail.num_aliased_chunks) == (2, 0, 2)
         assert (at_once.num_new_chunks, at_once.num_aliased_chunks) == (1, 2)
+        assert [(chunk.start, chunk.outcome) for chunk in tail.chunks] == [
+            (CHUNK, ChunkOutcome.ALIASED),
+            (2 * CHUNK, ChunkOutcome.ALIASED),
+        ]
+        assert [chunk.outcome for chunk in at_once.chunks] == [ChunkOutcome.WRITTEN] + [ChunkOutcome.ALIASED] * 2
         plans = split.lookup(second), whole.lookup(second)
         assert shape_of(plans[0]) == shape_of(plans[1])
         assert [s.exact for s in plans[0].segments] == [True, False, False]

@@ -45,7 +45,7 @@ from kvstore.keys import TokenArray, chunk_bounds, keys_at_bounds
 from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss, MissReason
-from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan, StoreResult
+from kvstore.plan import UNPINNED_PLAN_ID, ChunkOutcome, LookupPlan, StoreResult
 from kvstore.server.chunk_assembly import ASSEMBLY_TTL_S, AssemblyCounts, ChunkAssembly, CompletedChunk
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
 from kvstore.server.metrics import BulkTransfer, ServerMetrics
@@ -283,23 +283,15 @@ class RequestHandler:
         kv = self._bulk_tensor(client_id, args.bulk, store.layout, num_tokens, payload)[:, :, :num_tokens]
         if args.durable and TierName.DISK not in store.config.tiers:
             raise ConfigError("durable=True needs a disk tier; this server keeps KV in memory only")
-        bounds = chunk_bounds(args.tokens, store.config.chunk_size, store.config.chunk_separator)
-        first = bisect.bisect_left(bounds[:-1], args.start)  # the chunks a store from start writes
-        keys = keys_at_bounds(store.layout.namespace, args.tokens, bounds)[first:]
-        held_before = [bool(store.contains(key)) for key in keys]
         result = store.store(args.tokens, kv, start=args.start)
         if args.durable:
             store.flush()
         # A document is what this call added: the chunks from start (the caller knows the head is held).
-        tail_bounds = [bound - bounds[first] for bound in bounds[first:]]
-        self._usage.stored(keys, args.tokens[bounds[first] :], tail_bounds)
-        # The engine's stored tokens: chunks held after the store that were not before it (a concurrent store of
-        # the same tokens may claim a chunk first; the metric is off by that chunk then).
-        num_new_tokens = sum(
-            tail_bounds[index + 1] - tail_bounds[index]
-            for index, key in enumerate(keys)
-            if not held_before[index] and store.contains(key)
-        )
+        chunks = result.chunks
+        first_start = chunks[0].start if chunks else len(args.tokens)
+        tail_bounds = [0, *(chunk.end - first_start for chunk in chunks)]
+        self._usage.stored([chunk.key for chunk in chunks], args.tokens[first_start:], tail_bounds)
+        num_new_tokens = _written_tokens(result)
         transfer = BulkTransfer(
             transport=_transport(args.bulk),
             seconds=time.perf_counter() - started_s,
@@ -343,7 +335,7 @@ class RequestHandler:
             run_keys = keys[run[0].index : run[-1].index + 1]
             self._usage.stored(run_keys, tokens[run_start:run_end], [bound - run_start for bound in
                                bounds[run[0].index : run[-1].index + 2]])  # fmt: skip
-            num_new_tokens += (run_end - run_start) if committed.num_new_chunks else 0
+            num_new_tokens += _written_tokens(committed)
         if args.durable and completed:
             store.flush()
         transfer = BulkTransfer(
@@ -614,6 +606,11 @@ class RequestHandler:
             StorageError: the file cannot be written.
         """
         self._usage.save()
+
+
+def _written_tokens(result: StoreResult) -> int:
+    """The engine's stored tokens: those of the chunks a store wrote (not those it found held or aliased)."""
+    return sum(chunk.num_tokens for chunk in result.chunks if chunk.outcome is ChunkOutcome.WRITTEN)
 
 
 def _runs(completed: list[CompletedChunk]) -> list[list[CompletedChunk]]:

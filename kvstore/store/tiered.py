@@ -59,34 +59,26 @@ from kvstore.keys import (
 )
 from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
-from kvstore.misses import Miss, MissReason
-from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, Segment, StoreResult
+from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
 from kvstore.session import Session
 from kvstore.stats import StoreStats
-from kvstore.store.borrowed_writes import write_borrowing
+from kvstore.store.chunk_writes import ChunkWriter, CutSequence
 from kvstore.store.fleet import Fleet
 from kvstore.store.ghosts import GhostTable, ResidencyRelay
+from kvstore.store.local_tiers import LocalTiers
 from kvstore.store.lookup_counts import LookupCounts
 from kvstore.store.lookup_legs import match_leg, prefix_leg
 from kvstore.store.miss_reasons import GoneMatch, gone_match_reason, lookup_misses, retrieve_misses
 from kvstore.store.pins import Pin, PinLedger
 from kvstore.store.prefetch import Prefetcher
 from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_out
-from kvstore.tiers.arena import ArenaTier
-from kvstore.tiers.base import ChunkRecord, ContentRecords, Tier, TierName, TierStats
-from kvstore.tiers.cpu import CpuTier
-from kvstore.tiers.disk.tier import DiskTier
-from kvstore.tiers.disk.tuning import DiskTuning
-from kvstore.tiers.gpu import GpuTier
+from kvstore.store.segment_loads import SegmentLoader
+from kvstore.tiers.base import ContentRecords, TierName, TierStats
 from kvstore.tiers.residency import ResidencyListener
 
 __all__ = ["TieredStore"]
 
 logger = logging.getLogger(__name__)
-
-
-def _no_op() -> None:
-    pass
 
 
 class _Lifecycle(enum.Enum):
@@ -114,18 +106,16 @@ class TieredStore:
         self.layout = layout
         self.config = config or StoreConfig()
         self._namespace = layout.namespace
-        self._gpu: GpuTier | None = None
-        self._cpu: CpuTier | None = None
-        self._disk: DiskTier | None = None
         self._fleet = Fleet(None, None)  # the shared tiers (none until _open_tiers), which cannot pin
-        self._tiers: list[Tier] = []  # the local tiers, fastest first
+        self._tiers = LocalTiers(self._fleet.spilled)  # the local tiers, fastest first (none until _open_tiers)
         self._ledger = PinLedger()
         self._lookup_counts = LookupCounts(self.config.chunk_size)
         self._ghosts = GhostTable()
         self._residency = ResidencyRelay(self._ghosts)  # every local tier's one listener
         self._catalog: ContentCatalog | None = None
         self._prefetcher: Prefetcher | None = None
-        self._disk_reads: DiskReads | None = None
+        self._writer = ChunkWriter(self._tiers, self._fleet, None)
+        self._loader: SegmentLoader | None = None
         try:
             with collector_paused():
                 self._open_content()  # first: the disk tier's recovery feeds the content index's rebuild
@@ -145,40 +135,27 @@ class TieredStore:
     def _open_tiers(self) -> None:
         config = self.config
         self._fleet = Fleet.open(config, self.layout, self._catalog)
-        if TierName.DISK in config.tiers:
-            rebuild = self._catalog.start_rebuild() if self._catalog is not None else None
-            self._disk = DiskTier(
-                config.data_dir,
-                self.layout,
-                config.chunk_size,
-                config.disk_capacity_bytes,
-                zstd_level=config.disk_zstd_level,
-                num_codec_threads=config.disk_codec_threads,
-                # with a cpu tier, writes borrow its slots (put_borrowed): staging serves only rare spills
-                tuning=DiskTuning(preallocate_staging=TierName.CPU not in config.tiers),
-                content_records=None if rebuild is None else rebuild.add,  # one pass over the meta records
-                on_evict=self._fleet.evicted if self._fleet.writes_on_eviction else None,
-            )
-            self._disk_reads = DiskReads(self._disk, self.layout, config.chunk_size)
-            if rebuild is not None:
-                num_indexed = rebuild.finish()
-                if num_indexed:
-                    logger.info("content index rebuilt from %s: %d chunks", config.data_dir, num_indexed)
-        if TierName.CPU in config.tiers:
-            self._cpu = CpuTier(self.layout, config.chunk_size, config.cpu_capacity_bytes, spill=self._spill_to_disk)
-        if TierName.GPU in config.tiers:
-            self._gpu = GpuTier(
-                self.layout,
-                config.chunk_size,
-                config.gpu_capacity_bytes,
-                device=config.gpu_device,
-                spill=self._spill_to_cpu,
-            )
-        self._tiers = [tier for tier in (self._gpu, self._cpu, self._disk) if tier is not None]
-        for tier in self._tiers:
-            tier.watch(self._residency)
-        if self._cpu is not None and config.promote_on_hit and (self._disk or self._fleet.tiers):
-            self._prefetcher = Prefetcher(self._cpu, self._ledger, disk=self._disk)
+        rebuild = None
+        if TierName.DISK in config.tiers and self._catalog is not None:
+            rebuild = self._catalog.start_rebuild()
+        self._tiers = LocalTiers.open(config, self.layout, self._fleet, rebuild)
+        if rebuild is not None:
+            num_indexed = rebuild.finish()
+            if num_indexed:
+                logger.info("content index rebuilt from %s: %d chunks", config.data_dir, num_indexed)
+        self._tiers.watch(self._residency)
+        self._writer = ChunkWriter(self._tiers, self._fleet, self._catalog)
+        durable, landing = self._tiers.durable, self._tiers.landing
+        self._loader = SegmentLoader(
+            self.layout,
+            self._tiers,
+            self._fleet,
+            None if durable is None else DiskReads(durable, self.layout, config.chunk_size),
+            put_new=self._writer.put_new if config.promote_on_hit else None,
+            segmented_prefix=config.enable_segmented_prefix,
+        )
+        if landing is not None and config.promote_on_hit and (durable or self._fleet.tiers):
+            self._prefetcher = Prefetcher(landing, self._ledger, disk=durable)
 
     def _open_content(self) -> None:
         if not self.config.enable_blend:
@@ -187,24 +164,6 @@ class TieredStore:
         self._catalog = ContentCatalog(
             self.config.chunk_size, residency, dedup_content=self.config.enable_dedup_content
         )
-
-    # -- demotion ---------------------------------------------------------------------------------------------
-
-    def _spill_to_cpu(self, record: ChunkRecord, kv: torch.Tensor) -> None:
-        """gpu victim -> cpu tier (or straight to disk when there is no cpu tier)."""
-        if self._cpu is not None:
-            self._cpu.put(record, kv)
-        else:
-            self._spill_to_disk(record, kv)
-
-    def _spill_to_disk(self, record: ChunkRecord, kv: torch.Tensor) -> None:
-        """Memory victim -> disk, unless the write-through already put it there (without a disk tier: the fleet's,
-        under the ``evict`` write policy)."""
-        if self._disk is not None:
-            if not self._disk.contains(record.key):
-                self._disk.put(record, kv)
-        else:
-            self._fleet.spilled(record, kv)
 
     def _chunk_bounds(self, tokens: TokenArray) -> list[int]:
         return chunk_bounds(tokens, self.config.chunk_size, self.config.chunk_separator)
@@ -224,9 +183,8 @@ class TieredStore:
             kv:                    | .... chunk 2 | chunk 3 | c4 |   [L, 2, len(tokens) - start, H, D]
 
         The chunks that begin before ``start`` are never written, resident or not; their prefix keys are still
-        computed (the
-        tail's keys chain over them), and those that are resident are registered by content together with the
-        tail, as one sequence, exactly as a store of the whole sequence would register them.
+        computed (the tail's keys chain over them), and those that are resident are registered by content together
+        with the tail, as one sequence, exactly as a store of the whole sequence would register them.
 
         Args:
             tokens: the sequence's token ids, from position 0.
@@ -237,8 +195,8 @@ class TieredStore:
                 multiples of ``chunk_size``, so an engine hands over KV from its own block boundary).
 
         Returns:
-            Counted over the chunks from ``start`` (the ones handed over): how many there are, how many were new,
-            rejected (every tier pinned full) or recorded as dedup aliases.
+            Over the chunks from ``start`` (the ones handed over): each chunk's key, place and outcome (written,
+            already held, recorded as a dedup alias, or rejected: every tier pinned full), and their counts.
 
         Raises:
             InvalidInputError: the KV does not match the tokens or the layout, or ``start`` is not a chunk
@@ -253,64 +211,14 @@ class TieredStore:
             )
         self._check_tail_kv(kv, len(token_array), start)
         bounds = self._chunk_bounds(token_array)
-        first_index = bisect.bisect_left(bounds[:-1], start)  # the first chunk that begins at or after start
-        keys = keys_at_bounds(self._namespace, token_array, bounds)
-        catalog = self._catalog
-        # Indexed from the first chunk written, cut where the whole sequence is cut.
-        first_start = bounds[first_index]
-        dedup = (
-            catalog.dedup_targets(
-                token_array[first_start:], [bound - first_start for bound in bounds[first_index + 1 :]]
-            )
-            if catalog is not None
-            else []
+        sequence = CutSequence(
+            tokens=token_array,
+            bounds=bounds,
+            keys=keys_at_bounds(self._namespace, token_array, bounds),
+            first_index=bisect.bisect_left(bounds[:-1], start),  # the first chunk that begins at or after start
+            start=start,
         )
-        committed = [False] * len(keys)  # resident after this call, so its content may be registered
-        if catalog is not None:
-            for index in range(first_index):  # not written, but registered with the tail as a full store would
-                committed[index] = self._is_resident(keys[index])
-        shields: list[Pin] = []
-        num_new = num_rejected = num_aliased = 0
-        new_indexes: list[int] = []
-        for index in range(first_index, len(keys)):
-            key = keys[index]
-            if self._is_local(key):
-                committed[index] = True
-                continue
-            if catalog is not None and catalog.is_alias(key):
-                continue
-            position = index - first_index
-            if position < len(dedup) and (target := dedup[position]) is not None and target.key != key:
-                assert catalog is not None
-                catalog.add_alias(key, target)
-                num_aliased += 1
-                continue
-            chunk_start, chunk_end = bounds[index], bounds[index + 1]
-            parent = keys[index - 1] if index else None
-            record = ChunkRecord(
-                key=key, source_start=chunk_start, tokens=token_array[chunk_start:chunk_end], parent_key=parent
-            )
-            tier = self._put_new_chunk(record, kv[:, :, chunk_start - start : chunk_end - start])
-            if tier is None:
-                num_rejected += 1
-                continue
-            num_new += 1
-            new_indexes.append(index)
-            committed[index] = True
-            if catalog is not None and tier.pin(key):
-                shields.append((tier, key))  # shielded from eviction until its registration has run
-        num_chunks = len(keys) - first_index
-        if num_rejected:
-            logger.warning("store: %d of %d chunks rejected, every tier is pinned full", num_rejected, num_chunks)
-        if catalog is not None:
-            self._register_runs(catalog, token_array, keys, bounds, committed, shields)
-        self._fleet.stored(token_array, keys, bounds, new_indexes)
-        return StoreResult(
-            num_chunks=num_chunks,
-            num_new_chunks=num_new,
-            num_rejected_chunks=num_rejected,
-            num_aliased_chunks=num_aliased,
-        )
+        return self._writer.write(sequence, kv)
 
     def _check_tail_kv(self, kv: torch.Tensor, num_tokens: int, start: int) -> None:
         """``kv`` must be the layout's KV of ``tokens[start:]``, on a device the tiers copy from."""
@@ -324,46 +232,6 @@ class TieredStore:
             ) from None
         if kv.device.type not in ("cpu", "cuda"):
             raise InvalidInputError(f"kv is on device {kv.device}; hand over a cpu or cuda tensor")
-
-    def _put_new_chunk(self, record: ChunkRecord, kv: torch.Tensor) -> Tier | None:
-        """Put into the fastest tier with room, then write through to disk off the caller's path."""
-        for tier in self._tiers:
-            if not tier.put(record, kv):
-                continue
-            disk = self._disk
-            if disk is not None and tier is not disk:  # off the caller's path, borrowing the cpu slot
-                write_borrowing(tier, record, kv, put=disk.put, put_borrowed=disk.put_borrowed)
-            self._fleet.wrote(tier, record, kv)
-            return tier
-        return None
-
-    def _register_runs(
-        self,
-        catalog: ContentCatalog,
-        tokens: TokenArray,
-        keys: Sequence[PrefixKey],
-        bounds: Sequence[int],
-        committed: Sequence[bool],
-        shields: Sequence[Pin],
-    ) -> None:
-        """Queue each run of consecutive committed chunks for content registration; the last run drops the shields."""
-        runs: list[tuple[int, int]] = []
-        for index, is_committed in enumerate(committed):
-            if not is_committed:
-                continue
-            if runs and runs[-1][1] == index:
-                runs[-1] = (runs[-1][0], index + 1)
-            else:
-                runs.append((index, index + 1))
-        if not runs:
-            self._unpin(shields)
-            return
-        for position, (first, last) in enumerate(runs):
-            start, end = bounds[first], bounds[last]
-            # Runs register in order, so the last one's completion means every shield can go.
-            on_done = (lambda: self._unpin(shields)) if position == len(runs) - 1 else _no_op
-            chunk_ends = [bound - start for bound in bounds[first + 1 : last + 1]]
-            catalog.register(tokens[start:end], keys[first:last], start, on_done, chunk_ends=chunk_ends)
 
     # -- lookup -----------------------------------------------------------------------------------------------
 
@@ -450,20 +318,17 @@ class TieredStore:
 
     def _pin_fastest(self, key: PrefixKey, pins: list[Pin]) -> TierName | None:
         """Pin the chunk in the fastest local tier holding it; a chunk only a shared tier holds is planned unpinned."""
-        for tier in self._tiers:
-            if tier.pin(key):
-                pins.append((tier, key))
-                return tier.name
+        tier = self._tiers.pin_fastest(key)
+        if tier is not None:
+            pins.append((tier, key))
+            return tier.name
         return self._fleet.knows(key)
 
-    def _is_local(self, key: PrefixKey) -> bool:
-        return any(tier.contains(key) for tier in self._tiers)
-
     def _is_resident(self, key: PrefixKey) -> bool:
-        return self._is_local(key) or self._fleet.knows(key) is not None
+        return self._tiers.holds(key) or self._fleet.knows(key) is not None
 
     def _in_transit(self, key: PrefixKey) -> bool:
-        return any(isinstance(tier, ArenaTier) and tier.in_transit(key) for tier in self._tiers)
+        return self._tiers.in_transit(key)
 
     # -- retrieve / release -------------------------------------------------------------------------------------
 
@@ -524,118 +389,29 @@ class TieredStore:
         if part is not None:
             part.check(self.layout)
         shape = self.layout if part is None else part.shape_layout(self.layout)
-        loaded: list[Segment] = []
-        dropped: list[Miss] = []
+        assert self._loader is not None, "an open store has its segment loader (_open_tiers)"
         try:
             out = prepared_out(shape, plan.end - start, out, device)
-            copies = self._load_segments(
-                plan, pins, out, loaded, dropped, memory_only=memory_only, start=start, part=part
-            )
+            loads = self._loader.load(plan, pins, out, memory_only=memory_only, start=start, part=part)
             if progress is not None:
-                progress.segments_loaded(tuple(loaded))
-            copy_from_memory(copies, out.device, progress, shape.num_layers)
+                progress.segments_loaded(tuple(loads.loaded))
+            copy_from_memory(loads.copies, out.device, progress, shape.num_layers)
         finally:
             if not keep_pins:
                 self._unpin(pins)
-        if self.config.promote_on_hit and self._gpu is not None:
-            self._promote_to_gpu([segment for segment in loaded if segment.tier is not TierName.GPU])
+        loaded = loads.loaded
+        fastest = self._tiers.fastest
+        if self.config.promote_on_hit and fastest is not None:
+            self._tiers.promote([segment.key for segment in loaded if segment.tier is not fastest.name])
         end = loaded[-1].end if loaded else start
-        self._lookup_counts.add_dropped(dropped, start)
+        self._lookup_counts.add_dropped(loads.dropped, start)
         return RetrieveResult(
             segments=tuple(loaded),
             num_query_tokens=plan.num_query_tokens,
             kv=out[:, :, : end - start],
             start=start,
-            misses=retrieve_misses(plan.misses, dropped, start),
+            misses=retrieve_misses(plan.misses, loads.dropped, start),
         )
-
-    def _load_segments(
-        self,
-        plan: LookupPlan,
-        pins: Sequence[Pin],
-        out: torch.Tensor,
-        loaded: list[Segment],
-        dropped: list[Miss],
-        *,
-        memory_only: bool,
-        start: int,
-        part: KVPart | None = None,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Decode the plan's disk chunks into ``out`` (unless ``memory_only``) and append every segment that will
-        be served to ``loaded``, and every other one to ``dropped`` with its reason; ``out`` begins at token
-        ``start``, and segments ending by it are skipped.
-
-        Returns the ``(source, place in out)`` pairs still to be copied: pinned chunk views of the memory tiers, and
-        the tail of a decoded chunk that straddles ``start``. Those copies cannot fail, so the segments are final
-        before any of them runs. With ``part`` every source is the part's view of its chunk (``out`` is shaped by
-        the part) and disk chunks are decoded whole beside ``out``.
-        """
-
-        def sliced(chunk: torch.Tensor) -> torch.Tensor:
-            return chunk if part is None else part.of(chunk)
-
-        landed = {key for tier, key in pins if tier is self._cpu}
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        prefix_cut = False
-        shared_reads = self._fleet.reads(plan, landed)
-        for segment in plan.segments:
-            if segment.end <= start:
-                continue
-            if segment.exact and prefix_cut:
-                dropped.append(Miss(segment.start, segment.end, MissReason.BEHIND_GAP))
-                continue
-            held = max(0, start - segment.start)  # the segment's leading tokens the caller already holds
-            target = out[:, :, segment.start + held - start : segment.end - start]
-            tier = self._cpu if segment.key in landed else self._local_tier(segment.tier)
-            if isinstance(tier, ArenaTier):
-                view = tier.view(segment.key)
-                # a copy must never broadcast one token's KV over a longer segment
-                if view.shape[2] == segment.num_tokens:
-                    copies.append((sliced(view)[:, :, held:], target))
-                    loaded.append(segment)
-                    continue
-                logger.warning("retrieve: chunk %s holds %d tokens, its plan says %d (a directory or index entry "
-                               "of another length); tokens %d-%d become a gap", segment.key.hex(), view.shape[2],
-                               segment.num_tokens, segment.start, segment.end)  # fmt: skip
-                self._fleet.count_inconsistent(segment)  # a shared chunk a prefetch landed
-                prefix_cut = segment.exact and not self.config.enable_segmented_prefix
-                dropped.append(Miss(segment.start, segment.end, MissReason.CHECKSUM))
-                continue
-            if memory_only:  # left to the caller to compute, as a failed load is
-                prefix_cut = segment.exact and not self.config.enable_segmented_prefix
-                dropped.append(Miss(segment.start, segment.end, MissReason.DISK_SLOWER))
-                continue
-            place = target if held == 0 and part is None else self._whole_chunk(segment, out)
-            # a chunk decoded whole beside out: its (part's) tail still to copy
-            tail = [(sliced(place)[:, :, held:], target)] if place is not target else []
-            reason = MissReason.CHECKSUM  # a pinned disk chunk that fails to load failed its checks
-            if shared_reads is not None and shared_reads.serves(segment):
-                record = shared_reads.load_into(segment.key, place)
-                if not isinstance(record, MissReason):
-                    loaded.append(segment)
-                    copies += tail
-                    if self.config.promote_on_hit:
-                        self._put_new_chunk(record, place)  # into the local tiers (the shared one knows it)
-                    continue
-                reason = record
-            elif self._disk_reads is not None and self._disk_reads.load_into(segment.key, segment.num_tokens, place):
-                loaded.append(segment)
-                copies += tail
-                continue
-            # A remote chunk Valkey evicted is an ordinary miss (the remote tier logs outages and corruption).
-            logger.log(logging.DEBUG if segment.tier is TierName.REMOTE else logging.WARNING,
-                       "retrieve: chunk %s failed to load from the %s tier; tokens %d-%d become a gap",
-                       segment.key.hex(), segment.tier.value, segment.start, segment.end)  # fmt: skip
-            prefix_cut = segment.exact and not self.config.enable_segmented_prefix
-            dropped.append(Miss(segment.start, segment.end, reason))
-        return copies
-
-    def _whole_chunk(self, segment: Segment, out: torch.Tensor) -> torch.Tensor:
-        """Room to decode a chunk whole beside ``out``, when only its tail belongs there."""
-        return torch.empty(self.layout.chunk_shape(segment.num_tokens), dtype=out.dtype, device=out.device)
-
-    def _local_tier(self, name: TierName) -> Tier | None:
-        return next((tier for tier in self._tiers if tier.name is name), None)
 
     def release(self, plan: LookupPlan) -> None:
         """Drop the pins of a plan that will not be retrieved. Idempotent."""
@@ -648,21 +424,6 @@ class TieredStore:
     def _unpin(self, pins: Sequence[Pin]) -> None:
         for tier, key in pins:
             tier.unpin(key)
-
-    def _promote_to_gpu(self, segments: Sequence[Segment]) -> None:
-        """Copy retrieved chunks that sit in the cpu tier into the gpu tier (after the plan's pins are gone, so
-        the gpu tier can evict its own cold chunks to make room)."""
-        assert self._gpu is not None
-        for segment in segments:
-            key = segment.key
-            if self._cpu is None or self._gpu.contains(key) or not self._cpu.pin(key):
-                continue
-            try:
-                record = self._cpu.record(key)
-                if record is not None:
-                    self._gpu.put(record, self._cpu.view(key))
-            finally:
-                self._cpu.unpin(key)
 
     # -- admin --------------------------------------------------------------------------------------------------
 
@@ -711,14 +472,14 @@ class TieredStore:
         """
         self._check_open()
         check_byte_count(num_bytes)
-        return self._tier(tier_name(tier)).evict_bytes(num_bytes)
+        return self._tiers.require(tier_name(tier)).evict_bytes(num_bytes)
 
     def flush(self) -> None:
         """Block until every pending disk write is committed and synced, every registration has run, and every
         chunk and directory record queued for the remote was sent (or dropped: the remote is down)."""
         self._check_open()
-        if self._disk is not None:
-            self._disk.flush()
+        if self._tiers.durable is not None:
+            self._tiers.durable.flush()
         if self._catalog is not None:
             self._catalog.sync()
         self._fleet.flush()
@@ -742,12 +503,6 @@ class TieredStore:
         self._check_open()
         return self._fleet.sync_now()
 
-    def _tier(self, name: TierName) -> Tier:
-        for tier in self._tiers:
-            if tier.name is name:
-                return tier
-        raise ConfigError(f"this store has no {name.value} tier (tiers: {','.join(t.name.value for t in self._tiers)})")
-
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -765,11 +520,8 @@ class TieredStore:
         if self._catalog is not None:
             self._catalog.close()  # its last completions drop shields: tiers must still be open
         self._unpin(self._ledger.take_all())
-        self._fleet.close()  # before the cpu tier: its writers may still read borrowed cpu slots
-        # Disk first: closing it drains write-throughs that still read pinned memory slots.
-        for tier in (self._disk, self._gpu, self._cpu):
-            if tier is not None:
-                tier.close()
+        self._fleet.close()  # before the local tiers: its writers may still read borrowed landing slots
+        self._tiers.close()
 
     def _check_open(self) -> None:
         if getattr(self, "_lifecycle", _Lifecycle.CLOSED) is _Lifecycle.CLOSED:

@@ -205,14 +205,25 @@ def encode_retrieve_result(result: RetrieveResult) -> dict[str, object]:
 # -- store results and stats ------------------------------------------------------------------------------------
 
 
+_STORE_RESULT_COUNTS = ("num_chunks", "num_new_chunks", "num_rejected_chunks", "num_aliased_chunks")
+"""The fields of a ``StoreResult`` a reply carries: its counts (``chunks`` stays in the server)."""
+
+
 def encode_store_result(result: StoreResult) -> dict[str, object]:
-    return {field.name: getattr(result, field.name) for field in dataclasses.fields(result)}
+    return {name: getattr(result, name) for name in _STORE_RESULT_COUNTS}
 
 
 def decode_store_result(fields: Fields) -> StoreResult:
-    values = {field.name: fields.required_int(field.name, 0, _MAX_COUNT) for field in dataclasses.fields(StoreResult)}
+    num_chunks, num_new_chunks, num_rejected_chunks, num_aliased_chunks = (
+        fields.required_int(name, 0, _MAX_COUNT) for name in _STORE_RESULT_COUNTS
+    )
     fields.finish()
-    return StoreResult(**values)
+    return StoreResult(
+        num_chunks=num_chunks,
+        num_new_chunks=num_new_chunks,
+        num_rejected_chunks=num_rejected_chunks,
+        num_aliased_chunks=num_aliased_chunks,
+    )
 
 
 def _encode_record(value: object) -> dict[str, object]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvstore.keys import PrefixKey, as_token_array
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan, Segment, StoreResult
+from kvstore.plan import ChunkOutcome, LookupPlan, Segment, StoredChunk, StoreResult
 from kvstore.tiers.base import TierName
 from kvstore.wire.error_codes import ErrorCode, RequestError, exception_for
 from kvstore.wire.fields import Fields
@@ -213,6 +213,14 @@ def test_plans_and_store_results_round_trip() -> None:
     assert decoded.segments == segments and decoded.session_id == "mine" and decoded.gaps == plan.gaps
     result = StoreResult(num_chunks=3, num_new_chunks=2, num_rejected_chunks=1, num_aliased_chunks=0)
     assert decode_store_result(Fields(encode_store_result(result), "r")) == result
+    chunks = (
+        StoredChunk(key=key, start=0, end=4, outcome=ChunkOutcome.WRITTEN),
+        StoredChunk(key=key, start=4, end=8, outcome=ChunkOutcome.REJECTED),
+    )
+    per_chunk = StoreResult.of(chunks)
+    assert encode_store_result(per_chunk) == {
+        "num_chunks": 2, "num_new_chunks": 1, "num_rejected_chunks": 1, "num_aliased_chunks": 0,
+    }, "the reply carries the counts only: the per-chunk outcomes stay in the server"  # fmt: skip
     overlapping = (segments[0], dataclasses.replace(segments[1], start=2))
     with pytest.raises(RequestError) as caught:
         plan_from_wire(Fields(encode_plan(plan, None) | {"segments": encode_segments(overlapping)}, "plan"))
