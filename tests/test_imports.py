@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+import kvstore
+from tests.import_graph import LoadGroup, import_closure, measure_loads
 
 _HEAVY = ("lmdb", "zstandard", "numba", "prometheus_client", "typer", "rich", "transformers")
 _STORE_SIDE = (
@@ -86,3 +90,60 @@ def test_the_benchmark_commands_load_no_torch_until_they_run() -> None:
     assert "kvstore.bench.vllm_ttft" in loaded and "kvstore.bench.multidoc_options" in loaded
     assert "kvstore.bench.vllm_serve" not in loaded and "asyncio" not in loaded
     assert _offenders(loaded, ("torch", "numba", "lmdb", "transformers", "redis")) == []
+
+
+_BENCH = Path(kvstore.__file__).parent / "bench"
+_STORE_AND_SERVER = (
+    "kvstore.store",
+    "kvstore.server",
+    "kvstore.client",
+    "kvstore.content",
+    "kvstore.tiers.base",
+    "kvstore.tiers.cpu",
+    "kvstore.tiers.disk",
+    "kvstore.tiers.remote",
+)
+
+
+def _bench_modules() -> list[str]:
+    return sorted(f"kvstore.bench.{path.stem}".removesuffix(".__init__") for path in _BENCH.glob("*.py"))
+
+
+def test_each_bench_module_loads_only_what_its_own_import_statements_name() -> None:
+    """Importing one ``kvstore.bench`` module (the package included) loads no kvstore module and no library that its
+    own run-time import statements do not reach: ``kvstore bench remote`` does not pay for the vLLM benchmarks, nor
+    the Valkey launcher for the store. Each module is imported in a child of one fresh interpreter that imported
+    their libraries first (``tests/import_graph.py``); the benchmarks that run a store share one that imported it."""
+    closures = {module: import_closure(module) for module in _bench_modules()}
+    # every module runs the package's __init__ first: it imports nothing but what makes its names lazy
+    assert closures["kvstore.bench"].modules == {*import_closure("kvstore").modules, "kvstore.bench"}
+    store_users = tuple(module for module, closure in closures.items() if "kvstore.store" in closure.modules)
+    shared = frozenset.intersection(*(closures[module].modules for module in store_users))
+    groups = [
+        LoadGroup(preload=(), modules=tuple(module for module in closures if module not in store_users)),
+        LoadGroup(preload=tuple(sorted(shared)), modules=store_users),
+    ]
+    loaded = measure_loads(set().union(*(closure.libraries for closure in closures.values())), groups)
+    unexpected = {}
+    for module, closure in closures.items():
+        outside = {name for name in loaded[module] if name.split(".")[0] != "kvstore" or name not in closure.modules}
+        outside -= {name for name in outside if name.split(".")[0] in closure.libraries}
+        if outside:
+            unexpected[module] = sorted(outside)
+    assert unexpected == {}
+    assert loaded["kvstore.bench.tiers"] >= {"kvstore.bench.tiers", "kvstore.tiers.cpu"}  # the measure sees imports
+
+
+def test_the_light_bench_modules_load_no_store_and_no_heavy_library() -> None:
+    """The option modules, the Valkey launcher and the package itself, together in a fresh interpreter with nothing
+    preloaded: none of torch, numpy, numba, LMDB, zstd, zmq or transformers, and none of the store, its tiers, the
+    server or the client (the launcher alone needs redis)."""
+    light = [
+        module
+        for module in _bench_modules()
+        if not import_closure(module).libraries & {"torch", "numpy", "numba", "lmdb", "zstandard", "zmq", "redis"}
+    ]
+    assert {"kvstore.bench", "kvstore.bench.tier_options", "kvstore.bench.vllm_serve_options"} <= set(light)
+    loaded = loaded_by(f"import {', '.join([*light, 'kvstore.bench.valkey_server'])}")
+    assert _offenders(loaded, ("torch", "numpy", "numba", "lmdb", "zstandard", "zmq", "transformers")) == []
+    assert _offenders(loaded, _STORE_AND_SERVER) == []
