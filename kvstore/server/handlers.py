@@ -5,34 +5,33 @@ the result. Every failure becomes an error reply: ``RequestError`` and kvstore e
 (``errors.error_for``), anything else as ``internal`` after ``logger.exception`` (a server bug; counted in
 ``kvstore_requests_total{outcome="internal"}``).
 
-Bulk KV (``bulk`` argument) is resolved to a tensor here: a view of a client's shared-memory segment, a view of
-the inline payload frame, or an opened CUDA IPC handle; the store then makes its one copy (into a tier on store,
-into that tensor on retrieve).
+Bulk KV (``bulk`` argument) is resolved to a tensor (``bulk_tensors``): a view of a client's shared-memory segment,
+a view of the inline payload frame, or an opened CUDA IPC handle; the store then makes its one copy (into a tier on
+store, into that tensor on retrieve). A store's result says what became of each chunk, so the document it names and
+the engine's stored tokens are read from it, not asked of the tiers again.
 
 Metrics (``metrics``) are fed here too, globally and per engine: a client with a layout counts under its hello
 name (``ServerMetrics.add_client`` at hello, ``forget_client`` at its departure, whichever way it departs).
 
 Chunks stored by parts (the ranks of a tensor- or pipeline-parallel engine: a store or retrieve with a ``part``) go
-through ``ChunkAssembly``: a part store's chunks are committed to the store whole, once their last part arrives; a
-part retrieve copies only the part's slice of each chunk; a plan its ``readers`` ranks share stays pinned until each
-of them has retrieved or released it (``ClientRegistry.begin_shared``); a lookup names the chunks waiting for parts
-``incomplete``.
+through ``PartStores`` (``handlers_parts``, over ``ChunkAssembly``): a part store's chunks are committed to the store
+whole, once their last part arrives; a part retrieve copies only the part's slice of each chunk; a plan its
+``readers`` ranks share stays pinned until each of them has retrieved or released it
+(``ClientRegistry.begin_shared``); a lookup names the chunks waiting for parts ``incomplete``.
 
 Usage (``kvstore.server.usage.UsageLedger``) is fed here: each store names a document, each lookup plan counts its
 hits per chunk and per document. With a data dir document counts are loaded at start, saved by the janitor every
 ``documents_save_interval_s`` while they change, and saved at shutdown (``save_document_hits``).
 
-Threads: any number of workers call ``handle`` concurrently; all state lives in the store, the client registry and
-the usage ledger, each with its own locks. ``janitor_pass`` runs on the janitor thread.
+Threads: any number of workers call ``handle`` concurrently; all state lives in the store, the client registry, the
+usage ledger and the part stores, each with its own locks. ``janitor_pass`` runs on the janitor thread.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,28 +39,25 @@ from pathlib import Path
 
 import torch
 
-from kvstore.errors import ConfigError, InvalidInputError, KVStoreError
-from kvstore.keys import TokenArray, chunk_bounds, keys_at_bounds
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
-from kvstore.misses import Miss, MissReason
-from kvstore.plan import UNPINNED_PLAN_ID, ChunkOutcome, LookupPlan, StoreResult
-from kvstore.server.chunk_assembly import ASSEMBLY_TTL_S, AssemblyCounts, ChunkAssembly, CompletedChunk
+from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan
+from kvstore.server.bulk_tensors import bulk_tensor, transport_of
 from kvstore.server.clients import ClientRegistry, Departure, store_session_id
+from kvstore.server.handlers_parts import PartStores, written_tokens
 from kvstore.server.metrics import BulkTransfer, ServerMetrics
 from kvstore.server.store_host import StoreHost
 from kvstore.server.usage.documents import DocumentHits
 from kvstore.server.usage.ledger import UsageLedger
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TierName
-from kvstore.wire.cuda_ipc import import_cuda_tensor
 from kvstore.wire.documents import DocumentsArgs, DocumentsReport
 from kvstore.wire.error_codes import ErrorCode, RequestError, error_for
 from kvstore.wire.messages import (
     AttachArgs,
     BulkRef,
     ChunkArgs,
-    CudaIpcBulk,
     DetachArgs,
     EvictArgs,
     HelloArgs,
@@ -70,7 +66,6 @@ from kvstore.wire.messages import (
     PlanArgs,
     RetrieveArgs,
     SessionArgs,
-    ShmBulk,
     StoreArgs,
     layout_from_json,
 )
@@ -149,9 +144,7 @@ class RequestHandler:
         self._num_requests = 0  # approximate under concurrency; only reported
         data_dir = Path(identity.data_dir) if identity.data_dir is not None else None
         self._usage = UsageLedger(data_dir, documents=documents, save_interval_s=documents_save_interval_s)
-        self._assembly_lock = threading.Lock()
-        self._assembly: ChunkAssembly | None = None  # made at the first part store (it needs the store's layout)
-        metrics.watch_chunk_parts(self._assembly_counts)
+        self._parts = PartStores(host, self._usage, metrics)
 
     # -- entry point -------------------------------------------------------------------------------------------
 
@@ -291,9 +284,9 @@ class RequestHandler:
         first_start = chunks[0].start if chunks else len(args.tokens)
         tail_bounds = [0, *(chunk.end - first_start for chunk in chunks)]
         self._usage.stored([chunk.key for chunk in chunks], args.tokens[first_start:], tail_bounds)
-        num_new_tokens = _written_tokens(result)
+        num_new_tokens = written_tokens(result)
         transfer = BulkTransfer(
-            transport=_transport(args.bulk),
+            transport=transport_of(args.bulk),
             seconds=time.perf_counter() - started_s,
             num_bulk_bytes=store.layout.chunk_bytes(num_tokens),
             num_tokens=num_new_tokens,
@@ -305,59 +298,14 @@ class RequestHandler:
     def _store_part(
         self, client_id: str, args: StoreArgs, part: KVPart, payload: memoryview | None
     ) -> dict[str, object]:
-        """A rank's part of a store: into the chunks' assemblies; the chunks it completes are committed whole."""
-        store = self._host.require()
-        layout = store.layout
+        """A rank's part of a store (``handlers_parts``)."""
+        layout = self._host.require().layout
         part.check(layout)
         started_s = time.perf_counter()
         num_tokens = args.num_bulk_tokens
         kv = self._bulk_tensor(client_id, args.bulk, part.shape_layout(layout), num_tokens, payload)
-        kv = kv[:, :, :num_tokens]
-        tokens = args.tokens
-        bounds = chunk_bounds(tokens, store.config.chunk_size, store.config.chunk_separator)
-        first = bisect.bisect_left(bounds[:-1], args.start)
-        keys = keys_at_bounds(layout.namespace, tokens, bounds)
-        completed = self._assembly_of(layout).add(
-            part, kv, keys=keys, bounds=bounds, first=first, start=args.start, held=lambda k: bool(store.contains(k))
-        )
-        result = StoreResult(num_chunks=len(keys) - first, num_new_chunks=0)
-        num_new_tokens = 0
-        for run in _runs(completed):
-            run_start, run_end = bounds[run[0].index], bounds[run[-1].index + 1]
-            run_kv = run[0].kv if len(run) == 1 else torch.cat([chunk.kv for chunk in run], dim=2)
-            committed = store.store(tokens[:run_end], run_kv, start=run_start)
-            result = StoreResult(
-                num_chunks=result.num_chunks,
-                num_new_chunks=result.num_new_chunks + committed.num_new_chunks,
-                num_rejected_chunks=result.num_rejected_chunks + committed.num_rejected_chunks,
-                num_aliased_chunks=result.num_aliased_chunks + committed.num_aliased_chunks,
-            )
-            run_keys = keys[run[0].index : run[-1].index + 1]
-            self._usage.stored(run_keys, tokens[run_start:run_end], [bound - run_start for bound in
-                               bounds[run[0].index : run[-1].index + 2]])  # fmt: skip
-            num_new_tokens += _written_tokens(committed)
-        if args.durable and completed:
-            store.flush()
-        transfer = BulkTransfer(
-            transport=_transport(args.bulk),
-            seconds=time.perf_counter() - started_s,
-            num_bulk_bytes=part.shape_layout(layout).chunk_bytes(num_tokens),
-            num_tokens=num_new_tokens,
-            num_bytes=layout.chunk_bytes(num_new_tokens),
-        )
-        self._metrics.observe_store(transfer, self._metrics.engine_of(client_id))
+        result = self._parts.store(client_id, args, part, kv[:, :, :num_tokens], started_s=started_s)
         return encode_store_result(result)
-
-    def _assembly_of(self, layout: KVLayout) -> ChunkAssembly:
-        with self._assembly_lock:
-            if self._assembly is None:
-                self._assembly = ChunkAssembly(layout)
-            return self._assembly
-
-    def _assembly_counts(self) -> AssemblyCounts:
-        with self._assembly_lock:
-            assembly = self._assembly
-        return assembly.counts() if assembly is not None else AssemblyCounts()
 
     def _lookup(self, client_id: str, args: LookupArgs) -> dict[str, object]:
         store = self._host.require()
@@ -370,7 +318,7 @@ class RequestHandler:
         elif not self._clients.add_plan(client_id, plan, args.session_id):
             store.release(plan)
             raise RequestError(ErrorCode.NOT_REGISTERED, "the client said goodbye during its lookup")
-        plan = self._name_incomplete(plan, args.tokens)
+        plan = self._parts.name_incomplete(plan, args.tokens)
         engine = self._metrics.engine_of(client_id)
         if args.repeat:  # the request was counted at its first lookup
             self._metrics.observe_repeat_lookup(time.perf_counter() - started_s, engine)
@@ -378,20 +326,6 @@ class RequestHandler:
             coverage = self._usage.planned(plan, args.tokens, store.config.chunk_size)
             self._metrics.observe_lookup(coverage, time.perf_counter() - started_s, engine)
         return encode_plan(plan, args.session_id)
-
-    def _name_incomplete(self, plan: LookupPlan, tokens: TokenArray) -> LookupPlan:
-        """The plan with its missed chunks that wait for parts (``ChunkAssembly``) named ``incomplete``."""
-        with self._assembly_lock:
-            assembly = self._assembly
-        if assembly is None or not assembly.num_pending or not plan.misses:
-            return plan
-        store = self._host.require()
-        bounds = chunk_bounds(tokens, store.config.chunk_size, store.config.chunk_separator)
-        keys = keys_at_bounds(store.layout.namespace, tokens, bounds)
-        pending = [(bounds[i], bounds[i + 1]) for i, key in enumerate(keys) if assembly.pending(key)]
-        if not pending:
-            return plan
-        return dataclasses.replace(plan, misses=_with_incomplete(plan.misses, pending))
 
     def _retrieve(self, request: Request, client_id: str, args: RetrieveArgs) -> ReplyFrames:
         store = self._host.require()
@@ -423,7 +357,7 @@ class RequestHandler:
         num_loaded_tokens = result.num_cached_tokens
         shape = store.layout if part is None else part.shape_layout(store.layout)
         transfer = BulkTransfer(
-            transport=_transport(args.bulk),
+            transport=transport_of(args.bulk),
             seconds=time.perf_counter() - started_s,
             num_bulk_bytes=shape.chunk_bytes(int(result.kv.shape[2])),
             num_tokens=num_loaded_tokens,
@@ -461,54 +395,13 @@ class RequestHandler:
     def _bulk_tensor(
         self, client_id: str, bulk: BulkRef, layout: KVLayout, num_tokens: int, payload: memoryview | None
     ) -> torch.Tensor:
-        """The tensor a bulk reference names: ``[num_layers, 2, T, num_kv_heads, head_dim]`` with ``T >= num_tokens``
-        (``T == num_tokens`` inline; a shared-memory region or CUDA tensor may hold more tokens).
+        """The tensor ``bulk`` names (``bulk_tensors``); a shared-memory region lies in one of ``client_id``'s
+        segments."""
 
-        Raises:
-            RequestError: a missing or extra payload, a size that does not match, an unknown segment.
-        """
-        nbytes = layout.chunk_bytes(num_tokens)
-        shape = layout.chunk_shape(num_tokens)
-        dtype = layout.dtype.torch_dtype
-        if isinstance(bulk, CudaIpcBulk):
-            tensor = import_cuda_tensor(bulk.handle)
-            try:
-                layout.check_kv(tensor[:, :, :num_tokens] if tensor.dim() == 5 else tensor, num_tokens)
-            except InvalidInputError as exc:
-                raise RequestError(ErrorCode.INVALID_ARGUMENT, f"cuda_ipc tensor: {exc}") from None
-            return tensor
-        if isinstance(bulk, InlineBulk):
-            if payload is None:
-                raise RequestError(ErrorCode.MALFORMED, "bulk kind inline needs the KV as the payload frame")
-            if len(payload) != nbytes:
-                raise RequestError(
-                    ErrorCode.INVALID_ARGUMENT,
-                    f"payload is {len(payload):,} bytes; {num_tokens} tokens of {layout.model_id} need {nbytes:,}",
-                )
-            if nbytes == 0:
-                return torch.empty(shape, dtype=dtype)
-            if payload.readonly:  # ZeroMQ frames are writable; a read-only buffer gets one copy (torch needs writable)
-                payload = memoryview(bytearray(payload))
-            return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape)
-        if payload is not None:
-            raise RequestError(ErrorCode.MALFORMED, "bulk kind shm takes no payload frame")
-        assert isinstance(bulk, ShmBulk), f"bulk {bulk!r} of no known kind reached _bulk_tensor"
-        region_tokens, remainder = divmod(bulk.nbytes, layout.bytes_per_token)
-        if remainder or region_tokens < num_tokens:
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"bulk nbytes={bulk.nbytes:,} is not a whole number of tokens of at least {num_tokens} "
-                f"({layout.bytes_per_token:,} bytes a token for {layout.model_id}: {nbytes:,} bytes)",
-            )
-        segment = self._clients.segment(client_id, bulk.segment_id)
-        if bulk.offset + bulk.nbytes > segment.numel():
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT,
-                f"bulk region [{bulk.offset}, {bulk.offset + bulk.nbytes}) lies outside segment {bulk.segment_id} "
-                f"({segment.numel():,} bytes)",
-            )
-        region = segment[bulk.offset : bulk.offset + bulk.nbytes]
-        return region.view(dtype).view(layout.chunk_shape(region_tokens))
+        def segment_of(segment_id: int) -> torch.Tensor:
+            return self._clients.segment(client_id, segment_id)
+
+        return bulk_tensor(bulk, layout, num_tokens, payload, segment_of)
 
     def _evict(self, args: EvictArgs) -> dict[str, object]:
         store = self._host.require()
@@ -593,10 +486,7 @@ class RequestHandler:
             )
             for open_plan in expired:
                 store.release(open_plan.plan)
-        with self._assembly_lock:
-            assembly = self._assembly
-        if assembly is not None:
-            assembly.expire(min(ASSEMBLY_TTL_S, plan_ttl_s))
+        self._parts.expire(plan_ttl_s)
         self._usage.save_if_due()  # last: a failed save (full disk) must not skip the rest of the pass
 
     def save_document_hits(self) -> None:
@@ -606,48 +496,6 @@ class RequestHandler:
             StorageError: the file cannot be written.
         """
         self._usage.save()
-
-
-def _written_tokens(result: StoreResult) -> int:
-    """The engine's stored tokens: those of the chunks a store wrote (not those it found held or aliased)."""
-    return sum(chunk.num_tokens for chunk in result.chunks if chunk.outcome is ChunkOutcome.WRITTEN)
-
-
-def _runs(completed: list[CompletedChunk]) -> list[list[CompletedChunk]]:
-    """Completed chunks grouped into runs of consecutive indexes (each run is committed in one store call)."""
-    runs: list[list[CompletedChunk]] = []
-    for chunk in completed:
-        if runs and runs[-1][-1].index + 1 == chunk.index:
-            runs[-1].append(chunk)
-        else:
-            runs.append([chunk])
-    return runs
-
-
-def _with_incomplete(misses: tuple[Miss, ...], pending: list[tuple[int, int]]) -> tuple[Miss, ...]:
-    """``misses`` with the token ranges of chunks waiting for parts (``pending``, sorted) named ``incomplete``."""
-    named: list[Miss] = []
-    for miss in misses:
-        cursor = miss.start
-        for chunk_start, chunk_end in pending:
-            low, high = max(chunk_start, miss.start), min(chunk_end, miss.end)
-            if low >= high:
-                continue
-            if cursor < low:
-                named.append(Miss(cursor, low, miss.reason))
-            named.append(Miss(low, high, MissReason.INCOMPLETE))
-            cursor = high
-        if cursor < miss.end:
-            named.append(Miss(cursor, miss.end, miss.reason))
-    return tuple(named)
-
-
-def _transport(bulk: BulkRef) -> str:
-    if isinstance(bulk, ShmBulk):
-        return "shm"
-    if isinstance(bulk, CudaIpcBulk):
-        return "cuda_ipc"
-    return "inline"
 
 
 def _empty_stats() -> dict[str, object]:
