@@ -1,4 +1,4 @@
-"""FingerprintIndex on the issue-3 workload: recall, false positives, document coverage, match latency, memory.
+"""FingerprintIndex on the retrieval workload: recall, false positives, document coverage, match latency, memory.
 
 ``kvstore bench index`` (and ``benchmarks/bench_index.py``) runs it. For N chunks: store N/12 documents of 3000
 random tokens (chunk 256 -> 12 chunks, the last one of 184 tokens), then match queries of a 30-token system

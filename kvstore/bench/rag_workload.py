@@ -1,4 +1,4 @@
-"""The issue-3 retrieval workload, shared by the content-index and fleet-directory benchmarks.
+"""The retrieval workload, shared by the content-index and fleet-directory benchmarks.
 
 Documents of 3,000 random tokens (12 chunks of 256, the last of 184) with random 16-byte keys per chunk; prompts of a
 30-token system prompt, 5 of the documents in random order joined by 4-token separators, and a 20-token question

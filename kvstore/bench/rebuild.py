@@ -1,4 +1,4 @@
-"""Content index rebuild at open (issue 3, persistence): how long reopening a data dir of N chunks takes.
+"""Content index rebuild at open (persistence): how long reopening a data dir of N chunks takes.
 
 ``kvstore bench rebuild`` (and ``benchmarks/bench_rebuild.py``) runs it. The workload is the index benchmark's
 (``kvstore.bench.index``): documents of 3000 random tokens in chunks of 256 (12 chunks, the last one of 184
@@ -78,7 +78,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "kvstore-bench-rebuild.json"
-TARGET_CHUNKS_PER_S = 100_000  # issue 3: 1M chunks in <= 10 s on the dev machine
+TARGET_CHUNKS_PER_S = 100_000  # the goal: 1M chunks in <= 10 s on the dev machine
 _SYSTEM_TOKENS, _SEPARATOR_TOKENS, _QUESTION_TOKENS = 30, 4, 20
 _MIB = 1024 * 1024
 _QUERY_STREAM = 2**32 - 1  # the queries' random stream: no document index reaches it

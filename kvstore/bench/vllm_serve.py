@@ -1,5 +1,5 @@
 """``kvstore bench vllm --serve``: the multi-document QA benchmark end to end, through vLLM's OpenAI server and the
-``openai`` client, as LMCache's users run it (issue 28, items 3 and 4).
+``openai`` client, as LMCache's users run it.
 
 Three deployments, each its own server process, started and stopped here one after another on the same prompts::
 
@@ -25,7 +25,7 @@ whose tokens differ from ``vllm``'s on the same prompt: every request of ``kvsto
 round's exact repeats in ``kvstore_blend`` whose warm-up prompt the store held whole. ``output_agreement`` is the
 share of all the row's requests equal to ``vllm``'s (for blended queries, a quality signal, not a correctness one).
 
-With a connector setting ``kvstore.chunk_separator`` (issue 28 item 1) in the installed kvstore, the kvstore
+With a connector setting ``kvstore.chunk_separator`` in the installed kvstore, the kvstore
 deployments pass the separator string in it, so the store cuts chunks where documents start; without it they run
 without (the row says which).
 """
@@ -128,8 +128,8 @@ class _Measured:
 
 
 def chunk_separator_setting(separator: str) -> dict[str, object]:
-    """``{"kvstore.chunk_separator": separator}`` when the installed connector accepts that setting (issue 28 item 1
-    adds it), else ``{}``: asked of the connector's own settings parser, so a kvstore without it still runs."""
+    """``{"kvstore.chunk_separator": separator}`` when the installed connector accepts that setting, else
+    ``{}``: asked of the connector's own settings parser, so a kvstore without it still runs."""
     try:
         parse_connector_settings({"kvstore.chunk_separator": separator})
     except ConfigError:

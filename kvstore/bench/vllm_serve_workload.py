@@ -1,13 +1,13 @@
 """The prompts of ``kvstore bench vllm --serve``: the multi-document QA benchmark as LMCache's users run it.
 
-Built as LMCache's ``benchmarks/multi_doc_qa/multi_doc_qa.py`` builds them (the shared seed guide, issue 28): every
+Built as LMCache's ``benchmarks/multi_doc_qa/multi_doc_qa.py`` builds them (the shared seed guide): every
 part is tokenised on its own and the prompt is the concatenation of the token ids, so a document's tokens are the
 same wherever it lands::
 
     warm-up:  system + sep + document + sep + question                      (each document once, alone)
     query:    system + sep + d1 + sep + d2 + ... + sep + question           (k sampled documents, random order)
     mixed:    a shuffled mix of exact repeats of warm-up prompts (hits), warm-up prompts of documents never sent
-              (misses) and new queries (blends), for serving under concurrency (issue 28 item 4)
+              (misses) and new queries (blends), for serving under concurrency
 
 Two corpora: ``synthetic`` is the guide's (``str(i) + " " + " ".join(["hi"] * length)``, cut to the length in
 tokens); ``prose`` is disjoint windows of real English (standard-library docstrings, ``prose_prompts``), where the

