@@ -30,3 +30,12 @@ def test_the_licence_the_metadata_names_is_shipped() -> None:
     assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
     text = (REPO_ROOT / "LICENSE").read_text()
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_wheel_ships_the_bench_commands_and_not_the_test_harnesses() -> None:
+    """``kvstore bench`` is part of the product (its package is shipped); what only the tests start, such as the
+    Valkey cluster in ``tests/harness``, is not."""
+    find = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
+    found = find_namespace_packages(where=str(REPO_ROOT), include=find["include"])
+    assert "kvstore.bench" in found and (REPO_ROOT / "tests" / "harness" / "valkey_cluster.py").is_file()
+    assert [package for package in found if package.split(".")[0] != "kvstore"] == []
