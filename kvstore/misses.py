@@ -1,5 +1,8 @@
 """Why a looked-up token was not served: one reason per missed token, so the reasons add up to the misses.
 
+This module is the reasons' one home (the store, the wire, the tiers and the connectors import them from here); the
+store decides which reason a lookup's gap gets in ``kvstore.store.miss_attribution``.
+
 A lookup tiles its prompt into segments (served) and misses; a retrieve may turn a planned segment into a miss
 (``CHECKSUM``, ``REMOTE_UNAVAILABLE``, ``EVICTED_REMOTE``); an engine connector adds the reasons only it knows
 (a blend it declined, a hit it could not take). The store's reasons:

@@ -1,4 +1,5 @@
-"""A lookup's misses: the ranges of the prompt no segment covers, each under the reason its chunk was not found.
+"""Which reason each miss gets: a lookup's misses are the ranges of the prompt no segment covers, each under the
+reason its chunk was not found (the reasons themselves, ``MissReason``, live in ``kvstore.misses``).
 
 Each gap is cut at the prompt's chunk bounds and at the ends of the gone content matches below, and every piece
 gets its reason, in this order:

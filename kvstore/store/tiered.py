@@ -68,7 +68,7 @@ from kvstore.store.ghosts import GhostTable, ResidencyRelay
 from kvstore.store.local_tiers import LocalTiers
 from kvstore.store.lookup_counts import LookupCounts
 from kvstore.store.lookup_legs import match_leg, prefix_leg
-from kvstore.store.miss_reasons import GoneMatch, gone_match_reason, lookup_misses, retrieve_misses
+from kvstore.store.miss_attribution import GoneMatch, gone_match_reason, lookup_misses, retrieve_misses
 from kvstore.store.pins import Pin, PinLedger
 from kvstore.store.prefetch import Prefetcher
 from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_out
