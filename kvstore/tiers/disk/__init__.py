@@ -17,7 +17,7 @@
 - ``writer``: the one writer thread: group commit of writes, deletes, access times and syncs;
 - ``commit``: how a chunk reaches LMDB whole or not at all (intent records and their recovery);
 - ``reader``: reading a committed chunk, its frames decoded on the codec pool into a buffer;
-- ``evicted``: chunks evicted for room, read out just before they are deleted, for a tier below;
+- ``victim_reads``: chunks evicted for room, read out just before they are deleted, for a tier below;
 - ``staging``: a bounded pool of reusable host buffers for ``put`` (backpressure for a burst of puts);
 - ``outage``: a full filesystem: one warning per outage, one line when writes resume;
 - ``lifecycle``: the open/closed state and the lock that orders work before close;

@@ -100,7 +100,7 @@ class DiskTier(Tier):
             the meta records instead of a second one. Chunks evicted at once because ``capacity_bytes`` shrank
             since the last open are included. An exception it raises aborts the open.
         on_evict: called on the writer thread with each batch of chunks evicted for room, their stored bytes
-            read just before the delete (``kvstore.tiers.disk.evicted``): how the remote tier's ``evict`` policy
+            read just before the delete (``kvstore.tiers.disk.victim_reads``): how the remote tier's ``evict`` policy
             receives what leaves the disk. It must only queue work.
 
     Raises:

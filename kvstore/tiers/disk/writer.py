@@ -46,9 +46,9 @@ from kvstore.keys import PrefixKey
 from kvstore.tiers.disk.commit import ChunkFrames, delete_chunks, discard_unfinished, plan_transactions
 from kvstore.tiers.disk.entries import PendingWrite
 from kvstore.tiers.disk.environment import DiskEnvironment, storage_error
-from kvstore.tiers.disk.evicted import read_evicted
 from kvstore.tiers.disk.outage import DiskOutage
 from kvstore.tiers.disk.state import DiskState
+from kvstore.tiers.disk.victim_reads import read_evicted
 from kvstore.tiers.frames.codec import FrameCodec
 from kvstore.tiers.frames.codec_pool import CodecPool, TaskBatch
 from kvstore.tiers.frames.evicted import EvictionSink

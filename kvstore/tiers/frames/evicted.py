@@ -2,7 +2,7 @@
 
 With the remote tier's ``evict`` write policy a chunk reaches the remote only when it leaves the disk, so the
 remote holds what no local tier keeps any more. The disk tier reads its capacity victims out
-(``kvstore.tiers.disk.evicted``) and hands them over: nothing is decoded or re-encoded on the way.
+(``kvstore.tiers.disk.victim_reads``) and hands them over: nothing is decoded or re-encoded on the way.
 """
 
 from __future__ import annotations
