@@ -36,13 +36,13 @@ from kvstore.tiers.base import TierName
 __all__ = [
     "UNPINNED_PLAN_ID",
     "ChunkOutcome",
+    "ChunkResult",
     "Gap",
     "LookupPlan",
     "RetrieveProgress",
     "RetrieveResult",
     "Segment",
     "StoreResult",
-    "StoredChunk",
 ]
 
 
@@ -244,7 +244,7 @@ class ChunkOutcome(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StoredChunk:
+class ChunkResult:
     """One chunk of a ``store`` call: where it lies in the sequence and what the store did with it.
 
     Args:
@@ -285,14 +285,14 @@ class StoreResult:
     num_new_chunks: int
     num_rejected_chunks: int = 0
     num_aliased_chunks: int = 0
-    chunks: tuple[StoredChunk, ...] = ()
+    chunks: tuple[ChunkResult, ...] = ()
 
     def __post_init__(self) -> None:
         if self.chunks:
             assert len(self.chunks) == self.num_chunks, "StoreResult.chunks must list every chunk num_chunks counts"
 
     @staticmethod
-    def of(chunks: Sequence[StoredChunk]) -> StoreResult:
+    def of(chunks: Sequence[ChunkResult]) -> StoreResult:
         """The result of a store that did ``chunks``, its counts taken from their outcomes."""
         outcomes = Counter(chunk.outcome for chunk in chunks)
         return StoreResult(

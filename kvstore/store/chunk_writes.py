@@ -21,7 +21,7 @@ import torch
 from kvstore.content.catalog import ContentCatalog
 from kvstore.content.index import Match
 from kvstore.keys import PrefixKey, TokenArray
-from kvstore.plan import ChunkOutcome, StoredChunk, StoreResult
+from kvstore.plan import ChunkOutcome, ChunkResult, StoreResult
 from kvstore.store.fleet import Fleet
 from kvstore.store.local_tiers import LocalTiers
 from kvstore.store.pins import Pin
@@ -96,7 +96,7 @@ class ChunkWriter:
             for index in range(first_index):  # not written, but registered with the tail as a full store would
                 committed[index] = self._is_resident(keys[index])
         shields: list[Pin] = []
-        chunks: list[StoredChunk] = []
+        chunks: list[ChunkResult] = []
         for index in range(first_index, len(keys)):
             key = keys[index]
             if self._tiers.holds(key):
@@ -109,7 +109,7 @@ class ChunkWriter:
                 target = dedup[position] if position < len(dedup) else None
                 outcome = self._write_new(sequence, index, kv, target, shields)
                 committed[index] = outcome is ChunkOutcome.WRITTEN
-            chunks.append(StoredChunk(key=key, start=bounds[index], end=bounds[index + 1], outcome=outcome))
+            chunks.append(ChunkResult(key=key, start=bounds[index], end=bounds[index + 1], outcome=outcome))
         result = StoreResult.of(chunks)
         if result.num_rejected_chunks:
             logger.warning("store: %d of %d chunks rejected, every tier is pinned full",

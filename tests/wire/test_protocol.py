@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvstore.keys import PrefixKey, as_token_array
 from kvstore.layout import KVLayout
-from kvstore.plan import ChunkOutcome, LookupPlan, Segment, StoredChunk, StoreResult
+from kvstore.plan import ChunkOutcome, ChunkResult, LookupPlan, Segment, StoreResult
 from kvstore.tiers.base import TierName
 from kvstore.wire.error_codes import ErrorCode, RequestError, exception_for
 from kvstore.wire.fields import Fields
@@ -214,8 +214,8 @@ def test_plans_and_store_results_round_trip() -> None:
     result = StoreResult(num_chunks=3, num_new_chunks=2, num_rejected_chunks=1, num_aliased_chunks=0)
     assert decode_store_result(Fields(encode_store_result(result), "r")) == result
     chunks = (
-        StoredChunk(key=key, start=0, end=4, outcome=ChunkOutcome.WRITTEN),
-        StoredChunk(key=key, start=4, end=8, outcome=ChunkOutcome.REJECTED),
+        ChunkResult(key=key, start=0, end=4, outcome=ChunkOutcome.WRITTEN),
+        ChunkResult(key=key, start=4, end=8, outcome=ChunkOutcome.REJECTED),
     )
     per_chunk = StoreResult.of(chunks)
     assert encode_store_result(per_chunk) == {
