@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from samples_files import read_samples, run_name
+
 from kvstore.bench.multidoc_stats import paired_facts
 
 _MODES = ("full", "blend", "reuse")
@@ -24,8 +26,7 @@ _MODES = ("full", "blend", "reuse")
 
 def _load(path: Path) -> dict[int, dict[str, dict[str, Any]]]:
     by_query: dict[int, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
-    for line in path.read_text().splitlines():
-        sample = json.loads(line)
+    for sample in read_samples(path):
         by_query[sample["query"]][sample["mode"]] = sample
     return {query: modes for query, modes in by_query.items() if all(mode in modes for mode in _MODES)}
 
@@ -60,11 +61,11 @@ def compare(runs: dict[str, dict[int, dict[str, dict[str, Any]]]], baseline: str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, help="the run (file name without .samples.jsonl) to pair with")
+    parser.add_argument("--baseline", required=True, help="the run: its file name less .samples.jsonl[.gz]")
     parser.add_argument("--json", action="store_true", help="one JSON row per run")
     parser.add_argument("samples", type=Path, nargs="+")
     args = parser.parse_args()
-    runs = {path.name.removesuffix(".samples.jsonl"): _load(path) for path in args.samples}
+    runs = {run_name(path): _load(path) for path in args.samples}
     if args.baseline not in runs:
         parser.error(f"--baseline {args.baseline!r} is not one of the runs: {', '.join(runs)}")
     for row in compare(runs, args.baseline):

@@ -6,7 +6,7 @@ Why the slot: on SmolLM2 a blended (or reused) prompt loses planted-fact answers
 first and later documents were cached without it in front of them (docs/benchmarks.md, "Blend quality on SmolLM2").
 Only queries that finished in every mode count, so a run cut short by a time limit is summarised as far as it got.
 
-    .venv/bin/python benchmarks/summarize_samples.py benchmarks/results/h200_quality/*.samples.jsonl [--json]
+    .venv/bin/python benchmarks/summarize_samples.py benchmarks/results/h200_quality/*.samples.jsonl.gz [--json]
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from samples_files import read_samples
+
 from kvstore.bench.multidoc_stats import paired_facts, wilson_interval
 
 
@@ -26,8 +28,7 @@ def _complete_queries(path: Path) -> list[dict[str, dict[str, Any]]]:
     """Each query's samples by mode, keeping the queries every mode of the file finished."""
     by_query: dict[int, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
     modes: set[str] = set()
-    for line in path.read_text().splitlines():
-        sample = json.loads(line)
+    for sample in read_samples(path):
         by_query[sample["query"]][sample["mode"]] = sample
         modes.add(sample["mode"])
     return [samples for _, samples in sorted(by_query.items()) if set(samples) == modes]
