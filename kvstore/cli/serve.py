@@ -1,9 +1,11 @@
 """``kvstore serve``: run a store server in the foreground until SIGINT (Ctrl-C) or SIGTERM.
 
+Its options are ``ServeFlags``' settings, each declared once in ``kvstore.server.serve_sources`` with its help text,
+plus ``--config`` and ``--exit-with-pid`` (``serve_options``); ``declared_command`` builds the typer command from them.
+
 The server, its settings and the store (torch, LMDB, ZeroMQ) are imported inside the functions that run it, not
-here: ``kvstore serve --help`` reads only this module's signature, and must not take seconds (issue 27); and a bad
-flag is refused by ``check_flags`` (``kvstore.server.serve_flags``, which imports none of them) before they are
-imported.
+here: ``kvstore serve --help`` reads only the options, and must not take seconds; and a bad flag is refused by
+``check_flags`` (``kvstore.server.serve_flags``, which imports none of them) before they are imported.
 """
 
 from __future__ import annotations
@@ -17,125 +19,27 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from kvstore.cli.declared_options import CliOption, GivenValues, OptionTarget, declared_command
 from kvstore.cli.quantities import count_text, size_text
 from kvstore.errors import ConfigError
 from kvstore.pids import pid_alive
 from kvstore.server.host_facts import available_memory_bytes
 from kvstore.server.serve_flags import check_flags, check_given_sizes_fit
-from kvstore.server.serve_sources import ServeFlags, flag_name
+from kvstore.server.serve_sources import ServeFlags, flag_name, serve_settings
 from kvstore.version import __version__
 
 if TYPE_CHECKING:
     from kvstore.server.app import ServerAddress
     from kvstore.server.settings import ServerSettings
 
-__all__ = ["serve_command"]
+__all__ = ["serve_command", "serve_options"]
 
 logger = logging.getLogger(__name__)
 
 _OWNER_POLL_S = 0.5
 
 
-def serve_command(
-    tiers: str | None = typer.Option(
-        None,
-        "--tiers",
-        help="Tiers, fastest first, of gpu,cpu,disk,remote (default: gpu,cpu,disk with CUDA, else cpu,disk).",
-    ),
-    chunk_size: int | None = typer.Option(
-        None, "--chunk-size", help="Tokens per chunk (default: the data dir's, else 256)."
-    ),
-    chunk_separator: str | None = typer.Option(
-        None,
-        "--chunk-separator",
-        help="Token ids after which a chunk restarts, e.g. 198,198: a RAG template's document delimiter, so a "
-        "document is found wherever a prompt puts it (default: none).",
-    ),
-    gpu_size: str | None = typer.Option(
-        None, "--gpu-size", help="gpu tier size, e.g. 16GiB (default: 4GiB, <= 1/4 free)."
-    ),
-    cpu_size: str | None = typer.Option(
-        None, "--cpu-size", help="cpu tier size, e.g. 64GiB (default: 4GiB, <= 1/4 RAM)."
-    ),
-    data_dir: Path | None = typer.Option(None, "--data-dir", help="The data dir (default: ./kvstore-data)."),
-    disk_size: str | None = typer.Option(
-        None, "--disk-size", help="disk tier cap in stored bytes, e.g. 500GiB (default: 64GiB, <= 1/2 free disk)."
-    ),
-    enable_blend: bool | None = typer.Option(
-        None, "--enable-blend/--disable-blend", help="Find cached chunks anywhere in a prompt (content index)."
-    ),
-    enable_segmented_prefix: bool | None = typer.Option(
-        None, "--enable-segmented-prefix/--disable-segmented-prefix", help="A missing chunk mid-prefix is a gap."
-    ),
-    enable_dedup_content: bool | None = typer.Option(
-        None, "--enable-dedup-content/--disable-dedup-content", help="Store equal content once (needs blend)."
-    ),
-    host: str | None = typer.Option(None, "--host", help="Interface to listen on (default: 127.0.0.1)."),
-    port: int | None = typer.Option(None, "--port", help="ZeroMQ port (default: 5555; 0: any free port)."),
-    metrics_port: int | None = typer.Option(
-        None, "--metrics-port", help="HTTP port of /metrics and /healthz (default: 5556; 0: any free port)."
-    ),
-    layout: str | None = typer.Option(
-        None,
-        "--layout",
-        help="Model layout: a preset (llama3.1-8b, smollm2-135m) or a JSON file (default: the data dir's, else the "
-        "first client's).",
-    ),
-    workers: int | None = typer.Option(None, "--workers", help="Threads per pool (lookups; bulk) (default: 4)."),
-    plan_ttl_s: float | None = typer.Option(
-        None, "--plan-ttl-s", help="Release plans not retrieved within this many seconds (default: 600)."
-    ),
-    remote_url: str | None = typer.Option(
-        None,
-        "--remote-url",
-        help="The remote tier's Valkey/Redis, one node or a cluster: valkey://HOST:PORT, valkeys:// for TLS "
-        "(password: KVSTORE_REMOTE_PASSWORD).",
-    ),
-    remote_namespace: str | None = typer.Option(
-        None, "--remote-namespace", help="Prefix of this deployment's keys in the remote (default: kvstore)."
-    ),
-    remote_timeout_ms: int | None = typer.Option(
-        None, "--remote-timeout-ms", help="Longest a request waits on the remote per round trip (default: 250)."
-    ),
-    remote_write: str | None = typer.Option(
-        None,
-        "--remote-write",
-        help="through: new chunks go to the remote at once; evict: only when they leave the disk (default: through).",
-    ),
-    kv_events: str | None = typer.Option(
-        None,
-        "--kv-events",
-        help="Publish the store's residency as vLLM KV events for routers: tcp://*:5557 binds, tcp://HOST:PORT "
-        "connects (default: off).",
-    ),
-    kv_events_replay: str | None = typer.Option(
-        None, "--kv-events-replay", help="Bind a replay and snapshot socket for KV events, e.g. tcp://*:5558."
-    ),
-    kv_events_topic: str | None = typer.Option(
-        None, "--kv-events-topic", help="The topic frame of every KV event message (default: empty)."
-    ),
-    kv_events_interval_ms: float | None = typer.Option(
-        None,
-        "--kv-events-interval-ms",
-        help="How long residency changes wait to join a KV event batch: a router sees them that much later; shorter "
-        "costs the server more CPU (default: 50).",
-    ),
-    kv_events_replay_mib: int | None = typer.Option(
-        None,
-        "--kv-events-replay-mib",
-        help="How many MiB of published KV event batches the server keeps for replay requests, the oldest dropped "
-        "first (default: 256).",
-    ),
-    config: Path | None = typer.Option(
-        None, "--config", help='TOML file; keys are the flags\' names (cpu_size = "8GiB"). Flags > KVSTORE_* > file.'
-    ),
-    exit_with_pid: int | None = typer.Option(
-        None,
-        "--exit-with-pid",
-        help="Stop (flushing, as on SIGTERM) once process PID is gone: how an engine's embedded server ends with it.",
-    ),
-) -> None:
-    """Serve a tiered KV store to engines on this host (shared memory) or the network (inline bytes).
+_SERVE_HELP = """Serve a tiered KV store to engines on this host (shared memory) or the network (inline bytes).
 
     Runs in the foreground; Ctrl-C or SIGTERM finishes requests in flight, flushes pending disk writes and exits 0.
     One server serves one model layout; its data dir keeps the cache across restarts. Every flag is also a config
@@ -158,38 +62,48 @@ def serve_command(
 
         kvstore serve --kv-events tcp://*:5557 --kv-events-replay tcp://*:5558
     """
-    flags = ServeFlags(
-        tiers=tiers,
-        chunk_size=chunk_size,
-        chunk_separator=chunk_separator,
-        gpu_size=gpu_size,
-        cpu_size=cpu_size,
-        data_dir=data_dir,
-        disk_size=disk_size,
-        enable_blend=enable_blend,
-        enable_segmented_prefix=enable_segmented_prefix,
-        enable_dedup_content=enable_dedup_content,
-        host=host,
-        port=port,
-        metrics_port=metrics_port,
-        layout=layout,
-        workers=workers,
-        plan_ttl_s=plan_ttl_s,
-        remote_url=remote_url,
-        remote_namespace=remote_namespace,
-        remote_timeout_ms=remote_timeout_ms,
-        remote_write=remote_write,
-        kv_events=kv_events,
-        kv_events_replay=kv_events_replay,
-        kv_events_topic=kv_events_topic,
-        kv_events_interval_ms=kv_events_interval_ms,
-        kv_events_replay_mib=kv_events_replay_mib,
+
+_COMMAND_OPTIONS = (
+    CliOption(
+        name="config",
+        declaration="--config",
+        annotation=Path | None,
+        help_text='TOML file; keys are the flags\' names (cpu_size = "8GiB"). Flags > KVSTORE_* > file.',
+    ),
+    CliOption(
+        name="exit_with_pid",
+        declaration="--exit-with-pid",
+        annotation=int | None,
+        help_text="Stop (flushing, as on SIGTERM) once process PID is gone: how an engine's embedded server ends with "
+        "it.",
+    ),
+)
+"""The options of the command that are not settings of the server (those are ``ServeFlags``' fields)."""
+
+
+def serve_options() -> tuple[CliOption, ...]:
+    """``kvstore serve``'s options: one per ``ServeFlags`` setting, in its order, then ``--config`` and
+    ``--exit-with-pid``."""
+    settings = tuple(
+        CliOption(
+            name=setting.name,
+            declaration=setting.declaration,
+            annotation=setting.kind | None,
+            help_text=setting.help_text,
+            targets=(OptionTarget(options_class=ServeFlags, field_name=setting.name),),
+        )
+        for setting in serve_settings()
     )
-    checked = check_flags(flags, config)  # before the server's imports: a bad flag is refused at once
+    return settings + _COMMAND_OPTIONS
+
+
+def _run(given: GivenValues) -> None:
+    """Check the settings before the server's imports (a bad flag is refused at once), then serve until stopped."""
+    checked = check_flags(given.build(ServeFlags), given.path("config"))
     check_given_sizes_fit(checked, available_memory_bytes())
     stop = threading.Event()
-    if exit_with_pid is not None:
-        _stop_when_gone(exit_with_pid, stop)
+    if given["exit_with_pid"] is not None:
+        _stop_when_gone(given["exit_with_pid"], stop)
     from kvstore.server.app import run_server
     from kvstore.server.host_facts import probe_host
     from kvstore.server.settings import complete_settings
@@ -214,6 +128,9 @@ def serve_command(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     typer.echo("kvstore serve: stopped (pending disk writes flushed)")
+
+
+serve_command = declared_command(serve_options(), _run, _SERVE_HELP)
 
 
 def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]:

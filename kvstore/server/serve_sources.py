@@ -1,8 +1,10 @@
 """``kvstore serve``'s settings as given, and where they come from: flags, ``KVSTORE_*`` environment variables and a
 TOML config file, merged in that precedence (flag > environment > config file > default).
 
-One vocabulary: each field of ``ServeFlags`` is one setting, spelled ``--cpu-size`` as a flag, ``cpu_size`` in the
-config file and ``KVSTORE_CPU_SIZE`` in the environment (all three derived from the field, never kept by hand).
+One vocabulary: each field of ``ServeFlags`` is one setting, declared there once with its help text and spelled
+``--cpu-size`` as a flag, ``cpu_size`` in the config file, ``KVSTORE_CPU_SIZE`` in the environment and
+``kvstore.cpu_size`` in a connector's config (all derived from the field, never kept by hand; ``kvstore.cli.serve``
+builds its options from ``serve_settings``).
 Sizes are strings everywhere (``4GiB``, ``512MiB``, ``2GB``; a config file may also give a byte count); booleans in
 the environment are ``1/true/yes/on`` or ``0/false/no/off``. A value of the wrong type, an unknown key or an
 unknown ``KVSTORE_`` variable is a one-line ``ConfigError``; what the values mean is checked by
@@ -16,8 +18,9 @@ from __future__ import annotations
 import tomllib
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from kvstore.errors import ConfigError
 
@@ -26,11 +29,13 @@ __all__ = [
     "NON_SETTING_VARIABLES",
     "REMOTE_PASSWORD_ENV",
     "ServeFlags",
+    "ServeSetting",
     "env_name",
     "flag_name",
     "load_config_file",
     "merge_sources",
     "read_environment",
+    "serve_settings",
 ]
 
 ENV_PREFIX = "KVSTORE_"
@@ -38,39 +43,112 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+_HELP_KEY = "help"
+
+
+def _declared(help_text: str) -> Any:
+    """A ``ServeFlags`` field, ``None`` (not given) by default; ``help_text`` is its ``kvstore serve --help`` line."""
+    return field(default=None, metadata={_HELP_KEY: help_text})
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServeFlags:
     """``kvstore serve``'s settings as given; ``None`` means "not given" (the next source or the default decides).
 
-    Each field is one setting under three spellings: ``flag_name``, the config-file key (the field's name) and
-    ``env_name``.
+    The one declaration of every setting: each field is one setting under four spellings, all derived from it: the
+    flag (``flag_name``; a ``bool`` is ``--enable-X/--disable-X``) with the field's help, the config-file key (the
+    field's name), the ``KVSTORE_*`` variable (``env_name``) and the connector's ``kvstore.*`` key for the settings
+    the embedded server takes. ``serve_settings`` lists them; tests check ``kvstore serve``'s options, the embedded
+    server's settings and docs/settings.md's table against it.
     """
 
-    tiers: str | None = None
-    chunk_size: int | None = None
-    chunk_separator: str | None = None
-    gpu_size: str | None = None
-    cpu_size: str | None = None
-    data_dir: Path | None = None
-    disk_size: str | None = None
-    enable_blend: bool | None = None
-    enable_segmented_prefix: bool | None = None
-    enable_dedup_content: bool | None = None
-    host: str | None = None
-    port: int | None = None
-    metrics_port: int | None = None
-    layout: str | None = None
-    workers: int | None = None
-    plan_ttl_s: float | None = None
-    remote_url: str | None = None
-    remote_namespace: str | None = None
-    remote_timeout_ms: int | None = None
-    remote_write: str | None = None
-    kv_events: str | None = None
-    kv_events_replay: str | None = None
-    kv_events_topic: str | None = None
-    kv_events_interval_ms: float | None = None
-    kv_events_replay_mib: int | None = None
+    tiers: str | None = _declared(
+        "Tiers, fastest first, of gpu,cpu,disk,remote (default: gpu,cpu,disk with CUDA, else cpu,disk)."
+    )
+    chunk_size: int | None = _declared("Tokens per chunk (default: the data dir's, else 256).")
+    chunk_separator: str | None = _declared(
+        "Token ids after which a chunk restarts, e.g. 198,198: a RAG template's document delimiter, so a document is "
+        "found wherever a prompt puts it (default: none)."
+    )
+    gpu_size: str | None = _declared("gpu tier size, e.g. 16GiB (default: 4GiB, <= 1/4 free).")
+    cpu_size: str | None = _declared("cpu tier size, e.g. 64GiB (default: 4GiB, <= 1/4 RAM).")
+    data_dir: Path | None = _declared("The data dir (default: ./kvstore-data).")  # noqa: RUF009 (a field(), as above)
+    disk_size: str | None = _declared("disk tier cap in stored bytes, e.g. 500GiB (default: 64GiB, <= 1/2 free disk).")
+    enable_blend: bool | None = _declared("Find cached chunks anywhere in a prompt (content index).")
+    enable_segmented_prefix: bool | None = _declared("A missing chunk mid-prefix is a gap.")
+    enable_dedup_content: bool | None = _declared("Store equal content once (needs blend).")
+    host: str | None = _declared("Interface to listen on (default: 127.0.0.1).")
+    port: int | None = _declared("ZeroMQ port (default: 5555; 0: any free port).")
+    metrics_port: int | None = _declared("HTTP port of /metrics and /healthz (default: 5556; 0: any free port).")
+    layout: str | None = _declared(
+        "Model layout: a preset (llama3.1-8b, smollm2-135m) or a JSON file (default: the data dir's, else the first "
+        "client's)."
+    )
+    workers: int | None = _declared("Threads per pool (lookups; bulk) (default: 4).")
+    plan_ttl_s: float | None = _declared("Release plans not retrieved within this many seconds (default: 600).")
+    remote_url: str | None = _declared(
+        "The remote tier's Valkey/Redis, one node or a cluster: valkey://HOST:PORT, valkeys:// for TLS (password: "
+        "KVSTORE_REMOTE_PASSWORD)."
+    )
+    remote_namespace: str | None = _declared("Prefix of this deployment's keys in the remote (default: kvstore).")
+    remote_timeout_ms: int | None = _declared("Longest a request waits on the remote per round trip (default: 250).")
+    remote_write: str | None = _declared(
+        "through: new chunks go to the remote at once; evict: only when they leave the disk (default: through)."
+    )
+    kv_events: str | None = _declared(
+        "Publish the store's residency as vLLM KV events for routers: tcp://*:5557 binds, tcp://HOST:PORT connects "
+        "(default: off)."
+    )
+    kv_events_replay: str | None = _declared("Bind a replay and snapshot socket for KV events, e.g. tcp://*:5558.")
+    kv_events_topic: str | None = _declared("The topic frame of every KV event message (default: empty).")
+    kv_events_interval_ms: float | None = _declared(
+        "How long residency changes wait to join a KV event batch: a router sees them that much later; shorter costs "
+        "the server more CPU (default: 50)."
+    )
+    kv_events_replay_mib: int | None = _declared(
+        "How many MiB of published KV event batches the server keeps for replay requests, the oldest dropped first "
+        "(default: 256)."
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeSetting:
+    """One ``kvstore serve`` setting as ``ServeFlags`` declares it.
+
+    Attributes:
+        name: the field's name, also the config-file key (``cpu_size``).
+        kind: its type without ``None``: ``str``, ``int``, ``float``, ``bool`` or ``Path``.
+        help_text: its ``--help`` line.
+    """
+
+    name: str
+    kind: type
+    help_text: str
+
+    @property
+    def flag(self) -> str:
+        """``--cpu-size``; a switch's first spelling (``--enable-blend``)."""
+        return flag_name(self.name)
+
+    @property
+    def declaration(self) -> str:
+        """The flag as the CLI declares it: ``--enable-blend/--disable-blend`` for a ``bool``."""
+        if self.kind is bool:
+            return f"{self.flag}/--disable-{self.name.removeprefix('enable_').replace('_', '-')}"
+        return self.flag
+
+    @property
+    def env(self) -> str:
+        """``KVSTORE_CPU_SIZE``."""
+        return env_name(self.name)
+
+
+def serve_settings() -> tuple[ServeSetting, ...]:
+    """Every setting, in ``ServeFlags``' order (which is ``kvstore serve --help``'s)."""
+    return tuple(
+        ServeSetting(name=declared.name, kind=_SETTING_TYPES[declared.name], help_text=declared.metadata[_HELP_KEY])
+        for declared in fields(ServeFlags)
+    )
 
 
 def flag_name(setting: str) -> str:
