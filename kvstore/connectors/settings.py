@@ -9,7 +9,9 @@ vLLM users write them into ``kv_connector_extra_config``::
 Every key starts with ``kvstore.``; an unknown key, a wrong type or a value out of range fails at start with one
 line naming the key (a typo must not silently fall back to a default). Keys that configure the embedded server are
 refused next to ``kvstore.url``: a shared server is configured where it runs. They are ``kvstore serve``'s settings
-under the same names (``kvstore.cpu_size`` is ``--cpu-size``), sizes as strings such as ``8GiB``.
+under the same names (``kvstore.cpu_size`` is ``--cpu-size``; ``ServeFlags`` in ``kvstore.server.serve_sources``
+declares them, and a test holds ``EmbeddedServerSettings`` to it: this module may not import the server), sizes as
+strings such as ``8GiB``.
 
 Pure values; no engine imports.
 """
@@ -102,7 +104,7 @@ class EmbeddedServerSettings:
     def serve_flags(self) -> list[str]:
         """``kvstore serve`` flags for these settings (the data dir included)."""
         flags = ["--data-dir", str(self.settled_data_dir)] + (["--enable-blend"] if self.enable_blend else [])
-        for name in _SERVE_FLAGS:
+        for name in _PASSED_AS_THEY_ARE:
             value = getattr(self, name)
             if value is not None:
                 flags += ["--" + name.replace("_", "-"), str(value)]
@@ -180,11 +182,14 @@ def settle_data_dir(settings: ConnectorSettings, layout: KVLayout) -> ConnectorS
     return replace(settings, embedded=replace(settings.embedded, data_dir=default_engine_data_dir(layout)))
 
 
-_SERVE_FLAGS = (
-    "tiers", "cpu_size", "gpu_size", "disk_size", "chunk_size", "config", "remote_url", "remote_namespace", "kv_events",
-    "kv_events_replay",
-)  # fmt: skip
-"""The embedded settings passed as ``kvstore serve --NAME VALUE`` as they are."""
+_PASSED_AS_THEY_ARE = tuple(
+    field.name
+    for field in fields(EmbeddedServerSettings)
+    if field.name not in ("data_dir", "chunk_separator", "enable_blend")
+)
+"""The embedded settings passed as ``kvstore serve --NAME VALUE`` as they are: every field but the three that
+``serve_flags`` writes itself (``tests/connectors/test_embedded_settings_declared.py`` checks each against
+``kvstore serve``'s declaration, ``ServeFlags``)."""
 _EMBEDDED_KEYS = {field.name: field.type for field in fields(EmbeddedServerSettings) if field.name != "enable_blend"}
 _TOP_KEYS = {field.name: field.type for field in fields(ConnectorSettings) if field.name != "embedded"}
 _TIMEOUTS = ("lookup_timeout_s", "transfer_timeout_s", "retry_s")
