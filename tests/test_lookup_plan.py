@@ -14,7 +14,7 @@ import torch
 
 from kvstore import ConfigError, KVLayout, TieredStore
 from kvstore.config import StoreConfig
-from kvstore.content.catalog import ContentCatalog, Residency
+from kvstore.content.catalog import ContentCatalog, ResidencyCheck
 from kvstore.content.index import FingerprintIndex, RegistrationResult
 from kvstore.content.registration import RegistrationJob, RegistrationWorker
 from kvstore.keys import PrefixKey, as_token_array, prefix_keys
@@ -334,7 +334,8 @@ def test_rule_1_an_entry_whose_chunk_is_gone_is_removed_at_its_second_strike(
 
 def test_rule_2_pending_entries_are_never_struck(small_layout: KVLayout) -> None:
     gone: set[bytes] = set()
-    catalog = ContentCatalog(CHUNK, Residency(is_resident=lambda key: key not in gone, in_transit=lambda key: False))
+    check = ResidencyCheck(is_resident=lambda key: key not in gone, in_transit=lambda key: False)
+    catalog = ContentCatalog(CHUNK, check)
     doc = as_token_array(make_tokens(16, seed=3))
     keys = prefix_keys(small_layout.namespace, doc, CHUNK)
     gate = threading.Event()
@@ -354,7 +355,7 @@ def test_rule_2_pending_entries_are_never_struck(small_layout: KVLayout) -> None
 
 
 def test_rule_3_a_capacity_miss_is_not_a_strike(small_layout: KVLayout) -> None:
-    catalog = ContentCatalog(CHUNK, Residency(is_resident=lambda key: False, in_transit=lambda key: True))
+    catalog = ContentCatalog(CHUNK, ResidencyCheck(is_resident=lambda key: False, in_transit=lambda key: True))
     doc = as_token_array(make_tokens(16, seed=4))
     keys = prefix_keys(small_layout.namespace, doc, CHUNK)
     catalog.register(doc, keys, 0, on_done=lambda: None)

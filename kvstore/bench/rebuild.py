@@ -56,7 +56,7 @@ from kvstore.bench.page_cache import drop_page_cache
 from kvstore.bench.rag_workload import CHUNK_TOKENS, CHUNKS_PER_DOCUMENT, DOCUMENT_TOKENS, DOCUMENTS_PER_QUERY, VOCAB
 from kvstore.bench.rebuild_options import RebuildBenchOptions, default_data_dir
 from kvstore.config import StoreConfig
-from kvstore.content.catalog import ContentCatalog, Residency
+from kvstore.content.catalog import ContentCatalog, ResidencyCheck
 from kvstore.errors import ConfigError
 from kvstore.keys import PrefixKey, TokenArray, prefix_keys
 from kvstore.layout import KVDtype, KVLayout
@@ -335,7 +335,7 @@ def _time_one_pass_rebuild(options: RebuildBenchOptions, data_dir: Path) -> _One
     was_enabled = gc.isenabled()
     gc.disable()
     started_s, started_cpu_s = time.perf_counter(), time.process_time()
-    catalog = ContentCatalog(CHUNK_TOKENS, Residency(is_resident=lambda _key: True, in_transit=lambda _key: False))
+    catalog = ContentCatalog(CHUNK_TOKENS, ResidencyCheck(is_resident=lambda _key: True, in_transit=lambda _key: False))
     disk: DiskTier | None = None
     try:
         rebuild = catalog.start_rebuild()

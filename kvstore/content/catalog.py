@@ -12,7 +12,7 @@
   a restart keeps the content index: sequences are relinked through their parent keys (``relink``) and registered
   in one call (``catalog_rebuild``).
 
-The catalog never touches a tier: the store passes what it needs as callables (``Residency``), keeping data
+The catalog never touches a tier: the store passes what it needs as callables (``ResidencyCheck``), keeping data
 flowing one way (store -> catalog, store -> tiers).
 
 Threads: safe to share; each part guards itself (index, worker, strike book, alias table).
@@ -36,7 +36,7 @@ from kvstore.content.strikes import StrikeBook, Verdict
 from kvstore.keys import PrefixKey, TokenArray
 from kvstore.stats import CatalogStats
 
-__all__ = ["ContentCatalog", "ContentRebuild", "Residency", "SequenceBatch"]
+__all__ = ["ContentCatalog", "ContentRebuild", "ResidencyCheck", "SequenceBatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ _Pinned = TypeVar("_Pinned")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Residency:
+class ResidencyCheck:
     """What the catalog may ask the store about a chunk.
 
     Args:
@@ -65,7 +65,7 @@ class ContentCatalog:
         dedup_content: record chunks whose content is already stored as aliases instead of writing them.
     """
 
-    def __init__(self, chunk_size: int, residency: Residency, *, dedup_content: bool = False) -> None:
+    def __init__(self, chunk_size: int, residency: ResidencyCheck, *, dedup_content: bool = False) -> None:
         self.chunk_size = chunk_size
         self.dedup_content = dedup_content
         self._residency = residency

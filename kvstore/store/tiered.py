@@ -46,7 +46,7 @@ import torch
 
 from kvstore.collector import collector_paused
 from kvstore.config import StoreConfig, check_byte_count, tier_name
-from kvstore.content.catalog import ContentCatalog, Residency
+from kvstore.content.catalog import ContentCatalog, ResidencyCheck
 from kvstore.content.index import Match
 from kvstore.errors import ConfigError, InvalidInputError, StoreClosedError
 from kvstore.keys import (
@@ -111,7 +111,7 @@ class TieredStore:
         self._ledger = PinLedger()
         self._lookup_counts = LookupCounts(self.config.chunk_size)
         self._ghosts = GhostTable()
-        self._residency = ResidencyRelay(self._ghosts)  # every local tier's one listener
+        self._relay = ResidencyRelay(self._ghosts)  # every local tier's one residency listener
         self._catalog: ContentCatalog | None = None
         self._prefetcher: Prefetcher | None = None
         self._writer = ChunkWriter(self._tiers, self._fleet, None)
@@ -143,7 +143,7 @@ class TieredStore:
             num_indexed = rebuild.finish()
             if num_indexed:
                 logger.info("content index rebuilt from %s: %d chunks", config.data_dir, num_indexed)
-        self._tiers.watch(self._residency)
+        self._tiers.watch(self._relay)
         self._writer = ChunkWriter(self._tiers, self._fleet, self._catalog)
         durable, landing = self._tiers.durable, self._tiers.landing
         self._loader = SegmentLoader(
@@ -160,9 +160,9 @@ class TieredStore:
     def _open_content(self) -> None:
         if not self.config.enable_blend:
             return
-        residency = Residency(is_resident=self._is_resident, in_transit=self._in_transit)
+        check = ResidencyCheck(is_resident=self._is_resident, in_transit=self._in_transit)
         self._catalog = ContentCatalog(
-            self.config.chunk_size, residency, dedup_content=self.config.enable_dedup_content
+            self.config.chunk_size, check, dedup_content=self.config.enable_dedup_content
         )
 
     def _chunk_bounds(self, tokens: TokenArray) -> list[int]:
@@ -436,9 +436,9 @@ class TieredStore:
         """Tell ``listener`` of every chunk that becomes or stops being resident in a local tier, from now on
         (``tiers.residency``: it is called under the tiers' locks, so it must only take note); one listener at a
         time (``SILENT``: stop)."""
-        self._residency.watch(listener)
+        self._relay.watch(listener)
 
-    def residency(self) -> Iterator[tuple[TierName, ContentRecords]]:
+    def resident_records(self) -> Iterator[tuple[TierName, ContentRecords]]:
         """Every chunk resident in a local tier, tier by tier and a batch of records at a time (for a listener that
         starts late: a chunk that comes or goes meanwhile may be yielded or not, and its listener call settles
         it)."""

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvstore import KVLayout, TieredStore
 from kvstore.config import StoreConfig
-from kvstore.content.catalog import ContentCatalog, Residency
+from kvstore.content.catalog import ContentCatalog, ResidencyCheck
 from kvstore.keys import PrefixKey, TokenArray, as_token_array, prefix_keys
 from kvstore.plan import LookupPlan
 from kvstore.tiers.base import TierName
@@ -176,7 +176,7 @@ def test_the_disk_recovery_pass_rebuilds_the_same_index_as_a_second_pass(tmp_pat
     config = blend_config(tmp_path)
     with TieredStore(LAYOUT, config) as live:
         store_documents(live, LAYOUT, documents)
-    residency = Residency(is_resident=lambda key: True, in_transit=lambda key: False)
+    residency = ResidencyCheck(is_resident=lambda key: True, in_transit=lambda key: False)
     one_pass, two_pass = ContentCatalog(CHUNK, residency), ContentCatalog(CHUNK, residency)
     rebuild = one_pass.start_rebuild()
     disk = DiskTier(config.data_dir, LAYOUT, CHUNK, config.disk_capacity_bytes, content_records=rebuild.add)
@@ -200,7 +200,7 @@ def test_the_disk_recovery_pass_rebuilds_the_same_index_as_a_second_pass(tmp_pat
 
 @pytest.fixture
 def catalog() -> Iterator[ContentCatalog]:
-    opened = ContentCatalog(CHUNK, Residency(is_resident=lambda key: True, in_transit=lambda key: False))
+    opened = ContentCatalog(CHUNK, ResidencyCheck(is_resident=lambda key: True, in_transit=lambda key: False))
     yield opened
     opened.close()
 
@@ -248,7 +248,7 @@ def test_rebuild_indexes_every_chunk_in_any_order_and_links_what_it_can(
         for chunk in sequence_chunks(document, document_keys, with_parents=index not in without_parents)
     ]
     shuffled = data.draw(st.permutations(records))
-    catalog = ContentCatalog(CHUNK, Residency(is_resident=lambda key: True, in_transit=lambda key: False))
+    catalog = ContentCatalog(CHUNK, ResidencyCheck(is_resident=lambda key: True, in_transit=lambda key: False))
     try:
         assert rebuild_from(catalog, shuffled) == len(records)
         assert len(catalog.index) == len(records)

@@ -266,7 +266,7 @@ class KVEventPublisher:
         size = self._options.max_events
         pieces: list[bytes] = []
         num_events = 0
-        for tier, records in store.residency():
+        for tier, records in store.resident_records():
             first = 0
             while first < len(records):
                 stop = min(len(records), first + size - num_events)
