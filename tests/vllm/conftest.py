@@ -11,11 +11,17 @@ setup, not an optional feature. By hand: ``make test-vllm`` (creates ``.venv-vll
 Each engine runs in a subprocess of its own (``run_engine``): about 20 s to start on two cores and 10 s to stop (the
 driver waits for the engine's processes to exit, so the coverage of connector code running in them is saved), so a
 test should put all its requests into one engine, and every test compares with one cold engine run once for the
-whole session (``cold_reference``).
+whole run (``cold_reference``: the first xdist worker to need it runs it, the other reads its results).
+
+``make test-vllm`` runs two xdist workers, a file each at a time, and hands out the files that take longest first: a
+test file that starts engines marks itself ``pytestmark = pytest.mark.engine_minutes(n)`` (about n minutes on an idle
+2-core machine, as ``--durations`` reports it), and ``pytest_collection_modifyitems`` puts marked files first, the
+longest leading, so that no long file starts last while the other worker idles.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import inspect
 import os
@@ -123,9 +129,25 @@ def vllm_env() -> Mapping[str, str]:
     return VLLM_CPU_ENV
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files marked ``engine_minutes`` first, longest leading; the rest after them, each group in collected order."""
+
+    def minutes(item: pytest.Item) -> float:
+        marker = item.get_closest_marker("engine_minutes")
+        return float(marker.args[0]) if marker is not None else 0.0
+
+    longest_in_file: dict[Path, float] = {}
+    for item in items:
+        longest_in_file[item.path] = max(longest_in_file.get(item.path, 0.0), minutes(item))
+    items.sort(key=lambda item: -longest_in_file[item.path])  # stable: a file's tests stay together, in order
+
+
 @pytest.fixture(scope="session")
-def cold_reference(vllm_model_dir: Path, vllm_env: Mapping[str, str]) -> ColdReference:
-    """One cold engine, run once per session on every prompt (an engine session costs about a minute here)."""
+def cold_reference(
+    vllm_model_dir: Path, vllm_env: Mapping[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> ColdReference:
+    """One cold engine, run once per run on every prompt (an engine session costs about a minute here): the first
+    xdist worker to get here runs it under a lock and writes its results where the others read them."""
     tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
     first, second, third = (tuple(tokens) for tokens in prose_prompts(tokenizer.encode, 3, E2E_PROMPT_TOKENS))
     text = inspect.cleandoc(os.walk.__doc__ or "")  # real English prose on every Python (absent only under -OO)
@@ -146,13 +168,35 @@ def cold_reference(vllm_model_dir: Path, vllm_env: Mapping[str, str]) -> ColdRef
         "shared_prefix": first[:SHARED_PREFIX_TOKENS] + third[: E2E_PROMPT_TOKENS - SHARED_PREFIX_TOKENS],
         "baseline": baseline,
     } | {f"query{index}": query.tokens for index, query in enumerate(workload.queries)}
-    results = run_engine_driver(
-        EngineSpec(
-            model_dir=vllm_model_dir, prompts=list(prompts.values()), max_tokens=REFERENCE_NEW_TOKENS, env=vllm_env
-        ),
-        measure_coverage=False,  # it runs no connector code, and tracing vLLM's Python costs it about a minute
+    spec = EngineSpec(
+        model_dir=vllm_model_dir, prompts=list(prompts.values()), max_tokens=REFERENCE_NEW_TOKENS, env=vllm_env
     )
+    results = _run_once_per_run(spec, tmp_path_factory)
     return ColdReference(prompts=prompts, outputs=dict(zip(prompts, results, strict=True)), workload=workload)
+
+
+def _run_once_per_run(spec: EngineSpec, tmp_path_factory: pytest.TempPathFactory) -> list[RequestResult]:
+    """``spec``'s results, run by whichever worker of this run asks first; every worker builds the same spec.
+
+    xdist workers' temporary roots share one parent per run (a run without xdist uses its own root). The results
+    file starts with the spec's JSON, so a worker that built another spec fails instead of reading other prompts'
+    results.
+    """
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+    results_path = shared / "cold-reference.jsonl"
+    spec_json = spec.to_json()
+    with (shared / "cold-reference.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not results_path.exists():
+            results = run_engine_driver(
+                spec,
+                measure_coverage=False,  # it runs no connector code; tracing vLLM's Python costs about a minute
+            )
+            results_path.write_text("\n".join([spec_json, *(result.to_json() for result in results)]) + "\n")
+    first, *lines = results_path.read_text().splitlines()
+    assert first == spec_json, "the xdist workers built different cold-reference prompts"
+    return [RequestResult.from_json(line) for line in lines]
 
 
 @pytest.fixture(scope="session")

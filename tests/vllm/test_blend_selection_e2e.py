@@ -19,6 +19,8 @@ from tests.server.conftest import running_server
 from tests.vllm.conftest import E2E_CHUNK_TOKENS, REFERENCE_NEW_TOKENS, ColdReference, EngineRunner
 from tests.vllm.test_connector_e2e import SESSION_TIMEOUT_S, connector_spec
 
+pytestmark = pytest.mark.engine_minutes(1.5)
+
 POLICY = "query_attention"
 
 

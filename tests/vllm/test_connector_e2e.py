@@ -48,6 +48,8 @@ from tests.vllm.conftest import (
     EngineRunner,
 )
 
+pytestmark = pytest.mark.engine_minutes(2.5)
+
 FULL_HIT_TOKENS = 384  # 400 cut to a 128-token block, leaving the last token to compute
 MAX_TOKENS = 4
 SAVE_WAIT_S = 60.0

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.engine_minutes(1.1)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 300.0
 """A server start here takes 30-90 s; more on a loaded CI host."""

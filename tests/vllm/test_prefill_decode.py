@@ -33,6 +33,8 @@ from tests.vllm.parallel_engines import (
     tiny_model_and_prompts,
 )
 
+pytestmark = pytest.mark.engine_minutes(1.7)
+
 SESSION_TIMEOUT_S = 600
 
 
