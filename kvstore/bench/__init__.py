@@ -1,10 +1,14 @@
 """Benchmarks behind ``kvstore bench``, each against a baseline measured in the same run.
 
+Only what a ``kvstore bench`` command runs lives here, since the wheel ships it: the harnesses only tests start (a
+Valkey cluster) are in ``tests/harness``, one-off studies in ``benchmarks/``.
+
 The names are re-exported lazily (``kvstore.lazy_exports``): ``kvstore bench vllm`` imports ``kvstore.bench.vllm_ttft``
 and must not pay for the store's benchmarks (the content index, LMDB, numba) to check its arguments. Each
 benchmark's options live in a torch-free module of their own (``tier_options``, ``rebuild_options``,
 ``server_options``, ``multidoc_options``, ``vllm_blend_options``, checks shared through ``option_checks``), so that
-``kvstore bench ...`` refuses a bad option before it imports the benchmark.
+``kvstore bench ...`` refuses a bad option before it imports the benchmark. ``tests/test_imports.py`` imports each
+module alone and fails if it loads a module its own import statements do not reach.
 """
 
 from __future__ import annotations
