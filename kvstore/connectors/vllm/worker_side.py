@@ -10,10 +10,9 @@ its attention would only add launches and Python calls on the engine's thread). 
 disk) runs whole on its own thread while the engine keeps stepping other requests, and is reported done through
 ``get_finished``.
 
-Saves. In the step that completes a prompt's prefill, leaving each attention layer (``save_kv_layer``) counts that
-layer as computed; after the forward pass (``wait_for_save``) the KV of the chunks the store lacks is gathered out of
-the blocks of every layer at once into a staging tensor (``PagedChunk.gather_all``), which goes to the store on a
-background thread. The blocks are free the moment the step ends, so ``request_finished`` never delays freeing them.
+Saves (``PromptSaves``). In the step that completes a prompt's prefill, leaving each attention layer
+(``save_kv_layer``) counts that layer as computed; after the forward pass (``wait_for_save``) the KV of the chunks the
+store lacks is gathered out of the blocks of every layer at once and goes to the store on the save thread.
 
 Faults. A load that finds less than the scheduler planned (a chunk evicted or corrupt in between, the store gone)
 loads what it has and reports the other blocks through ``get_block_ids_with_load_errors``: with vLLM's
@@ -21,7 +20,7 @@ loads what it has and reports the other blocks through ``get_block_ids_with_load
 output. A save that fails is logged and dropped (a later prompt misses, nothing else). A store that is down costs
 nothing per request (``StoreLink``), and the engine's thread never waits on one that does not answer for longer than
 ``lookup_timeout_s``: a sync load's lookup gives up after it (the thread waits for that fetch), and a save stages
-without asking the store (a kept shared buffer taken with no request, else plain memory).
+without asking the store.
 
 Blends (``kvstore.blend``). A request's blend span runs whole in ``start_load_kv``, before the step's forward: the blend
 engine (registered by kvstore's vLLM plugin, ``kvstore.blend.vllm.hook``) looks the prompt up, runs the layerwise pass
@@ -38,7 +37,9 @@ every rank's part has arrived), its loads retrieve that part of the plan the sch
 pins until every rank's part is done). Every rank reports its own loads to vLLM, whose aggregator waits for all.
 
 Threads: vLLM calls every method on its model-runner thread; fetches and stores run on three single-thread pools
-(sync loads, async loads, saves), each with its own ``StoreLink`` so one never queues behind another.
+(sync loads, async loads, and ``PromptSaves``'s saves), each with its own ``StoreLink`` so one never queues behind
+another. The counters are a ``WorkerStats`` (locked inside); ``_load_misses_lock`` guards ``_load_misses``, which
+the async-load thread adds to.
 """
 
 from __future__ import annotations
@@ -56,13 +57,7 @@ import torch
 from kvstore.blend.vllm.hook import BlendEngine, BlendEngineContext, BlendOutcome, blend_engine_factory
 from kvstore.client import Client
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import (
-    BlockFormat,
-    PagedChunk,
-    PagedLayers,
-    PlaneMap,
-    device_block_ids,
-)
+from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayers, PlaneMap, device_block_ids
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.cache_shapes import check_layer_scales, expected_cache_shape, probe_engine_block_format
@@ -72,10 +67,11 @@ from kvstore.connectors.vllm.metadata import (
     KVStoreConnectorStats,
     KVStoreWorkerMetadata,
     LoadSpec,
-    SaveSpec,
 )
 from kvstore.connectors.vllm.parallel import RankPart, rank_part
+from kvstore.connectors.vllm.prompt_saves import PromptSaves
 from kvstore.connectors.vllm.span_writer import PagedSpanWriter
+from kvstore.connectors.vllm.worker_stats import WorkerStats
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss, tokens_by_reason
@@ -119,14 +115,6 @@ class FinishedLoads:
     failed: frozenset[str] = frozenset()
 
 
-@dataclass(slots=True, kw_only=True)
-class _PendingSave:
-    spec: SaveSpec
-    staging: torch.Tensor
-    copy: PagedChunk  # the staging bound to the request's blocks, gathered once every layer is computed
-    num_layers_computed: int = 0
-
-
 class WorkerSide:
     """The worker half of ``KVStoreConnector``.
 
@@ -164,7 +152,7 @@ class WorkerSide:
         self._block_size = block_size
         self._pools = tuple(
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-{name}")
-            for name in ("load", "async-load", "save")
+            for name in ("load", "async-load")
         )
         self._caches: list[torch.Tensor] = []
         self._rank = RankPart(part=None, shape=layout)  # this worker's part of every chunk (register_kv_caches)
@@ -174,17 +162,15 @@ class WorkerSide:
         self._sync_loads: list[tuple[LoadSpec, concurrent.futures.Future[_Fetched]]] = []
         self._sync_loads_scattered = False
         self._async_loads: dict[str, concurrent.futures.Future[tuple[int, set[int]]]] = {}
-        self._saves: list[_PendingSave] = []
+        self._saves: PromptSaves | None = None  # once the caches are registered
         self._step_started: float | None = None
         self._prefill_steps: list[tuple[float, int]] = []  # (ms, tokens) of plain steps, for the blend gate
-        self._save_futures: list[concurrent.futures.Future[None]] = []
         self._sync_buffers, self._async_buffers = LoadBuffers(), LoadBuffers()  # one per load link and thread
-        self._save_buffers = LoadBuffers()  # taken on the engine thread without a request, kept by the save thread
         self._failed_blocks: set[int] = set()
         self._finished_loads: dict[str, int] = {}  # request id -> tokens its load put into the blocks
+        self._load_misses_lock = threading.Lock()
         self._load_misses: dict[str, dict[str, int]] = {}  # request id -> why its load fell short (tokens by reason)
-        self._stats_lock = threading.Lock()
-        self._stats = KVStoreConnectorStats()
+        self._stats = WorkerStats()
 
     # -- set-up ---------------------------------------------------------------------------------------------------
 
@@ -218,6 +204,9 @@ class WorkerSide:
         block_format = self._read_block_format(names[0], first)
         self._layers = PagedLayers.of(self._caches, block_format)
         self._layers.check_request_kernel(block_id=0)  # vLLM never hands block 0 to a request
+        self._saves = PromptSaves(
+            self._save_link, self._layers, self._rank, self._stats, wait_for_saves=self._wait_for_saves
+        )
         logger.info(
             "kvstore: %d layers of paged KV, %s; %s; %s",
             len(names),
@@ -298,7 +287,8 @@ class WorkerSide:
         self._metadata = metadata
         self._sync_loads = []
         self._sync_loads_scattered = False
-        self._saves = []
+        if self._saves is not None:
+            self._saves.new_step()
         # A plain step (no load, no pass): its time from here (before the forward; vLLM calls start_load_kv after
         # the forward when a step has no sync load) to wait_for_save is the engine's own compute.
         self._step_started = None if metadata.blends or metadata.loads else time.perf_counter()
@@ -323,13 +313,9 @@ class WorkerSide:
     def save_kv_layer(self, layer_name: str) -> None:
         metadata = self._metadata
         layer = self._layer_of.get(layer_name)
-        if metadata is None or layer is None or not metadata.saves or not self._rank.saves:
+        if metadata is None or layer is None or not metadata.saves or not self._rank.saves or self._saves is None:
             return
-        if layer == 0:
-            self._saves = [self._new_save(spec) for spec in metadata.saves]
-        for save in self._saves:
-            if save.num_layers_computed == layer:  # else a layer was skipped: the save is dropped
-                save.num_layers_computed += 1
+        self._saves.layer_computed(layer, metadata.saves)
 
     def wait_for_save(self) -> None:
         """Finish the step: every planned layer of every sync load is in place, saves leave on their thread."""
@@ -343,18 +329,8 @@ class WorkerSide:
             step_ms = 1000.0 * (time.perf_counter() - self._step_started)
             self._prefill_steps.append((step_ms, self._metadata.step_tokens))
             self._step_started = None
-        for save in self._saves:
-            if save.num_layers_computed == len(self._caches):
-                save.copy.gather_all()
-                self._save_futures.append(self._pools[2].submit(self._store, save))
-            else:
-                logger.warning(
-                    "request %s: only %d layers were saved; not stored", save.spec.request_id, save.num_layers_computed
-                )
-        self._saves = []
-        if self._wait_for_saves:  # _store never raises, and its link gives up after the transfer timeout
-            concurrent.futures.wait(self._save_futures)
-        self._save_futures = [future for future in self._save_futures if not future.done()]
+        if self._saves is not None:
+            self._saves.finish_step()
 
     def get_finished(self) -> FinishedLoads:
         """Async loads that finished since the last call, and which of them failed (their failed blocks are reported
@@ -379,7 +355,7 @@ class WorkerSide:
         finished, self._finished_loads = self._finished_loads, {}
         blends, self._finished_blends = self._finished_blends, {}
         steps, self._prefill_steps = self._prefill_steps, []
-        with self._stats_lock:  # an async load's thread adds to it
+        with self._load_misses_lock:  # an async load's thread adds to it
             misses, self._load_misses = self._load_misses, {}
         return KVStoreWorkerMetadata(
             finished_loads=finished, finished_blends=blends, prefill_steps=steps, load_misses=misses
@@ -388,20 +364,17 @@ class WorkerSide:
     def record_on_path(self, seconds: float) -> None:
         """Count the time the engine's thread spent in this step's hooks (``HookClock``)."""
         if seconds:
-            with self._stats_lock:
-                self._stats.record(on_path_seconds=seconds)
+            self._stats.record(on_path_seconds=seconds)
 
     def take_stats(self) -> KVStoreConnectorStats | None:
-        with self._stats_lock:
-            if self._stats.is_empty():
-                return None
-            stats, self._stats = self._stats, KVStoreConnectorStats()
-        return stats
+        return self._stats.take()
 
     def close(self) -> None:
         """Finish pending saves and loads, then close the links."""
         for pool in self._pools:
             pool.shutdown(wait=True)
+        if self._saves is not None:
+            self._saves.close()
         if self._blend_engine is not None:
             self._blend_engine.close()
         for link in (self._sync_link, self._async_link, self._save_link, self._blend_link):
@@ -437,16 +410,15 @@ class WorkerSide:
                            spec.local_end, spec.end)  # fmt: skip
             self._failed_blocks |= set(spec.block_ids)
         self._finished_blends[spec.request_id] = outcome
-        with self._stats_lock:
-            if outcome is None:
-                self._stats.record(blend_failed=1)
-            else:
-                self._stats.record(
-                    blends=1,
-                    blended_tokens=spec.end - spec.local_end,
-                    blend_recomputed_tokens=outcome.recomputed_tokens,
-                    blend_seconds=seconds,
-                )
+        if outcome is None:
+            self._stats.record(blend_failed=1)
+        else:
+            self._stats.record(
+                blends=1,
+                blended_tokens=spec.end - spec.local_end,
+                blend_recomputed_tokens=outcome.recomputed_tokens,
+                blend_seconds=seconds,
+            )
 
     # -- loads ----------------------------------------------------------------------------------------------------
 
@@ -466,7 +438,7 @@ class WorkerSide:
         plan, owner = spec.plan, spec.plan_owner  # the scheduler's pinned plan: retrieved or released here
         if plan is None:
             # a sync load's engine thread waits for this fetch: a store that does not answer a lookup costs it the
-            # lookup timeout, not the transfer timeout (issue 27)
+            # lookup timeout, not the transfer timeout
             plan = client.lookup(spec.token_ids, blend=False, timeout_s=self._settings.lookup_timeout_s, repeat=True)
         part = self._rank.part
         readers = spec.readers if spec.plan is not None else 1  # the scheduler's plan is every rank's; ours is ours
@@ -558,76 +530,18 @@ class WorkerSide:
         self._failed_blocks |= failed if not spec.is_async else set()
         num_tokens = _loaded_tokens(spec, fetched)
         leads = self._rank.leads  # requests and tokens once per engine; bytes (this rank's part) on every rank
-        with self._stats_lock:
-            if failed:  # the scheduler names the rest of the shortfall (a failed call, a cut block) load_failed
-                reasons = tokens_by_reason(fetched.misses, fetched.loaded_end, spec.end)
+        if failed:  # the scheduler names the rest of the shortfall (a failed call, a cut block) load_failed
+            reasons = tokens_by_reason(fetched.misses, fetched.loaded_end, spec.end)
+            with self._load_misses_lock:
                 self._load_misses[spec.request_id] = {reason.value: count for reason, count in reasons.items()}
-            self._stats.record(
-                loads=int(leads),
-                loaded_tokens=num_tokens if leads else 0,
-                loaded_bytes=self._rank.shape.chunk_bytes(num_tokens),
-                load_failed_blocks=len(failed) if leads else 0,
-                load_seconds=fetched.seconds if leads else 0.0,
-            )
-        return failed
-
-    # -- saves ----------------------------------------------------------------------------------------------------
-
-    def _new_save(self, spec: SaveSpec) -> _PendingSave:
-        """Staging for a save: on the cpu, a kept shared-memory buffer the server reads directly (as a contiguous
-        view of exactly the save's tokens: gather and store take exactly them). On the engine thread
-        (``save_kv_layer``), so it never asks the server anything: without a kept buffer large enough it stages in
-        plain memory, and the save thread keeps a shared one of that size for the next saves."""
-        num_tokens = spec.end - spec.start
-        device = self._caches[0].device
-        staging = None
-        client = self._save_link.current_client() if device.type == "cpu" else None
-        if client is not None:
-            staging = self._save_buffers.take(client, num_tokens, create=False, exact=True, part=self._rank.part)
-        if staging is None:
-            shape = self._rank.shape
-            staging = torch.empty(shape.chunk_shape(num_tokens), dtype=shape.dtype.torch_dtype, device=device)
-        return _PendingSave(
-            spec=spec,
-            staging=staging,
-            copy=PagedChunk(self._registered_layers(), self._device_block_ids(spec.block_ids), staging),
+        self._stats.record(
+            loads=int(leads),
+            loaded_tokens=num_tokens if leads else 0,
+            loaded_bytes=self._rank.shape.chunk_bytes(num_tokens),
+            load_failed_blocks=len(failed) if leads else 0,
+            load_seconds=fetched.seconds if leads else 0.0,
         )
-
-    def _store(self, save: _PendingSave) -> None:
-        """Send a gathered prompt to the store (on the save thread); a failure is logged, never raised."""
-        spec = save.spec
-        part = self._rank.part
-        started = time.perf_counter()
-        try:
-            stored = self._save_link.call(
-                "save", lambda client: client.store(spec.token_ids, save.staging, start=spec.start, part=part)
-            )
-        except Exception:  # the save thread's boundary: a lost save is a later miss, never a failed step
-            logger.exception("request %s: storing its prompt failed", spec.request_id)
-            stored = None
-        finally:
-            self._save_buffers.give_back(save.staging)  # ignored unless it is a kept buffer
-        if stored is None:
-            return
-        num_tokens = spec.end - spec.start
-        if self._caches[0].device.type == "cpu" and not self._save_buffers.holds(save.staging):
-            self._keep_save_buffer(num_tokens)
-        leads = self._rank.leads  # requests and tokens once per engine; bytes (this rank's part) on every rank
-        with self._stats_lock:
-            self._stats.record(
-                saves=int(leads),
-                saved_tokens=num_tokens if leads else 0,
-                saved_bytes=self._rank.shape.chunk_bytes(num_tokens),
-                save_seconds=time.perf_counter() - started if leads else 0.0,
-            )
-
-    def _keep_save_buffer(self, num_tokens: int) -> None:
-        """On the save thread: map a shared buffer of ``num_tokens`` for the next save of that size to stage in."""
-
-        def keep(client: Client) -> None:
-            self._save_buffers.give_back(self._save_buffers.take(client, num_tokens, exact=True, part=self._rank.part))
-
-        self._save_link.call("buffer", keep)
+        return failed
 
 
 def _loaded_tokens(spec: LoadSpec, fetched: _Fetched) -> int:

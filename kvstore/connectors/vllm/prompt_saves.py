@@ -1,0 +1,155 @@
+"""``PromptSaves``: a worker's saves, from the step that completes a prompt's prefill to the store.
+
+Leaving each attention layer (``layer_computed``) counts that layer as computed for every save of the step; after
+the forward pass (``finish_step``) the KV of the chunks the store lacks is gathered out of the blocks of every layer
+at once into a staging tensor (``PagedChunk.gather_all``), which goes to the store on the save thread. The blocks
+are free the moment the step ends, so vLLM never waits to free them. A save that fails is logged and dropped (a
+later prompt misses, nothing else).
+
+Staging never asks the store anything on the engine's thread: on the cpu it takes a kept shared-memory buffer the
+server reads directly (a buffer taken with no request), else plain memory, after which the save thread maps a
+shared buffer of that size for the next saves. A prefill engine (``kv_producer``) waits for its saves within the
+step, so its answer means the prompt is in the store.
+
+Threads: ``layer_computed`` and ``finish_step`` run on vLLM's model-runner thread; ``_store`` on the one save
+thread, with its own ``StoreLink``. The pending saves are the engine thread's alone; the buffers are a
+``LoadBuffers`` (locked inside), the counters a ``WorkerStats``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.client import Client
+from kvstore.connectors.load_buffers import LoadBuffers
+from kvstore.connectors.paged import PagedChunk, PagedLayers, device_block_ids
+from kvstore.connectors.store_link import StoreLink
+from kvstore.connectors.vllm.metadata import SaveSpec
+from kvstore.connectors.vllm.parallel import RankPart
+from kvstore.connectors.vllm.worker_stats import WorkerStats
+
+__all__ = ["PromptSaves"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, kw_only=True)
+class _PendingSave:
+    spec: SaveSpec
+    staging: torch.Tensor
+    copy: PagedChunk  # the staging bound to the request's blocks, gathered once every layer is computed
+    num_layers_computed: int = 0
+
+
+class PromptSaves:
+    """One worker's saves (the module docstring).
+
+    Args:
+        link: the save thread's link to the store.
+        layers: the engine's registered layers (this rank's part).
+        rank: this worker's part of every chunk.
+        stats: the worker's counters.
+        wait_for_saves: finish each step only once its saves are in the store.
+    """
+
+    def __init__(
+        self, link: StoreLink, layers: PagedLayers, rank: RankPart, stats: WorkerStats, *, wait_for_saves: bool
+    ) -> None:
+        self._link = link
+        self._layers = layers
+        self._rank = rank
+        self._stats = stats
+        self._wait_for_saves = wait_for_saves
+        self._device = layers[0].cache.device
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-save")
+        self._buffers = LoadBuffers()  # taken on the engine thread without a request, kept by the save thread
+        self._pending: list[_PendingSave] = []
+        self._futures: list[concurrent.futures.Future[None]] = []
+
+    def new_step(self) -> None:
+        """Forget the last step's pending saves (a save is gathered within its step or dropped)."""
+        self._pending = []
+
+    def layer_computed(self, layer: int, specs: Sequence[SaveSpec]) -> None:
+        """The forward left layer ``layer`` (the first one stages the step's ``specs``)."""
+        if layer == 0:
+            self._pending = [self._new_save(spec) for spec in specs]
+        for save in self._pending:
+            if save.num_layers_computed == layer:  # else a layer was skipped: the save is dropped
+                save.num_layers_computed += 1
+
+    def finish_step(self) -> None:
+        """After the forward: gather every complete save and send it on the save thread."""
+        for save in self._pending:
+            if save.num_layers_computed == len(self._layers):
+                save.copy.gather_all()
+                self._futures.append(self._pool.submit(self._store, save))
+            else:
+                logger.warning(
+                    "request %s: only %d layers were saved; not stored", save.spec.request_id, save.num_layers_computed
+                )
+        self._pending = []
+        if self._wait_for_saves:  # _store never raises, and its link gives up after the transfer timeout
+            concurrent.futures.wait(self._futures)
+        self._futures = [future for future in self._futures if not future.done()]
+
+    def close(self) -> None:
+        """Finish the saves in flight (the caller closes the link)."""
+        self._pool.shutdown(wait=True)
+
+    def _new_save(self, spec: SaveSpec) -> _PendingSave:
+        """Staging for a save: on the cpu, a kept shared-memory buffer the server reads directly (as a contiguous
+        view of exactly the save's tokens: gather and store take exactly them). On the engine thread, so it never
+        asks the server anything: without a kept buffer large enough it stages in plain memory, and the save thread
+        keeps a shared one of that size for the next saves."""
+        num_tokens = spec.end - spec.start
+        staging = None
+        client = self._link.current_client() if self._device.type == "cpu" else None
+        if client is not None:
+            staging = self._buffers.take(client, num_tokens, create=False, exact=True, part=self._rank.part)
+        if staging is None:
+            shape = self._rank.shape
+            staging = torch.empty(shape.chunk_shape(num_tokens), dtype=shape.dtype.torch_dtype, device=self._device)
+        block_ids = device_block_ids(spec.block_ids, self._device)
+        return _PendingSave(spec=spec, staging=staging, copy=PagedChunk(self._layers, block_ids, staging))
+
+    def _store(self, save: _PendingSave) -> None:
+        """Send a gathered prompt to the store (on the save thread); a failure is logged, never raised."""
+        spec = save.spec
+        part = self._rank.part
+        started = time.perf_counter()
+        try:
+            stored = self._link.call(
+                "save", lambda client: client.store(spec.token_ids, save.staging, start=spec.start, part=part)
+            )
+        except Exception:  # the save thread's boundary: a lost save is a later miss, never a failed step
+            logger.exception("request %s: storing its prompt failed", spec.request_id)
+            stored = None
+        finally:
+            self._buffers.give_back(save.staging)  # ignored unless it is a kept buffer
+        if stored is None:
+            return
+        num_tokens = spec.end - spec.start
+        if self._device.type == "cpu" and not self._buffers.holds(save.staging):
+            self._keep_buffer(num_tokens)
+        leads = self._rank.leads  # requests and tokens once per engine; bytes (this rank's part) on every rank
+        self._stats.record(
+            saves=int(leads),
+            saved_tokens=num_tokens if leads else 0,
+            saved_bytes=self._rank.shape.chunk_bytes(num_tokens),
+            save_seconds=time.perf_counter() - started if leads else 0.0,
+        )
+
+    def _keep_buffer(self, num_tokens: int) -> None:
+        """On the save thread: map a shared buffer of ``num_tokens`` for the next save of that size to stage in."""
+
+        def keep(client: Client) -> None:
+            self._buffers.give_back(self._buffers.take(client, num_tokens, exact=True, part=self._rank.part))
+
+        self._link.call("buffer", keep)
