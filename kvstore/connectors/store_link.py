@@ -180,7 +180,7 @@ class StoreLink:
     def _server_exited_locked(self) -> bool:
         """Whether the link's embedded server is known to have exited (one procfs read): a link that was idle while
         the server died and another took its place would otherwise fail its first call, a load the scheduler
-        planned on the new server (issue 27's store-killed bench: two of three loads after a restart)."""
+        planned on the new server."""
         return self._settings.url is None and self._server is not None and not self._server.is_running()
 
     def _running_server_locked(self) -> EmbeddedServer | None:
@@ -275,8 +275,8 @@ def connect_links(
     settings: ConnectorSettings, layout: KVLayout, names: Sequence[str], *, timeout_s: float
 ) -> tuple[tuple[StoreLink, ...], bool]:
     """One link per name, each of which has tried the store once (``connect``), all at the same time: an engine
-    process's start waits for one hello to a store that does not answer, not one per link (issue 27: three worker
-    links once cost 92 s).
+    process's start waits for one hello to a store that does not answer, not one per link (a worker holds three
+    links, and each hello to a store that does not answer waits out its timeout).
 
     Args:
         settings: where the store is.
