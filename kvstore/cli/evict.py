@@ -74,6 +74,15 @@ def evict_command(
     path = data_dir if data_dir is not None else DEFAULT_DATA_DIR
     if tier_option is not None:
         raise ConfigError("--tier picks a tier of a running server; add --url (offline eviction is disk only)")
+    _check_offline(path)
+    if not yes and not keys:
+        _confirm(_what_is_dropped(num_bytes, None, str(path)))
+    if not _evict_offline(path, keys, bytes_to_free, as_json):
+        raise typer.Exit(1)
+
+
+def _check_offline(path: Path) -> None:
+    """Refuse a data dir a server holds (naming its ``--url``) or one no store used, before LMDB is imported."""
     holder = live_server_record(path)
     if holder is not None:
         raise StorageError(
@@ -82,8 +91,11 @@ def evict_command(
         )
     if not (path / "data.mdb").is_file():
         raise StorageError(f"{path} is not a kvstore data dir (no data.mdb); pass the --data-dir a store used")
-    if not yes and not keys:
-        _confirm(_what_is_dropped(num_bytes, None, str(path)))
+
+
+def _evict_offline(path: Path, keys: list[str], bytes_to_free: int, as_json: bool) -> bool:
+    """Drop ``keys`` (hex) from the data dir's disk tier, or else ``bytes_to_free``, and print what was dropped;
+    whether every key was found."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -109,8 +121,7 @@ def evict_command(
         tier.close()
     report = eviction_report(data_dir=path, url=None, before=[before], after=[after], not_found=missing)
     echo_eviction(report, as_json)
-    if missing:
-        raise typer.Exit(1)
+    return not missing
 
 
 def _what_is_dropped(num_bytes: str | None, tier: TierName | None, where: str) -> str:
