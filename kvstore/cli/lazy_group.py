@@ -2,7 +2,7 @@
 
 Why: ``kvstore serve`` needs the server, ``kvstore bench`` needs torch, numba and every benchmark, ``kvstore
 --version`` needs none of it. A group that imports all its commands up front made ``--version`` take 6.5 s, and a
-Ctrl-C during those seconds escaped ``main``'s handler as a 30-line ``KeyboardInterrupt`` traceback (issue 27). Here
+Ctrl-C during those seconds escaped ``main``'s handler as a 30-line ``KeyboardInterrupt`` traceback. Here
 each command is named by its module and attribute; the import runs inside ``main``, where an interrupt is one line.
 
 ``kvstore --help`` lists the commands from their one-line summaries, kept next to the names, without importing them;

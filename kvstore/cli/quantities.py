@@ -1,5 +1,5 @@
 """How the ``kvstore`` command writes sizes and counts: one rule everywhere, so the banner, ``inspect`` and
-``evict`` can be compared at a glance (issue 27 found GiB in the banner and MiB in ``inspect``, and "1 chunks").
+``evict`` can be compared at a glance (not GiB in the banner and MiB in ``inspect``, nor "1 chunks").
 
 Sizes use binary units, the largest in which the value is at least 1 (``512.00 MiB``, ``4.00 GiB``), with two
 decimals: the units the size flags take (``--cpu-size 4GiB``). JSON output keeps exact byte counts.
