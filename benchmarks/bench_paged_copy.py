@@ -60,7 +60,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayers, PlaneMap, gather_blocks, scatter_blocks
+from kvstore.connectors.block_format import BlockFormat, PlaneMap
+from kvstore.connectors.paged import PagedChunk, PagedLayers, gather_blocks, scatter_blocks
 
 try:
     import triton

@@ -15,15 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.connectors.paged import (
-    BlockFormat,
-    PagedChunk,
-    PagedLayer,
-    PagedLayers,
-    gather_blocks,
-    probe_block_format,
-    scatter_blocks,
-)
+from kvstore.connectors.block_format import BlockFormat, probe_block_format
+from kvstore.connectors.paged import PagedChunk, PagedLayer, PagedLayers, gather_blocks, scatter_blocks
 from kvstore.errors import ConfigError, InvalidInputError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

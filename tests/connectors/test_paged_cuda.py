@@ -12,16 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.connectors.paged import (
-    BlockFormat,
-    PagedChunk,
-    PagedLayer,
-    PagedLayers,
-    PlaneMap,
-    gather_blocks,
-    probe_block_format,
-    scatter_blocks,
-)
+from kvstore.connectors.block_format import BlockFormat, PlaneMap, probe_block_format
+from kvstore.connectors.paged import PagedChunk, PagedLayer, PagedLayers, gather_blocks, scatter_blocks
 from tests.connectors.one_launch_checks import assert_one_launch_gathers_as_layer_by_layer
 
 pytestmark = [

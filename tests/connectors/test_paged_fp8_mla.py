@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.connectors.paged import PagedChunk, PagedLayers, probe_block_format
+from kvstore.connectors.block_format import probe_block_format
+from kvstore.connectors.paged import PagedChunk, PagedLayers
 from kvstore.errors import ConfigError
 from tests.connectors.test_paged import write_cpu_transposed
 

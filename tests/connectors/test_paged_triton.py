@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.connectors import paged_triton
-from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayers, PlaneMap
+from kvstore.connectors.block_format import BlockFormat, PlaneMap
+from kvstore.connectors.paged import PagedChunk, PagedLayers
 from kvstore.errors import InvalidInputError
 from tests.connectors.one_launch_checks import assert_one_launch_gathers_as_layer_by_layer
 

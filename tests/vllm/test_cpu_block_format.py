@@ -11,7 +11,8 @@ import pytest
 import torch
 from vllm import _custom_ops as vllm_ops
 
-from kvstore.connectors.paged import gather_blocks, probe_block_format, scatter_blocks
+from kvstore.connectors.block_format import probe_block_format
+from kvstore.connectors.paged import gather_blocks, scatter_blocks
 
 HEADS, SLOTS, DIM, BLOCKS = 3, 32, 64, 6
 

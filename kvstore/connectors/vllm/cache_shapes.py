@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvstore.connectors.paged import BlockFormat, probe_block_format
+from kvstore.connectors.block_format import BlockFormat, probe_block_format
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout, KVScales
 

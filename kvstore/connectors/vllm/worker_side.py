@@ -28,8 +28,8 @@ on the engine's own model and writes the span's KV into the request's blocks (``
 computes the rest of the prompt over it. A pass that fails reports its blocks as failed, and vLLM recomputes them.
 
 Copies between blocks and chunks use the block format read from the backend at ``register_kv_caches``
-(``kvstore.connectors.paged``): one kernel for every layer where Triton runs (CUDA), else one ``index_select`` /
-``index_copy_`` per layer (per K/V plane where the planes do not fuse).
+(``kvstore.connectors.block_format``, copied by ``kvstore.connectors.paged``): one kernel for every layer where Triton
+runs (CUDA), else one ``index_select`` / ``index_copy_`` per layer (per K/V plane where the planes do not fuse).
 
 Tensor and pipeline parallelism: each worker (rank) moves only its part of every chunk, its stage's layers times its
 shard's KV heads (``kvstore.connectors.vllm.parallel``): its saves send that part (the server commits a chunk once
@@ -56,8 +56,9 @@ import torch
 
 from kvstore.blend.vllm.hook import BlendEngine, BlendEngineContext, BlendOutcome, blend_engine_factory
 from kvstore.client import Client
+from kvstore.connectors.block_format import BlockFormat, PlaneMap
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import BlockFormat, PagedChunk, PagedLayers, PlaneMap, device_block_ids
+from kvstore.connectors.paged import PagedChunk, PagedLayers, device_block_ids
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.cache_shapes import check_layer_scales, expected_cache_shape, probe_engine_block_format
