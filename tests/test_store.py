@@ -85,6 +85,26 @@ def test_gpu_eviction_demotes_to_cpu_and_hits_promote_back(tmp_path: Path, small
         assert torch.equal(store.retrieve(again).kv, kv)
 
 
+def test_without_a_cpu_tier_gpu_victims_go_to_the_disk_and_are_read_from_it(
+    tmp_path: Path, small_layout: KVLayout
+) -> None:
+    """The tiers are a list: a tier's victims spill into the next one, whichever it is."""
+    cfg = config(tmp_path, small_layout, tiers=(TierName.GPU, TierName.DISK))
+    with TieredStore(small_layout, cfg) as store:
+        tokens, kv = make_tokens(4 * CHUNK), make_kv(small_layout, 4 * CHUNK)
+        store.store(tokens, kv)  # the 4-slot gpu tier is full
+        store.flush()  # the write-throughs are done with their gpu slots
+        store.store(make_tokens(2 * CHUNK, 1), make_kv(small_layout, 2 * CHUNK, 1))  # the 2 oldest leave the gpu
+        lookup = store.lookup(tokens)
+        assert [chunk.tier for chunk in lookup.segments] == [TierName.DISK] * 2 + [TierName.GPU] * 2
+        assert torch.equal(store.retrieve(lookup).kv, kv)
+        again = store.lookup(tokens)
+        assert [chunk.tier for chunk in again.segments] == [TierName.DISK] * 2 + [TierName.GPU] * 2, (
+            "without a cpu tier nothing lands in memory to promote"
+        )
+        store.release(again)
+
+
 def test_a_hit_is_a_chunk_a_lookup_planned_from_a_tier(tmp_path: Path, small_layout: KVLayout) -> None:
     """The one definition of ``TierStats.hits``: counted at lookup, by the tier the chunk is planned from."""
     cfg = config(tmp_path, small_layout, tiers=(TierName.GPU, TierName.CPU))
