@@ -86,9 +86,6 @@ class LocalTiers:
     def __iter__(self) -> Iterator[Tier]:
         return iter(self._tiers)
 
-    def __len__(self) -> int:
-        return len(self._tiers)
-
     @property
     def fastest(self) -> Tier | None:
         return self._tiers[0] if self._tiers else None
