@@ -67,10 +67,11 @@ def _no_traceback(what: str, output: str) -> None:
 
 def _without_vllms_shutdown_race(shutdown_log: str) -> str:
     """The shutdown's log less one traceback vLLM logs on Ctrl-C: the API server's output handler sees the engine core
-    it just force-killed and logs ``AsyncLLM output_handler failed`` with an ``EngineDeadError``, every line tagged
-    ``[async_llm.py:...]``. Seen in 3 of 7 runs with the connector and 0 of 2 without it (2026-12-07): whether the
-    connector makes that race more likely is not known yet; the server still exits promptly and the store flushes.
-    Any other traceback, a connector thread's included, stays."""
+    it just stopped and logs ``AsyncLLM output_handler failed`` with an ``EngineDeadError``, every line tagged
+    ``[async_llm.py:...]``. It is vLLM's race (vllm-project/vllm#48745), not the connector's: on 2026-12-07 it came in
+    3 of 5 runs of this quick start without the connector and 0 of 5 with it (benchmarks/vllm_shutdown_race.sh), 3 of
+    7 with it the day before; the server still exits promptly and the store flushes. Any other traceback, a connector
+    thread's included, stays."""
     if "EngineDeadError" not in shutdown_log:
         return shutdown_log
     return "\n".join(line for line in shutdown_log.splitlines() if "[async_llm.py:" not in line)
