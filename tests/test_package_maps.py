@@ -39,6 +39,7 @@ MAPPED_PACKAGES = [
     "kvstore.server",
     "kvstore.server.kv_events",
     "kvstore.server.usage",
+    "kvstore.store",
     "kvstore.tiers",
     "kvstore.tiers.disk",
     "kvstore.tiers.frames",

@@ -3,6 +3,9 @@
 - ``app``: start-up and shutdown of the whole server (store, clients, handler, loop, metrics);
 - ``loop``: the ROUTER socket's I/O thread, the two worker pools and the janitor;
 - ``handlers``: what each operation does to the store: a request in, reply frames out;
+- ``bulk_tensors``: the tensor a request's bulk reference names (a client's shared-memory segment, the inline
+  payload, a CUDA IPC handle), checked against the layout, never copied;
+- ``handlers_parts``: part stores (the ranks of a tensor- or pipeline-parallel engine) and the one assembly they fill;
 - ``clients``: who is connected and what each client holds (open plans, sessions, shared-memory segments);
 - ``chunk_assembly``: chunks assembled from the parts a tensor- or pipeline-parallel engine's ranks store;
 - ``serve_sources``: the settings as given, and where each comes from (flags, environment, config file);

@@ -14,9 +14,11 @@
 - ``pins``: ``PinLedger``, the pins each open plan holds, by session.
 - ``prefetch``: promotions into the cpu tier that a lookup starts and a retrieve waits for.
 - ``lookup_counts``: the hit and miss counters of lookups.
-- ``fleet``: ``Fleet``, the shared tiers (``kvstore.tiers.shared.SharedTier``: the remote) and the fleet directory;
-  ``remote_reads`` (a retrieve's reads of shared chunks), ``fleet_publish`` (the runs this host publishes) and
-  ``fleet_sync`` (other hosts' runs into the content catalog) are its parts.
+- ``fleet``: ``Fleet``, the shared tiers (``kvstore.tiers.shared.SharedTier``: the remote) and the fleet directory,
+  with three parts:
+- ``remote_reads``: a retrieve's reads of shared chunks (the fleet's).
+- ``fleet_publish``: the runs this host publishes to the fleet directory.
+- ``fleet_sync``: other hosts' runs, read into the content catalog.
 - ``inspection``: an offline look at a data dir (``kvstore inspect``).
 
 ``TieredStore`` is imported when first used, so importing one of these modules does not load the others.
