@@ -2,7 +2,9 @@
 
 - ``rolling_hash``: content fingerprints, a 64-bit polynomial hash of a token window;
 - ``fingerprint_table``: the numba kernels over the index's struct-of-arrays table;
+- ``chunk_contents``: a chunk's content hashes (fingerprint, verification hash, length), hashed in bulk;
 - ``match_scan``: the scan of a query that probes windows only where no planned match covers them;
+- ``matches``: the index's answers (``Match``, ``Alias``, ``RegistrationResult``) and how matches combine;
 - ``index``: ``FingerprintIndex``, stored chunks found by their tokens at any offset;
 - ``catalog``: ``ContentCatalog``, the store's content side, over the modules below;
 - ``registration``: asynchronous fingerprint registration, off the store path;

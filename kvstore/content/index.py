@@ -27,30 +27,45 @@ Invariants:
 Bulk registration: ``chunk_contents`` hashes many chunks wherever they lie and ``register_runs`` registers many
 sequences in one numba call, exactly as one ``register`` per sequence would (the content-index rebuild at open).
 
+The chunk hashes live in ``kvstore.content.chunk_contents`` and the values the index answers with in
+``kvstore.content.matches``; both are re-exported here, where callers import them.
+
 Threads: ``FingerprintIndex`` is safe to share; ``_index_lock`` guards every array and counter (mutations and
 ``match`` alike, since growth replaces the arrays). The numba kernels release the GIL but run under the lock.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from kvstore.content import fingerprint_table as table
+from kvstore.content.chunk_contents import (
+    DEFAULT_FINGERPRINT_BITS,
+    ChunkContents,
+    check_chunk_size,
+    hash_chunks,
+    sequence_chunk_ends,
+)
 from kvstore.content.match_scan import scan_and_plan
+from kvstore.content.matches import (
+    Alias,
+    Match,
+    MatchCoverage,
+    RegistrationResult,
+    leftmost_without_overlap,
+    match_at,
+)
 from kvstore.content.rolling_hash import window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, key_words, num_chunks
+from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, key_words
 
 __all__ = [
     "DEFAULT_FINGERPRINT_BITS",
@@ -64,158 +79,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_FINGERPRINT_BITS = 64
-"""Fingerprint bits of a production index (tests lower them to force collisions)."""
-_MAX_CHUNK_TOKENS = 2**16 - 1  # length is a u16 column
 _MAX_ENTRIES = 2**31 - 1  # entry ids are int32
 _MAX_POSITION = 2**32 - 1  # source_start is a u32 column
 _ENTRY_GROWTH_RATIO = 0.0625  # grow rows by 1/16: bounds the slack that counts against bytes per chunk
 _FINGERPRINT_LOAD = 2  # entries per fingerprint bucket before the heads double
 _KEY_LOAD = 4  # entries per key bucket before the heads double
 _PRESENCE_BITS_PER_BUCKET = 32
-
-
-class Match(NamedTuple):
-    """A verified occurrence of a stored chunk in a query.
-
-    A named tuple rather than a frozen dataclass: a match of a 15k-token prompt makes ~60 of them, and a tuple is built
-    several times faster; as dataclasses they were a sizeable share of the whole match (measured:
-    docs/design-notes.md#content-index).
-
-    Attributes:
-        query_start: token position of the chunk in the query.
-        num_tokens: chunk length in tokens (``chunk_size``, or less for a sequence's last chunk).
-        key: prefix key of the stored chunk.
-        source_start: token position of the chunk in the sequence it was stored with.
-    """
-
-    query_start: int
-    num_tokens: int
-    key: PrefixKey
-    source_start: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Alias:
-    """A chunk whose content was already indexed under another key (dedup-content: first writer wins)."""
-
-    key: PrefixKey
-    existing_key: PrefixKey
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RegistrationResult:
-    """What ``FingerprintIndex.register`` did with each chunk.
-
-    Attributes:
-        num_added: chunks that became new entries.
-        num_already_indexed: chunks whose key already indexed the same content (re-registration).
-        aliases: chunks indexed under a different key with equal content; the store records them as aliases.
-    """
-
-    num_added: int
-    num_already_indexed: int
-    aliases: tuple[Alias, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkContents:
-    """The content hashes of many chunks (``FingerprintIndex.chunk_contents``), for ``register_runs``.
-
-    Lets a caller hash chunks as they stream past, drop their tokens, and register them later in any order.
-
-    Attributes:
-        fingerprints: each chunk's fingerprint, cut to ``fingerprint_bits``.
-        verifications: each chunk's xxh3_64 of its token bytes.
-        lengths: each chunk's tokens.
-        fingerprint_bits: the bits of the index that computed them (only such an index may register them).
-    """
-
-    fingerprints: npt.NDArray[np.uint64]
-    verifications: npt.NDArray[np.uint64]
-    lengths: npt.NDArray[np.uint16]
-    fingerprint_bits: int
-
-    def __len__(self) -> int:
-        return int(self.lengths.shape[0])
-
-    def take(self, order: npt.NDArray[np.int64]) -> ChunkContents:
-        """The chunks at positions ``order``, in that order."""
-        return ChunkContents(
-            fingerprints=self.fingerprints[order],
-            verifications=self.verifications[order],
-            lengths=self.lengths[order],
-            fingerprint_bits=self.fingerprint_bits,
-        )
-
-    @staticmethod
-    def concatenate(parts: Sequence[ChunkContents], fingerprint_bits: int) -> ChunkContents:
-        """The chunks of ``parts``, one after the other (all computed by indexes of ``fingerprint_bits``)."""
-        if any(part.fingerprint_bits != fingerprint_bits for part in parts):
-            raise InvalidInputError("ChunkContents of indexes with different fingerprint_bits cannot be joined")
-        return ChunkContents(
-            fingerprints=np.concatenate([part.fingerprints for part in parts] or [np.empty(0, np.uint64)]),
-            verifications=np.concatenate([part.verifications for part in parts] or [np.empty(0, np.uint64)]),
-            lengths=np.concatenate([part.lengths for part in parts] or [np.empty(0, np.uint16)]),
-            fingerprint_bits=fingerprint_bits,
-        )
-
-
-def hash_chunks(
-    tokens: TokenArray,
-    chunk_starts: npt.NDArray[np.int64],
-    chunk_ends: npt.NDArray[np.int64],
-    fingerprint_bits: int = DEFAULT_FINGERPRINT_BITS,
-) -> ChunkContents:
-    """Hash many chunks at once: chunk ``i`` is ``tokens[chunk_starts[i]:chunk_ends[i]]``.
-
-    The spans may lie anywhere in ``tokens`` (in any order, with gaps), so a caller can hash chunks where they
-    already are, e.g. in a buffer of disk records between their headers.
-
-    Args:
-        tokens: token ids holding every chunk.
-        chunk_starts: each chunk's first token position.
-        chunk_ends: each chunk's end position; every chunk has 1 to 65535 tokens.
-        fingerprint_bits: bits kept of each fingerprint (an index registers only contents of its own bits).
-
-    Raises:
-        InvalidInputError: spans outside ``tokens``, empty or too long, or arrays of different lengths.
-    """
-    tokens = as_token_array(tokens)
-    starts = np.asarray(chunk_starts, dtype=np.int64)
-    ends = np.asarray(chunk_ends, dtype=np.int64)
-    lengths = ends - starts
-    if (
-        starts.ndim != 1
-        or starts.shape != ends.shape
-        or (
-            starts.size
-            and (
-                int(starts.min()) < 0
-                or int(ends.max()) > tokens.shape[0]
-                or int(lengths.min()) < 1
-                or int(lengths.max()) > _MAX_CHUNK_TOKENS
-            )
-        )
-    ):
-        raise InvalidInputError(
-            f"chunk spans must lie in [0, len(tokens)={tokens.shape[0]}] and hold 1 to {_MAX_CHUNK_TOKENS} "
-            "tokens each, one start and one end per chunk"
-        )
-    fingerprints = np.empty(starts.shape[0], dtype=np.uint64)
-    table.span_fingerprints(tokens, starts, ends, np.uint64((1 << fingerprint_bits) - 1), fingerprints)
-    spans = map(slice, (4 * starts).tolist(), (4 * ends).tolist())
-    verifications = np.fromiter(  # maps, not a generator: less per chunk (a rebuild hashes millions)
-        map(xxhash.xxh3_64_intdigest, map(memoryview(tokens.data).cast("B").__getitem__, spans)),
-        dtype=np.uint64,
-        count=starts.shape[0],
-    )
-    return ChunkContents(
-        fingerprints=fingerprints,
-        verifications=verifications,
-        lengths=lengths.astype(np.uint16),
-        fingerprint_bits=fingerprint_bits,
-    )
 
 
 class FingerprintIndex:
@@ -275,8 +144,8 @@ class FingerprintIndex:
             ConfigError: ``chunk_size`` or ``source_start`` out of range.
         """
         tokens = as_token_array(tokens)
-        _check_chunk_size(chunk_size)
-        ends = _chunk_ends(tokens.shape[0], chunk_size, chunk_ends)
+        check_chunk_size(chunk_size)
+        ends = sequence_chunk_ends(tokens.shape[0], chunk_size, chunk_ends)
         count = ends.shape[0]
         if len(keys) != count:
             raise InvalidInputError(
@@ -338,7 +207,7 @@ class FingerprintIndex:
                 chunk longer than ``chunk_size``, or a key not 16 bytes.
             ConfigError: ``chunk_size`` or a source start out of range, or contents of another ``fingerprint_bits``.
         """
-        _check_chunk_size(chunk_size)
+        check_chunk_size(chunk_size)
         if contents.fingerprint_bits != self.fingerprint_bits:
             raise ConfigError(
                 f"contents hashed with fingerprint_bits={contents.fingerprint_bits} cannot be registered in an "
@@ -407,10 +276,10 @@ class FingerprintIndex:
             ``key``/``source_start`` are the indexed copy's, or ``None``.
         """
         tokens = as_token_array(tokens)
-        _check_chunk_size(chunk_size)
+        check_chunk_size(chunk_size)
         if tokens.shape[0] == 0:
             return []
-        ends = _chunk_ends(tokens.shape[0], chunk_size, chunk_ends)
+        ends = sequence_chunk_ends(tokens.shape[0], chunk_size, chunk_ends)
         fingerprints, verifications, lengths = self._chunk_contents(tokens, ends)
         entries = np.empty(fingerprints.shape[0], dtype=np.int32)
         with self._index_lock:
@@ -428,7 +297,7 @@ class FingerprintIndex:
                 hits.append(None)
                 continue
             chunk_start = int(ends[chunk]) - int(lengths[chunk])
-            hits.append(_match_at(key_bytes, position, chunk_start, int(lengths[chunk]), source_starts[position]))
+            hits.append(match_at(key_bytes, position, chunk_start, int(lengths[chunk]), source_starts[position]))
             position += 1
         return hits
 
@@ -457,7 +326,7 @@ class FingerprintIndex:
             Matches in increasing ``query_start``; no two overlap.
         """
         query = as_token_array(query)
-        _check_chunk_size(chunk_size)
+        check_chunk_size(chunk_size)
         matches = self._match_windows(query, chunk_size)
         if len(run_starts) > 1 or (run_starts and run_starts[0] != 0) or (run_starts and query.shape[0] < chunk_size):
             matches = self._add_run_matches(query, chunk_size, run_starts, matches)
@@ -505,7 +374,7 @@ class FingerprintIndex:
         """
         num_tokens = query.shape[0]
         bounds = sorted({*(int(start) for start in run_starts if 0 <= start < num_tokens), num_tokens})
-        covered = _Coverage(matches)
+        covered = MatchCoverage(matches)
         probes = [
             (start, min(start + chunk_size, run_end))
             for run_start, run_end in itertools.pairwise(bounds)
@@ -541,7 +410,7 @@ class FingerprintIndex:
                     start += length
                     entry = int(self._next[entry])
                     verified = False
-        return _leftmost_without_overlap([*matches, *found])
+        return leftmost_without_overlap([*matches, *found])
 
     def _match_exactly(
         self, starts: npt.NDArray[np.int64], entries: npt.NDArray[np.int32], data: memoryview, chunk_size: int
@@ -575,7 +444,7 @@ class FingerprintIndex:
                 # Each later chunk must match the query by its own verification hash.
                 if position != first and digest(data[4 * start : 4 * (start + length)]) != verifications[position]:
                     break
-                matches.append(_match_at(key_bytes, position, start, length, source_starts[position]))
+                matches.append(match_at(key_bytes, position, start, length, source_starts[position]))
                 start += length
             cursor = start
         return matches
@@ -692,60 +561,6 @@ class FingerprintIndex:
         )  # fmt: skip
 
 
-class _Coverage:
-    """Which query positions a list of non-overlapping matches covers (bisect over their starts)."""
-
-    def __init__(self, matches: Sequence[Match]) -> None:
-        ordered = sorted(matches, key=lambda found: found.query_start)
-        self._starts = [found.query_start for found in ordered]
-        self._ends = [found.query_start + found.num_tokens for found in ordered]
-
-    def holds(self, position: int) -> bool:
-        index = bisect.bisect_right(self._starts, position)
-        return index > 0 and self._ends[index - 1] > position
-
-
-def _leftmost_without_overlap(matches: Sequence[Match]) -> list[Match]:
-    """The matches sorted by query start, each kept only if it starts past every kept one's end (each match is
-    verified on its own, so dropping an overlapping chunk never invalidates the rest of its chain)."""
-    kept: list[Match] = []
-    cursor = 0
-    for found in sorted(matches, key=lambda found: found.query_start):
-        if found.query_start >= cursor:
-            kept.append(found)
-            cursor = found.query_start + found.num_tokens
-    return kept
-
-
-def _chunk_ends(num_tokens: int, chunk_size: int, chunk_ends: Sequence[int] | None) -> npt.NDArray[np.int64]:
-    """Each chunk's end in a sequence of ``num_tokens``: ``chunk_ends`` checked, or every ``chunk_size`` tokens."""
-    if chunk_ends is None:
-        return np.minimum(np.arange(1, num_chunks(num_tokens, chunk_size) + 1, dtype=np.int64) * chunk_size, num_tokens)
-    ends = np.asarray(chunk_ends, dtype=np.int64)
-    lengths = np.diff(ends, prepend=0) if ends.ndim == 1 else ends
-    if (
-        ends.ndim != 1
-        or (ends.size == 0) != (num_tokens == 0)
-        or (ends.size and (int(ends[-1]) != num_tokens or int(lengths.min()) < 1 or int(lengths.max()) > chunk_size))
-    ):
-        raise InvalidInputError(
-            f"chunk_ends must rise to len(tokens)={num_tokens} in steps of 1 to chunk_size={chunk_size} tokens "
-            "(kvstore.keys.chunk_bounds)"
-        )
-    return ends
-
-
-def _check_chunk_size(chunk_size: int) -> None:
-    if not 1 <= chunk_size <= _MAX_CHUNK_TOKENS:
-        raise ConfigError(f"chunk_size={chunk_size} must lie in [1, {_MAX_CHUNK_TOKENS}] tokens, e.g. 256")
-
-
-def _match_at(key_bytes: bytes, position: int, query_start: int, num_tokens: int, source_start: int) -> Match:
-    """The match of the ``position``-th planned entry, whose key is the ``position``-th 16 bytes of ``key_bytes``."""
-    key = PrefixKey(key_bytes[KEY_BYTES * position : KEY_BYTES * (position + 1)])
-    return Match(query_start=query_start, num_tokens=num_tokens, key=key, source_start=source_start)
-
-
 @functools.cache
 def compile_kernels(chunk_size: int) -> None:
     """Register, match, look up and remove one sequence in a throwaway index (once per process and chunk size),
@@ -753,7 +568,7 @@ def compile_kernels(chunk_size: int) -> None:
     on-disk cache is cold (a fresh install, or another numba version's cache in the same tree), and a store that
     compiles on its first content lookup makes that lookup's client wait past its timeout. Called on the caller's
     thread: compiling on another thread can deadlock with an import that compiles eagerly (``relink``)."""
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     index = FingerprintIndex()
     tokens = as_token_array(np.arange(2 * chunk_size + 1) % 50_000)
     keys: list[PrefixKey] = []
