@@ -1,5 +1,9 @@
 """``kvstore.Client``: a running ``kvstore serve`` behind the same surface as ``TieredStore``.
 
+Over 600 lines on purpose: one class whose methods mirror ``TieredStore``'s, each with its contract in its docstring;
+its bulk paths read the client's segments and the server's features, which a re-hello replaces, so they
+stay beside them.
+
     with Client("tcp://127.0.0.1:5555", layout) as client:   # hello: registers the layout
         client.store(tokens, kv)                              # StoreResult
         with client.session() as session:
