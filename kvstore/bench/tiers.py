@@ -14,6 +14,8 @@ tier and baseline alternate repeat by repeat, so drift of the shared machine hit
   twice: ``get_cold``, one caller reading chunk after chunk, and ``get_cold_prefetch``, the chunks read by as
   many concurrent callers as the store's ``Prefetcher`` runs (how a lookup's disk-only chunks are read).
 
+The disk rows are measured in ``kvstore.bench.tier_disk``, imported only when the disk tier is asked for.
+
 Reads land in zeroed buffers and are compared bit for bit with what was written, so a broken tier or codec
 cannot post a good number. KV is random bf16 with log-normal per-channel scales; a few distinct chunks rotate.
 
@@ -23,23 +25,15 @@ tier is measured with torch's intra-op threads set to 1; the previous count is r
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import os
-import resource
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvstore.bench.page_cache import drop_page_cache
 from kvstore.bench.tier_options import TierBenchOptions
 from kvstore.keys import as_token_array, prefix_keys
 from kvstore.layout import KVLayout
@@ -53,13 +47,9 @@ __all__ = ["TierBenchOptions", "TierBenchRow", "run_tier_benchmark"]
 
 logger = logging.getLogger(__name__)
 
-_MIB = 1024 * 1024
-_READ_BYTES = 4 * _MIB
 _CPU = torch.device("cpu")
 _TARGET_MEMORY_RATIO = 0.7  # cpu and gpu put/get against copy_
 _TARGET_PROMOTE_RATIO = 0.8  # cpu -> gpu against pinned host-to-device copy_
-_TARGET_DISK_PUT_RATIO = 0.6
-_TARGET_DISK_GET_RATIO = 1.0
 
 Op = Callable[[int], bool]
 """One timed operation on chunk ``i``; ``False`` when it failed (a miss or a rejected put)."""
@@ -188,7 +178,9 @@ def run_tier_benchmark(
             say(f"{name}: cpu tier")
             yield from _bench_cpu(options, _make_case(options, name, layout, options.memory_bytes))
         if TierName.DISK in options.tiers:
-            yield from _bench_disk(options, _make_case(options, name, layout, options.disk_bytes), say)
+            from kvstore.bench.tier_disk import bench_disk  # here: the memory tiers run without LMDB or zstandard
+
+            yield from bench_disk(options, _make_case(options, name, layout, options.disk_bytes), say)
 
 
 def _make_case(options: TierBenchOptions, name: str, layout: KVLayout, total_bytes: int) -> _Case:
@@ -235,27 +227,6 @@ def _time_ops(op: Op, num_ops: int, num_bytes: int, device: torch.device, sample
         samples.gbps.append(num_bytes / elapsed_ns)
         samples.num_failed_ops += failed
         samples.op_ms.extend((stamps_ns[i + 1] - stamps_ns[i]) / 1e6 for i in range(num_ops))
-
-
-def _time_concurrent_ops(op: Op, num_ops: int, num_bytes: int, num_threads: int, samples: _Samples) -> None:
-    """Run ``op(0) .. op(num_ops - 1)`` on ``num_threads`` threads, taken in order, into ``samples``.
-
-    GB/s are over the wall time of the whole set; per-op latency is each call's own wall time.
-    """
-    clock_ns = time.perf_counter_ns
-
-    def timed(index: int) -> tuple[bool, int]:
-        start_ns = clock_ns()
-        done = op(index)
-        return done, clock_ns() - start_ns
-
-    with concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="kvstore-bench-read") as pool:
-        start_ns = clock_ns()
-        outcomes = list(pool.map(timed, range(num_ops)))
-        elapsed_ns = clock_ns() - start_ns
-    samples.gbps.append(num_bytes / elapsed_ns)
-    samples.num_failed_ops += sum(not done for done, _ in outcomes)
-    samples.op_ms.extend(op_ns / 1e6 for _, op_ns in outcomes)
 
 
 def _alternate(num_repeats: int, timed: list[_Timed], case: _Case, device: torch.device) -> None:
@@ -428,171 +399,4 @@ def _bench_gpu(options: TierBenchOptions, case: _Case, device: torch.device) -> 
         device=device,
         note="cpu tier pinned" if cuda else "cpu tier not pinned",
         verified=verified,
-    )
-
-
-def _process_cpu_s() -> tuple[float, float]:
-    """User and system CPU seconds this process has used so far, every thread."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime, usage.ru_stime
-
-
-@contextmanager
-def _cpu_meter(samples: _Samples, num_bytes: int) -> Iterator[None]:
-    """Append to ``samples`` the cores the block kept busy (process CPU time over its wall time) and its user and
-    system CPU seconds per GB of ``num_bytes``."""
-    (user_start_s, sys_start_s), wall_start_s = _process_cpu_s(), time.perf_counter()
-    yield
-    wall_s, (user_end_s, sys_end_s) = time.perf_counter() - wall_start_s, _process_cpu_s()
-    user_s, sys_s = user_end_s - user_start_s, sys_end_s - sys_start_s
-    samples.cpu_cores.append((user_s + sys_s) / wall_s)
-    samples.user_s_per_gb.append(user_s / (num_bytes / 1e9))
-    samples.sys_s_per_gb.append(sys_s / (num_bytes / 1e9))
-
-
-def _raw_write(path: Path, case: _Case) -> float:
-    """Seconds to write every chunk's source bytes sequentially, then fsync: the disk put baseline."""
-    views = [source.view(torch.uint8).reshape(-1).numpy().data for source in case.sources]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        start_s = time.perf_counter()
-        for i in range(len(case.records)):
-            view, written = views[i % len(views)], 0
-            while written < len(view):
-                written += os.write(fd, view[written:])
-        os.fsync(fd)
-        return time.perf_counter() - start_s
-    finally:
-        os.close(fd)
-
-
-def _raw_read(path: Path, buffer: memoryview) -> float:
-    """Seconds to read ``path`` from a cold page cache into ``buffer`` (wrapping), 4 MiB per ``readinto``."""
-    drop_page_cache(path.parent)
-    with open(path, "rb", buffering=0) as file:
-        start_s = time.perf_counter()
-        offset = 0
-        while count := file.readinto(buffer[offset : offset + _READ_BYTES]):
-            offset = (offset + count) % len(buffer)
-        return time.perf_counter() - start_s
-
-
-def _bench_disk(options: TierBenchOptions, case: _Case, say: Callable[[str], None]) -> Iterator[TierBenchRow]:
-    # here: the memory tiers run where lmdb/zstandard are absent
-    from kvstore.store.prefetch import DEFAULT_PREFETCH_THREADS
-    from kvstore.tiers.disk.tier import DiskTier
-
-    records, outs = case.records, [torch.empty_like(source) for source in case.sources]
-    read_buffer = outs[0].view(torch.uint8).reshape(-1).numpy().data
-    capacity_bytes = 2 * case.total_bytes + 64 * _MIB  # nothing is evicted during the run
-    if options.directory is not None:
-        options.directory.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=options.directory))
-    put, put_base, get, get_prefetch, get_base = _Samples(), _Samples(), _Samples(), _Samples(), _Samples()
-    compression_ratios: list[float] = []
-    verified = verified_prefetch = committed = True
-
-    def open_tier(data_dir: Path, *, read_only: bool) -> DiskTier:
-        return DiskTier(
-            data_dir,
-            case.layout,
-            options.chunk_size,
-            capacity_bytes,
-            zstd_level=options.zstd_level,
-            num_codec_threads=options.num_codec_threads,
-            read_only=read_only,
-        )
-
-    def serial_reads(op: Op, samples: _Samples) -> None:
-        _time_ops(op, len(records), case.total_bytes, _CPU, samples)
-
-    def prefetch_reads(op: Op, samples: _Samples) -> None:
-        _time_concurrent_ops(op, len(records), case.total_bytes, DEFAULT_PREFETCH_THREADS, samples)
-
-    def cold_get(data_dir: Path, samples: _Samples, read_all: Callable[[Op, _Samples], None]) -> bool:
-        """Read every chunk back from a dropped page cache through a reopened tier; whether the bytes match."""
-        drop_page_cache(data_dir)
-        reader = open_tier(data_dir, read_only=True)
-        try:
-            drop_page_cache(data_dir)  # again: opening may have read some pages
-            for out in outs:
-                out.zero_()
-            get_into = reader.get_into
-            # Chunks i and i + len(outs) share a buffer and a source: concurrent readers write the same bytes.
-            with _cpu_meter(samples, case.total_bytes):
-                read_all(lambda i: bool(get_into(records[i].key, outs[i % len(outs)])), samples)
-        finally:
-            reader.close()
-        return all(map(_bits_equal, outs, case.sources))
-
-    # Both timed writes start right after a just-written file of the same size was deleted: on the shared
-    # virtual disk a write right behind another one ran much slower than one behind a delete (measured:
-    # docs/design-notes.md#bench-tiers).
-    try:
-        _raw_write(root / "warm-up.bin", case)
-        (root / "warm-up.bin").unlink()
-        for repeat in range(options.num_disk_repeats):
-            say(f"{case.name}: disk tier, repeat {repeat + 1}/{options.num_disk_repeats}")
-            data_dir = root / f"tier-{repeat}"  # holds the baseline file too: same directory, same disk area
-            data_dir.mkdir()
-            raw_path = data_dir / "baseline.bin"
-            with _cpu_meter(put_base, case.total_bytes):
-                put_base.gbps.append(case.total_bytes / _raw_write(raw_path, case) / 1e9)
-            raw_path.unlink()
-            writer = open_tier(data_dir, read_only=False)
-            try:
-                with _cpu_meter(put, case.total_bytes):
-                    start_s = time.perf_counter()
-                    put.num_failed_ops += sum(not writer.put(r, case.source(i)) for i, r in enumerate(records))
-                    writer.flush()
-                    put.gbps.append(case.total_bytes / (time.perf_counter() - start_s) / 1e9)
-                stats = writer.stats()  # a put only queues: a write that failed later shows here
-                committed = committed and stats.num_chunks == len(records) and stats.puts >= len(records)
-                compression_ratios.append(stats.compression_ratio)
-            finally:
-                writer.close()
-            verified = cold_get(data_dir, get, serial_reads) and verified
-            _raw_write(raw_path, case)  # untimed: the read baseline's file, just written like the tier's data
-            with _cpu_meter(get_base, case.total_bytes):
-                get_base.gbps.append(case.total_bytes / _raw_read(raw_path, read_buffer) / 1e9)
-            verified_prefetch = cold_get(data_dir, get_prefetch, prefetch_reads) and verified_prefetch
-            with _cpu_meter(get_base, case.total_bytes):  # a second baseline sample, right after the second read
-                get_base.gbps.append(case.total_bytes / _raw_read(raw_path, read_buffer) / 1e9)
-            shutil.rmtree(data_dir)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    ratio, codec = statistics.median(compression_ratios), f"zstd {options.zstd_level}"
-    codec += f", {options.num_codec_threads} codec threads"
-    yield _row(
-        case,
-        TierName.DISK,
-        "put",
-        put,
-        ("sequential write, fsync", put_base),
-        _TARGET_DISK_PUT_RATIO,
-        note=f"all chunks put, then flush (codec, commit, sync); {codec}",
-        verified=committed,
-        compression_ratio=ratio,
-    )
-    yield _row(
-        case,
-        TierName.DISK,
-        "get_cold",
-        get,
-        ("4 MiB readinto, dropped page cache", get_base),
-        _TARGET_DISK_GET_RATIO,
-        note=f"files dropped (POSIX_FADV_DONTNEED), tier reopened; {codec}",
-        verified=verified,
-        compression_ratio=ratio,
-    )
-    yield _row(
-        case,
-        TierName.DISK,
-        "get_cold_prefetch",
-        get_prefetch,
-        ("4 MiB readinto, dropped page cache", get_base),
-        _TARGET_DISK_GET_RATIO,
-        note=f"as get_cold, {DEFAULT_PREFETCH_THREADS} concurrent readers (the store's prefetcher); {codec}",
-        verified=verified_prefetch,
-        compression_ratio=ratio,
     )
