@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.bench.rag_workload import (
     CHUNK_TOKENS,
@@ -100,85 +101,156 @@ def run_directory(
     names = RemoteNames.for_layout(namespace, layout, CHUNK_TOKENS)
     link = RemoteLink(parse_remote_url(url), timeout_s=60.0)
     documents, raw_keys = make_documents(rng, num_chunks)
-    num_documents = documents.shape[0]
-    starts = np.arange(0, DOCUMENT_TOKENS, CHUNK_TOKENS, dtype=np.int64)
-    ends = np.minimum(starts + CHUNK_TOKENS, DOCUMENT_TOKENS)
-
+    corpus = _Corpus(documents=documents, raw_keys=raw_keys)
     try:
-        started = time.perf_counter()
-        for batch_start in range(0, num_documents, _PUBLISH_BATCH):
-            runs = []
-            for document in range(batch_start, min(batch_start + _PUBLISH_BATCH, num_documents)):
-                contents = hash_chunks(documents[document], starts, ends)
-                runs.append(
-                    DirectoryRun(
-                        keys=tuple(document_keys(raw_keys, document)),
-                        source_start=0,
-                        fingerprint_bits=contents.fingerprint_bits,
-                        fingerprints=contents.fingerprints,
-                        verifications=contents.verifications,
-                        lengths=contents.lengths,
-                    )
-                )
-            published = link.call(functools.partial(_publish, names=names, runs=runs), default=False, what="publish")
-            _require(published)
-            if progress is not None:
-                progress(min(batch_start + _PUBLISH_BATCH, num_documents) * CHUNKS_PER_DOCUMENT, num_chunks)
-        publish_s = time.perf_counter() - started
-        total_chunks = num_documents * CHUNKS_PER_DOCUMENT
+        publish_s = _publish_corpus(link, names, corpus, num_chunks, progress)
         directory_bytes = link.call(lambda client: _memory_usage(client, names), default=0, what="memory usage")
-        config = StoreConfig(
-            tiers=(TierName.CPU, TierName.REMOTE),
-            chunk_size=CHUNK_TOKENS,
-            cpu_capacity_bytes=layout.chunk_bytes(CHUNK_TOKENS),
-            remote_url=url,
-            remote_namespace=namespace,
-            remote_timeout_ms=5000,
-            enable_blend=True,
-            promote_on_hit=False,
-        )
-        with TieredStore(layout, config) as host:
-            opened = time.perf_counter()
-            deadline = opened + _SYNC_TIMEOUT_S
-            while _indexed(host) < total_chunks and time.perf_counter() < deadline:
-                time.sleep(0.01)
-            sync_s = time.perf_counter() - opened
-            queries = make_queries(rng, documents, num_queries)
-            host.release(host.lookup(queries[0][0]))  # warm: first-call costs stay out of the timings
-            latencies_ms, found, expected = [], 0, 0
-            for query, placed in queries:
-                started = time.perf_counter()
-                plan = host.lookup(query)
-                latencies_ms.append((time.perf_counter() - started) * 1e3)
-                host.release(plan)
-                at = {(s.start, s.key) for s in plan.segments if s.tier is TierName.REMOTE}
-                for position, document in placed:
-                    for chunk, key in enumerate(document_keys(raw_keys, document)):
-                        expected += 1
-                        found += (position + chunk * CHUNK_TOKENS, key) in at
-        pings_ms = []
-        for _ in range(200):
-            started = time.perf_counter()
-            link.call(lambda client: client.ping(), default=False, what="ping")
-            pings_ms.append((time.perf_counter() - started) * 1e3)
+        host = _measure_host(_host_config(url, layout, namespace), layout, corpus, rng, num_queries)
+        pings_ms = _ping_ms(link)
     finally:
         link.call(lambda client: _delete(client, names), default=0, what="delete the benchmark's directory")
         link.close()
+    return _directory_row(corpus, publish_s, directory_bytes, host, pings_ms)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Corpus:
+    """The benchmark's documents (one row of tokens each) and their chunks' keys (``document_keys`` cuts them)."""
+
+    documents: npt.NDArray[np.uint32]
+    raw_keys: bytes
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.documents.shape[0])
+
+    @property
+    def num_chunks(self) -> int:
+        return self.num_documents * CHUNKS_PER_DOCUMENT
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _HostFigures:
+    """What the new host measured: its sync time, each lookup's latency, and the chunks its plans placed."""
+
+    sync_s: float
+    latencies_ms: list[float]
+    num_found: int
+    num_expected: int
+    num_queries: int
+    query_tokens: int
+
+
+def _publish_corpus(
+    link: RemoteLink,
+    names: RemoteNames,
+    corpus: _Corpus,
+    num_chunks: int,
+    progress: Callable[[int, int], None] | None,
+) -> float:
+    """Publish every document's directory record, ``_PUBLISH_BATCH`` per pipeline; the seconds it took."""
+    starts = np.arange(0, DOCUMENT_TOKENS, CHUNK_TOKENS, dtype=np.int64)
+    ends = np.minimum(starts + CHUNK_TOKENS, DOCUMENT_TOKENS)
+    num_documents = corpus.num_documents
+    started = time.perf_counter()
+    for batch_start in range(0, num_documents, _PUBLISH_BATCH):
+        runs = []
+        for document in range(batch_start, min(batch_start + _PUBLISH_BATCH, num_documents)):
+            contents = hash_chunks(corpus.documents[document], starts, ends)
+            runs.append(
+                DirectoryRun(
+                    keys=tuple(document_keys(corpus.raw_keys, document)),
+                    source_start=0,
+                    fingerprint_bits=contents.fingerprint_bits,
+                    fingerprints=contents.fingerprints,
+                    verifications=contents.verifications,
+                    lengths=contents.lengths,
+                )
+            )
+        published = link.call(functools.partial(_publish, names=names, runs=runs), default=False, what="publish")
+        _require(published)
+        if progress is not None:
+            progress(min(batch_start + _PUBLISH_BATCH, num_documents) * CHUNKS_PER_DOCUMENT, num_chunks)
+    return time.perf_counter() - started
+
+
+def _host_config(url: str, layout: KVLayout, namespace: str) -> StoreConfig:
+    """The new host: tiers cpu,remote (the cpu tier one chunk), blending on, nothing promoted or prefetched."""
+    return StoreConfig(
+        tiers=(TierName.CPU, TierName.REMOTE),
+        chunk_size=CHUNK_TOKENS,
+        cpu_capacity_bytes=layout.chunk_bytes(CHUNK_TOKENS),
+        remote_url=url,
+        remote_namespace=namespace,
+        remote_timeout_ms=5000,
+        enable_blend=True,
+        promote_on_hit=False,
+    )
+
+
+def _measure_host(
+    config: StoreConfig, layout: KVLayout, corpus: _Corpus, rng: np.random.Generator, num_queries: int
+) -> _HostFigures:
+    """Open a new host, wait until it has indexed the whole directory, then time its lookups of the prompts."""
+    with TieredStore(layout, config) as host:
+        opened = time.perf_counter()
+        deadline = opened + _SYNC_TIMEOUT_S
+        while _indexed(host) < corpus.num_chunks and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        sync_s = time.perf_counter() - opened
+        queries = make_queries(rng, corpus.documents, num_queries)
+        host.release(host.lookup(queries[0][0]))  # warm: first-call costs stay out of the timings
+        latencies_ms, found, expected = [], 0, 0
+        for query, placed in queries:
+            started = time.perf_counter()
+            plan = host.lookup(query)
+            latencies_ms.append((time.perf_counter() - started) * 1e3)
+            host.release(plan)
+            at = {(s.start, s.key) for s in plan.segments if s.tier is TierName.REMOTE}
+            for position, document in placed:
+                for chunk, key in enumerate(document_keys(corpus.raw_keys, document)):
+                    expected += 1
+                    found += (position + chunk * CHUNK_TOKENS, key) in at
+    return _HostFigures(
+        sync_s=sync_s,
+        latencies_ms=latencies_ms,
+        num_found=found,
+        num_expected=expected,
+        num_queries=num_queries,
+        query_tokens=int(queries[0][0].shape[0]),
+    )
+
+
+def _ping_ms(link: RemoteLink) -> list[float]:
+    """200 loopback round trips to Valkey (``PING``), in ms: the lookup's baseline."""
+    pings_ms = []
+    for _ in range(200):
+        started = time.perf_counter()
+        link.call(lambda client: client.ping(), default=False, what="ping")
+        pings_ms.append((time.perf_counter() - started) * 1e3)
+    return pings_ms
+
+
+def _directory_row(
+    corpus: _Corpus, publish_s: float, directory_bytes: int, host: _HostFigures, pings_ms: list[float]
+) -> DirectoryRow:
+    """The row of the figures measured, against the baselines and targets."""
+    latencies_ms, total_chunks = host.latencies_ms, corpus.num_chunks
     p50 = statistics.median(latencies_ms)
     p99 = float(np.percentile(latencies_ms, 99))
     ping = statistics.median(pings_ms)
-    recall = found / expected
+    recall = host.num_found / host.num_expected
     return DirectoryRow(
         part="directory",
         chunks=total_chunks,
-        runs=num_documents,
+        runs=corpus.num_documents,
         publish_s=round(publish_s, 2),
         directory_bytes_per_chunk=round(directory_bytes / total_chunks, 1),
         lmcache_bytes_per_chunk=LMCACHE_BYTES_PER_CHUNK,
-        sync_s=round(sync_s, 2),
-        sync_chunks_per_s=round(total_chunks / sync_s),
-        queries=num_queries,
-        query_tokens=int(queries[0][0].shape[0]),
+        sync_s=round(host.sync_s, 2),
+        sync_chunks_per_s=round(total_chunks / host.sync_s),
+        queries=host.num_queries,
+        query_tokens=host.query_tokens,
         recall=round(recall, 6),
         lookup_ms_p50=round(p50, 4),
         lookup_ms_p99=round(p99, 4),
