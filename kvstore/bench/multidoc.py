@@ -180,21 +180,9 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
     ]
     warm_ups = warm_up_prompts(options, prompt_format, documents)
     total_steps = len(warm_ups) + (len(prompts) + 1) * len(options.modes)
-    # Memory tiers sized to the workload when not given: twice the warm-up's KV (and at least 64 MiB), so the
-    # documents stay resident and a tiny layout does not get millions of slots.
-    fitted = max(64 << 20, 2 * model.layout.chunk_bytes(sum(len(prompt) for prompt in warm_ups) + options.chunk_size))
     samples: dict[BenchMode, list[QuerySample]] = {mode: [] for mode in options.modes}
     with _data_dir(options) as directory:
-        store_config = StoreConfig(
-            tiers=options.tiers,
-            chunk_size=options.chunk_size,
-            cpu_capacity_bytes=options.cpu_capacity_bytes or fitted,
-            gpu_capacity_bytes=options.gpu_capacity_bytes or fitted,
-            gpu_device=device if device.startswith("cuda") else "cpu",
-            data_dir=directory / "data",
-            disk_capacity_bytes=options.disk_capacity_bytes,
-            enable_blend=True,
-        )
+        store_config = _store_config(options, model.layout, warm_ups, device, directory)
         with TieredStore(model.layout, store_config) as store, \
                 LayerwiseBlender(model.model, store, blend_config) as blender:  # fmt: skip
             done = 0
@@ -219,7 +207,37 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
                         del output
                         done += 1
                         report(f"query {index + 1}/{len(prompts)}: {mode.value}", done, total_steps)
-    context = RunContext(
+    context = _run_context(options, model, device, dtype)
+    return [
+        summarize(context, mode.value, configs[mode].recompute_ratio if mode in configs else None, samples[mode],
+                  samples[BenchMode.FULL])
+        for mode in options.modes
+    ]  # fmt: skip
+
+
+def _store_config(
+    options: MultiDocOptions, layout: KVLayout, warm_ups: list[TokenIds], device: str, directory: Path
+) -> StoreConfig:
+    """The benchmark's store, its data under ``directory``."""
+    # Memory tiers sized to the workload when not given: twice the warm-up's KV (and at least 64 MiB), so the
+    # documents stay resident and a tiny layout does not get millions of slots.
+    fitted = max(64 << 20, 2 * layout.chunk_bytes(sum(len(prompt) for prompt in warm_ups) + options.chunk_size))
+    return StoreConfig(
+        tiers=options.tiers,
+        chunk_size=options.chunk_size,
+        cpu_capacity_bytes=options.cpu_capacity_bytes or fitted,
+        gpu_capacity_bytes=options.gpu_capacity_bytes or fitted,
+        gpu_device=device if device.startswith("cuda") else "cpu",
+        data_dir=directory / "data",
+        disk_capacity_bytes=options.disk_capacity_bytes,
+        enable_blend=True,
+    )
+
+
+def _run_context(options: MultiDocOptions, model: _Model, device: str, dtype: torch.dtype) -> RunContext:
+    """What every row repeats about the run: the workload, the blend settings, the model and the store."""
+    blend_config = options.blend
+    return RunContext(
         bench=options.workload.value,
         selection=blend_config.selection.value,
         chunk_start_tokens=blend_config.chunk_start_tokens,
@@ -241,16 +259,9 @@ def run_multidoc_benchmark(options: MultiDocOptions, progress: Progress | None =
         document_tokens=options.document_tokens,
         docs_per_query=options.num_documents if options.workload is BenchWorkload.SHUFFLE else options.docs_per_query,
     )
-    return [
-        summarize(context, mode.value, configs[mode].recompute_ratio if mode in configs else None, samples[mode],
-                  samples[BenchMode.FULL])
-        for mode in options.modes
-    ]  # fmt: skip
 
 
-def warm_up_prompts(
-    options: MultiDocOptions, prompt_format: PromptFormat, documents: list[Document]
-) -> list[TokenIds]:
+def warm_up_prompts(options: MultiDocOptions, prompt_format: PromptFormat, documents: list[Document]) -> list[TokenIds]:
     """The prompts whose KV the warm-up stores (the module docstring's step 1)."""
     if options.workload is BenchWorkload.SHUFFLE:
         return [prompt_format.context_prompt(documents)]
