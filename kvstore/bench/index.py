@@ -25,12 +25,14 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.bench.rag_workload import (
     CHUNK_TOKENS,
     CHUNKS_PER_DOCUMENT,
     DOCUMENT_TOKENS,
     DOCUMENTS_PER_QUERY,
+    Placed,
     document_keys,
     make_documents,
     make_queries,
@@ -87,67 +89,24 @@ def run_index_benchmark(num_chunks: int, num_queries: int = 200, seed: int = 0) 
         index.register(document, its_keys, CHUNK_TOKENS)
     register_s = time.perf_counter() - started
 
-    queries = make_queries(rng, documents, num_queries)
-
-    def score(removed: set[PrefixKey]) -> tuple[float, int, float, list[float]]:
-        latencies_ms, results = [], []
-        for query, _ in queries:  # back to back, as a scheduler looking up a batch would
-            started = time.perf_counter()
-            results.append(index.match(query, CHUNK_TOKENS))
-            latencies_ms.append((time.perf_counter() - started) * 1e3)
-        found = expected = false_positives = covered = 0
-        for (query, placed), matches in zip(queries, results, strict=True):
-            assert not removed & {m.key for m in matches}, "a removed chunk was returned"
-            by_start = {m.query_start: m for m in matches}
-            for match in matches:
-                stored = location[match.key]
-                source = documents[stored[0], match.source_start : match.source_start + match.num_tokens]
-                false_positives += int(
-                    not np.array_equal(query[match.query_start : match.query_start + match.num_tokens], source)
-                )
-            for position, document_idx in placed:
-                for chunk_idx, key in enumerate(keys[document_idx]):
-                    hit = by_start.get(position + chunk_idx * CHUNK_TOKENS)
-                    is_hit = hit is not None and hit.key == key
-                    covered += hit.num_tokens if is_hit and hit is not None else 0
-                    if chunk_idx < CHUNKS_PER_DOCUMENT - 1 and key not in removed:
-                        expected += 1
-                        found += int(is_hit)
-        coverage = covered / (len(queries) * DOCUMENTS_PER_QUERY * DOCUMENT_TOKENS)
-        return found / max(1, expected), false_positives, coverage, latencies_ms
-
-    def cold_latencies_ms() -> list[float]:
-        """Each match after sweeping 64 MiB through the caches: the index's arrays start out of L2/L3."""
-        sweep = np.ones(8 * 2**20)
-        samples = []
-        for query, _ in queries[:50]:
-            sweep += 1.0
-            started = time.perf_counter()
-            index.match(query, CHUNK_TOKENS)
-            samples.append((time.perf_counter() - started) * 1e3)
-        return samples
-
-    location = {key: (d, c) for d, document_keys in enumerate(keys) for c, key in enumerate(document_keys)}
-    recall, false_positives, coverage, latencies_ms = score(set())
-    baseline_ms = []
-    for query, _ in queries:
-        started = time.perf_counter()
-        rolling_fingerprints(query, CHUNK_TOKENS)
-        baseline_ms.append((time.perf_counter() - started) * 1e3)
-    cold_ms = cold_latencies_ms()
+    workload = _Workload(documents=documents, keys=keys, queries=make_queries(rng, documents, num_queries))
+    warm = _score(index, workload, set())
+    baseline_ms = _baseline_ms(workload.queries)
+    cold_ms = _cold_latencies_ms(index, workload.queries)
     bytes_per_chunk = index.memory_bytes / len(index)
     all_keys = [key for document_keys in keys for key in document_keys]
     victims = {all_keys[i] for i in rng.choice(len(all_keys), size=len(all_keys) // 10, replace=False).tolist()}
     removed_count = index.remove(victims)
     assert removed_count == len(victims), (removed_count, len(victims))
-    recall_after, false_positives_after, _, _ = score(victims)
+    after = _score(index, workload, victims)
+    latencies_ms = warm.latencies_ms
     return IndexBenchRow(
         chunks=len(all_keys),
         queries=num_queries,
-        query_tokens=int(queries[0][0].shape[0]),
-        recall=round(recall, 6),
-        false_positives=false_positives + false_positives_after,
-        doc_coverage=round(coverage, 6),
+        query_tokens=int(workload.queries[0][0].shape[0]),
+        recall=round(warm.recall, 6),
+        false_positives=warm.false_positives + after.false_positives,
+        doc_coverage=round(warm.coverage, 6),
         match_ms_median=round(statistics.median(latencies_ms), 4),
         match_ms_p99=round(_percentile(latencies_ms, 0.99), 4),
         baseline="numba rolling hash of every window of the query (the hashing floor), same run",
@@ -157,5 +116,85 @@ def run_index_benchmark(num_chunks: int, num_queries: int = 200, seed: int = 0) 
         match_ms_p99_cold=round(_percentile(cold_ms, 0.99), 4),
         register_tokens_per_s=round(num_documents * DOCUMENT_TOKENS / register_s),
         bytes_per_chunk=round(bytes_per_chunk, 2),
-        recall_after_evicting_10pct=round(recall_after, 6),
+        recall_after_evicting_10pct=round(after.recall, 6),
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Workload:
+    """The indexed documents, each one's chunk keys, and the prompts matched against them."""
+
+    documents: npt.NDArray[np.uint32]
+    keys: list[list[PrefixKey]]
+    queries: list[tuple[npt.NDArray[np.uint32], Placed]]
+
+    @property
+    def location(self) -> dict[PrefixKey, tuple[int, int]]:
+        """Each key's (document, chunk)."""
+        return {key: (d, c) for d, document_keys in enumerate(self.keys) for c, key in enumerate(document_keys)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Score:
+    """One pass of matches over every prompt: what they found, and each match's latency."""
+
+    recall: float
+    false_positives: int
+    coverage: float
+    latencies_ms: list[float]
+
+
+def _score(index: FingerprintIndex, workload: _Workload, removed: set[PrefixKey]) -> _Score:
+    """Match every prompt back to back, as a scheduler looking up a batch would, then check each match against
+    the documents: recall of the full chunks not ``removed``, false positives, and tokens covered."""
+    queries, keys = workload.queries, workload.keys
+    latencies_ms, results = [], []
+    for query, _ in queries:
+        started = time.perf_counter()
+        results.append(index.match(query, CHUNK_TOKENS))
+        latencies_ms.append((time.perf_counter() - started) * 1e3)
+    location = workload.location
+    found = expected = false_positives = covered = 0
+    for (query, placed), matches in zip(queries, results, strict=True):
+        assert not removed & {m.key for m in matches}, "a removed chunk was returned"
+        by_start = {m.query_start: m for m in matches}
+        for match in matches:
+            stored = location[match.key]
+            source = workload.documents[stored[0], match.source_start : match.source_start + match.num_tokens]
+            false_positives += int(
+                not np.array_equal(query[match.query_start : match.query_start + match.num_tokens], source)
+            )
+        for position, document_idx in placed:
+            for chunk_idx, key in enumerate(keys[document_idx]):
+                hit = by_start.get(position + chunk_idx * CHUNK_TOKENS)
+                is_hit = hit is not None and hit.key == key
+                covered += hit.num_tokens if is_hit and hit is not None else 0
+                if chunk_idx < CHUNKS_PER_DOCUMENT - 1 and key not in removed:
+                    expected += 1
+                    found += int(is_hit)
+    coverage = covered / (len(queries) * DOCUMENTS_PER_QUERY * DOCUMENT_TOKENS)
+    return _Score(
+        recall=found / max(1, expected), false_positives=false_positives, coverage=coverage, latencies_ms=latencies_ms
+    )
+
+
+def _baseline_ms(queries: list[tuple[npt.NDArray[np.uint32], Placed]]) -> list[float]:
+    """Each prompt's rolling hash of every window, in ms: the hashing floor a match cannot beat."""
+    baseline_ms = []
+    for query, _ in queries:
+        started = time.perf_counter()
+        rolling_fingerprints(query, CHUNK_TOKENS)
+        baseline_ms.append((time.perf_counter() - started) * 1e3)
+    return baseline_ms
+
+
+def _cold_latencies_ms(index: FingerprintIndex, queries: list[tuple[npt.NDArray[np.uint32], Placed]]) -> list[float]:
+    """Each match after sweeping 64 MiB through the caches: the index's arrays start out of L2/L3."""
+    sweep = np.ones(8 * 2**20)
+    samples = []
+    for query, _ in queries[:50]:
+        sweep += 1.0
+        started = time.perf_counter()
+        index.match(query, CHUNK_TOKENS)
+        samples.append((time.perf_counter() - started) * 1e3)
+    return samples
