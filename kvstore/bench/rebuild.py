@@ -152,13 +152,27 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
     say = progress or (lambda _step, _done, _total: None)
     data_dir = options.resolved_data_dir
     build_s = _ensure_data_dir(options, data_dir, say)
+    samples: dict[str, list[float]] = {
+        name: [] for name in ("rebuild", "cpu", "gc", "one_pass", "one_pass_cpu", "opening", "read")
+    }
+    store, catalog = _time_opens(options, data_dir, samples, say)
+    say("checking the rebuilt index", 0, options.num_queries)
+    try:
+        check = _check_lookups(store, options, say)
+    finally:
+        store.close()
+    return _rebuild_row(options, data_dir, build_s, _Opens(samples=samples, catalog=catalog), check)
+
+
+def _time_opens(
+    options: RebuildBenchOptions, data_dir: Path, samples: dict[str, list[float]], say: RebuildProgress
+) -> tuple[TieredStore, CatalogStats]:
+    """Time ``options.num_repeats`` opens of the data dir, each beside its baseline and the one-pass open, into
+    ``samples``; the last store is left open for the lookups, with its catalog's figures."""
     config = StoreConfig(
         tiers=(TierName.DISK,), data_dir=data_dir, disk_capacity_bytes=capacity_bytes(options), enable_blend=True
     )
     expected_chunks = options.num_documents * CHUNKS_PER_DOCUMENT
-    samples: dict[str, list[float]] = {
-        name: [] for name in ("rebuild", "cpu", "gc", "one_pass", "one_pass_cpu", "opening", "read")
-    }
     catalog: CatalogStats | None = None
     for repeat in range(options.num_repeats):
         say(f"timing opens, repeat {repeat + 1}/{options.num_repeats}", repeat, options.num_repeats)
@@ -190,11 +204,23 @@ def run_rebuild_benchmark(options: RebuildBenchOptions, progress: RebuildProgres
                 f"the one-pass open indexed {one_pass.num_entries} chunks, the store {catalog.num_entries}"
             )
     assert catalog is not None, "num_repeats >= 1 (RebuildBenchOptions checks it)"
-    say("checking the rebuilt index", 0, options.num_queries)
-    try:
-        check = _check_lookups(store, options, say)
-    finally:
-        store.close()
+    return store, catalog
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Opens:
+    """The timed opens' samples (seconds, by name) and the rebuilt catalog's figures."""
+
+    samples: dict[str, list[float]]
+    catalog: CatalogStats
+
+
+def _rebuild_row(
+    options: RebuildBenchOptions, data_dir: Path, build_s: float | None, opens: _Opens, check: _LookupCheck
+) -> RebuildBenchRow:
+    """The row: medians of the timed opens against the baseline, the index's size and the lookups' check."""
+    samples, catalog = opens.samples, opens.catalog
+    expected_chunks = options.num_documents * CHUNKS_PER_DOCUMENT
     rebuild_s = statistics.median(samples["rebuild"])
     baseline_s = statistics.median(samples["opening"]) + statistics.median(samples["read"])
     chunks_per_s = round(expected_chunks / rebuild_s)
