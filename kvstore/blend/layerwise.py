@@ -205,6 +205,18 @@ def _narrow_layer(classes: _TokenClasses, settings: BlendConfig) -> int | None:
     return -1 if settings.recompute_ratio == 0.0 else settings.check_layer
 
 
+def _first_cached_layer(
+    classes: _TokenClasses, narrow: int | None, loads: bool, settings: BlendConfig, num_layers: int
+) -> int:
+    """The first layer that reads cached KV (the layers before it compute every token): 0 with exact segments or at
+    ratio 0, the check layer when a retrieve ``loads`` blend KV, ``num_layers`` when nothing cached is read."""
+    if classes.has_exact or narrow == -1:
+        return 0
+    if loads:
+        return settings.check_layer
+    return num_layers  # nothing cached is read: ratio 1.0 without exact segments
+
+
 class _Pass:
     """The state of one blended prefill (see the module docstring)."""
 
@@ -251,12 +263,7 @@ class _Pass:
         """The last layer's hidden states, the positions computed in it, and how the tokens were served."""
         stack, settings, num_tokens = self.stack, self.settings, self.num_tokens
         narrow = _narrow_layer(classes, settings)
-        if classes.has_exact or narrow == -1:
-            cache_from = 0
-        elif pending is not None:
-            cache_from = settings.check_layer
-        else:
-            cache_from = stack.num_layers  # nothing cached is read: ratio 1.0 without exact segments
+        cache_from = _first_cached_layer(classes, narrow, pending is not None, settings, stack.num_layers)
         rotation: Rotation | None = None
         reuse_from: int | None = None
         pending_writes: list[tuple[int, Projection]] = []
@@ -461,10 +468,7 @@ def run_blend_pass(
     started = clock.mark()
     plan: LookupPlan = owner.lookup(tokens, blend=True, repeat=repeat_lookup)
     looked_up = clock.mark()
-    end = len(tokens) if span_end is None else span_end
-    if not 0 < end <= len(tokens):
-        owner.release(plan)
-        raise ConfigError(f"span_end={span_end} is outside the {len(tokens)}-token prompt")
+    end = _checked_span_end(owner, plan, len(tokens), span_end)
     computed = tokens if _scores_with_tail(settings) else tokens[:end]
     buffer = make_buffer(max(len(computed), plan.end)) if make_buffer is not None else None
     work = _Pass(
@@ -472,26 +476,18 @@ def run_blend_pass(
         buffer_tokens=plan.end, span_end=end, need_logits=need_logits, buffer=buffer,
     )  # fmt: skip
     classes = _TokenClasses(clip_segments(plan.segments, len(computed)), computed, settings, end)
-    needs_load = classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0)
-    pending: PendingLoad | None = None
-    disk_bound: tuple[Segment, ...] = ()
-    memory_only = False
-    if needs_load:
-        disk_bound = disk_bound_segments(plan)
-        memory_only = _skips_disk(settings, costs, disk_bound, stack.num_layers)
-        pending = loader.start(
-            lambda out, progress: owner.retrieve(plan, out, progress=progress, memory_only=memory_only), work.buffer
-        )
+    if classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0):
+        load = _start_load(owner, loader, plan, work, costs)
     else:
         owner.release(plan)
+        load = _NO_LOAD
     try:
         layers_start = clock.mark()
-        hidden, recomputed, summary = work.run(classes, pending)
+        hidden, recomputed, summary = work.run(classes, load.pending)
         layers_end = clock.mark()
         logits = stack.logits(hidden).cpu() if need_logits else torch.empty(0)
     finally:
-        if pending is not None:
-            pending.settle()
+        load.settle()
     clock.synchronize()
     load_ms = sum(clock.between(before, after) for before, after in work.load_marks)
     return BlendPassResult(
@@ -503,12 +499,64 @@ def run_blend_pass(
         summary=summary,
         lookup_ms=(looked_up.host_s - started.host_s) * 1e3,  # host work only
         load_ms=load_ms,
-        load_total_ms=pending.duration_ms() if pending is not None else 0.0,
+        load_total_ms=load.total_ms,
         recompute_ms=clock.between(layers_start, layers_end) - load_ms,
         num_token_layers=work.num_token_layers,
-        disk_wait_bytes=0 if memory_only else sum(layout.chunk_bytes(segment.num_tokens) for segment in disk_bound),
-        num_skipped_disk_tokens=sum(segment.num_tokens for segment in disk_bound) if memory_only else 0,
+        disk_wait_bytes=load.disk_wait_bytes(layout),
+        num_skipped_disk_tokens=load.num_skipped_disk_tokens,
     )
+
+
+def _checked_span_end(owner: Session, plan: LookupPlan, num_tokens: int, span_end: int | None) -> int:
+    """The pass's span end (``None``: the whole prompt); releases ``plan`` before refusing one outside the prompt."""
+    end = num_tokens if span_end is None else span_end
+    if not 0 < end <= num_tokens:
+        owner.release(plan)
+        raise ConfigError(f"span_end={span_end} is outside the {num_tokens}-token prompt")
+    return end
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Load:
+    """The retrieve a pass started (``None``: nothing cached is read, the plan was released), and the segments only
+    the disk held: read (``memory_only`` false) or left to compute."""
+
+    pending: PendingLoad | None
+    disk_bound: tuple[Segment, ...] = ()
+    memory_only: bool = False
+
+    def settle(self) -> None:
+        """Wait for the retrieve to finish (or fail) on every path out of the pass."""
+        if self.pending is not None:
+            self.pending.settle()
+
+    @property
+    def total_ms(self) -> float:
+        """The retrieve's whole duration; 0 without one."""
+        return self.pending.duration_ms() if self.pending is not None else 0.0
+
+    def disk_wait_bytes(self, layout: KVLayout) -> int:
+        """Bytes the retrieve read from disk while the pass could wait for them."""
+        return 0 if self.memory_only else sum(layout.chunk_bytes(segment.num_tokens) for segment in self.disk_bound)
+
+    @property
+    def num_skipped_disk_tokens(self) -> int:
+        """Tokens of the disk-only segments left to compute."""
+        return sum(segment.num_tokens for segment in self.disk_bound) if self.memory_only else 0
+
+
+_NO_LOAD = _Load(pending=None)
+
+
+def _start_load(owner: Session, loader: KVLoader, plan: LookupPlan, work: _Pass, costs: LoadCostModel) -> _Load:
+    """Start the retrieve of ``plan`` into the pass's buffer on the loader, reading the disk-only segments or
+    leaving them to compute as the settings and ``costs`` say."""
+    disk_bound = disk_bound_segments(plan)
+    memory_only = _skips_disk(work.settings, costs, disk_bound, work.stack.num_layers)
+    pending = loader.start(
+        lambda out, progress: owner.retrieve(plan, out, progress=progress, memory_only=memory_only), work.buffer
+    )
+    return _Load(pending=pending, disk_bound=disk_bound, memory_only=memory_only)
 
 
 def clip_segments(segments: Sequence[Segment], end: int) -> tuple[Segment, ...]:
