@@ -1,5 +1,5 @@
 """The SmolLM2 export for vLLM: what vLLM's loader reads is there, the weights are the converted copy's, and the
-directory appears whole or not at all. (A real vLLM engine loading it is tests/vllm/test_engine_baseline.py.)"""
+directory appears whole or not at all. (A real vLLM engine loading it is tests/vllm/models/test_engine_baseline.py.)"""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from kvstore import KVLayout
 from kvstore.blend.vllm.hook import BlendOutcome
 from kvstore.connectors.vllm.metadata import BlendSpec
 from tests.server.conftest import ServerProcess, running_server
-from tests.vllm.test_scheduler_side import (  # noqa: F401  (fixtures)
+from tests.vllm.connectors.test_scheduler_side import (  # noqa: F401  (fixtures)
     STORE_FLAGS,
     SchedulerFactory,
     _frozen_heap,

@@ -17,7 +17,7 @@ from kvstore.bench.multidoc_stats import paired_facts
 from kvstore.bench.vllm_blend import answered, run_standalone_blender
 from tests.server.conftest import running_server
 from tests.vllm.conftest import E2E_CHUNK_TOKENS, REFERENCE_NEW_TOKENS, ColdReference, EngineRunner
-from tests.vllm.test_connector_e2e import SESSION_TIMEOUT_S, connector_spec
+from tests.vllm.connectors.test_connector_e2e import SESSION_TIMEOUT_S, connector_spec
 
 pytestmark = pytest.mark.engine_minutes(1.5)
 

@@ -1,6 +1,6 @@
 """The worker's checks of fp8 and MLA caches (``kvstore.connectors.vllm.cache_shapes``), without an engine: the
 layers' fp8 scales against the layout, blending refused on both shapes, and the block format probed through a
-backend write of each kind (vLLM 0.32's CPU signatures, emulated in torch; tests/vllm/test_fp8_kv.py and
+backend write of each kind (vLLM 0.32's CPU signatures, emulated in torch; tests/vllm/connectors/test_fp8_kv.py and
 test_mla.py run the real kernels)."""
 
 from __future__ import annotations

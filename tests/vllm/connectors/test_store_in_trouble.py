@@ -25,7 +25,7 @@ import pytest
 from kvstore.connectors.settings import ConnectorSettings
 from tests.server.conftest import ServerProcess, running_server
 from tests.vllm.conftest import E2E_CHUNK_TOKENS, ColdReference, EngineRunner
-from tests.vllm.test_connector_e2e import FULL_HIT_TOKENS, MAX_TOKENS, SESSION_TIMEOUT_S, connector_spec
+from tests.vllm.connectors.test_connector_e2e import FULL_HIT_TOKENS, MAX_TOKENS, SESSION_TIMEOUT_S, connector_spec
 
 pytestmark = pytest.mark.engine_minutes(1.5)
 

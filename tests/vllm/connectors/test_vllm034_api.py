@@ -48,7 +48,7 @@ from kvstore.keys import PrefixKey
 from kvstore.plan import Segment
 from kvstore.tiers import TierName
 from tests.server.conftest import ServerProcess, running_server
-from tests.vllm.test_scheduler_side import (
+from tests.vllm.connectors.test_scheduler_side import (
     CHUNK_SIZE,
     STORE_FLAGS,
     EngineShape,
@@ -156,7 +156,7 @@ def test_vllm_0_34_is_accepted_beside_0_32_and_0_33(version: str) -> None:
 
 def test_the_vllm_extra_installs_only_versions_the_connector_accepts() -> None:
     """``pip install kvstore[vllm]`` must not pick a vLLM the connector refuses at start."""
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())
     (requirement,) = pyproject["project"]["optional-dependencies"]["vllm"]
     lowest, newest = min(SUPPORTED_VLLM), max(SUPPORTED_VLLM)
     assert requirement == f"vllm>={lowest[0]}.{lowest[1]},<{newest[0]}.{newest[1] + 1}"
