@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -43,6 +43,7 @@ from kvstore.bench.vllm_engine import EngineSpec, RequestResult, engine_command
 from kvstore.bench.vllm_ttft import prose_prompts
 from kvstore.models import default_model_cache_dir
 from kvstore.models.vllm_export import export_smollm2_for_vllm
+from tests.vllm.untraced_parent import RENAMED_PREFIX
 
 if importlib.util.find_spec("vllm") is None:
     raise pytest.UsageError(
@@ -101,6 +102,26 @@ its document follows it)."""
 the others at the default ratio."""
 _COVERAGE_ENV = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
 """How coverage's ``patch = subprocess`` reaches child processes (tests/vllm/coverage.toml)."""
+UNTRACED_PARENT = Path(__file__).with_name("untraced_parent.py")
+_ENGINE_TRACING: dict[str, str] = {}
+"""The ``_COVERAGE_ENV`` variables of this run, kept out of ``os.environ`` (``_only_engines_traced``)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _only_engines_traced() -> Iterator[None]:
+    """Coverage follows ``run_engine``'s engines only, not every process a test starts.
+
+    This suite measures ``kvstore/connectors``, which runs in the engine-core and worker processes of an engine.
+    Tracing costs each traced Python process about as much CPU again; every other process a test starts (a
+    ``kvstore serve``, an OpenAI server whose engine vLLM SIGKILLs before coverage can save, the README's samples, a
+    benchmark's driver) runs connector code rarely or never, so the variables that start coverage are taken out of
+    this process's environment, which those inherit, and ``run_engine_driver`` hands them to its engines alone.
+    """
+    for name in _COVERAGE_ENV:
+        if name in os.environ:
+            _ENGINE_TRACING[name] = os.environ.pop(name)
+    yield
+    os.environ.update(_ENGINE_TRACING)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,8 +237,9 @@ def run_engine_driver(
     Args:
         spec: the engine and its prompts.
         timeout_s: the whole run's limit, engine start included.
-        measure_coverage: let a coverage run follow the driver into the engine's processes (as it does by default
-            for every subprocess); an engine without the connector has nothing to measure.
+        measure_coverage: let a coverage run follow the driver into the engine's processes, where the connector
+            runs (the driver itself is not traced: tests/vllm/untraced_parent.py); an engine without the connector
+            has nothing to measure.
 
     Returns:
         One result per prompt, in prompt order.
@@ -227,10 +249,14 @@ def run_engine_driver(
             the last lines of its stderr (vLLM's log).
     """
     spec_json = spec.to_json()
+    env = dict(os.environ)
+    command = engine_command()
+    if measure_coverage and _ENGINE_TRACING:  # the engine's processes traced, the driver not (untraced_parent.py)
+        env |= {f"{RENAMED_PREFIX}{name}": value for name, value in _ENGINE_TRACING.items()}
+        command = [*command[:-1], str(UNTRACED_PARENT), command[-1]]
     with tempfile.TemporaryFile() as stderr:
-        env = None if measure_coverage else {k: v for k, v in os.environ.items() if k not in _COVERAGE_ENV}
         driver = subprocess.Popen(
-            engine_command(),
+            command,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -38,8 +38,6 @@ EXIT_BOUND_S = 5.0
 """The server gone this long after Ctrl-C (test_openai_shutdown.py's bound)."""
 SAMPLES_TIMEOUT_S = 600.0
 """The README's samples (the blend sample loads SmolLM2) and the client's two requests, each."""
-_COVERAGE_ENV = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
-"""Left out of the server's environment: tracing vLLM's own start costs about a minute here (test_openai_shutdown)."""
 
 
 def _readme_samples() -> list[str]:
@@ -89,7 +87,7 @@ def _run(what: str, command: list[str], root: Path, timeout_s: float) -> tuple[s
 @contextlib.contextmanager
 def _server(block: str, root: Path, model_dir: str, port: int, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Step 2 as a terminal runs it (a session of its own, so Ctrl-C is a signal to its process group)."""
-    env = {name: value for name, value in os.environ.items() if name not in _COVERAGE_ENV} | {"MODEL_DIR": model_dir}
+    env = os.environ | {"MODEL_DIR": model_dir}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             ["bash", "-c", block.replace("--port 8000", f"--port {port}")],

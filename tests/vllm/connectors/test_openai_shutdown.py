@@ -50,9 +50,6 @@ PROMPT_TOKENS = 400
 PROMPTS_PER_CASE = 3
 HIT_TOKENS = (PROMPT_TOKENS // E2E_CHUNK_TOKENS) * E2E_CHUNK_TOKENS
 """What a restarted engine loads for a stored prompt: whole blocks only, never the prompt's last token."""
-_COVERAGE_ENV = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
-"""Left out of the server's environment: vLLM SIGKILLs the processes that run connector code, so coverage would save
-nothing from them, and tracing vLLM's own start costs about a minute here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +82,13 @@ class Server:
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", "2048", "--kv-transfer-config", json.dumps(config),
         ]  # fmt: skip
-        env = {name: value for name, value in os.environ.items() if name not in _COVERAGE_ENV}
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.command, env=env | dict(vllm_env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.command,
+                env=os.environ | dict(vllm_env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         self.model = str(model_dir)
 
