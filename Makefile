@@ -75,7 +75,8 @@ test: $(STAMP)
 vllm: $(VLLM_STAMP)
 	@echo "vllm: $(VLLM_VENV) is ready; docs/vllm.md's quick start runs $(VLLM_BIN)/python -m vllm.entrypoints.openai.api_server"
 
-# kvstore/connectors runs inside vLLM's engine-core and worker processes: tests/vllm/coverage.toml follows them.
+# kvstore/connectors and kvstore/blend/vllm run inside vLLM's engine-core and worker processes: tests/vllm/coverage.toml
+# follows them.
 # --cov names the directory: the module name (kvstore.connectors) makes coverage import kvstore, and so numpy, then
 # forget it, and numpy refuses the second import.
 # Two xdist workers, a file each at a time: an engine keeps about one core busy (its worker's OpenMP threads are held
@@ -83,7 +84,7 @@ vllm: $(VLLM_STAMP)
 # (tests/vllm/conftest.py orders them by their engine_minutes mark; --no-loadscope-reorder keeps that order).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
-		tests/vllm --cov=kvstore/connectors \
+		tests/vllm --cov=kvstore/connectors --cov=kvstore/blend/vllm \
 		--cov-config=tests/vllm/coverage.toml --cov-report=term-missing --cov-fail-under=80
 
 # mypy also checks tests/server/test_surface.py, where TieredStore and Client are assigned to StoreSurface.

@@ -14,9 +14,10 @@ test should put all its requests into one engine, and every test compares with o
 whole run (``cold_reference``: the first xdist worker to need it runs it, the other reads its results).
 
 ``make test-vllm`` runs two xdist workers, a file each at a time, and hands out the files that take longest first: a
-test file that starts engines marks itself ``pytestmark = pytest.mark.engine_minutes(n)`` (about n minutes on an idle
-2-core machine, as ``--durations`` reports it), and ``pytest_collection_modifyitems`` puts marked files first, the
-longest leading, so that no long file starts last while the other worker idles.
+test file that starts engines marks itself ``pytestmark = pytest.mark.engine_minutes(n)`` (about n minutes on a
+2-core machine running two at a time, as ``make test-vllm``'s ``--durations`` reports it), and
+``pytest_collection_modifyitems`` puts marked files first, the longest leading, so that no long file starts last
+while the other worker idles.
 """
 
 from __future__ import annotations

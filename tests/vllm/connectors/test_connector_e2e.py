@@ -48,7 +48,7 @@ from tests.vllm.conftest import (
     EngineRunner,
 )
 
-pytestmark = pytest.mark.engine_minutes(2.5)
+pytestmark = pytest.mark.engine_minutes(4.8)
 
 FULL_HIT_TOKENS = 384  # 400 cut to a 128-token block, leaving the last token to compute
 MAX_TOKENS = 4

@@ -36,7 +36,7 @@ from tests.server.conftest import running_server
 from tests.vllm.conftest import KVSTORE_CONNECTOR, EngineRunner
 from tests.vllm.tiny_models import TINY_LLAMA, tiny_model_dir
 
-pytestmark = pytest.mark.engine_minutes(1.2)
+pytestmark = pytest.mark.engine_minutes(1.6)
 
 PROMPT_TOKENS = 400
 HIT_TOKENS = 384  # three whole 128-token blocks: vLLM computes at least the prompt's last token

@@ -28,7 +28,7 @@ from tests.server.conftest import running_server
 from tests.vllm.conftest import KVSTORE_CONNECTOR, EngineRunner
 from tests.vllm.tiny_models import TINY_DEEPSEEK_V2, tiny_model_dir
 
-pytestmark = pytest.mark.engine_minutes(1.2)
+pytestmark = pytest.mark.engine_minutes(1.5)
 
 PROMPT_TOKENS = 400
 HIT_TOKENS = 384  # three whole 128-token blocks (the AMX MLA backend's block size here)

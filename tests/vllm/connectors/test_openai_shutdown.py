@@ -37,7 +37,7 @@ from kvstore.data_dir.server_record import live_server_record
 from kvstore.pids import pid_alive
 from tests.vllm.conftest import E2E_CHUNK_TOKENS, KVSTORE_CONNECTOR
 
-pytestmark = pytest.mark.engine_minutes(1.3)
+pytestmark = pytest.mark.engine_minutes(1.6)
 
 EXIT_BOUND_S = 5.0
 """The target: the server process gone this long after the signal (issue 28)."""

@@ -33,7 +33,7 @@ from tests.vllm.parallel_engines import (
     tiny_model_and_prompts,
 )
 
-pytestmark = pytest.mark.engine_minutes(3.0)
+pytestmark = pytest.mark.engine_minutes(4.0)
 
 SESSION_TIMEOUT_S = 1200
 """Four engine sessions (50-100 s each to start on the 2-core machine, more when it is loaded)."""

@@ -33,7 +33,7 @@ from tests.vllm.parallel_engines import (
     tiny_model_and_prompts,
 )
 
-pytestmark = pytest.mark.engine_minutes(1.7)
+pytestmark = pytest.mark.engine_minutes(2.0)
 
 SESSION_TIMEOUT_S = 600
 

@@ -27,7 +27,7 @@ from tests.server.conftest import ServerProcess, running_server
 from tests.vllm.conftest import E2E_CHUNK_TOKENS, ColdReference, EngineRunner
 from tests.vllm.connectors.test_connector_e2e import FULL_HIT_TOKENS, MAX_TOKENS, SESSION_TIMEOUT_S, connector_spec
 
-pytestmark = pytest.mark.engine_minutes(1.5)
+pytestmark = pytest.mark.engine_minutes(1.1)
 
 LOOKUP_TIMEOUT_S = ConnectorSettings().lookup_timeout_s
 TRANSFER_TIMEOUT_S = ConnectorSettings().transfer_timeout_s
