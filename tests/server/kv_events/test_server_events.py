@@ -1,6 +1,7 @@
 """``kvstore serve --kv-events``: a consumer of the event stream rebuilds the server's exact residency, tier by tier,
 through an eviction-heavy run, a late join (snapshot + replay) and a restart (real server processes, real ZeroMQ
-sockets; events decoded with plain msgpack here, with vLLM's own structs in ``tests/vllm/connectors/test_kv_events_vllm.py``).
+sockets; events decoded with plain msgpack here, with vLLM's own structs in
+``tests/vllm/connectors/test_kv_events_vllm.py``).
 """
 
 from __future__ import annotations
