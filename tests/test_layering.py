@@ -130,7 +130,8 @@ FORBIDDEN = {
     # The wire is shared by both ends and imports neither (nor what only one end has).
     "kvstore.wire": (*_ABOVE_THE_STORE, *_TOOLS, "kvstore.content", *_TIERS_BUT_BASE),
     "kvstore.server": (*_TOOLS, "kvstore.client", "kvstore.connectors", "kvstore.blend"),
-    # kvstore serve's checks before torch is imported (issue 45): nothing that imports it, nor the rest of the server
+    # kvstore serve's checks before torch is imported (a mistake is refused in a fraction of a second): nothing that
+    # imports it, nor the rest of the server
     **{f"kvstore.server.{name}": _BEFORE_TORCH for name in ("serve_flags", "serve_sources", "host_facts")},
     # The client never imports the server, nor the store it fronts.
     "kvstore.client": (
