@@ -33,6 +33,8 @@ KVSTORE_DIR = Path(kvstore.__file__).parent
 MAPPED_PACKAGES = [
     "kvstore.blend",
     "kvstore.blend.vllm",
+    "kvstore.connectors",
+    "kvstore.connectors.vllm",
     "kvstore.content",
     "kvstore.data_dir",
     "kvstore.models",

@@ -1,13 +1,18 @@
 """kvstore's vLLM KV connector: ``KVStoreConnector`` (``kv_connector_module_path: "kvstore.connectors.vllm"``).
 
-- ``connector``: the class vLLM builds, which checks the engine and forwards to one half (``engine_facts``: what it
-  reads from the engine's config);
-- ``scheduler_side``: the EngineCore half; one ``RequestRecord`` per request (``request_record``), its miss reasons
-  (``request_misses``) and the tiers its hit came from (``hit_sources``);
-- ``worker_side``: a worker's half (loads and blend passes); ``prompt_saves`` (its saves), ``span_writer`` (a blend
-  pass's span into the blocks), ``worker_stats``, ``parallel`` (a rank's part of every chunk), ``cache_shapes``
-  (the KV cache shapes and block format it accepts);
-- ``metadata``: what the halves tell each other every step, and the stats.
+- ``connector``: the class vLLM builds, which checks the engine and forwards to one half;
+- ``engine_facts``: what the connector reads from the engine's ``VllmConfig``, checked at start;
+- ``scheduler_side``: the EngineCore half: lookups, loads and blend passes to queue, answers to vLLM;
+- ``request_record``: one ``RequestRecord`` per request, its phase explicit;
+- ``request_misses``: why a request's looked-up tokens were not served, adding up exactly;
+- ``hit_sources``: the tiers a hit's tokens come from, as vLLM counts cache sources;
+- ``worker_side``: a worker's half: loads, blend passes and set-up;
+- ``prompt_saves``: a worker's saves, from the step that completes a prompt's prefill to the store;
+- ``span_writer``: a blend pass's span written into a request's paged blocks;
+- ``worker_stats``: a worker's transfer counters;
+- ``parallel``: the part of every chunk each rank of a tensor- or pipeline-parallel engine moves;
+- ``cache_shapes``: the KV cache shapes a worker accepts (plain K/V, fp8 K/V, an MLA latent);
+- ``metadata``: what the halves tell each other every step, and the stats they keep.
 
 Blending's decisions, contract and engine are ``kvstore.blend.vllm``.
 """
