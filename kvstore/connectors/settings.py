@@ -144,6 +144,9 @@ class ConnectorSettings:
         blend_passes_per_step: the most blend passes one engine step runs. A pass runs inside the step, before its
             forward, so every request decoding in that step waits for all of them; a request over the bound waits
             for a later step (vLLM asks again), not for a plain prefill.
+        blend_gate: blend a span only when the gate expects the pass to beat vLLM's prefill of it (on by default);
+            off blends every span found, as measurements of blending itself need when another load shares the
+            machine and the gate's learnt rates follow it.
     """
 
     url: str | None = None
@@ -160,6 +163,7 @@ class ConnectorSettings:
     blend_chunk_start_tokens: int = 4
     blend_disk_policy: str = "auto"
     blend_passes_per_step: int = 1
+    blend_gate: bool = True
 
 
 def default_engine_data_dir(layout: KVLayout) -> Path:
@@ -260,7 +264,7 @@ def _checked(key: str, name: str, value: object) -> object:
         if value not in BLEND_DISK_POLICIES:
             raise ConfigError(f"{key} must be one of {', '.join(BLEND_DISK_POLICIES)}, not {value!r}")
         return value
-    if name in ("async_disk_loads", "blend"):
+    if name in ("async_disk_loads", "blend", "blend_gate"):
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, not {value!r}")
         return value

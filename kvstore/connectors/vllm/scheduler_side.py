@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import RequestStatus
 
-from kvstore.blend.vllm.gate import BlendGate, span_makeup
+from kvstore.blend.vllm.gate import BlendGate, GateDecision, span_makeup
 from kvstore.blend.vllm.hook import BlendOutcome
 from kvstore.blend.vllm.request_choice import BlendChoice, blend_choice
 from kvstore.blend.vllm.span import blend_span_end
@@ -163,7 +163,11 @@ class SchedulerSide:
             )
             if blend_end is not None and blend_end > num_computed_tokens:
                 makeup = span_makeup(probe.segments, num_computed_tokens, blend_end)
-                gate = self._gate.decide(makeup, choice.ratio, blend_end - max(end, num_computed_tokens))
+                gate = (
+                    self._gate.decide(makeup, choice.ratio, blend_end - max(end, num_computed_tokens))
+                    if self._settings.blend_gate
+                    else GateDecision(blend=True, pass_ms=None, prefill_ms=None)
+                )
                 if gate.blend:
                     span = dataclasses.replace(probe, blend_end=blend_end, choice=choice, makeup=makeup, gate=gate)
                     return self._offer_blend(record, span, account, num_computed_tokens)

@@ -72,6 +72,8 @@ def test_blend_settings_are_checked_at_start_and_turn_on_the_embedded_servers_in
     assert (chosen.blend_selection, chosen.blend_chunk_start_tokens) == ("query_attention", 8)
     assert parse_connector_settings({}).blend_passes_per_step == 1
     assert parse_connector_settings({"kvstore.blend_passes_per_step": 3}).blend_passes_per_step == 3
+    assert parse_connector_settings({}).blend_gate is True
+    assert parse_connector_settings({"kvstore.blend_gate": False}).blend_gate is False
     data_dir = {"kvstore.data_dir": "kvstore-data/engine"}  # else the engine's layout names it (settle_data_dir)
     settings = parse_connector_settings({"kvstore.blend": True, "kvstore.blend_disk_policy": "recompute"} | data_dir)
     assert "--enable-blend" in settings.embedded.serve_flags()
