@@ -200,13 +200,16 @@ class MLASpec:
 
 
 class RopeScaling(enum.StrEnum):
-    """RoPE frequency schemes of Llama-family models, and yarn (DeepSeek-V2/V3's MLA models): stored and named in the
-    identity, never re-rotated (``kvstore.blend.rope`` refuses it)."""
+    """RoPE frequency schemes of Llama-family models, and two that are stored and named in the identity, never
+    re-rotated (``kvstore.blend.rope`` refuses them): yarn (DeepSeek-V2/V3's MLA models), and ``per_layer_type``, a
+    hybrid model whose sliding-window and full-attention layers rotate differently (Gemma 3; each type's parameters
+    in ``RopeSpec.extra``)."""
 
     DEFAULT = "default"
     LINEAR = "linear"
     LLAMA3 = "llama3"
     YARN = "yarn"
+    PER_LAYER_TYPE = "per_layer_type"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from kvstore.blend.rope import inverse_frequencies
 from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, RopeScaling, RopeSpec
 from kvstore.models import layout_from_hf_config, rope_spec_from_hf_config
@@ -96,9 +97,62 @@ def test_missing_or_bad_fields_say_which() -> None:
     with pytest.raises(ConfigError, match="config has no num_attention_heads"):
         layout_from_hf_config({"_name_or_path": "x", "hidden_size": 64})
     with pytest.raises(ConfigError, match="num_hidden_layers=0 must be a positive integer"):
-        layout_from_hf_config({"_name_or_path": "x", "hidden_size": 64, "num_attention_heads": 4,
-                               "num_hidden_layers": 0})
+        layout_from_hf_config(
+            {"_name_or_path": "x", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 0}
+        )
     with pytest.raises(ConfigError, match="carries no name; pass model_id"):
         layout_from_hf_config({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2})
     with pytest.raises(ConfigError, match="are not a mapping"):
         rope_spec_from_hf_config({"rope_parameters": 3})
+
+
+# Gemma 3's text config as transformers 5 writes it (trimmed): sliding-window layers and full-attention layers,
+# each type with its own RoPE (the 4B-27B models scale the full layers' linearly).
+GEMMA3_V5 = {
+    "_name_or_path": "google/gemma-3-4b-it",
+    "model_type": "gemma3_text",
+    "hidden_size": 2560,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "num_hidden_layers": 6,
+    "sliding_window": 1024,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+}
+
+
+def test_a_sliding_window_model_with_rope_per_layer_type_is_stored_with_every_types_rope_in_its_identity() -> None:
+    layout = layout_from_hf_config(GEMMA3_V5)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (6, 4, 256)
+    assert layout.rope == RopeSpec(
+        theta=1e6,
+        scaling=RopeScaling.PER_LAYER_TYPE,
+        extra=(
+            ("full_attention.linear.factor", 8.0),
+            ("full_attention.linear.theta", 1e6),
+            ("sliding_attention.default.theta", 1e4),
+        ),
+    )
+    local = {**GEMMA3_V5, "rope_parameters": {**GEMMA3_V5["rope_parameters"], "sliding_attention": {"rope_theta": 2e4}}}
+    assert layout_from_hf_config(local).namespace != layout.namespace, "each type's RoPE is in the identity"
+    with pytest.raises(ConfigError, match="per-layer-type RoPE parameters"):
+        rope_spec_from_hf_config(GEMMA3_V5)  # what blending would ask: no one rotation moves its K
+    with pytest.raises(ConfigError, match="has no rotation"):
+        inverse_frequencies(layout.rope, layout.head_dim)
+
+
+def test_a_transformers_4_gemma3_config_gives_the_same_layout_as_transformers_5() -> None:
+    v4 = {key: value for key, value in GEMMA3_V5.items() if key not in ("rope_parameters", "layer_types")}
+    v4 |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert layout_from_hf_config(v4) == layout_from_hf_config(GEMMA3_V5)
+
+
+def test_per_layer_type_rope_of_a_model_using_one_type_is_that_types_rope() -> None:
+    config = {**GEMMA3_V5, "layer_types": ["full_attention"] * 6}
+    assert layout_from_hf_config(config).rope == RopeSpec(theta=1e6, scaling=RopeScaling.LINEAR, factor=8.0)
+    with pytest.raises(ConfigError, match="layers of type 'chunked_attention' have no rope parameters"):
+        layout_from_hf_config({**config, "layer_types": ["chunked_attention", "sliding_attention"]})

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TINY_DEEPSEEK_V2", "TINY_LLAMA", "tiny_model_dir"]
+__all__ = ["TINY_DEEPSEEK_V2", "TINY_GEMMA3", "TINY_LLAMA", "tiny_model_dir"]
 
 _VOCAB = 49152  # SmolLM2's tokenizer
 TINY_LLAMA: dict[str, Any] = {
@@ -64,6 +64,32 @@ TINY_DEEPSEEK_V2: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 """A two-layer DeepSeek-V2 (MLA: a 512-wide compressed latent and a 64-wide rope part per token)."""
+
+TINY_GEMMA3: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": _VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.3,
+    "tie_word_embeddings": False,
+}
+"""A four-layer Gemma 3 (text only): three sliding-window layers of a 64-token window and a full-attention layer last
+(Gemma 3's five-to-one pattern, shortened), each type with its own RoPE theta. Weights drawn with a wide range (0.3,
+not 0.02) and the output head untied: with Gemma's scaled, tied embeddings every prompt decodes to its own last token
+repeated, whatever its KV; this way another prefix (beyond the window) changes the greedy tokens."""
 
 
 def tiny_model_dir(cache_dir: Path, tokenizer_dir: Path, config: dict[str, Any], *, dtype: torch.dtype) -> Path:
