@@ -49,13 +49,16 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+import xxhash
 
-from kvstore.blend.config import BlendConfig, DiskPolicy, SelectionPolicy
+from kvstore.blend.config import BlendConfig, SelectionPolicy
 from kvstore.blend.kv_loading import KVLoader, PendingLoad
 from kvstore.blend.layer_stack import LayerStack
 from kvstore.blend.llama_layers import Projection
-from kvstore.blend.load_cost import LoadCostModel, disk_bound_segments, skipped_token_layers
+from kvstore.blend.load_cost import LoadCostModel
+from kvstore.blend.pass_loads import NO_LOAD, PlanSource, start_load
 from kvstore.blend.query_attention import QueryMask
+from kvstore.blend.ranks import ONE_RANK, RankAgreement
 from kvstore.blend.recurring_context import recurring_context_positions
 from kvstore.blend.rope import RopeRotator, Rotation, token_deltas
 from kvstore.blend.selection import (
@@ -66,11 +69,10 @@ from kvstore.blend.selection import (
     token_deviation,
 )
 from kvstore.blend.stage_clock import Mark, StageClock
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import TokenArray
 from kvstore.layout import KVLayout
 from kvstore.plan import LookupPlan, Segment
-from kvstore.session import Session
 
 __all__ = ["BlendConfig", "BlendPassResult", "BlendPlanSummary", "LayerKV", "clip_segments", "run_blend_pass"]
 
@@ -233,8 +235,10 @@ class _Pass:
         span_end: int | None = None,
         need_logits: bool = True,
         buffer: torch.Tensor | None = None,
+        ranks: RankAgreement = ONE_RANK,
     ) -> None:
         self.stack = stack
+        self.ranks = ranks
         self.rotator = rotator
         self.layout = layout
         self.settings = settings
@@ -274,12 +278,14 @@ class _Pass:
         for layer_idx in range(stack.num_layers):
             if layer_idx == cache_from:
                 if pending is not None:
-                    loaded = clip_segments(self._timed(pending.segments), num_tokens)
+                    loaded = clip_segments(self._agreed(pending.segments), num_tokens)
+                    if not self.ranks.all_equal(_segments_digest(loaded)):
+                        raise KVStoreError("the ranks of the blend pass loaded different chunks of the prompt")
                     classes = _TokenClasses(loaded, self.tokens, settings, self.span_end)
                     narrow = _narrow_layer(classes, settings)
                 for written_idx, written in pending_writes:  # after the retrieve has written that layer
                     if pending is not None:
-                        self._timed(functools.partial(pending.wait_layer, written_idx))
+                        self._agreed(functools.partial(pending.wait_layer, written_idx))
                     self._store_fresh(written_idx, written)
                 if narrow is not None:
                     reuse_from = max(narrow, 0)
@@ -307,7 +313,7 @@ class _Pass:
                 self.layers.append(LayerKV(projection.key[:, :, span], projection.value[:, :, span]))
                 continue
             if pending is not None:
-                self._timed(functools.partial(pending.wait_layer, layer_idx))
+                self._agreed(functools.partial(pending.wait_layer, layer_idx))
             if rotation is not None and reuse_from is not None and layer_idx >= reuse_from:
                 rotation.apply(self.kv[layer_idx, 0], in_place=True)
             keys, values = self._working_kv(layer_idx)
@@ -340,6 +346,10 @@ class _Pass:
         waited = wait()
         self.load_marks.append((before, self.clock.mark()))
         return waited
+
+    def _agreed(self, wait: Callable[[], _Waited]) -> _Waited:
+        """``_timed(wait)``, failing on every rank when it failed on one (before the layer's sums)."""
+        return _on_every_rank(self.ranks, lambda: self._timed(wait), undo=lambda: None)
 
     def _store_fresh(self, layer_idx: int, fresh: Projection) -> None:
         """A layer computed for every token: its fresh K/V are the layer's KV."""
@@ -404,6 +414,8 @@ class _Pass:
             )
         elif scorer is SelectionPolicy.QUERY_ATTENTION:
             scores = self._question_attention(classes, fresh, keys, positions)[blend_positions]
+        if scores is not None:
+            scores = self.ranks.summed(scores)  # each rank scored its own heads
         span_starts = classes.span_starts
         return select_tokens(
             scores=scores,
@@ -431,7 +443,7 @@ def run_blend_pass(
     stack: LayerStack,
     rotator: RopeRotator,
     loader: KVLoader,
-    owner: Session,
+    owner: PlanSource,
     layout: KVLayout,
     tokens: TokenArray,
     settings: BlendConfig,
@@ -441,6 +453,7 @@ def run_blend_pass(
     need_logits: bool = True,
     make_buffer: Callable[[int], torch.Tensor | None] | None = None,
     repeat_lookup: bool = False,
+    ranks: RankAgreement = ONE_RANK,
 ) -> BlendPassResult:
     """Look the prompt up, load its cached KV on the loader, run every layer; see the module docstring.
 
@@ -461,6 +474,9 @@ def run_blend_pass(
             writes directly), or ``None`` for a new one; the caller gets it back as the result's ``kv``.
         repeat_lookup: the engine looked the prompt up already for this request (a scheduler's probe): the pass's
             lookup is not counted again in the store's hit and miss figures.
+        layout: the shape of the KV this worker holds (on a tensor-parallel rank: its KV heads, ``KVPart``).
+        ranks: the tensor-parallel ranks running this pass together (``kvstore.blend.ranks``); ``owner`` then
+            hands every rank the lead's plan. A failure on one rank fails the pass on all of them.
 
     Raises:
         ConfigError: the store was opened without ``enable_blend`` (from its lookup).
@@ -470,17 +486,21 @@ def run_blend_pass(
     looked_up = clock.mark()
     end = _checked_span_end(owner, plan, len(tokens), span_end)
     computed = tokens if _scores_with_tail(settings) else tokens[:end]
-    buffer = make_buffer(max(len(computed), plan.end)) if make_buffer is not None else None
+    buffer = _on_every_rank(
+        ranks,
+        lambda: make_buffer(max(len(computed), plan.end)) if make_buffer is not None else None,
+        undo=lambda: owner.release(plan),
+    )
     work = _Pass(
         stack, rotator, layout, settings, computed, clock,
-        buffer_tokens=plan.end, span_end=end, need_logits=need_logits, buffer=buffer,
+        buffer_tokens=plan.end, span_end=end, need_logits=need_logits, buffer=buffer, ranks=ranks,
     )  # fmt: skip
     classes = _TokenClasses(clip_segments(plan.segments, len(computed)), computed, settings, end)
     if classes.has_exact or (classes.has_blend and settings.recompute_ratio < 1.0):
-        load = _start_load(owner, loader, plan, work, costs)
+        load = start_load(owner, loader, plan, work.buffer, settings, costs, num_layers=stack.num_layers, ranks=ranks)
     else:
         owner.release(plan)
-        load = _NO_LOAD
+        load = NO_LOAD
     try:
         layers_start = clock.mark()
         hidden, recomputed, summary = work.run(classes, load.pending)
@@ -507,56 +527,13 @@ def run_blend_pass(
     )
 
 
-def _checked_span_end(owner: Session, plan: LookupPlan, num_tokens: int, span_end: int | None) -> int:
+def _checked_span_end(owner: PlanSource, plan: LookupPlan, num_tokens: int, span_end: int | None) -> int:
     """The pass's span end (``None``: the whole prompt); releases ``plan`` before refusing one outside the prompt."""
     end = num_tokens if span_end is None else span_end
     if not 0 < end <= num_tokens:
         owner.release(plan)
         raise ConfigError(f"span_end={span_end} is outside the {num_tokens}-token prompt")
     return end
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Load:
-    """The retrieve a pass started (``None``: nothing cached is read, the plan was released), and the segments only
-    the disk held: read (``memory_only`` false) or left to compute."""
-
-    pending: PendingLoad | None
-    disk_bound: tuple[Segment, ...] = ()
-    memory_only: bool = False
-
-    def settle(self) -> None:
-        """Wait for the retrieve to finish (or fail) on every path out of the pass."""
-        if self.pending is not None:
-            self.pending.settle()
-
-    @property
-    def total_ms(self) -> float:
-        """The retrieve's whole duration; 0 without one."""
-        return self.pending.duration_ms() if self.pending is not None else 0.0
-
-    def disk_wait_bytes(self, layout: KVLayout) -> int:
-        """Bytes the retrieve read from disk while the pass could wait for them."""
-        return 0 if self.memory_only else sum(layout.chunk_bytes(segment.num_tokens) for segment in self.disk_bound)
-
-    @property
-    def num_skipped_disk_tokens(self) -> int:
-        """Tokens of the disk-only segments left to compute."""
-        return sum(segment.num_tokens for segment in self.disk_bound) if self.memory_only else 0
-
-
-_NO_LOAD = _Load(pending=None)
-
-
-def _start_load(owner: Session, loader: KVLoader, plan: LookupPlan, work: _Pass, costs: LoadCostModel) -> _Load:
-    """Start the retrieve of ``plan`` into the pass's buffer on the loader, reading the disk-only segments or
-    leaving them to compute as the settings and ``costs`` say."""
-    disk_bound = disk_bound_segments(plan)
-    memory_only = _skips_disk(work.settings, costs, disk_bound, work.stack.num_layers)
-    pending = loader.start(
-        lambda out, progress: owner.retrieve(plan, out, progress=progress, memory_only=memory_only), work.buffer
-    )
-    return _Load(pending=pending, disk_bound=disk_bound, memory_only=memory_only)
 
 
 def clip_segments(segments: Sequence[Segment], end: int) -> tuple[Segment, ...]:
@@ -574,13 +551,21 @@ def _scores_with_tail(settings: BlendConfig) -> bool:
     return settings.selection.scorer is SelectionPolicy.QUERY_ATTENTION and 0.0 < settings.recompute_ratio < 1.0
 
 
-def _skips_disk(settings: BlendConfig, costs: LoadCostModel, disk_bound: Sequence[Segment], num_layers: int) -> bool:
-    """Whether this pass leaves the chunks only the disk holds to compute (``load_cost``)."""
-    if not disk_bound or settings.disk_policy is DiskPolicy.WAIT:
-        return False
-    if settings.disk_policy is DiskPolicy.RECOMPUTE:
-        return True
-    extra = skipped_token_layers(
-        disk_bound, num_layers=num_layers, check_layer=settings.check_layer, recompute_ratio=settings.recompute_ratio
-    )
-    return costs.recompute_is_faster(disk_bound, extra)
+def _on_every_rank(ranks: RankAgreement, step: Callable[[], _Waited], *, undo: Callable[[], None]) -> _Waited:
+    """``step()``, where it succeeded on every rank; else ``undo()`` and raise, on every rank at the same point."""
+    try:
+        done = step()
+    except Exception:
+        ranks.all_true(False)
+        undo()
+        raise
+    if not ranks.all_true(True):
+        undo()
+        raise KVStoreError("another rank of the blend pass failed; the pass stops on every rank")
+    return done
+
+
+def _segments_digest(segments: Sequence[Segment]) -> int:
+    """A 62-bit hash of where the loaded KV sits and where it was computed (not which tier it came from)."""
+    placed = tuple((segment.start, segment.num_tokens, segment.source_start, segment.exact) for segment in segments)
+    return xxhash.xxh64_intdigest(repr(placed).encode()) >> 2

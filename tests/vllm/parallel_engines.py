@@ -94,8 +94,11 @@ def engine_spec(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     commands_before: Mapping[str, Sequence[Sequence[str]]] | None = None,
+    extra_config: Mapping[str, object] | None = None,
+    transfer_params: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> EngineSpec:
-    """An engine of the given shape with kvstore's connector on the server at ``url`` (vLLM's prefix cache off)."""
+    """An engine of the given shape with kvstore's connector on the server at ``url`` (vLLM's prefix cache off),
+    ``extra_config`` added to the connector's settings."""
     parallel = tensor_parallel_size * pipeline_parallel_size > 1
     return EngineSpec(
         model_dir=model_dir,
@@ -106,9 +109,13 @@ def engine_spec(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         max_model_len_tokens=1024,
-        kv_transfer_config={**KVSTORE_CONNECTOR, "kv_connector_extra_config": {"kvstore.url": url}},
+        kv_transfer_config={
+            **KVSTORE_CONNECTOR,
+            "kv_connector_extra_config": {"kvstore.url": url, **(extra_config or {})},
+        },
         wait_until_stored_s=SAVE_WAIT_S,
         commands_before=commands_before or {},
+        transfer_params=transfer_params or {},
     )
 
 

@@ -15,6 +15,10 @@ The load-or-recompute choice learns from this engine's own passes (``LoadCostMod
 pass, the disk rate from every pass that waited for the disk, so ``disk_policy="auto"`` never waits for a disk that
 is slower than recomputing.
 
+On a tensor-parallel engine every rank runs each pass on its own KV heads, together: the lead rank's plan, the
+same tokens loaded, the selection made from scores summed over the group (``tensor_parallel``), so every rank
+recomputes the same tokens and the answer is the one-rank blend's. Pipeline stages are refused (``model_lookup``).
+
 Runs on vLLM's model-runner thread (under ``torch.inference_mode``); the retrieve runs on the loader's thread.
 """
 
@@ -29,6 +33,8 @@ import torch
 from kvstore.blend.kv_loading import KVLoader
 from kvstore.blend.layerwise import BlendConfig, BlendPassResult, run_blend_pass
 from kvstore.blend.load_cost import DiskPolicy, LoadCostModel
+from kvstore.blend.pass_loads import PlanSource
+from kvstore.blend.ranks import ONE_RANK
 from kvstore.blend.rope import RopeRotator
 from kvstore.blend.selection import SelectionPolicy
 from kvstore.blend.stage_clock import StageClock
@@ -36,6 +42,7 @@ from kvstore.blend.vllm.hook import BlendEngineContext, BlendOutcome
 from kvstore.blend.vllm.llama_stack import VllmLlamaStack
 from kvstore.blend.vllm.model_lookup import find_loaded_model
 from kvstore.blend.vllm.rope_gate import require_vllm_rope_gate
+from kvstore.blend.vllm.tensor_parallel import LeadRankPlans, TensorParallelRanks
 from kvstore.errors import ConfigError
 from kvstore.keys import as_token_array
 
@@ -43,7 +50,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvstore.client import Client
-    from kvstore.session import Session
 
 __all__ = ["VllmBlendEngine"]
 
@@ -72,8 +78,14 @@ class VllmBlendEngine:
                 f"kvstore.blend_check_layer={context.check_layer} is beyond the model's {num_layers} layers; use a "
                 f"layer in [0, {num_layers - 1}] (default 1)"
             )
-        self._layout = context.layout
-        self.rope_gate = require_vllm_rope_gate(self._stack, self._layout, vllm_config.model_config.hf_config)
+        self.rope_gate = require_vllm_rope_gate(self._stack, context.layout, vllm_config.model_config.hf_config)
+        self._part = context.part
+        self._layout = context.layout if context.part is None else context.part.shape_layout(context.layout)
+        self._ranks: TensorParallelRanks | None = None
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            from vllm.distributed import get_tp_group
+
+            self._ranks = TensorParallelRanks(get_tp_group())
         self._span_writer = context.span_writer
         self._check_layer = context.check_layer
         self._disk_policy = context.disk_policy
@@ -109,13 +121,14 @@ class VllmBlendEngine:
         taken: list[torch.Tensor] = []
 
         def make_buffer(num_tokens: int) -> torch.Tensor | None:
-            buffer = self._buffers.take(client, num_tokens) if on_cpu else None
+            buffer = self._buffers.take(client, num_tokens, part=self._part) if on_cpu else None
             taken.extend([buffer] if buffer is not None else [])
             return buffer
 
         with client.session() as session, torch.inference_mode():
+            plans: PlanSource = session if self._ranks is None else LeadRankPlans(client, self._ranks, self._part)
             try:
-                result = self._pass(session, token_ids, end, settings, make_buffer)
+                result = self._pass(plans, token_ids, end, settings, make_buffer)
                 written = time.perf_counter()
                 self._span_writer.write(result.kv, block_ids, local_end, end)
                 write_ms = (time.perf_counter() - written) * 1e3
@@ -140,7 +153,7 @@ class VllmBlendEngine:
 
     def _pass(
         self,
-        session: Session,
+        plans: PlanSource,
         token_ids: tuple[int, ...],
         end: int,
         settings: BlendConfig,
@@ -150,7 +163,7 @@ class VllmBlendEngine:
             stack=self._stack,
             rotator=self._rotator,
             loader=self._loader,
-            owner=session,
+            owner=plans,
             layout=self._layout,
             tokens=as_token_array(token_ids),
             settings=settings,
@@ -160,6 +173,7 @@ class VllmBlendEngine:
             need_logits=False,
             make_buffer=make_buffer,
             repeat_lookup=True,  # the scheduler's probe counted the request
+            ranks=self._ranks or ONE_RANK,
         )
 
     def close(self) -> None:

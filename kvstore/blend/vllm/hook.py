@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvstore.client import Client
+    from kvstore.kv_part import KVPart
     from kvstore.layout import KVLayout
 
 __all__ = [
@@ -49,8 +50,9 @@ class SpanWriter(Protocol):
 class RetrieveBuffers(Protocol):
     """Shared-memory buffers a server on this host retrieves into, kept between passes."""
 
-    def take(self, client: Client, num_tokens: int) -> torch.Tensor | None:
-        """A buffer with room for ``num_tokens`` (``None``: the server is not on this host)."""
+    def take(self, client: Client, num_tokens: int, *, part: KVPart | None = None) -> torch.Tensor | None:
+        """A buffer with room for ``num_tokens``, shaped by ``part`` when given (``None``: the server is not on this
+        host)."""
         ...
 
     def give_back(self, buffer: torch.Tensor | None) -> None:
@@ -65,6 +67,8 @@ class BlendEngineContext:
     Args:
         engine_config: the engine's own config object (vLLM's ``VllmConfig``).
         layout: the model's KV layout.
+        part: this worker's KV heads of every chunk on a tensor-parallel engine (``None``: all of them); its ranks
+            run every pass together (``kvstore.blend.vllm.tensor_parallel``).
         span_writer: writes a pass's span into the request's blocks.
         buffers: the buffers the pass's retrieves land in.
         layer_names: the engine's attention layer names, in the same order.
@@ -81,6 +85,7 @@ class BlendEngineContext:
     layer_names: tuple[str, ...]
     check_layer: int
     disk_policy: str
+    part: KVPart | None = None
     selection: str = "kv_deviation"
     chunk_start_tokens: int = 4
 

@@ -15,9 +15,10 @@ takes either). An MLA model's latent is the same on every tensor-parallel rank: 
 the first rank of each stage saves it (``RankPart.saves``). The scheduler's pinned plan is retrieved by every rank
 (``LoadSpec.readers``), whatever part each takes, and stays pinned until all have.
 
-Blending is refused on these engines at start (``check_parallel_blend``): the blend pass runs on one worker's own
-modules and selects the tokens to recompute from its own heads, and nothing here makes the ranks of a group agree on
-that selection yet; such engines serve exact prefix reuse.
+Blending runs on tensor-parallel engines: every rank runs each pass on its own KV heads, together with the others
+(the lead's plan, the same tokens, a selection from scores summed over the group: ``kvstore.blend.vllm``). It is
+refused at start on pipeline stages (``check_parallel_blend``): the pass runs every layer on one worker, and a stage
+holds only some of them; such engines serve exact prefix reuse.
 """
 
 from __future__ import annotations
@@ -96,15 +97,14 @@ def rank_part(
 
 
 def check_parallel_blend(vllm_config: VllmConfig, settings: ConnectorSettings) -> None:
-    """Refuse ``kvstore.blend`` on a tensor- or pipeline-parallel engine, with one line.
+    """Refuse ``kvstore.blend`` on a pipeline-parallel engine, with one line (tensor parallelism blends).
 
     Raises:
-        ConfigError: blending is on and the engine has more than one worker.
+        ConfigError: blending is on and the engine has more than one pipeline stage.
     """
-    parallel = vllm_config.parallel_config
-    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    if settings.blend and (tp != 1 or pp != 1):
+    stages = vllm_config.parallel_config.pipeline_parallel_size
+    if settings.blend and stages != 1:
         raise ConfigError(
-            f"kvstore.blend is not supported with tensor_parallel_size={tp}, pipeline_parallel_size={pp} (the ranks "
-            "would select different tokens to recompute); turn kvstore.blend off to serve exact prefix reuse"
+            f"kvstore.blend is not supported with pipeline_parallel_size={stages} (a blend pass runs every layer on "
+            "one worker; a stage holds only its own); turn kvstore.blend off to serve exact prefix reuse"
         )

@@ -251,6 +251,7 @@ class WorkerSide:
         context = BlendEngineContext(
             engine_config=self._vllm_config,
             layout=self._layout,
+            part=self._rank.part,
             span_writer=PagedSpanWriter(self._registered_layers()),
             buffers=LoadBuffers(),
             layer_names=layer_names,

@@ -66,10 +66,15 @@ def test_heads_that_do_not_split_are_refused() -> None:
         rank_part(layout, range(2), tp_rank=0, tp_size=2)
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
-def test_blending_is_refused_on_a_parallel_engine_in_one_line(tp: int, pp: int) -> None:
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2)])
+def test_blending_is_refused_on_pipeline_stages_in_one_line(tp: int, pp: int) -> None:
     engine = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
-    with pytest.raises(ConfigError, match=r"kvstore\.blend is not supported with tensor_parallel_size") as refused:
+    with pytest.raises(ConfigError, match=r"kvstore\.blend is not supported with pipeline_parallel_size=2") as refused:
         check_parallel_blend(engine, ConnectorSettings(blend=True))  # type: ignore[arg-type]
     assert "\n" not in str(refused.value)
     check_parallel_blend(engine, ConnectorSettings(blend=False))  # type: ignore[arg-type]
+
+
+def test_blending_runs_on_tensor_parallel_ranks() -> None:
+    engine = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=4, pipeline_parallel_size=1))
+    check_parallel_blend(engine, ConnectorSettings(blend=True))  # type: ignore[arg-type]
