@@ -65,6 +65,10 @@ class VllmLlamaStack:
         _, rotated = rotary(positions.to(torch.int64), query, keys.clone())
         return cast(torch.Tensor, rotated)
 
+    def max_rope_position(self) -> int:
+        """Positions vLLM's rotary embedding holds angles for (its table's rows; the model's context)."""
+        return int(self._layers[0].self_attn.rotary_emb.max_position_embeddings)
+
     def raw_keys(self, layer_idx: int, token_ids: torch.Tensor) -> torch.Tensor:
         """The layer's K ``[n, Hkv*D]`` of the embedded ``token_ids``, before RoPE (a probe for the RoPE gate)."""
         layer = self._layers[layer_idx]

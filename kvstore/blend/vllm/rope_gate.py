@@ -6,6 +6,10 @@ probe calls it directly: each layer's pre-RoPE K of the probe tokens (their embe
 ``qkv_proj``) is rotated by vLLM to ``p`` and to ``p + d``, and kvstore's rotation of the first by ``d`` must match
 the second within the same tolerance. The layout is also compared with the model's config (shape and RoPE
 parameters), as for Hugging Face models.
+
+vLLM's rotary embedding looks its angles up in a table of ``max_position_embeddings`` rows, so only the shifts whose
+both ends lie inside it are probed: an engine never rotates to a position past the table (a prompt that long is
+refused), and probing one would read outside it (a 4,096-position model such as Llama 2 would fail the gate).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from kvstore.blend.rope_gate import (
     DEFAULT_PROBE_TOKEN_IDS,
     DEFAULT_SHIFTS,
+    PositionShift,
     ProbedKV,
     RopeGateReport,
     gate_report,
@@ -22,6 +27,7 @@ from kvstore.blend.rope_gate import (
     raise_unless_passed,
 )
 from kvstore.blend.vllm.llama_stack import VllmLlamaStack
+from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout
 
 __all__ = ["require_vllm_rope_gate"]
@@ -37,7 +43,7 @@ def require_vllm_rope_gate(stack: VllmLlamaStack, layout: KVLayout, hf_config: o
     vocab_size = int(getattr(hf_config, "vocab_size", 0) or max(DEFAULT_PROBE_TOKEN_IDS) + 1)
     device = stack.device
     tokens = torch.tensor([token % vocab_size for token in DEFAULT_PROBE_TOKEN_IDS], dtype=torch.int64, device=device)
-    shifts = DEFAULT_SHIFTS
+    shifts = _shifts_inside(stack.max_rope_position(), DEFAULT_SHIFTS)
     sources = torch.tensor([shift.position for shift in shifts], dtype=torch.int64).repeat_interleave(len(tokens))
     deltas = torch.tensor([shift.delta for shift in shifts], dtype=torch.int64).repeat_interleave(len(tokens))
     probe_tokens = tokens.repeat(len(shifts))
@@ -61,3 +67,15 @@ def require_vllm_rope_gate(stack: VllmLlamaStack, layout: KVLayout, hf_config: o
         config_mismatches=layout_mismatches(hf_config, layout),
     )
     return raise_unless_passed(report)
+
+
+def _shifts_inside(num_positions: int, shifts: tuple[PositionShift, ...]) -> tuple[PositionShift, ...]:
+    """The shifts whose both ends are positions the rotary table holds.
+
+    Raises:
+        ConfigError: none is (a table too short to probe).
+    """
+    inside = tuple(shift for shift in shifts if max(shift.position, shift.target) < num_positions)
+    if not inside:
+        raise ConfigError(f"kvstore.blend: the model's rotary table holds {num_positions} positions, too few to check")
+    return inside
