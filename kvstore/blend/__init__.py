@@ -11,7 +11,9 @@
 - ``selection``: which tokens are recomputed (the most deviating cached ones, and every uncached one);
 - ``recurring_context``: cached tokens whose context recurs earlier in the prompt;
 - ``query_attention``: attention of a subset of the tokens over the whole prompt, causal by absolute position;
+- ``pass_loads``: where a pass's cached KV comes from (``PlanSource``) and the retrieve it starts;
 - ``kv_loading``: loading a plan's KV layer by layer on a worker thread while the model computes;
+- ``ranks``: what the ranks of a tensor-parallel engine agree on to run one pass together;
 - ``load_cost``: waiting for the disk or recomputing, whichever is faster for disk-only chunks;
 - ``stage_clock``: timing the stages of a prefill truthfully on the CPU and on a GPU;
 - ``vllm``: the same pass inside vLLM, on the modules of the model a vLLM worker loaded (kvstore's vLLM plugin).

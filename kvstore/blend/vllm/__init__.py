@@ -16,6 +16,7 @@ The engine side, loaded only in a worker whose connector blends:
 - ``llama_stack``: ``VllmLlamaStack``, vLLM's Llama modules as a ``LayerStack``.
 - ``rope_gate``: the RoPE gate on vLLM's own rotary embedding.
 - ``engine``: ``VllmBlendEngine``, one pass per request, written into vLLM's paged blocks by the connector's writer.
+- ``tensor_parallel``: the ranks of a tensor-parallel engine agreeing on a pass, and the lead's plan they share.
 
 Only ``plugin`` and the light modules may be imported outside a vLLM worker without vLLM installed.
 """
