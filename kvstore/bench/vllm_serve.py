@@ -26,8 +26,11 @@ round's exact repeats in ``kvstore_blend`` whose warm-up prompt the store held w
 share of all the row's requests equal to ``vllm``'s (for blended queries, a quality signal, not a correctness one).
 
 With a connector setting ``kvstore.chunk_separator`` in the installed kvstore, the kvstore
-deployments pass the separator string in it, so the store cuts chunks where documents start; without it they run
-without (the row says which).
+deployments pass the separator string in it, so the store cuts chunks where documents start; without it, or with
+``connector_separator`` off, they run without (the row says which).
+
+With ``chat`` the prompts are text through ``/v1/chat/completions`` (``vllm_serve_workload.ChatForm``): a system
+message, then the documents joined by blank lines and the question in one user message, as a RAG client sends them.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from kvstore.bench.vllm_serve_client import RoundResult, send_round
 from kvstore.bench.vllm_serve_options import DEPLOYMENTS, ServeBenchOptions
 from kvstore.bench.vllm_serve_server import OpenAIServer, ServerSpec, prompt_token_sources
 from kvstore.bench.vllm_serve_workload import (
+    ChatForm,
+    ChatMessage,
     ServePrompt,
     ServeWorkload,
     serve_workload,
@@ -105,6 +110,7 @@ class ServeRow:
     ttft_gain: float | None = None
     warm_up_stored: int | None = None
     chunk_separator: bool = False
+    chat: bool = False
     server_stop_s: float | None = None
     errors: tuple[str, ...] = ()
 
@@ -150,12 +156,13 @@ def run_serve_benchmark(options: ServeBenchOptions, progress: Callable[[str], No
         docs_per_query=options.docs_per_query,
         num_queries=options.num_queries,
         num_mixed=options.num_mixed,
-        separator=options.separator,
+        separator=options.joiner,
         system_prompt=options.system_prompt,
         question=options.question,
         seed=options.seed,
+        chat=_chat_form(tokenizer) if options.chat else None,
     )
-    separator = chunk_separator_setting(options.separator)
+    separator = chunk_separator_setting(options.joiner) if options.connector_separator else {}
     rows: list[ServeRow] = []
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-serve-") as scratch:
         work_dir = options.work_dir or Path(scratch)
@@ -166,6 +173,17 @@ def run_serve_benchmark(options: ServeBenchOptions, progress: Callable[[str], No
                 reference = {name: m.result for name, m in measured.items()}
             rows += _rows(options, deployment, workload, measured, reference, rows, stored, stop_s, bool(separator))
     return rows
+
+
+def _chat_form(tokenizer: Any) -> ChatForm:
+    """Chat prompts through the model's own chat template, as vLLM's OpenAI server applies it."""
+
+    def template(messages: Sequence[ChatMessage]) -> Sequence[int]:
+        turns = [{"role": role, "content": content} for role, content in messages]
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    return ChatForm(decode=lambda tokens: str(tokenizer.decode(list(tokens))), template=template)
 
 
 def _run_deployment(
@@ -219,7 +237,7 @@ def _measure_round(
     result = send_round(
         server.base_url,
         str(options.model_dir),
-        [prompt.tokens for prompt in prompts],
+        [prompt.messages or prompt.tokens for prompt in prompts],
         max_tokens=options.mixed_max_tokens if name == "mixed" else options.max_tokens,
         max_inflight=options.max_inflight,
     )
@@ -321,6 +339,7 @@ def _rows(
                 ttft_gain=None if warm_up_row is None or name == "warm_up" else warm_up_row.ttft_ms_mean / mean,
                 warm_up_stored=len(stored) if name == "warm_up" and deployment != "vllm" else None,
                 chunk_separator=separator and deployment != "vllm",
+                chat=options.chat,
                 server_stop_s=stop_s,
                 errors=tuple(outcome.error for outcome in outcomes if outcome.error is not None)[:5],
             )

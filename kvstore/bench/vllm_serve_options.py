@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.bench.vllm_serve_workload import (
+    CHAT_SEPARATOR,
     DEFAULT_QUESTION,
     DEFAULT_SEPARATOR,
     DEFAULT_SYSTEM_PROMPT,
@@ -39,7 +40,11 @@ class ServeBenchOptions:
         max_inflight: requests in flight at most, every round.
         max_tokens: tokens generated per warm-up and query request.
         mixed_max_tokens: tokens generated per mixed request (enough for an inter-token latency).
-        separator, system_prompt, question: the prompts' fixed parts.
+        separator, system_prompt, question: the prompts' fixed parts (``separator`` ``None``: the guide's
+            ``" # # "`` between token-id parts, a blank line between a chat prompt's documents).
+        chat: send text through ``/v1/chat/completions`` (the model's chat template) instead of token ids.
+        connector_separator: tell the kvstore deployments the separator (``kvstore.chunk_separator``); off, they cut
+            chunks without one.
         ratio: the blend's recompute ratio (``kvstore.blend_ratio``).
         chunk_size: the store's chunk size (``None``: the store's default).
         dtype: the model's dtype.
@@ -62,7 +67,7 @@ class ServeBenchOptions:
     max_inflight: int = 1
     max_tokens: int = 2
     mixed_max_tokens: int = 16
-    separator: str = DEFAULT_SEPARATOR
+    separator: str | None = None
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     question: str = DEFAULT_QUESTION
     ratio: float = 0.15
@@ -73,6 +78,8 @@ class ServeBenchOptions:
     env: Mapping[str, str] | None = None
     work_dir: Path | None = None
     seed: int = 0
+    chat: bool = False
+    connector_separator: bool = True
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -89,3 +96,12 @@ class ServeBenchOptions:
             num_mixed=self.num_mixed,
         )
         check_recompute_ratio(self.ratio)
+        if self.separator == "":
+            raise ConfigError("--separator '': give the text between the parts, or leave it out for the default")
+
+    @property
+    def joiner(self) -> str:
+        """The text between the prompts' parts."""
+        if self.separator is not None:
+            return self.separator
+        return CHAT_SEPARATOR if self.chat else DEFAULT_SEPARATOR

@@ -9,6 +9,12 @@ same wherever it lands::
     mixed:    a shuffled mix of exact repeats of warm-up prompts (hits), warm-up prompts of documents never sent
               (misses) and new queries (blends), for serving under concurrency
 
+With a ``ChatForm`` the prompts are what a chat client sends instead: text messages, a system message and a user
+message holding the documents' text joined by the separator (a blank line, by default) and the question, which the
+server's chat template turns into one string and tokenizes whole. A document's tokens then depend on what precedes it
+(BPE merges across the joins), and no separator's ids need recur; the prompt's ids are computed here with the same
+template, for the store checks and the prompt lengths.
+
 Two corpora: ``synthetic`` is the guide's (``str(i) + " " + " ".join(["hi"] * length)``, cut to the length in
 tokens); ``prose`` is disjoint windows of real English (standard-library docstrings, ``prose_prompts``), where the
 documents share no chunk and the model's attention is not degenerate.
@@ -18,6 +24,7 @@ Pure functions over a tokenizer's ``encode``; no engine imports.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,9 +35,12 @@ from kvstore.bench.vllm_ttft import prose_prompts
 from kvstore.errors import ConfigError
 
 __all__ = [
+    "CHAT_SEPARATOR",
     "DEFAULT_QUESTION",
     "DEFAULT_SEPARATOR",
     "DEFAULT_SYSTEM_PROMPT",
+    "ChatForm",
+    "ChatMessage",
     "Corpus",
     "ServePrompt",
     "ServeWorkload",
@@ -40,12 +50,29 @@ __all__ = [
 
 Corpus = Literal["synthetic", "prose"]
 Encode = Callable[[str], Sequence[int]]
+ChatMessage = tuple[str, str]
+"""``(role, content)``."""
 
 DEFAULT_SEPARATOR = " # # "
 """LMCache's ``blend_special_str`` default, the guide's separator."""
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 DEFAULT_QUESTION = "What's up? how are you recently?"
 """The guide's system and query prompts: the same in every request, so what a warm-up cached recurs."""
+CHAT_SEPARATOR = "\n\n"
+"""Between the documents of a chat prompt: a blank line, as RAG templates join retrieved passages."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatForm:
+    """Prompts sent as chat messages.
+
+    Args:
+        decode: a document's token ids as text.
+        template: messages as the prompt ids the server makes of them (its chat template, generation prompt added).
+    """
+
+    decode: Callable[[Sequence[int]], str]
+    template: Callable[[Sequence[ChatMessage]], Sequence[int]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,11 +84,13 @@ class ServePrompt:
         kind: ``warm_up`` (a document alone), ``query`` (k documents), ``hit`` (an exact repeat of a warm-up prompt),
             ``miss`` (a document never sent before, in the warm-up layout).
         documents: the documents it holds, in order (indexes into the corpus).
+        messages: what a chat client sends (``ChatForm``); empty: ``tokens`` are sent as they are.
     """
 
     tokens: tuple[int, ...]
     kind: Literal["warm_up", "query", "hit", "miss"]
     documents: tuple[int, ...]
+    messages: tuple[ChatMessage, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +129,7 @@ def serve_workload(
     system_prompt: str = DEFAULT_SYSTEM_PROMPT,
     question: str = DEFAULT_QUESTION,
     seed: int = 0,
+    chat: ChatForm | None = None,
 ) -> ServeWorkload:
     """The warm-up, query and mixed rounds (see the module docstring).
 
@@ -121,30 +151,35 @@ def serve_workload(
     num_misses = num_mixed // 3
     documents = _documents(encode, corpus, num_documents + num_misses, document_tokens)
     system, sep, ask = (tuple(encode(text)) for text in (system_prompt, separator, question))
+    texts = [chat.decode(document).strip() for document in documents] if chat is not None else []
 
-    def prompt(indexes: Sequence[int]) -> tuple[int, ...]:
+    def parts(indexes: Sequence[int]) -> tuple[tuple[int, ...], tuple[ChatMessage, ...]]:
+        if chat is not None:
+            user = separator.join([*(texts[index] for index in indexes), question])
+            messages = (("system", system_prompt), ("user", user))
+            return tuple(chat.template(messages)), messages
         tokens = list(system)
         for index in indexes:
             tokens += sep + documents[index]
-        return tuple(tokens + list(sep + ask))
+        return tuple(tokens + list(sep + ask)), ()
+
+    def prompt(indexes: Sequence[int], kind: Literal["warm_up", "query", "hit", "miss"]) -> ServePrompt:
+        tokens, messages = parts(indexes)
+        return ServePrompt(tokens=tokens, kind=kind, documents=tuple(indexes), messages=messages)
 
     rng = random.Random(seed)
-    warm_up = tuple(ServePrompt(tokens=prompt([i]), kind="warm_up", documents=(i,)) for i in range(num_documents))
+    warm_up = tuple(prompt([i], "warm_up") for i in range(num_documents))
 
     def query() -> ServePrompt:
-        order = tuple(rng.sample(range(num_documents), docs_per_query))
-        return ServePrompt(tokens=prompt(order), kind="query", documents=order)
+        return prompt(rng.sample(range(num_documents), docs_per_query), "query")
 
     queries = tuple(query() for _ in range(num_queries))
     num_blends = num_mixed // 3
     hits = [
-        ServePrompt(tokens=warm_up[i].tokens, kind="hit", documents=(i,))
+        dataclasses.replace(warm_up[i], kind="hit")
         for i in (rng.randrange(num_documents) for _ in range(num_mixed - num_misses - num_blends))
     ]
-    misses = [
-        ServePrompt(tokens=prompt([i]), kind="miss", documents=(i,))
-        for i in range(num_documents, num_documents + num_misses)
-    ]
+    misses = [prompt([i], "miss") for i in range(num_documents, num_documents + num_misses)]
     mixed = [*hits, *misses, *(query() for _ in range(num_blends))]
     rng.shuffle(mixed)
     return ServeWorkload(warm_up=warm_up, queries=queries, mixed=tuple(mixed))

@@ -56,6 +56,8 @@ _HELP = """Time to first token of long prompts in vLLM: cold, vLLM's own prefix-
         .venv-vllm/bin/kvstore bench vllm --blend --json --prompts 3   # 5 documents x 1,000 tokens per query
 
         .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
+
+        .venv-vllm/bin/kvstore bench vllm --serve --chat --corpus prose --no-connector-separator   # as chat clients
     """
 
 
@@ -65,9 +67,11 @@ def _check_mode(given: GivenValues) -> None:
     tensor_parallel_size, kv_cache_dtype = given["tensor_parallel_size"], given["kv_cache_dtype"]
     if tensor_parallel_size != 1 and (serve or blend):
         raise ConfigError(
-            f"--tensor-parallel-size {tensor_parallel_size} is for the default mode; --blend and --serve run at TP=1 "
-            "(kvstore.blend refuses parallel engines)"
+            f"--tensor-parallel-size {tensor_parallel_size} is for the default mode; the --blend and --serve "
+            "benchmarks run their engines at TP=1"
         )
+    if not serve and (given.switch("chat") or not given.switch("connector_separator")):
+        raise ConfigError("--chat and --no-connector-separator are for --serve (text through vLLM's OpenAI server)")
     if kv_cache_dtype != "auto" and (serve or blend):
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is for the default mode; --blend and --serve run auto")
     if given.switch("prefill_decode") and (serve or blend or tensor_parallel_size != 1 or kv_cache_dtype != "auto"):

@@ -57,3 +57,32 @@ def test_bad_counts_and_corpora_are_refused_in_one_line() -> None:
         serve_workload(encode, corpus="synthetic", num_documents=0, document_tokens=10, docs_per_query=1, num_queries=1)
     with pytest.raises(ConfigError, match="synthetic or prose"):
         serve_workload(encode, corpus="poetry", num_documents=2, document_tokens=10, docs_per_query=1, num_queries=1)  # type: ignore[arg-type]
+
+
+def test_chat_prompts_are_text_messages_templated_whole() -> None:
+    from kvstore.bench.vllm_serve_workload import CHAT_SEPARATOR, ChatForm
+
+    def decode(tokens: object) -> str:
+        return " ".join(f"w{token}" for token in tokens)  # type: ignore[attr-defined]
+
+    def template(messages: object) -> list[int]:
+        return encode(" | ".join(f"<{role}> {content}" for role, content in messages) + " <assistant>")  # type: ignore[attr-defined]
+
+    chat = ChatForm(decode=decode, template=template)
+    workload = serve_workload(
+        encode, corpus="prose", num_documents=3, document_tokens=20, docs_per_query=2, num_queries=2, num_mixed=3,
+        separator=CHAT_SEPARATOR, chat=chat,
+    )  # fmt: skip
+    plain = serve_workload(
+        encode, corpus="prose", num_documents=3, document_tokens=20, docs_per_query=2, num_queries=2, num_mixed=3
+    )
+    assert [prompt.documents for prompt in workload.queries] == [prompt.documents for prompt in plain.queries]
+    for prompt in (*workload.warm_up, *workload.queries, *workload.mixed):
+        (system_role, system), (user_role, user) = prompt.messages
+        assert (system_role, system, user_role) == ("system", "You are a helpful assistant.", "user")
+        texts = user.split(CHAT_SEPARATOR)
+        assert len(texts) == len(prompt.documents) + 1 and texts[-1] == "What's up? how are you recently?"
+        assert all(text.startswith("w") and len(text.split()) == 20 for text in texts[:-1])
+        assert prompt.tokens == tuple(template(prompt.messages))
+    hit = next(prompt for prompt in workload.mixed if prompt.kind == "hit")
+    assert hit.messages == workload.warm_up[hit.documents[0]].messages

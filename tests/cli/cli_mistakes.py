@@ -258,4 +258,10 @@ def bench_mistakes() -> list[Mistake]:
         ),
         bench("unknown corpus", "vllm --serve --corpus poems", "--corpus 'poems'"),
         bench("nothing in flight", "vllm --serve --max-inflight 0", "--max-inflight 0"),
+        bench("chat outside serve", "vllm --blend --chat", "--chat and --no-connector-separator are for --serve"),
+        Mistake(
+            name="bench vllm: empty separator",
+            argv=("bench", "vllm", "--serve", "--separator", ""),
+            fragment="--separator ''",
+        ),
     ]
