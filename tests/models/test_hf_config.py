@@ -156,3 +156,21 @@ def test_per_layer_type_rope_of_a_model_using_one_type_is_that_types_rope() -> N
     assert layout_from_hf_config(config).rope == RopeSpec(theta=1e6, scaling=RopeScaling.LINEAR, factor=8.0)
     with pytest.raises(ConfigError, match="layers of type 'chunked_attention' have no rope parameters"):
         layout_from_hf_config({**config, "layer_types": ["chunked_attention", "sliding_attention"]})
+
+
+def test_a_sliding_window_model_with_one_rope_keeps_it_and_is_stored_even_with_yarn() -> None:
+    qwen2_style = {
+        "_name_or_path": "org/sliding",
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "sliding_window": 128,
+        "max_position_embeddings": 4096,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    }
+    assert layout_from_hf_config(qwen2_style).rope == RopeSpec(theta=1e6)
+    yarn = {**qwen2_style, "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 15e4}}
+    assert layout_from_hf_config(yarn).rope.scaling is RopeScaling.YARN  # stored only: blending refuses the model
+    with pytest.raises(ConfigError, match="rope type 'yarn' cannot be moved"):
+        layout_from_hf_config({**yarn, "layer_types": ["full_attention"] * 2})
