@@ -17,14 +17,19 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoTokenizer
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
 from kvstore import Client
 from kvstore.bench.vllm_engine import EngineSpec
 from kvstore.bench.vllm_ttft import prose_prompts
+from kvstore.connectors.vllm import KVStoreConnector
+from kvstore.connectors.vllm.engine_facts import check_engine_supported
+from kvstore.errors import ConfigError
 from kvstore.layout import RopeScaling
 from kvstore.models import default_model_cache_dir
 from tests.server.conftest import running_server
@@ -78,3 +83,14 @@ def test_a_sliding_window_model_loads_another_engines_kv_with_identical_output(
         (loaded,) = run_engine(spec([prompt]))
         assert loaded.kvstore_loaded_tokens == HIT_TOKENS, loaded.kvstore_report
         assert loaded.token_ids == cold.token_ids, "KV stored by one engine, loaded by another, changed the output"
+
+
+def test_the_connector_is_not_hma_and_refuses_more_than_one_kv_cache_group() -> None:
+    """Its copies move every layer through one block table. Under vLLM's hybrid manager each group has its own, and
+    every layer's cache is a view of one tensor, so those copies would write over other requests' KV: the connector
+    must stay non-HMA (vLLM then hands it one group) until it copies per group (docs/design-notes.md)."""
+    assert not supports_hma(KVStoreConnector)
+    groups = SimpleNamespace(kv_cache_groups=[object(), object()])
+    engine = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
+    with pytest.raises(ConfigError, match=r"one KV cache group .* this model has 2"):
+        check_engine_supported(engine, groups)  # type: ignore[arg-type]
