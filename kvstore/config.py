@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
+from kvstore.chunking import Chunking, ContentCutShape, parse_chunking
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.remote_address import DEFAULT_NAMESPACE, check_namespace, parse_remote_url
 from kvstore.tiers.names import TierName
@@ -128,6 +129,9 @@ class StoreConfig:
             template's document delimiter: a document is then cached in chunks of its own and found wherever it sits
             in a later prompt. Empty: chunks every ``chunk_size`` tokens from position 0. Changing it keeps stored
             chunks valid (a key names its cut), but prompts cut another way miss them.
+        chunking: the cut rule (``kvstore.chunking``): ``fixed``, every ``chunk_size`` tokens; ``content``, where a
+            hash of the last few token ids says, so a document is cut the same way wherever it sits in a prompt
+            (``chunk_size`` is then the longest chunk, at least 16). A data dir records it and refuses another.
         gpu_capacity_bytes: device memory for the gpu tier.
         gpu_device: CUDA device of the gpu tier (``"cpu"`` runs the gpu-tier logic without a GPU, for tests).
         cpu_capacity_bytes: host memory for the cpu tier (page-locked when CUDA is present).
@@ -157,6 +161,7 @@ class StoreConfig:
     tiers: tuple[TierName, ...] = (TierName.CPU, TierName.DISK)
     chunk_size: int = 256
     chunk_separator: tuple[int, ...] = ()
+    chunking: Chunking = Chunking.FIXED
     gpu_capacity_bytes: int = 4 * GIB
     gpu_device: str = "cuda"
     cpu_capacity_bytes: int = 4 * GIB
@@ -192,6 +197,9 @@ class StoreConfig:
         if self.chunk_size <= 0:
             raise ConfigError(f"chunk_size={self.chunk_size} must be a positive number of tokens, e.g. 256")
         object.__setattr__(self, "chunk_separator", check_chunk_separator(self.chunk_separator))
+        object.__setattr__(self, "chunking", parse_chunking(self.chunking))
+        if self.chunking is Chunking.CONTENT:
+            ContentCutShape.for_chunk_size(self.chunk_size)
         for name in ("gpu_capacity_bytes", "cpu_capacity_bytes", "disk_capacity_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} cannot be negative")

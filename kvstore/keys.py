@@ -13,8 +13,11 @@ sequence such as a RAG template's document delimiter), restart right after each 
     bounds:  0             ^                        ^                 ^            ^          ^ len
 
 so a document's chunks cover its own tokens whatever precedes it, and the content index finds it in any prompt that
-puts the same separator before it. Boundaries depend only on the tokens, so equal prefixes still get equal keys, and
-a key still names one token sequence and one cut of it (the chain hashes each chunk's bytes in turn).
+puts the same separator before it. Under the ``content`` rule (``kvstore.chunking``) each run is cut where its
+tokens say instead (``kvstore.content_cut``), so a document is cut the same way wherever it sits, separator or not.
+Boundaries depend only on the tokens before them, so equal prefixes still get equal keys, and a key still names one
+token sequence and one cut of it (the chain hashes each chunk's bytes in turn). ``chunk_bounds`` is the one function
+every part of the store cuts with (store, lookup, the server's parts), so no two of them can disagree.
 
 Pure functions, thread-safe.
 """
@@ -29,6 +32,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from kvstore.chunking import Chunking, ContentCutShape
+from kvstore.content_cut import content_bounds
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.layout import Namespace
 
@@ -109,41 +114,54 @@ def separator_run_starts(tokens: TokenArray, separator: Sequence[int]) -> list[i
     return starts
 
 
-def chunk_bounds(tokens: TokenArray, chunk_size: int, separator: Sequence[int] = ()) -> list[int]:
+def chunk_bounds(
+    tokens: TokenArray, chunk_size: int, separator: Sequence[int] = (), chunking: Chunking = Chunking.FIXED
+) -> list[int]:
     """Where the chunks of ``tokens`` start, followed by ``len(tokens)``: chunk ``i`` is ``[b[i], b[i + 1])``.
 
-    Every ``chunk_size`` tokens from each run's start (see the module docstring); without a separator that is
-    ``0, chunk_size, 2 * chunk_size, ...``.
+    Each separator run is cut on its own (see the module docstring): ``fixed``, every ``chunk_size`` tokens from
+    the run's start (without a separator ``0, chunk_size, 2 * chunk_size, ...``); ``content``, at the run's content
+    cuts (``kvstore.content_cut``), no chunk longer than ``chunk_size``. Either way the boundaries below ``n`` of
+    ``tokens[:n]`` are those of ``tokens``.
 
     Raises:
-        ConfigError: ``chunk_size`` is not positive.
+        ConfigError: ``chunk_size`` is not positive (or below 16 for ``content``).
     """
     if chunk_size <= 0:
         raise ConfigError(f"chunk_size={chunk_size} must be a positive number of tokens, e.g. 256")
+    shape = ContentCutShape.for_chunk_size(chunk_size) if chunking == Chunking.CONTENT else None
     num_tokens = int(tokens.shape[0])
     run_starts = separator_run_starts(tokens, separator)
     bounds: list[int] = []
     for run_start, run_end in zip(run_starts, [*run_starts[1:], num_tokens], strict=True):
-        bounds.extend(range(run_start, run_end, chunk_size))
+        if shape is None:
+            bounds.extend(range(run_start, run_end, chunk_size))
+        else:
+            bounds.extend(run_start + bound for bound in content_bounds(tokens[run_start:run_end], shape)[:-1])
     bounds.append(num_tokens)
     return bounds if num_tokens else [0]
 
 
 def prefix_keys(
-    namespace: Namespace, tokens: TokenArray, chunk_size: int, separator: Sequence[int] = ()
+    namespace: Namespace,
+    tokens: TokenArray,
+    chunk_size: int,
+    separator: Sequence[int] = (),
+    chunking: Chunking = Chunking.FIXED,
 ) -> list[PrefixKey]:
-    """Key of every chunk of ``tokens`` cut at ``chunk_bounds(tokens, chunk_size, separator)``.
+    """Key of every chunk of ``tokens`` cut at ``chunk_bounds(tokens, chunk_size, separator, chunking)``.
 
     Args:
         namespace: the layout's namespace (seed of the chain).
         tokens: ids from ``as_token_array``.
-        chunk_size: tokens per chunk.
-        separator: token ids after which a chunk restarts (none: fixed-size chunks).
+        chunk_size: tokens per chunk (the longest chunk under ``content``).
+        separator: token ids after which a chunk restarts (none: one run).
+        chunking: the cut rule.
 
     Returns:
         One 16-byte key per chunk, in order.
     """
-    return keys_at_bounds(namespace, tokens, chunk_bounds(tokens, chunk_size, separator))
+    return keys_at_bounds(namespace, tokens, chunk_bounds(tokens, chunk_size, separator, chunking))
 
 
 def keys_at_bounds(namespace: Namespace, tokens: TokenArray, bounds: Sequence[int]) -> list[PrefixKey]:

@@ -74,6 +74,9 @@ FORBIDDEN = {
     "kvstore.collector": ("kvstore.",),
     "kvstore.layout": (*_VALUES, "kvstore.config"),
     "kvstore.keys": (*_VALUES, "kvstore.config"),
+    # the cut rule's name is read by the config and kvstore serve's light checks: nothing heavy, nothing above it
+    "kvstore.chunking": (*_VALUES, *_HEAVY_LIBRARIES, "kvstore.config", "kvstore.keys", "kvstore.layout"),
+    "kvstore.content_cut": (*_VALUES, "kvstore.config", "kvstore.keys", "kvstore.layout"),
     "kvstore.misses": (*_VALUES, "kvstore.config"),
     "kvstore.kv_part": (*_VALUES, "kvstore.config"),
     "kvstore.plan": (*_VALUES, "kvstore.config"),
