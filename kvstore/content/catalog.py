@@ -142,7 +142,8 @@ class ContentCatalog:
         self,
         tokens: TokenArray,
         *,
-        run_starts: Sequence[int] = (),
+        grid_bounds: Sequence[int] = (),
+        scan_windows: bool = True,
         skip: Callable[[Match], bool],
         pin: Callable[[PrefixKey], _Pinned | None],
         on_gone: Callable[[Match, bool], None] | None = None,
@@ -151,8 +152,9 @@ class ContentCatalog:
 
         Args:
             tokens: the prompt.
-            run_starts: where the prompt's separator runs start (``FingerprintIndex.match``), when the store has a
-                separator.
+            grid_bounds: the prompt's chunk bounds, when its chunks are probed by content too
+                (``FingerprintIndex.match``: a separator's runs, content-defined chunks).
+            scan_windows: probe every window of ``chunk_size`` tokens (``FingerprintIndex.match``).
             skip: matches the store does not want (e.g. overlapping an exact segment); neither pinned nor judged.
             pin: the store's "pin this chunk for the plan"; returns where it pinned it, or ``None``.
             on_gone: told of each match whose chunk had left every tier and got a strike, and whether that strike
@@ -163,7 +165,7 @@ class ContentCatalog:
         """
         kept: list[tuple[Match, _Pinned]] = []
         gone: list[PrefixKey] = []
-        for found in self.index.match(tokens, self.chunk_size, run_starts=run_starts):
+        for found in self.index.match(tokens, self.chunk_size, grid_bounds=grid_bounds, scan_windows=scan_windows):
             if skip(found):
                 continue
             pinned = pin(found.key)

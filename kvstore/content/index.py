@@ -308,28 +308,34 @@ class FingerprintIndex:
         contents = hash_chunks(tokens, np.concatenate(([0], ends[:-1])), ends, self.fingerprint_bits)
         return contents.fingerprints, contents.verifications, contents.lengths
 
-    def match(self, query: TokenArray, chunk_size: int, *, run_starts: Sequence[int] = ()) -> list[Match]:
+    def match(
+        self, query: TokenArray, chunk_size: int, *, grid_bounds: Sequence[int] = (), scan_windows: bool = True
+    ) -> list[Match]:
         """Find stored chunks in ``query``: verified, non-overlapping, leftmost first, sorted by query start.
 
-        Every window of ``chunk_size`` tokens is probed; after a verified hit the entry's ``next`` link is
-        followed, so the rest of the document, partial last chunk included, is matched where it continues.
+        Every window of ``chunk_size`` tokens is probed (``scan_windows``); after a verified hit the entry's ``next``
+        link is followed, so the rest of the document, partial last chunk included, is matched where it continues.
 
         Args:
             query: token ids of the new prompt.
-            chunk_size: window length in tokens; only entries of exactly this length start a match.
-            run_starts: where the query's separator runs start (``kvstore.keys.separator_run_starts``): every chunk
-                of the runs' chunk grid that no match covers is looked up by its exact content too, so a stored run
-                shorter than ``chunk_size`` (a short document) is found, and its chain followed like a window's, and
-                so is a run's partial last chunk after a chain that stopped before it.
+            chunk_size: window length in tokens; only entries of exactly this length start a window's match.
+            grid_bounds: the query's own chunk bounds as the store cuts it (``kvstore.keys.chunk_bounds``), when its
+                chunks may be shorter than ``chunk_size`` or off the window's reach: every chunk of it that no match
+                covers is looked up by its exact content too, and its chain followed like a window's. With a
+                separator this finds a stored run shorter than ``chunk_size`` (a short document) and a run's partial
+                last chunk after a chain that stopped before it; under content-defined chunking every stored chunk
+                past a document's first few tokens is a chunk of the query's own cut.
+            scan_windows: probe every window of ``chunk_size`` tokens; off under content-defined chunking, where
+                the grid finds what the windows would (the cut follows the tokens) at a fraction of the cost.
 
         Returns:
             Matches in increasing ``query_start``; no two overlap.
         """
         query = as_token_array(query)
         check_chunk_size(chunk_size)
-        matches = self._match_windows(query, chunk_size)
-        if len(run_starts) > 1 or (run_starts and run_starts[0] != 0) or (run_starts and query.shape[0] < chunk_size):
-            matches = self._add_run_matches(query, chunk_size, run_starts, matches)
+        matches = self._match_windows(query, chunk_size) if scan_windows else []
+        if len(grid_bounds) > 1:
+            matches = self._add_grid_matches(query, grid_bounds, matches)
         return matches
 
     def _match_windows(self, query: TokenArray, chunk_size: int) -> list[Match]:
@@ -361,26 +367,21 @@ class FingerprintIndex:
                 matches.append(Match(start, length, key, source_start))  # positional: the hot loop
         return matches
 
-    def _add_run_matches(
-        self, query: TokenArray, chunk_size: int, run_starts: Sequence[int], matches: list[Match]
-    ) -> list[Match]:
-        """``matches`` and the chains found at the uncovered chunks of the runs' own chunk grid, merged leftmost first
+    def _add_grid_matches(self, query: TokenArray, grid_bounds: Sequence[int], matches: list[Match]) -> list[Match]:
+        """``matches`` and the chains found at the uncovered chunks of the query's own cut, merged leftmost first
         without overlap.
 
         Every chunk the query's chunking (``kvstore.keys.chunk_bounds``) makes and no match covers the start of is
-        looked up by its exact content: a run's first chunk (a document after other text), and a run's last, partial
-        chunk where the chain that reached it ended. Chains end at dedup aliases: a document whose chunks repeat an
-        earlier document's content (the next link belongs to the first writer) would otherwise lose its last chunk.
+        looked up by its exact content: a run's first chunk (a document after other text), a run's last, partial
+        chunk where the chain that reached it ended, and every content-defined chunk. Chains end at dedup aliases: a
+        document whose chunks repeat an earlier document's content (the next link belongs to the first writer) would
+        otherwise lose its last chunk.
         """
         num_tokens = query.shape[0]
-        bounds = sorted({*(int(start) for start in run_starts if 0 <= start < num_tokens), num_tokens})
+        if grid_bounds[-1] != num_tokens or any(end <= start for start, end in itertools.pairwise(grid_bounds)):
+            raise InvalidInputError(f"grid_bounds must rise from 0 to len(query)={num_tokens} (chunk_bounds)")
         covered = MatchCoverage(matches)
-        probes = [
-            (start, min(start + chunk_size, run_end))
-            for run_start, run_end in itertools.pairwise(bounds)
-            for start in range(run_start, run_end, chunk_size)
-            if not covered.holds(start)
-        ]
+        probes = [(start, end) for start, end in itertools.pairwise(grid_bounds) if not covered.holds(start)]
         if not probes:
             return matches
         starts = np.array([start for start, _ in probes], dtype=np.int64)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from kvstore.keys import TokenArray, chunk_bounds, keys_at_bounds
+from kvstore.keys import TokenArray, keys_at_bounds
 from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss, MissReason
@@ -57,7 +57,7 @@ class PartStores:
         store = self._host.require()
         layout = store.layout
         tokens = args.tokens
-        bounds = chunk_bounds(tokens, store.config.chunk_size, store.config.chunk_separator)
+        bounds = store.chunk_bounds(tokens)
         first = bisect.bisect_left(bounds[:-1], args.start)
         keys = keys_at_bounds(layout.namespace, tokens, bounds)
         completed = self._assembly_of(layout).add(
@@ -99,7 +99,7 @@ class PartStores:
         if assembly is None or not assembly.num_pending or not plan.misses:
             return plan
         store = self._host.require()
-        bounds = chunk_bounds(tokens, store.config.chunk_size, store.config.chunk_separator)
+        bounds = store.chunk_bounds(tokens)
         keys = keys_at_bounds(store.layout.namespace, tokens, bounds)
         pending = [(bounds[i], bounds[i + 1]) for i, key in enumerate(keys) if assembly.pending(key)]
         if not pending:

@@ -88,7 +88,7 @@ class Fleet:
         )
         remote = RemoteTier(
             link,
-            RemoteNames.for_layout(config.remote_namespace, layout, config.chunk_size),
+            RemoteNames.for_layout(config.remote_namespace, layout, config.chunk_size, chunking=config.chunking),
             layout,
             config.chunk_size,
             host_id=int.from_bytes(os.urandom(8), "little"),

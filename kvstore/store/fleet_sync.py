@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstore.content.catalog import ContentCatalog
 from kvstore.content.index import ChunkContents
@@ -93,20 +94,26 @@ def _index_runs(catalog: ContentCatalog, runs: Sequence[DirectoryRun]) -> int:
             fingerprint_bits=bits,
         )
         keys = [key for run in group for key in run.keys]
-        source_starts = np.concatenate(
-            [run.source_start + chunk_size * np.arange(len(run.keys), dtype=np.int64) for run in group]
-        )
+        source_starts = np.concatenate([_chunk_starts(run) for run in group])
         run_offsets = np.concatenate(([0], np.cumsum([len(run.keys) for run in group]))).astype(np.int64)
         indexed += catalog.add_published(contents, keys, source_starts, run_offsets)
     return indexed
 
 
+def _chunk_starts(run: DirectoryRun) -> npt.NDArray[np.int64]:
+    """Where each chunk of a run starts in its stored sequence: chunks follow each other, each as long as its length
+    says (a separator's or a content-defined cut makes chunks shorter than ``chunk_size`` mid-run)."""
+    lengths = run.lengths.astype(np.int64)
+    return run.source_start + np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.int64)
+
+
 def _well_formed(run: DirectoryRun, chunk_size: int) -> bool:
-    """A run the index can take: full chunks but the last, none empty, positions within the index's 32 bits."""
-    lengths = run.lengths
+    """A run the index can take: every chunk of 1 to ``chunk_size`` tokens, positions within the index's 32 bits."""
+    lengths = run.lengths.astype(np.int64)
     return (
         len(lengths) == len(run.keys)
-        and bool((lengths[:-1] == chunk_size).all())
-        and 0 < int(lengths[-1]) <= chunk_size
-        and run.source_start + chunk_size * len(run.keys) < 2**32
+        and len(lengths) > 0
+        and int(lengths.min()) >= 1
+        and int(lengths.max()) <= chunk_size
+        and run.source_start + int(lengths.sum()) < 2**32
     )

@@ -194,4 +194,5 @@ def _open_tier(
         tuning=DiskTuning(preallocate_staging=TierName.CPU not in config.tiers),
         content_records=None if rebuild is None else rebuild.add,  # one pass over the meta records
         on_evict=fleet.evicted if fleet.writes_on_eviction else None,
+        chunking=config.chunking,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 
+from kvstore.chunking import Chunking
 from kvstore.content.catalog import ContentCatalog
 from kvstore.content.index import Match
 from kvstore.keys import PrefixKey, TokenArray, chained_key, separator_run_starts
@@ -77,10 +78,17 @@ def match_leg(
     *,
     namespace: bytes,
     separator: Sequence[int],
+    chunking: Chunking,
     on_gone: Callable[[Match, bool], None] | None = None,
 ) -> list[Segment]:
     """Add content matches that do not overlap the prefix leg's segments; returns all segments sorted (``on_gone``:
-    ``ContentCatalog.match``'s)."""
+    ``ContentCatalog.match``'s).
+
+    How the prompt is probed follows the store's cut (``bounds``): fixed chunks by every window of ``chunk_size``
+    tokens, and where a separator cuts the prompt into runs (or it is shorter than a chunk) by its own chunks' exact
+    content too; content-defined chunks by their own content only (the cut follows the tokens, so a stored chunk
+    past a document's first few tokens is one of the prompt's chunks, wherever the document sits).
+    """
     catalog.sync()
     chunk_index = {bound: index for index, bound in enumerate(bounds[:-1])}
     starts = [segment.start for segment in segments]
@@ -90,8 +98,11 @@ def match_leg(
         position = bisect.bisect_right(starts, found.query_start + found.num_tokens - 1)
         return position > 0 and ends[position - 1] > found.query_start
 
-    run_starts = separator_run_starts(tokens, separator) if separator else ()
-    matches = catalog.match(tokens, run_starts=run_starts, skip=overlaps, pin=pin, on_gone=on_gone)
+    content = chunking is Chunking.CONTENT
+    grid_bounds = bounds if content or _separator_cuts(tokens, separator, catalog.chunk_size) else ()
+    matches = catalog.match(
+        tokens, grid_bounds=grid_bounds, scan_windows=not content, skip=overlaps, pin=pin, on_gone=on_gone
+    )
     for found, tier in matches:
         index = chunk_index.get(found.query_start, -1)
         exact = (
@@ -115,3 +126,11 @@ def match_leg(
         )
     segments.sort(key=lambda segment: segment.start)
     return segments
+
+
+def _separator_cuts(tokens: TokenArray, separator: Sequence[int], chunk_size: int) -> bool:
+    """A fixed cut with a separator makes chunks windows miss: the prompt holds the separator, or is shorter than a
+    chunk (its one chunk is a whole short run)."""
+    if not separator:
+        return False
+    return tokens.shape[0] < chunk_size or len(separator_run_starts(tokens, separator)) > 1

@@ -165,8 +165,11 @@ class TieredStore:
             self.config.chunk_size, check, dedup_content=self.config.enable_dedup_content
         )
 
-    def _chunk_bounds(self, tokens: TokenArray) -> list[int]:
-        return chunk_bounds(tokens, self.config.chunk_size, self.config.chunk_separator)
+    def chunk_bounds(self, tokens: TokenArray) -> list[int]:
+        """Where this store cuts ``tokens`` into chunks (``kvstore.keys.chunk_bounds`` with the config's chunk size,
+        separator and rule): every part of the store and the server that cuts a sequence cuts it here."""
+        config = self.config
+        return chunk_bounds(tokens, config.chunk_size, config.chunk_separator, config.chunking)
 
     # -- store ------------------------------------------------------------------------------------------------
 
@@ -210,7 +213,7 @@ class TieredStore:
                 "first token whose KV you send"
             )
         self._check_tail_kv(kv, len(token_array), start)
-        bounds = self._chunk_bounds(token_array)
+        bounds = self.chunk_bounds(token_array)
         sequence = CutSequence(
             tokens=token_array,
             bounds=bounds,
@@ -270,7 +273,7 @@ class TieredStore:
         use_blend = catalog is not None if blend is None else blend
         if use_blend and catalog is None:
             raise ConfigError("lookup(blend=True) needs a store opened with StoreConfig(enable_blend=True)")
-        bounds = self._chunk_bounds(token_array)
+        bounds = self.chunk_bounds(token_array)
         keys = keys_at_bounds(self._namespace, token_array, bounds)
         pins: list[Pin] = []
 
@@ -289,7 +292,8 @@ class TieredStore:
             assert catalog is not None
             segments = match_leg(
                 token_array, keys, bounds, segments, catalog, pin,
-                namespace=self._namespace, separator=self.config.chunk_separator, on_gone=on_gone,
+                namespace=self._namespace, separator=self.config.chunk_separator,
+                chunking=self.config.chunking, on_gone=on_gone,
             )  # fmt: skip
         plan_id = self._ledger.open_plan(session_id, pins)
         misses = lookup_misses(

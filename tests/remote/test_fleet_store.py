@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from kvstore.bench.valkey_server import ValkeyServer
+from kvstore.chunking import Chunking, ContentCutShape
 from kvstore.config import StoreConfig
-from kvstore.keys import PrefixKey, prefix_keys
+from kvstore.content_cut import content_cuts
+from kvstore.keys import PrefixKey, as_token_array, prefix_keys
 from kvstore.layout import KVLayout
 from kvstore.misses import MissReason, tokens_by_reason
 from kvstore.store import TieredStore
@@ -104,6 +106,35 @@ def test_a_document_is_found_by_content_at_a_new_position_on_another_host(
         assert torch.equal(result.kv[:, :, segment.start : segment.end], expected)
 
 
+def test_content_defined_chunks_are_found_at_a_new_position_on_another_host(
+    tmp_path: Path, valkey: ValkeyServer
+) -> None:
+    """Runs of content-defined chunks (short ones mid-run) reach another host's index at their own positions, and
+    a host cutting the other way shares none of the fleet's names (its prompts are never cut into these chunks)."""
+    content = {"chunking": Chunking.CONTENT}
+    document = make_tokens(12 * CHUNK + 5, seed=31)
+    kv = make_kv(LAYOUT, len(document), seed=31)
+    with (
+        TieredStore(LAYOUT, host_config(tmp_path, "a", valkey.url, **content)) as a,
+        TieredStore(LAYOUT, host_config(tmp_path, "b", valkey.url, **content)) as b,
+        TieredStore(LAYOUT, host_config(tmp_path, "c", valkey.url)) as fixed,
+    ):
+        a.store(document, kv)
+        a.flush()
+        b.sync_directory()
+        fixed.sync_directory()
+        query = np.concatenate([make_tokens(9, seed=32), document])
+        moved = b.retrieve(b.lookup(query))
+        shape = ContentCutShape.for_chunk_size(CHUNK)
+        synced = [cut for cut in content_cuts(as_token_array(document), shape).tolist() if cut >= shape.sync_tokens]
+        assert sum(segment.num_tokens for segment in moved.segments) >= len(document) - synced[0]
+        for segment in moved.segments:
+            assert segment.tier is TierName.REMOTE and segment.start - segment.source_start == 9
+            source = slice(segment.source_start, segment.source_start + segment.num_tokens)
+            assert torch.equal(moved.kv[:, :, segment.start : segment.end], kv[:, :, source])
+        assert fixed.lookup(query).segments == () and fixed.lookup(document).segments == ()
+
+
 def test_lookups_never_wait_for_the_remote(tmp_path: Path, valkey: ValkeyServer) -> None:
     """The directory is read in the background and a lookup's remote leg is a set probe: with Valkey hung (a round
     trip would wait the 200 ms timeout) a lookup still plans the remote chunks at once."""
@@ -166,7 +197,8 @@ def test_chunks_valkey_evicted_become_misses_and_struck_out_index_entries(tmp_pa
                 index for index, is_held in enumerate(held) if is_held
             ]
             assert tokens_by_reason(result.misses) == {
-                MissReason.NEVER_STORED: 3, MissReason.EVICTED_REMOTE: CHUNK * held.count(False)
+                MissReason.NEVER_STORED: 3,
+                MissReason.EVICTED_REMOTE: CHUNK * held.count(False),
             }
             for segment in result.segments:
                 source = slice(segment.source_start, segment.source_start + segment.num_tokens)
@@ -238,15 +270,17 @@ def test_a_hung_remote_costs_a_request_at_most_its_timeout(tmp_path: Path) -> No
             server.resume()
         assert result.segments == ()
         assert tokens_by_reason(result.misses) == {
-            MissReason.REMOTE_UNAVAILABLE: CHUNK, MissReason.BEHIND_GAP: len(tokens) - CHUNK
+            MissReason.REMOTE_UNAVAILABLE: CHUNK,
+            MissReason.BEHIND_GAP: len(tokens) - CHUNK,
         }
         assert waited < 0.6, f"retrieve waited {waited:.2f} s on a hung remote (timeout 0.15 s)"
 
 
 def test_a_damaged_value_is_a_counted_miss_and_is_deleted(tmp_path: Path, valkey: ValkeyServer) -> None:
-    with TieredStore(LAYOUT, host_config(tmp_path, "a", valkey.url)) as a, TieredStore(
-        LAYOUT, host_config(tmp_path, "b", valkey.url)
-    ) as b:
+    with (
+        TieredStore(LAYOUT, host_config(tmp_path, "a", valkey.url)) as a,
+        TieredStore(LAYOUT, host_config(tmp_path, "b", valkey.url)) as b,
+    ):
         tokens = make_tokens(2 * CHUNK, seed=60)
         kv = make_kv(LAYOUT, len(tokens), seed=60)
         a.store(tokens, kv)
@@ -338,7 +372,8 @@ def test_under_the_evict_policy_only_what_leaves_the_disk_reaches_the_remote(
 
 def test_garbage_in_the_directory_is_skipped_and_counted(tmp_path: Path, valkey: ValkeyServer) -> None:
     """Another writer's records in the directory's streams -- not ours, damaged, or well-sealed but impossible (a
-    chunk longer than the chunk size, a short chunk mid-run) -- never reach the index or break the reader."""
+    chunk longer than the chunk size; a short chunk mid-run is not one: separators and content-defined cuts make
+    them) -- never reach the index or break the reader."""
     names = RemoteNames.for_layout("kvstore", LAYOUT, CHUNK)
     bad_lengths = DirectoryRun(
         keys=(PrefixKey(bytes(16)), PrefixKey(bytes([1] * 16))),
@@ -346,7 +381,7 @@ def test_garbage_in_the_directory_is_skipped_and_counted(tmp_path: Path, valkey:
         fingerprint_bits=64,
         fingerprints=np.array([1, 2], dtype=np.uint64),
         verifications=np.array([3, 4], dtype=np.uint64),
-        lengths=np.array([5, CHUNK], dtype=np.uint16),  # a short chunk before the run's end
+        lengths=np.array([5, CHUNK + 1], dtype=np.uint16),  # a chunk longer than any this fleet cuts
     )
     with valkey.client() as client:
         shard = names.directory_shard(0)

@@ -40,6 +40,7 @@ from typing import Any
 
 import lmdb
 
+from kvstore.chunking import Chunking, parse_chunking
 from kvstore.data_dir.owner_lock import release_owner_lock, take_owner_lock
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, LayoutMismatchError, StorageError
@@ -49,6 +50,7 @@ from kvstore.tiers.disk.format import (
     DATA_DIR_FORMAT_VERSION,
     INFO_CAPACITY_BYTES,
     INFO_CHUNK_SIZE,
+    INFO_CHUNKING,
     INFO_FORMAT_VERSION,
     INFO_LAYOUT,
 )
@@ -134,6 +136,7 @@ class DataDirInfo:
     layout: KVLayout
     chunk_size: int
     capacity_bytes: int | None
+    chunking: Chunking = Chunking.FIXED
 
 
 class _ReadersGate:
@@ -279,27 +282,34 @@ class DiskEnvironment:
             names = (INFO_FORMAT_VERSION, INFO_LAYOUT, INFO_CHUNK_SIZE)
             raw = {name: txn.get(name, db=self.info_db) for name in names}
             capacity = txn.get(INFO_CAPACITY_BYTES, db=self.info_db)
+            chunking = txn.get(INFO_CHUNKING, db=self.info_db)
             if any(value is None for value in raw.values()):
                 return None
             values = {name: bytes(value) for name, value in raw.items() if value is not None}
             capacity_value = bytes(capacity) if capacity is not None else None
+            chunking_value = bytes(chunking).decode("utf-8") if chunking is not None else Chunking.FIXED.value
         try:
             return DataDirInfo(
                 format_version=int(values[INFO_FORMAT_VERSION]),
                 layout=KVLayout.from_json(values[INFO_LAYOUT].decode("utf-8")),
                 chunk_size=int(values[INFO_CHUNK_SIZE]),
                 capacity_bytes=int(capacity_value) if capacity_value is not None else None,
+                chunking=parse_chunking(chunking_value),
             )
         except (ValueError, ConfigError) as exc:  # UnicodeDecodeError is a ValueError
-            reason = f"its info record (layout, chunk size, capacity) is unreadable ({exc})"
+            reason = f"its info record (layout, chunk size, capacity, chunking) is unreadable ({exc})"
             damage = DataFileDamage(self.path / DATA_FILE, reason)
             raise StorageError(damage.message()) from exc
 
-    def check_info(self, layout: KVLayout, chunk_size: int, capacity_bytes: int) -> None:
-        """Record the layout in a fresh dir, or check that an existing dir holds this layout and chunk size.
+    def check_info(
+        self, layout: KVLayout, chunk_size: int, capacity_bytes: int, chunking: Chunking = Chunking.FIXED
+    ) -> None:
+        """Record the layout in a fresh dir, or check that an existing dir holds this layout and chunk size, and
+        (a writable open) was cut by this rule: its chunks' keys name their cut, so a store cutting prompts another
+        way would find almost none of them, and its rebuilt index would hold chunks its prompts never cut into.
 
         Raises:
-            LayoutMismatchError: the dir holds KV of another layout or chunk size.
+            LayoutMismatchError: the dir holds KV of another layout or chunk size, or cut by another rule.
             StorageError: the dir was written by a newer kvstore, or is empty and read-only.
         """
         info = self.read_info()
@@ -310,6 +320,7 @@ class DiskEnvironment:
                 txn.put(INFO_FORMAT_VERSION, str(DATA_DIR_FORMAT_VERSION).encode(), db=self.info_db)
                 txn.put(INFO_LAYOUT, layout.to_json().encode(), db=self.info_db)
                 txn.put(INFO_CHUNK_SIZE, str(chunk_size).encode(), db=self.info_db)
+                txn.put(INFO_CHUNKING, Chunking(chunking).value.encode(), db=self.info_db)
                 txn.put(INFO_CAPACITY_BYTES, str(capacity_bytes).encode(), db=self.info_db)
             return
         if info.format_version > DATA_DIR_FORMAT_VERSION:
@@ -323,6 +334,12 @@ class DiskEnvironment:
                 f"with chunk_size={info.chunk_size}, "
                 f"but it was opened for {layout.describe()} with chunk_size={chunk_size}; open it with the "
                 "model and --chunk-size it was created with, or use another --data-dir (or delete this dir)"
+            )
+        if not self.read_only and info.chunking != chunking:
+            raise LayoutMismatchError(
+                f"data dir {self.path} holds chunks cut by --chunking {info.chunking.value}, but it was opened "
+                f"with --chunking {Chunking(chunking).value}; pass --chunking {info.chunking.value} or use another "
+                "--data-dir"
             )
         if not self.read_only and info.capacity_bytes != capacity_bytes:
             with self.write() as txn:

@@ -5,7 +5,7 @@ One environment per data dir (``<dir>/data.mdb``) with four named sub-databases:
     payload  key: prefix key (16 B) | frame index (u16, big-endian)   value: one frame (``tiers.frames.codec``)
     meta     key: prefix key (16 B)                                    value: chunk meta (``tiers.frames.meta``)
     intent   key: prefix key (16 B)                                    value: num_frames (u32, little-endian)
-    info     key: b"format_version", b"layout", b"chunk_size", ...     value: utf-8 text
+    info     key: b"format_version", b"layout", b"chunk_size", b"chunking", ...     value: utf-8 text
 
 Big-endian frame indexes keep a chunk's frames adjacent and in order in the B-tree. A chunk's frames are
 committed in short transactions and its meta in the transaction of its last frame; an ``intent`` record marks
@@ -25,6 +25,7 @@ from kvstore.keys import PrefixKey
 __all__ = [
     "DATA_DIR_FORMAT_VERSION",
     "INFO_CAPACITY_BYTES",
+    "INFO_CHUNKING",
     "INFO_CHUNK_SIZE",
     "INFO_FORMAT_VERSION",
     "INFO_LAYOUT",
@@ -37,6 +38,7 @@ INFO_FORMAT_VERSION = b"format_version"
 INFO_LAYOUT = b"layout"
 INFO_CHUNK_SIZE = b"chunk_size"
 INFO_CAPACITY_BYTES = b"capacity_bytes"
+INFO_CHUNKING = b"chunking"  # the cut rule (kvstore.chunking); a dir without it was cut "fixed"
 
 
 def frame_key(key: PrefixKey, frame_idx: int) -> bytes:

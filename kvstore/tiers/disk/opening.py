@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.chunking import Chunking
 from kvstore.collector import collector_paused
 from kvstore.keys import PrefixKey
 from kvstore.tiers.base import ContentRecords
@@ -62,12 +63,13 @@ def open_disk_parts(
     tuning: DiskTuning,
     content_records: Callable[[ContentRecords], None] | None = None,
     on_evict: EvictionSink | None = None,
+    chunking: Chunking = Chunking.FIXED,
 ) -> DiskParts:
     """Open (or create) a data dir and start its threads; ``content_records`` is fed recovery's content records
     (``recover_chunks``), ``on_evict`` the writer's capacity victims (``evicted``).
 
     Raises:
-        LayoutMismatchError: the dir holds another layout or chunk size.
+        LayoutMismatchError: the dir holds another layout or chunk size, or (writable) was cut by another rule.
         StorageError: the dir cannot be opened or is held by another writer.
     """
     env = DiskEnvironment(
@@ -78,7 +80,7 @@ def open_disk_parts(
     )
     try:
         try:
-            env.check_info(geometry.layout, geometry.chunk_size, capacity_bytes)
+            env.check_info(geometry.layout, geometry.chunk_size, capacity_bytes, chunking)
         finally:
             if not read_only:  # what the next start reads first; repaired even when this open is refused
                 keep_layout_copy(env)

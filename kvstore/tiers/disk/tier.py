@@ -48,6 +48,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvstore.chunking import Chunking
 from kvstore.errors import ConfigError, InvalidInputError, StorageError, StoreClosedError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
@@ -102,10 +103,12 @@ class DiskTier(Tier):
         on_evict: called on the writer thread with each batch of chunks evicted for room, their stored bytes
             read just before the delete (``kvstore.tiers.disk.victim_reads``): how the remote tier's ``evict`` policy
             receives what leaves the disk. It must only queue work.
+        chunking: the store's cut rule: a fresh data dir records it, a writable open of a dir cut by another rule
+            is refused (read-only opens read chunks whatever their cut).
 
     Raises:
         ConfigError: a size is out of range.
-        LayoutMismatchError: the data dir holds another layout or chunk size.
+        LayoutMismatchError: the data dir holds another layout or chunk size, or was cut by another rule.
         StorageError: the data dir cannot be opened, or another process holds it.
     """
 
@@ -126,6 +129,7 @@ class DiskTier(Tier):
         tuning: DiskTuning | None = None,
         content_records: Callable[[ContentRecords], None] | None = None,
         on_evict: EvictionSink | None = None,
+        chunking: Chunking = Chunking.FIXED,
     ) -> None:
         tuning = tuning or DiskTuning()
         self.path = Path(path)
@@ -169,6 +173,7 @@ class DiskTier(Tier):
             tuning=tuning,
             content_records=content_records,
             on_evict=on_evict,
+            chunking=chunking,
         )
         self._parts = parts
         self._env, self._index, self._pool, self._writer = parts.env, parts.index, parts.pool, parts.writer

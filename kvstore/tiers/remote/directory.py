@@ -17,7 +17,7 @@ Record layout (little-endian)::
     5        3      reserved, zero
     8        4      number of chunks n
     12       4      reserved, zero
-    16       8      source start of the run's first chunk (chunk i starts at source_start + i * chunk_size)
+    16       8      source start of the run's first chunk (chunk i starts where chunk i - 1 ends)
     24       8      publisher's host id (a host skips its own records)
     32       16*n   keys
     ..       8*n    fingerprints (u64)          \\

@@ -6,12 +6,12 @@
     <namespace>:dir:<layout>:{d<NN>}                      a shard of the content directory (a stream, directory.py)
     <namespace>:epoch:<layout>                            a random value the first host sets (tier.py: resets)
 
-``<layout>`` is 16 hex digits of a hash of the model's KV layout and the chunk size: deployments of different models
-or chunk sizes sharing one Valkey never see each other's chunks (their prefix keys differ anyway; the tag also keeps
-an operator's ``SCAN`` readable). The ``{...}`` hash tag puts everything named after one chunk in one cluster slot
-(what a chunk may gain later, such as a lease, lands beside its value), and spreads chunks over all slots, since
-chunk keys are uniformly random. The directory's shards carry tags ``{d00}``, ``{d01}``, ... so they spread over the
-masters of a cluster too.
+``<layout>`` is 16 hex digits of a hash of the model's KV layout, the chunk size and (when not ``fixed``) the cut
+rule: deployments of different models, chunk sizes or cut rules sharing one Valkey never see each other's chunks
+(their prefix keys differ anyway; the tag also keeps an operator's ``SCAN`` readable). The ``{...}`` hash tag puts
+everything named after one chunk in one cluster slot (what a chunk may gain later, such as a lease, lands beside its
+value), and spreads chunks over all slots, since chunk keys are uniformly random. The directory's shards carry tags
+``{d00}``, ``{d01}``, ... so they spread over the masters of a cluster too.
 
 Pure functions and immutable values; thread-safe.
 """
@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvstore.chunking import Chunking
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.remote_address import check_namespace
 
 __all__ = ["RemoteNames"]
+
 
 @dataclass(frozen=True, slots=True)
 class RemoteNames:
@@ -44,9 +46,19 @@ class RemoteNames:
 
     @classmethod
     def for_layout(
-        cls, namespace: str, layout: KVLayout, chunk_size: int, *, num_directory_shards: int = 16
+        cls,
+        namespace: str,
+        layout: KVLayout,
+        chunk_size: int,
+        *,
+        chunking: Chunking = Chunking.FIXED,
+        num_directory_shards: int = 16,
     ) -> RemoteNames:
-        tag = xxhash.xxh3_64_hexdigest(bytes(layout.namespace) + chunk_size.to_bytes(4, "little"))
+        """The names for one layout, chunk size and cut rule (``fixed`` keeps the tag it always had, so a fleet's
+        stored chunks stay found across this change; another rule is another fleet: its chunks and directory runs
+        were cut another way, and a host reading them would index chunks its own prompts are never cut into)."""
+        rule = b"" if chunking is Chunking.FIXED else chunking.value.encode()
+        tag = xxhash.xxh3_64_hexdigest(bytes(layout.namespace) + chunk_size.to_bytes(4, "little") + rule)
         return cls(check_namespace(namespace), tag, num_directory_shards)
 
     def chunk(self, key: PrefixKey) -> bytes:

@@ -561,12 +561,15 @@ class RemoteTier(SharedTier[RemoteChunk]):
 
 
 def _slice_run(run: DirectoryRun, start: int, end: int, chunk_tokens: int) -> DirectoryRun:
-    """Chunks ``[start, end)`` of a run (every chunk before its last holds ``chunk_tokens``)."""
+    """Chunks ``[start, end)`` of a run, starting where the chunks before them end: their lengths say where (chunks
+    may be short mid-run: a separator's or a content-defined cut); a run without content hashes has no lengths, and
+    is taken as full chunks of ``chunk_tokens`` (it serves prefix lookups only)."""
     if start == 0 and end == len(run.keys):
         return run
+    skipped = int(run.lengths[:start].astype(np.int64).sum()) if run.has_contents else start * chunk_tokens
     return DirectoryRun(
         keys=run.keys[start:end],
-        source_start=run.source_start + start * chunk_tokens,
+        source_start=run.source_start + skipped,
         fingerprint_bits=run.fingerprint_bits,
         fingerprints=run.fingerprints[start:end],
         verifications=run.verifications[start:end],
