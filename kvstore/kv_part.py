@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.errors import InvalidInputError
-from kvstore.layout import KVLayout
+from kvstore.layout import KVLayout, KVScales
 
 __all__ = ["KVPart", "PartCoverage"]
 
@@ -73,8 +73,12 @@ class KVPart:
 
     def shape_layout(self, layout: KVLayout) -> KVLayout:
         """``layout`` with the part's layer and head counts: for shapes and byte counts of the part's KV only (its
-        namespace is not the layout's and names no stored KV)."""
-        return dataclasses.replace(layout, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads)
+        namespace is not the layout's and names no stored KV). Per-layer fp8 scales keep the part's layers'."""
+        scales = layout.kv_scales
+        if scales is not None and scales.per_layer:
+            layers = slice(self.layer_start, self.layer_end)
+            scales = KVScales.of_layers(scales.k[layers], scales.v[layers])
+        return dataclasses.replace(layout, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, kv_scales=scales)
 
     def of(self, kv: torch.Tensor) -> torch.Tensor:
         """The part's view of a full-layout KV tensor ``[num_layers, 2, tokens, num_kv_heads, head_dim]``."""

@@ -5,7 +5,8 @@
 - **fp8 K/V** (``kv_cache_dtype`` ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``): the same shape in ``torch.uint8``. The
   backend's write quantises with the layer's per-tensor scales (``_k_scale``, ``_v_scale``), so the probe's values are
   multiplied by them first, and the layer's scales must be the layout's (they are part of its namespace: bytes stored
-  under other scales are other values). kvstore moves the bytes and never dequantises them.
+  under other scales are other values; the layout reads them from the checkpoint, ``checkpoint_scales``). kvstore
+  moves the bytes and never dequantises them.
 - **MLA** (DeepSeek-V2/V3 style, ``use_mla``): each layer is ``[blocks, 1, slots, kv_lora_rank + rope_dim]`` (read
   from vLLM 0.32's CPU ``AMXMLAImpl`` and ``CPUMLAImpl`` caches: one latent per token, no V plane), written by
   ``impl.do_kv_cache_update(kv_c_normed, k_pe, cache, slots, kv_cache_dtype, k_scale)``; probed as one plane.
@@ -65,9 +66,10 @@ def expected_cache_shape(layout: KVLayout, block_size: int) -> tuple[int, int, i
 def check_layer_scales(layers: Sequence[Any], layout: KVLayout) -> None:
     """Refuse, with one line, an fp8 engine whose layers quantise with other scales than ``layout``'s.
 
-    ``layers`` are the engine's attention layers in model order. vLLM without calibrated scales in the checkpoint uses
-    1.0 for every layer, which is what the connector's layout says; a checkpoint's own scales are refused for now
-    (the scheduler's process, which names the layout before any model is loaded, cannot read them).
+    ``layers`` are this worker's attention layers in model order, ``layout`` its part's (its layers' scales). The
+    layout's scales were read from the checkpoint's files before any model loaded (``checkpoint_scales``, vLLM's
+    rules; 1.0 without calibrated scales); this guard refuses an engine whose layers loaded others (a quantization
+    method or scale name those rules do not know), so no KV is ever stored under scales it was not quantised with.
 
     Raises:
         ConfigError: a layer's ``_k_scale`` / ``_v_scale`` is not the layout's.
@@ -79,10 +81,11 @@ def check_layer_scales(layers: Sequence[Any], layout: KVLayout) -> None:
         actual = (_scale_of(layer, "_k_scale"), _scale_of(layer, "_v_scale"))
         if actual != scales.layer(index):
             found = KVScales.of_layers([actual[0]], [actual[1]]).describe()
+            expected = KVScales.of_layers([scales.layer(index)[0]], [scales.layer(index)[1]]).describe()
             raise ConfigError(
-                f"this fp8 engine's layer {index} quantises KV with {found}; kvstore's layout says "
-                f"{scales.describe()} (it serves fp8 KV without checkpoint KV scales for now: drop the checkpoint's "
-                "kv scales, or run without the connector)"
+                f"this fp8 engine's layer {index} quantises KV with {found}; kvstore read {expected} for it from the "
+                "checkpoint (its quantization config or KV scale names are ones kvstore does not read: run without "
+                "the connector)"
             )
 
 

@@ -11,8 +11,9 @@
   ``kv_cache_access``, lookahead block hashes) keep their defaults.
 - The model's KV layout (layers, kv heads, head dim, dtype, RoPE) as kvstore's ``KVLayout``: the store checks it
   against what it holds, so two models never share KV. An fp8 cache (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) is an fp8
-  layout with vLLM's default scales (1.0; the worker checks the layers' own); an MLA model (``use_mla``) is an MLA
-  layout, one ``kv_lora_rank + qk_rope_head_dim`` latent a token (``kvstore.connectors.vllm.cache_shapes``).
+  layout with the K and V scales the checkpoint gives each layer, or vLLM's default 1.0 (``checkpoint_scales``; the
+  worker checks the layers' own); an MLA model (``use_mla``) is an MLA layout, one ``kv_lora_rank +
+  qk_rope_head_dim`` latent a token (``kvstore.connectors.vllm.cache_shapes``).
 - A string ``kvstore.chunk_separator`` as the engine tokenizer's ids (the store cuts chunks by ids).
 - Tensor and pipeline parallelism are served: the layout is the whole model's (every layer, every KV head), whatever
   the engine's shape, and each rank stores and loads its part of it (``kvstore.connectors.vllm.parallel``).
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 import vllm
 
 from kvstore.connectors.settings import ConnectorSettings
+from kvstore.connectors.vllm.checkpoint_scales import checkpoint_kv_scales
 from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout
 from kvstore.models.hf_config import layout_from_hf_config
@@ -125,6 +127,8 @@ def engine_layout(vllm_config: VllmConfig, settings: ConnectorSettings) -> KVLay
             f"model {name}: its config says {layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
             f"{layout.head_dim}, vLLM runs {num_layers} x {num_kv_heads} x {head_dim}"
         )
+    if layout.dtype.is_quantized and layout.mla is None:  # the scales the checkpoint gives the layers, or 1.0
+        layout = dataclasses.replace(layout, kv_scales=checkpoint_kv_scales(vllm_config, layout.num_layers))
     return layout
 
 

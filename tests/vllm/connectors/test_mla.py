@@ -5,10 +5,16 @@ one plane (no V), under an MLA layout.
 
 One ``kvstore serve`` outlives two engines (separate processes):
 
-    engine 1  vLLM's prefix cache on   the prompt (computed, its latents stored), the prompt again (vLLM's own
-                                       384-token prefix hit: in bfloat16 the reference a load must match), the
-                                       prompt's tail after another prefix (other tokens: the model reads the latents)
-    engine 2  vLLM's prefix cache off  the prompt: 384 tokens loaded from kvstore, the same greedy tokens
+    engine 1  TP=1, vLLM's prefix cache on   the prompt (computed, its latents stored), the prompt again (vLLM's own
+                                             384-token prefix hit: in bfloat16 the reference a load must match), the
+                                             prompt's tail after another prefix (other tokens: the model reads the
+                                             latents)
+    engine 2  TP=2, vLLM's prefix cache off  the prompt: 384 tokens of the latents TP=1 stored, loaded whole by both
+                                             ranks, the same greedy tokens; a new prompt, computed at TP=2 and stored
+                                             once (every rank holds the same latent: only rank 0 saves)
+
+In bfloat16 a cold prefill is no reference for a load: vLLM's own 384-token hit decodes the prompt differently from
+its cold prefill at TP=2 (measured; at TP=1 they agree), and the same as at TP=1.
 """
 
 from __future__ import annotations
@@ -25,14 +31,15 @@ from kvstore.bench.vllm_engine import EngineSpec
 from kvstore.layout import MLASpec
 from kvstore.models import default_model_cache_dir
 from tests.server.conftest import running_server
-from tests.vllm.conftest import KVSTORE_CONNECTOR, EngineRunner
+from tests.vllm.conftest import EngineRunner
+from tests.vllm.parallel_engines import scrape
+from tests.vllm.shape_engines import shape_engine_spec
 from tests.vllm.tiny_models import TINY_DEEPSEEK_V2, tiny_model_dir
 
-pytestmark = pytest.mark.engine_minutes(1.5)
+pytestmark = pytest.mark.engine_minutes(1.8)
 
 PROMPT_TOKENS = 400
 HIT_TOKENS = 384  # three whole 128-token blocks (the AMX MLA backend's block size here)
-MAX_TOKENS = 6
 CHUNK = 128
 STORE_FLAGS = ("--chunk-size", str(CHUNK), "--cpu-size", "64MiB")
 
@@ -43,24 +50,22 @@ def tiny_deepseek(vllm_model_dir: Path) -> Path:
 
 
 @pytest.mark.timeout(600)  # two engine sessions on a loaded 2-core machine
-def test_mla_latents_are_stored_once_and_load_into_another_engine(
+def test_mla_latents_are_stored_once_and_load_into_another_engine_at_tp1_and_tp2(
     tiny_deepseek: Path, vllm_env: Mapping[str, str], run_engine: EngineRunner, tmp_path: Path
 ) -> None:
     generator = torch.Generator().manual_seed(11)
     prompt = [int(token) for token in torch.randint(100, 40_000, (PROMPT_TOKENS,), generator=generator)]
     with running_server(tmp_path / "data", *STORE_FLAGS, layout=None) as server:
 
-        def spec(prompts: list[list[int]], prefix_caching: bool) -> EngineSpec:
-            return EngineSpec(
-                model_dir=tiny_deepseek,
-                prompts=prompts,
-                max_tokens=MAX_TOKENS,
+        def spec(prompts: list[list[int]], prefix_caching: bool, tensor_parallel_size: int = 1) -> EngineSpec:
+            return shape_engine_spec(
+                tiny_deepseek,
+                prompts,
+                server.url,
+                vllm_env,
+                prefix_caching=prefix_caching,
                 dtype="bfloat16",
-                enable_prefix_caching=prefix_caching,
-                max_model_len_tokens=2048,
-                env=vllm_env,
-                kv_transfer_config={**KVSTORE_CONNECTOR, "kv_connector_extra_config": {"kvstore.url": server.url}},
-                wait_until_stored_s=60.0,
+                tensor_parallel_size=tensor_parallel_size,
             )
 
         other = [int(token) for token in torch.randint(100, 40_000, (HIT_TOKENS,), generator=generator)]
@@ -79,6 +84,21 @@ def test_mla_latents_are_stored_once_and_load_into_another_engine(
             client.release(plan)
         assert plan.num_prefix_tokens == PROMPT_TOKENS  # the whole prompt's latents, one plane of 576 a token
 
-        (loaded,) = run_engine(spec([prompt], prefix_caching=False))
+        stored_before = scrape(server)
+        new = [int(token) for token in torch.randint(100, 40_000, (PROMPT_TOKENS,), generator=generator)]
+        loaded, computed = run_engine(spec([prompt, new], prefix_caching=False, tensor_parallel_size=2))
         assert loaded.kvstore_loaded_tokens == HIT_TOKENS and loaded.num_cached_tokens == HIT_TOKENS
-        assert loaded.token_ids == own_hit.token_ids
+        assert loaded.token_ids == own_hit.token_ids, "latents stored at TP=1, loaded at TP=2, changed the output"
+        assert computed.kvstore_loaded_tokens == 0
+        stored = scrape(server)
+        new_chunks = stored['kvstore_tier_chunks{tier="cpu"}'] - stored_before['kvstore_tier_chunks{tier="cpu"}']
+        assert new_chunks == 4, "the TP=2 prompt's three whole chunks and its partial one: one copy"
+        new_bytes = sum(
+            value - stored_before.get(name, 0.0)
+            for name, value in stored.items()
+            if name.startswith('kvstore_bulk_bytes_total{direction="stored"')
+        )
+        # the new prompt's latents sent once (by rank 0; both ranks would send twice), and the loaded prompt's last
+        # block again (its 16 computed tokens: the connector saves from the block its load ends in)
+        resent = PROMPT_TOKENS - HIT_TOKENS
+        assert new_bytes == layout.chunk_bytes(PROMPT_TOKENS + resent), "the TP=2 engine's saves: one rank's"

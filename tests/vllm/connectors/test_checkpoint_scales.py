@@ -1,0 +1,121 @@
+"""Reading an fp8 engine's KV scales from its checkpoint's files (``kvstore.connectors.vllm.checkpoint_scales``), no
+engine started: the tensors vLLM 0.32's own cache-scale mappers name, and the values vLLM's KV cache methods set
+from them (compressed-tensors: as loaded, float32; ``fp8`` and the others: rounded to the model's dtype, 1.0 when
+missing, the larger for both when one is). The engine test (``test_fp8_kv.py``) checks the result against real
+layers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+
+from kvstore.connectors.vllm.checkpoint_scales import (
+    checkpoint_kv_scales,
+    read_checkpoint_scales,
+    resolve_layer_scales,
+    weight_files,
+)
+from kvstore.errors import ConfigError
+from kvstore.kv_part import KVPart
+from kvstore.layout import KVLayout, KVScales
+from kvstore.models import default_model_cache_dir
+from tests.vllm.shape_engines import KV_SCALES, scaled_checkpoint_dir
+from tests.vllm.tiny_models import TINY_LLAMA, tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(vllm_model_dir: Path) -> Path:
+    return tiny_model_dir(default_model_cache_dir(os.environ), vllm_model_dir, TINY_LLAMA, dtype=torch.float32)
+
+
+def vllm_config(model_dir: Path, dtype: str = "float32") -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype=dtype, max_model_len=1024),
+        device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=128, cache_dtype="fp8"),  # type: ignore[arg-type]
+    )
+
+
+def fp8_checkpoint(tmp_path: Path, tiny_llama: Path, scales: dict[str, torch.Tensor]) -> Path:
+    """``tiny_llama``'s config with an ``fp8`` quantization config and only ``scales`` as weights (nothing loads
+    them: the reading needs the config and the scale tensors)."""
+    target = tmp_path / "fp8-checkpoint"
+    target.mkdir()
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (target / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2), **scales}, target / "model.safetensors")
+    return target
+
+
+def test_a_kv_only_compressed_tensors_checkpoint_gives_each_layer_its_scales_as_float32(tiny_llama: Path) -> None:
+    scales = checkpoint_kv_scales(vllm_config(scaled_checkpoint_dir(tiny_llama)), num_layers=2)
+    expected = [float(torch.tensor(scale, dtype=torch.float32)) for scale in KV_SCALES["k"]]
+    assert scales.k == tuple(expected) and scales.per_layer
+    assert scales.v == tuple(float(torch.tensor(scale, dtype=torch.float32)) for scale in KV_SCALES["v"])
+
+
+def test_a_checkpoint_without_a_quantization_config_keeps_vllms_default_scales(tiny_llama: Path) -> None:
+    assert checkpoint_kv_scales(vllm_config(tiny_llama), num_layers=2) == KVScales()
+
+
+def test_an_fp8_checkpoints_scales_are_rounded_to_the_model_dtype_and_a_missing_v_takes_k(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    model = fp8_checkpoint(
+        tmp_path,
+        tiny_llama,
+        {
+            "model.layers.0.self_attn.k_proj.k_scale": torch.tensor(0.0125),  # ModelOpt's names
+            "model.layers.0.self_attn.v_proj.v_scale": torch.tensor(0.05),
+            "model.layers.1.self_attn.kv_scale": torch.tensor(0.02),  # deprecated: K's only, V takes it
+        },
+    )
+    scales = checkpoint_kv_scales(vllm_config(model, dtype="bfloat16"), num_layers=2)
+    assert scales.k == (0.01251220703125, 0.0200195312500)  # what a bfloat16 parameter holds (measured in an engine)
+    assert scales.v == (0.050048828125, 0.0200195312500)
+
+
+def test_scale_tensors_are_found_by_vllms_mapped_names_and_nothing_else(tmp_path: Path) -> None:
+    save_file(
+        {
+            "model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+            "model.layers.0.self_attn.q_scale": torch.tensor(0.7),  # not a KV scale
+            "model.layers.3.self_attn.attn.v_scale": torch.tensor(0.25),
+            "model.layers.3.mlp.down_proj.weight_scale": torch.tensor(0.9),
+        },
+        tmp_path / "a.safetensors",
+    )
+
+    def map_name(name: str) -> str:  # vLLM's default rule: .{k,v}_scale -> .attn.{k,v}_scale
+        return name if ".attn." in name else name.replace(".k_scale", ".attn.k_scale")
+
+    found = read_checkpoint_scales(weight_files(str(tmp_path), None, None), map_name)
+    assert {layer: sorted(names) for layer, names in found.items()} == {0: ["k"], 3: ["v"]}
+    scales = resolve_layer_scales(found, 4, as_loaded=True, param_dtype=torch.float32)
+    assert [scales.layer(index) for index in range(4)] == [(0.5, 1.0), (1.0, 1.0), (1.0, 1.0), (1.0, 0.25)]
+    base = resolve_layer_scales(found, 4, as_loaded=False, param_dtype=torch.float32, fnuz=True)
+    assert [base.layer(index) for index in range(4)] == [(1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (0.5, 0.5)]
+
+
+def test_per_head_scales_and_scales_past_the_last_layer_are_refused_with_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"layer 1 k_scale has 2 values \(per-head KV scales\)") as refused:
+        resolve_layer_scales({1: {"k": torch.ones(2)}}, 2, as_loaded=True, param_dtype=torch.float32)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="KV scales for layer 2; the model has 2 layers"):
+        resolve_layer_scales({2: {"k": torch.ones(())}}, 2, as_loaded=True, param_dtype=torch.float32)
+
+
+def test_a_pipeline_stage_checks_its_own_layers_scales() -> None:
+    layout = KVLayout(
+        model_id="m", num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp8",
+        kv_scales=KVScales(k=(0.1, 0.2, 0.3, 0.4), v=(0.5, 0.6, 0.7, 0.8)),
+    )  # fmt: skip
+    stage = KVPart(layer_start=2, layer_end=4, head_start=0, head_end=2).shape_layout(layout)
+    assert stage.kv_scales == KVScales(k=(0.3, 0.4), v=(0.7, 0.8))
