@@ -29,6 +29,11 @@ With a connector setting ``kvstore.chunk_separator`` in the installed kvstore, t
 deployments pass the separator string in it, so the store cuts chunks where documents start; without it, or with
 ``connector_separator`` off, they run without (the row says which).
 
+With ``interleaved`` each kvstore deployment runs beside a ``vllm`` server of its own, both up at once, and every
+request goes to both, one after the other (which first alternates), with a pause between sends: machine drift then
+cancels in each pair, and a row's ``ttft_paired_ratio`` (this deployment's TTFT over vLLM's, geometric mean of the
+pairs, with a bootstrap 95% interval: ``paired_ratio``) resolves a few percent, e.g. what a miss costs.
+
 With ``chat`` the prompts are text through ``/v1/chat/completions`` (``vllm_serve_workload.ChatForm``): a system
 message, then the documents joined by blank lines and the question in one user message, as a RAG client sends them.
 """
@@ -46,8 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.bench.paired_ratio import paired_ratio
 from kvstore.bench.vllm_engine import EngineSpec, wait_until_stored
-from kvstore.bench.vllm_serve_client import RoundResult, send_round
+from kvstore.bench.vllm_serve_client import RequestOutcome, RoundResult, send_round
 from kvstore.bench.vllm_serve_options import DEPLOYMENTS, ServeBenchOptions
 from kvstore.bench.vllm_serve_server import OpenAIServer, ServerSpec, prompt_token_sources
 from kvstore.bench.vllm_serve_workload import (
@@ -111,6 +117,10 @@ class ServeRow:
     warm_up_stored: int | None = None
     chunk_separator: bool = False
     chat: bool = False
+    paired_with: str | None = None
+    ttft_paired_ratio: float | None = None
+    ttft_paired_low: float | None = None
+    ttft_paired_high: float | None = None
     server_stop_s: float | None = None
     errors: tuple[str, ...] = ()
 
@@ -166,6 +176,8 @@ def run_serve_benchmark(options: ServeBenchOptions, progress: Callable[[str], No
     rows: list[ServeRow] = []
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-serve-") as scratch:
         work_dir = options.work_dir or Path(scratch)
+        if options.interleaved:
+            return _interleaved_rows(options, workload, separator, work_dir, progress)
         reference: dict[str, RoundResult] = {}
         for deployment in options.deployments:
             measured, stored, stop_s = _run_deployment(options, deployment, workload, separator, work_dir, progress)
@@ -186,6 +198,101 @@ def _chat_form(tokenizer: Any) -> ChatForm:
     return ChatForm(decode=lambda tokens: str(tokenizer.decode(list(tokens))), template=template)
 
 
+def _interleaved_rows(
+    options: ServeBenchOptions,
+    workload: ServeWorkload,
+    separator: Mapping[str, object],
+    work_dir: Path,
+    progress: Callable[[str], None],
+) -> list[ServeRow]:
+    """Each kvstore deployment beside a vLLM server of its own, every request sent to both: the pair's rows."""
+    rows: list[ServeRow] = []
+    for deployment in (name for name in options.deployments if name != "vllm"):
+        names = ("vllm", deployment)
+        specs = {name: _server_spec(options, name, separator, work_dir / f"beside-{deployment}") for name in names}
+        progress(f"vllm and {deployment}: starting both servers")
+        measured: dict[str, dict[str, _Measured]] = {name: {} for name in names}
+        stored: set[int] = set()
+        with OpenAIServer(specs["vllm"][0]) as reference, OpenAIServer(specs[deployment][0]) as server:
+            servers = {"vllm": reference, deployment: server}
+            for name, prompts in _rounds(workload).items():
+                progress(f"vllm and {deployment}: {name} round ({len(prompts)} requests to each, interleaved)")
+                for served, round_ in _measure_interleaved(servers, options, prompts, name).items():
+                    measured[served][name] = round_
+                transfer = specs[deployment][1]
+                if name == "warm_up" and transfer is not None:
+                    stored = _wait_stored(options, transfer, workload.warm_up)
+        cold = {name: round_.result for name, round_ in measured["vllm"].items()}
+        pair = _rows(options, "vllm", workload, measured["vllm"], {}, [], set(), reference.stop_seconds, False)
+        pair += _rows(
+            options, deployment, workload, measured[deployment], cold, pair, stored, server.stop_seconds,
+            bool(separator),
+        )  # fmt: skip
+        rows += [
+            dataclasses.replace(row, paired_with=deployment if row.deployment == "vllm" else "vllm") for row in pair
+        ]
+    return rows
+
+
+def _rounds(workload: ServeWorkload) -> dict[str, Sequence[ServePrompt]]:
+    rounds = {"warm_up": workload.warm_up, "query": workload.queries, "mixed": workload.mixed}
+    return {name: prompts for name, prompts in rounds.items() if prompts}
+
+
+def _measure_interleaved(
+    servers: Mapping[str, OpenAIServer], options: ServeBenchOptions, prompts: Sequence[ServePrompt], name: str
+) -> dict[str, _Measured]:
+    """Send each prompt to every server, one at a time, the first server alternating, ``pause_s`` between sends."""
+    before = {served: prompt_token_sources(server.metrics_text()) for served, server in servers.items()}
+    offsets = {served: server.log_offset() for served, server in servers.items()}
+    outcomes: dict[str, list[RequestOutcome]] = {served: [] for served in servers}
+    order = list(servers)
+    for index, prompt in enumerate(prompts):
+        for served in order if index % 2 == 0 else order[::-1]:
+            time.sleep(options.pause_s)  # the server that just answered polls its queues for a while
+            sent = send_round(
+                servers[served].base_url, str(options.model_dir), [prompt.messages or prompt.tokens],
+                max_tokens=options.mixed_max_tokens if name == "mixed" else options.max_tokens, max_inflight=1,
+            )  # fmt: skip
+            outcomes[served].append(dataclasses.replace(sent.outcomes[0], index=index))
+    measured = {}
+    for served, server in servers.items():
+        counters = server.connector_counters(offsets[served])
+        after = prompt_token_sources(server.metrics_text())
+        sources = {source: after.get(source, 0.0) - before[served].get(source, 0.0) for source in after}
+        total_s = sum(outcome.latency_s or 0.0 for outcome in outcomes[served]) or 1e-9
+        measured[served] = _Measured(
+            result=RoundResult(outcomes=tuple(outcomes[served]), total_s=total_s), sources=sources,
+            blends=counters.blends, blend_recomputed_tokens=counters.blend_recomputed_tokens,
+        )  # fmt: skip
+    return measured
+
+
+def _server_spec(
+    options: ServeBenchOptions, deployment: str, separator: Mapping[str, object], work_dir: Path
+) -> tuple[ServerSpec, dict[str, Any] | None]:
+    """The deployment's server, and its connector's config (``None``: vLLM alone)."""
+    extra: dict[str, object] = {}
+    if deployment != "vllm":
+        extra = {"kvstore.data_dir": str(work_dir / f"{deployment}-data"), "kvstore.tiers": "cpu",
+                 "kvstore.cpu_size": "2GiB", **separator}  # fmt: skip
+        if options.chunk_size is not None:
+            extra["kvstore.chunk_size"] = options.chunk_size
+        if deployment == "kvstore_blend":
+            extra |= {"kvstore.blend": True, "kvstore.blend_ratio": options.ratio}
+    transfer = None if deployment == "vllm" else {**CONNECTOR_CONFIG, "kv_connector_extra_config": extra}
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec = ServerSpec(
+        model_dir=options.model_dir,
+        log_path=work_dir / f"{deployment}-server.log",
+        kv_transfer_config=transfer,
+        enable_prefix_caching=deployment != "kvstore_blend",
+        dtype=options.dtype,
+        env={**CPU_ENGINE_ENV, **(options.env or {})},
+    )
+    return spec, transfer
+
+
 def _run_deployment(
     options: ServeBenchOptions,
     deployment: str,
@@ -196,31 +303,12 @@ def _run_deployment(
 ) -> tuple[dict[str, _Measured], set[int], float | None]:
     """Start the deployment's server, send its rounds, stop it; what each round measured, the warm-up prompts the
     store held whole after the warm-up round, and how long the server took to exit."""
-    extra: dict[str, object] = {}
-    if deployment != "vllm":
-        extra = {"kvstore.data_dir": str(work_dir / f"{deployment}-data"), "kvstore.tiers": "cpu",
-                 "kvstore.cpu_size": "2GiB", **separator}  # fmt: skip
-        if options.chunk_size is not None:
-            extra["kvstore.chunk_size"] = options.chunk_size
-        if deployment == "kvstore_blend":
-            extra |= {"kvstore.blend": True, "kvstore.blend_ratio": options.ratio}
-    transfer = None if deployment == "vllm" else {**CONNECTOR_CONFIG, "kv_connector_extra_config": extra}
-    spec = ServerSpec(
-        model_dir=options.model_dir,
-        log_path=work_dir / f"{deployment}-server.log",
-        kv_transfer_config=transfer,
-        enable_prefix_caching=deployment != "kvstore_blend",
-        dtype=options.dtype,
-        env={**CPU_ENGINE_ENV, **(options.env or {})},
-    )
+    spec, transfer = _server_spec(options, deployment, separator, work_dir)
     progress(f"{deployment}: starting vLLM's OpenAI server")
-    rounds = {"warm_up": workload.warm_up, "query": workload.queries, "mixed": workload.mixed}
     measured: dict[str, _Measured] = {}
     stored: set[int] = set()
     with OpenAIServer(spec) as server:
-        for name, prompts in rounds.items():
-            if not prompts:
-                continue
+        for name, prompts in _rounds(workload).items():
             progress(f"{deployment}: {name} round ({len(prompts)} requests, {options.max_inflight} in flight)")
             measured[name] = _measure_round(server, options, prompts, name)
             if name == "warm_up" and transfer is not None:
@@ -292,6 +380,7 @@ def _rows(
         cold = reference.get(name)
         compared = mismatched = agreed = 0
         ratios: list[float] = []
+        pairs: list[tuple[float, float]] = []  # (vLLM's TTFT, this deployment's) of the same prompt
         if cold is not None and deployment != "vllm":
             for prompt, outcome, base in zip(prompts[name], outcomes, cold.outcomes, strict=True):
                 if outcome.error is not None or base.error is not None:
@@ -304,9 +393,11 @@ def _rows(
                     mismatched += not same
                 if base.ttft_s:
                     ratios.append((outcome.ttft_s or 0.0) / base.ttft_s)
+                    pairs += [(base.ttft_s, outcome.ttft_s)] if outcome.ttft_s else []
         vllm_row = next((row for row in earlier if row.deployment == "vllm" and row.round == name), None)
         mean = statistics.fmean(ttft) or 1e-9  # a round of failed requests: no division by zero
         warm_up_row = rows[0] if rows and rows[0].round == "warm_up" else None
+        paired = paired_ratio(*zip(*pairs, strict=True)) if options.interleaved and pairs else None
         rows.append(
             ServeRow(
                 deployment=deployment,
@@ -340,6 +431,9 @@ def _rows(
                 warm_up_stored=len(stored) if name == "warm_up" and deployment != "vllm" else None,
                 chunk_separator=separator and deployment != "vllm",
                 chat=options.chat,
+                ttft_paired_ratio=None if paired is None else paired.ratio,
+                ttft_paired_low=None if paired is None else paired.low,
+                ttft_paired_high=None if paired is None else paired.high,
                 server_stop_s=stop_s,
                 errors=tuple(outcome.error for outcome in outcomes if outcome.error is not None)[:5],
             )

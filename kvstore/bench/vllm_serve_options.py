@@ -45,6 +45,10 @@ class ServeBenchOptions:
         chat: send text through ``/v1/chat/completions`` (the model's chat template) instead of token ids.
         connector_separator: tell the kvstore deployments the separator (``kvstore.chunk_separator``); off, they cut
             chunks without one.
+        interleaved: run each kvstore deployment beside a vLLM server of its own and send every request to both,
+            one at a time (``max_inflight`` 1), for paired TTFT ratios.
+        pause_s: with ``interleaved``, the pause before each send (an idle vLLM server polls its queues for about a
+            second after a request, on the cores the other server needs).
         ratio: the blend's recompute ratio (``kvstore.blend_ratio``).
         chunk_size: the store's chunk size (``None``: the store's default).
         dtype: the model's dtype.
@@ -80,6 +84,8 @@ class ServeBenchOptions:
     seed: int = 0
     chat: bool = False
     connector_separator: bool = True
+    interleaved: bool = False
+    pause_s: float = 1.5
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -96,6 +102,12 @@ class ServeBenchOptions:
             num_mixed=self.num_mixed,
         )
         check_recompute_ratio(self.ratio)
+        if self.interleaved and self.max_inflight != 1:
+            raise ConfigError(f"--interleaved sends one request at a time; drop --max-inflight {self.max_inflight}")
+        if self.interleaved and self.deployments == ("vllm",):
+            raise ConfigError("--interleaved pairs kvstore deployments with vLLM alone; name one in --deployments")
+        if self.pause_s < 0:
+            raise ConfigError(f"--pause {self.pause_s}: a pause is at least 0 seconds")
         if self.separator == "":
             raise ConfigError("--separator '': give the text between the parts, or leave it out for the default")
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.bench.vllm_blend_options import VllmBlendOptions
-from kvstore.bench.vllm_serve_options import ServeBenchOptions
+from kvstore.bench.vllm_serve_options import DEPLOYMENTS, ServeBenchOptions
 from kvstore.bench.vllm_serve_workload import Corpus
 from kvstore.bench.vllm_ttft import (
     VllmBenchOptions,
@@ -58,6 +58,8 @@ _HELP = """Time to first token of long prompts in vLLM: cold, vLLM's own prefix-
         .venv-vllm/bin/kvstore bench vllm --serve --json --max-inflight 4 --expected-ttft-gain 2
 
         .venv-vllm/bin/kvstore bench vllm --serve --chat --corpus prose --no-connector-separator   # as chat clients
+
+        .venv-vllm/bin/kvstore bench vllm --serve --interleaved --deployments vllm,kvstore_blend   # paired TTFT
     """
 
 
@@ -70,8 +72,15 @@ def _check_mode(given: GivenValues) -> None:
             f"--tensor-parallel-size {tensor_parallel_size} is for the default mode; the --blend and --serve "
             "benchmarks run their engines at TP=1"
         )
-    if not serve and (given.switch("chat") or not given.switch("connector_separator")):
-        raise ConfigError("--chat and --no-connector-separator are for --serve (text through vLLM's OpenAI server)")
+    serve_only = {
+        "--chat": given.switch("chat"),
+        "--no-connector-separator": not given.switch("connector_separator"),
+        "--interleaved": given.switch("interleaved"),
+        "--deployments": given["deployments"] is not None,
+    }
+    misplaced = [flag for flag, used in serve_only.items() if used]
+    if misplaced and not serve:
+        raise ConfigError(f"{', '.join(misplaced)}: for --serve only (vLLM's OpenAI server)")
     if kv_cache_dtype != "auto" and (serve or blend):
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype} is for the default mode; --blend and --serve run auto")
     if given.switch("prefill_decode") and (serve or blend or tensor_parallel_size != 1 or kv_cache_dtype != "auto"):
@@ -87,7 +96,10 @@ def _run(given: GivenValues) -> None:
     placeholder = given.path("model") or Path("kvstore-default-model")  # replaced once exported
     as_json = given.switch("as_json")
     if given.switch("serve"):
-        serve_options = given.build(ServeBenchOptions, model_dir=placeholder, corpus=_corpus(given["corpus"]))
+        serve_options = given.build(
+            ServeBenchOptions, model_dir=placeholder, corpus=_corpus(given["corpus"]),
+            deployments=_deployments(given["deployments"]),
+        )  # fmt: skip
         serve_rows = _run_serve(given, serve_options)
         _print_serve(serve_rows, as_json)
         _check_ttft_gain(serve_rows, given["expected_ttft_gain"])
@@ -201,6 +213,17 @@ def _print_blend(rows: list[VllmBlendRow], as_json: bool) -> None:
             f"{row.fact_accuracy:.2f}", f"{row.first_token_agreement:.2f}", overlap,
         )  # fmt: skip
     Console(width=120).print(table)
+
+
+def _deployments(names: str | None) -> tuple[str, ...]:
+    """``--deployments``' comma-separated names, in the bench's order (``ServeBenchOptions`` checks them)."""
+    if names is None:
+        return DEPLOYMENTS
+    given = {name.strip() for name in names.split(",") if name.strip()}
+    unknown = sorted(given - set(DEPLOYMENTS))
+    if unknown or not given:
+        raise ConfigError(f"--deployments {names!r}: a comma-separated subset of {', '.join(DEPLOYMENTS)}")
+    return tuple(name for name in DEPLOYMENTS if name in given)
 
 
 def _corpus(name: str) -> Corpus:

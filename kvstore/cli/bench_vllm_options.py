@@ -84,6 +84,13 @@ BENCH_VLLM_OPTIONS = (
               targets=_to(_SERVE, "system_prompt")),
     CliOption(name="corpus", declaration="--corpus", annotation=str,
               help_text="--serve: synthetic (the guide's) or prose.", targets=_to(_SERVE, "corpus")),
+    CliOption(name="interleaved", declaration="--interleaved", annotation=bool, default=False,
+              help_text="--serve: each kvstore deployment beside its own vLLM server, every request to both in turn "
+              "(paired TTFT ratios).", targets=_to(_SERVE, "interleaved")),
+    CliOption(name="pause", declaration="--pause", annotation=float,
+              help_text="--serve --interleaved: seconds before each send.", targets=_to(_SERVE, "pause_s")),
+    CliOption(name="deployments", declaration="--deployments", annotation=str | None,
+              help_text="--serve: which of vllm,kvstore_prefix,kvstore_blend to run (default: all)."),
     CliOption(name="chunk_size", declaration="--chunk-size", annotation=int | None,
               help_text="--serve: the store's chunk size.", targets=_to(_SERVE, "chunk_size")),
     CliOption(name="expected_ttft_gain", declaration="--expected-ttft-gain", annotation=float | None,
@@ -98,7 +105,14 @@ agree: ``tests/cli/test_declared_bench_options.py``)."""
 NOT_OPTIONS = {
     VllmBenchOptions: ("model_dir", "env", "engine_timeout_s"),
     VllmBlendOptions: ("model_dir", "answer_tokens", "chunk_size", "engine_timeout_s"),
-    ServeBenchOptions: ("model_dir", "question", "deployments", "stored_wait_s", "env", "seed"),
+    ServeBenchOptions: (
+        "model_dir",
+        "question",
+        "deployments",
+        "stored_wait_s",
+        "env",
+        "seed",
+    ),  # --deployments: a list
 }
 """The options dataclasses' fields no option fills (``model_dir`` is ``--model`` once exported; the rest are for
 Python callers and tests)."""

@@ -258,7 +258,9 @@ def bench_mistakes() -> list[Mistake]:
         ),
         bench("unknown corpus", "vllm --serve --corpus poems", "--corpus 'poems'"),
         bench("nothing in flight", "vllm --serve --max-inflight 0", "--max-inflight 0"),
-        bench("chat outside serve", "vllm --blend --chat", "--chat and --no-connector-separator are for --serve"),
+        bench("chat outside serve", "vllm --blend --chat", "--chat: for --serve only"),
+        bench("interleaved, many in flight", "vllm --serve --interleaved --max-inflight 4", "--interleaved sends one"),
+        bench("unknown deployment", "vllm --serve --deployments vllm,lmcache", "--deployments 'vllm,lmcache'"),
         Mistake(
             name="bench vllm: empty separator",
             argv=("bench", "vllm", "--serve", "--separator", ""),
