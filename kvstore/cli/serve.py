@@ -144,6 +144,7 @@ def startup_lines(settings: ServerSettings, address: ServerAddress) -> list[str]
     lines = [
         f"kvstore {__version__} listening on {address.url} (metrics {address.metrics_url})",
         f"layout {layout_text}; chunks of {store.chunk_size} tokens"
+        + (", at most, cut by content" if store.chunking.value == "content" else "")
         + (f", restarting after {','.join(map(str, store.chunk_separator))}" if store.chunk_separator else ""),
     ]
     defaults = {

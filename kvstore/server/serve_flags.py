@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvstore.chunking import Chunking, parse_chunking
 from kvstore.config import DEFAULT_DATA_DIR, GIB, StoreConfig, parse_chunk_separator, parse_size, parse_tiers
 from kvstore.data_dir.server_record import live_server_record
 from kvstore.errors import ConfigError, StorageError
@@ -78,10 +79,11 @@ class CheckedFlags:
 
     Args:
         store: the store's settings, every ``StoreConfig`` rule checked; provisional in what the host or the data
-            dir decide (``resolve_settings`` replaces the tiers when ``tiers`` is ``None``, the chunk size when
-            the data dir recorded one, and the sizes).
+            dir decide (``resolve_settings`` replaces the tiers when ``tiers`` is ``None``, the chunk size and the
+            cut rule when the data dir recorded them, and the sizes).
         tiers: the tiers given; ``None``: the default (``gpu`` joins ``cpu,disk`` with CUDA).
         chunk_size: the chunk size given; ``None``: the data dir's, else the default.
+        chunking: the cut rule given; ``None``: the data dir's, else ``fixed``.
         sizes: the sizes given.
         layout: ``--layout`` as given (a preset name or an existing file); ``None``: not given.
         host: the interface to listen on.
@@ -105,6 +107,7 @@ class CheckedFlags:
     plan_ttl_s: float
     kv_events: KVEventOptions | None
     given_by: Mapping[str, str] = field(default_factory=dict)
+    chunking: Chunking | None = None
 
 
 def check_flags(
@@ -148,6 +151,7 @@ def check_flags(
         tiers=tiers or _PROVISIONAL_TIERS,
         chunk_size=merged.chunk_size if merged.chunk_size is not None else defaults.chunk_size,
         chunk_separator=parse_chunk_separator(merged.chunk_separator or ""),
+        chunking=parse_chunking(merged.chunking) if merged.chunking is not None else defaults.chunking,
         gpu_capacity_bytes=_or(sizes.gpu_bytes, defaults.gpu_capacity_bytes),
         cpu_capacity_bytes=_or(sizes.cpu_bytes, defaults.cpu_capacity_bytes),
         disk_capacity_bytes=_or(sizes.disk_bytes, defaults.disk_capacity_bytes),
@@ -185,6 +189,7 @@ def check_flags(
         plan_ttl_s=plan_ttl_s,
         kv_events=_kv_events(merged),
         given_by=given_by,
+        chunking=parse_chunking(merged.chunking) if merged.chunking is not None else None,
     )
 
 

@@ -70,6 +70,11 @@ class ServeFlags:
         "Token ids after which a chunk restarts, e.g. 198,198: a RAG template's document delimiter, so a document is "
         "found wherever a prompt puts it (default: none)."
     )
+    chunking: str | None = _declared(
+        "How chunks are cut: fixed, every --chunk-size tokens; content, where a hash of the last 16 token ids says, so "
+        "a document is cut alike wherever a prompt puts it (--chunk-size is then the longest chunk) (default: the data "
+        "dir's, else fixed)."
+    )
     gpu_size: str | None = _declared("gpu tier size, e.g. 16GiB (default: 4GiB, <= 1/4 free).")
     cpu_size: str | None = _declared("cpu tier size, e.g. 64GiB (default: 4GiB, <= 1/4 RAM).")
     data_dir: Path | None = _declared("The data dir (default: ./kvstore-data).")  # noqa: RUF009 (a field(), as above)

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvstore.chunking import Chunking
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.layout import KVLayout
@@ -40,7 +41,7 @@ from kvstore.server.serve_sources import (
     read_environment,
 )
 from kvstore.tiers.base import TierName
-from kvstore.tiers.disk.layout_copy import recorded_layout
+from kvstore.tiers.disk.layout_copy import recorded_chunking, recorded_layout
 
 __all__ = [
     "ENV_PREFIX",
@@ -103,7 +104,7 @@ def resolve_settings(
 
     Raises:
         ConfigError: an invalid or impossible setting (one line naming it and the fix).
-        LayoutMismatchError: ``--layout`` or ``--chunk-size`` disagrees with the data dir.
+        LayoutMismatchError: ``--layout``, ``--chunk-size`` or ``--chunking`` disagrees with the data dir.
         StorageError: a live server already holds the data dir.
     """
     return complete_settings(check_flags(flags, config_file, environ), host)
@@ -115,7 +116,7 @@ def complete_settings(checked: CheckedFlags, host: HostFacts) -> ServerSettings:
 
     Raises:
         ConfigError: gpu without CUDA, a size that does not fit, a tier too small for a chunk of the layout.
-        LayoutMismatchError: ``--layout`` or ``--chunk-size`` disagrees with the data dir.
+        LayoutMismatchError: ``--layout``, ``--chunk-size`` or ``--chunking`` disagrees with the data dir.
     """
     tiers = checked.tiers if checked.tiers is not None else _default_tiers(host)
     if TierName.GPU in tiers and not host.cuda_available:
@@ -138,10 +139,14 @@ def complete_settings(checked: CheckedFlags, host: HostFacts) -> ServerSettings:
                     f"{held_layout.describe()}; use another --data-dir for this model"
                 )
             chunk_size, layout = recorded_chunk_size, held_layout
+        chunking = _recorded_chunking(checked, data_dir)
+    else:
+        chunking = checked.store.chunking
     sizes = _sizes(checked, tiers, host, data_dir)
     store = replace(
         checked.store,
         tiers=tiers,
+        chunking=chunking,
         chunk_size=chunk_size if chunk_size is not None else _DEFAULT_CHUNK_SIZE,
         gpu_capacity_bytes=sizes.gpu_bytes,
         cpu_capacity_bytes=sizes.cpu_bytes,
@@ -195,3 +200,20 @@ def _sizes(checked: CheckedFlags, tiers: tuple[TierName, ...], host: HostFacts, 
         disk_bytes = given.disk_bytes if given.disk_bytes is not None else min(_DEFAULT_DISK_BYTES, free // 2)
         check_fits("disk_size", disk_bytes, free, f"disk under {data_dir}")
     return _TierSizes(gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes, disk_bytes=disk_bytes)
+
+
+def _recorded_chunking(checked: CheckedFlags, data_dir: Path) -> Chunking:
+    """The cut rule: the data dir's when it recorded one (``--chunking`` must agree with it), else the given one.
+
+    Raises:
+        LayoutMismatchError: ``--chunking`` disagrees with the data dir's chunks.
+    """
+    recorded = recorded_chunking(data_dir)
+    if recorded is None:
+        return checked.store.chunking
+    if checked.chunking is not None and checked.chunking is not recorded:
+        raise LayoutMismatchError(
+            f"--chunking {checked.chunking.value} disagrees with data dir {data_dir} (its chunks were cut by "
+            f"{recorded.value}); pass --chunking {recorded.value} or use another --data-dir"
+        )
+    return recorded

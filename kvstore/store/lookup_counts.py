@@ -35,11 +35,21 @@ class LookupCounts:
         self._looked_up_tokens = 0
         self._missed_tokens: Counter[MissReason] = Counter()
 
-    def add(self, num_query_tokens: int, segments: list[Segment], misses: Sequence[Miss] = ()) -> None:
+    def add(
+        self,
+        num_query_tokens: int,
+        segments: list[Segment],
+        misses: Sequence[Miss] = (),
+        *,
+        num_query_chunks: int | None = None,
+    ) -> None:
         """Count one plan: its segments (one chunk each), the prompt chunks they leave uncovered, and its tokens
-        looked up and missed by reason."""
+        looked up and missed by reason (``num_query_chunks``: the prompt's chunks as the store cut it; ``None``:
+        ``ceil(num_query_tokens / chunk_size)``, the fixed cut's count)."""
         served = Counter(segment.tier for segment in segments)
-        looked_up = max(num_chunks(num_query_tokens, self._chunk_size), len(segments))
+        if num_query_chunks is None:
+            num_query_chunks = num_chunks(num_query_tokens, self._chunk_size)
+        looked_up = max(num_query_chunks, len(segments))
         missed = tokens_by_reason(misses)
         with self._lock:
             self._served.update(served)

@@ -300,7 +300,7 @@ class TieredStore:
             segments, bounds, keys, is_resident=self._is_resident, dropped_by=self._ghosts.dropped_by, gone=gone
         )
         if not repeat:
-            self._lookup_counts.add(len(token_array), segments, misses)
+            self._lookup_counts.add(len(token_array), segments, misses, num_query_chunks=len(bounds) - 1)
         prefetches: tuple[concurrent.futures.Future[bool], ...] = ()
         if self._prefetcher is not None:
             prefetcher = self._prefetcher

@@ -297,7 +297,7 @@ class DiskEnvironment:
                 chunking=parse_chunking(chunking_value),
             )
         except (ValueError, ConfigError) as exc:  # UnicodeDecodeError is a ValueError
-            reason = f"its info record (layout, chunk size, capacity, chunking) is unreadable ({exc})"
+            reason = f"its info record (layout, chunk size, capacity) is unreadable ({exc})"
             damage = DataFileDamage(self.path / DATA_FILE, reason)
             raise StorageError(damage.message()) from exc
 

@@ -1,11 +1,11 @@
 """What a server needs to know of a data dir before its store opens it, without opening LMDB.
 
-A server resolving its settings needs the layout and chunk size the data dir recorded (to adopt them, or to refuse
-flags that disagree) before it opens the store, and LMDB cannot open one environment twice in a process: reading
-the info record first would mean opening the data dir twice at every start (read-only, then for the store). So the disk
-tier keeps a copy of those two values in ``layout.json`` beside ``data.mdb``: every writable open makes it say what
-the info record says (a dir from before the copy, a damaged or edited copy), even an open it then refuses. The
-info record in LMDB stays the truth: the store checks every open against it, so a wrong copy costs one refused
+A server resolving its settings needs the layout, chunk size and cut rule the data dir recorded (to adopt them, or to
+refuse flags that disagree) before it opens the store, and LMDB cannot open one environment twice in a process:
+reading the info record first would mean opening the data dir twice at every start (read-only, then for the store).
+So the disk tier keeps a copy of those values in ``layout.json`` beside ``data.mdb``: every writable open makes it
+say what the info record says (a dir from before the copy, a damaged or edited copy), even an open it then refuses.
+The info record in LMDB stays the truth: the store checks every open against it, so a wrong copy costs one refused
 start, never wrong KV. Only a dir without a readable copy is probed read-only.
 """
 
@@ -16,12 +16,13 @@ import logging
 import os
 from pathlib import Path
 
+from kvstore.chunking import Chunking, parse_chunking
 from kvstore.errors import ConfigError
 from kvstore.layout import KVLayout
 from kvstore.tiers.disk.data_file_check import DATA_FILE
 from kvstore.tiers.disk.environment import DiskEnvironment
 
-__all__ = ["LAYOUT_FILE", "keep_layout_copy", "read_layout_copy", "recorded_layout"]
+__all__ = ["LAYOUT_FILE", "keep_layout_copy", "read_layout_copy", "recorded_chunking", "recorded_layout"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +71,48 @@ def read_layout_copy(data_dir: Path) -> tuple[KVLayout, int] | None:
     return layout, chunk_size
 
 
+def recorded_chunking(data_dir: Path) -> Chunking | None:
+    """The cut rule a data dir recorded, or ``None`` for a fresh dir: from the copy beside ``data.mdb``, or from the
+    info record (a read-only open) when the copy is missing, unreadable or older than the rule (``fixed`` then).
+
+    Raises:
+        StorageError: as ``recorded_layout``.
+    """
+    if not (data_dir / DATA_FILE).is_file():
+        return None
+    copied = _copied_chunking(data_dir)
+    if copied is not None:
+        return copied
+    env = DiskEnvironment(data_dir, read_only=True, map_size_bytes=_PROBE_MAP_BYTES)
+    try:
+        info = env.read_info()
+    finally:
+        env.close()
+    return info.chunking if info is not None else None
+
+
+def _copied_chunking(data_dir: Path) -> Chunking | None:
+    try:
+        fields = json.loads((data_dir / LAYOUT_FILE).read_text(encoding="utf-8"))
+        return parse_chunking(fields["chunking"])
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):  # JSONDecodeError is a ValueError
+        return None
+
+
 def keep_layout_copy(env: DiskEnvironment) -> None:
     """Make the copy say what the info record says, unless it does already (a writable open; a dir without a record
     yet has no copy). Atomic: a reader sees the old copy or the new one. A failure to write is logged, not raised:
     the copy only saves the next start a probe."""
     info = env.read_info()
-    if info is None or read_layout_copy(env.path) == (info.layout, info.chunk_size):
+    if info is None or (
+        read_layout_copy(env.path) == (info.layout, info.chunk_size) and _copied_chunking(env.path) == info.chunking
+    ):
         return
     data_dir, layout, chunk_size = env.path, info.layout, info.chunk_size
     target = data_dir / LAYOUT_FILE
     staged = data_dir / f".{LAYOUT_FILE}.{os.getpid()}"
-    text = json.dumps({"layout": json.loads(layout.to_json()), "chunk_size": chunk_size}, indent=2) + "\n"
+    fields = {"layout": json.loads(layout.to_json()), "chunk_size": chunk_size, "chunking": info.chunking.value}
+    text = json.dumps(fields, indent=2) + "\n"
     try:
         staged.write_text(text, encoding="utf-8")
         os.replace(staged, target)
