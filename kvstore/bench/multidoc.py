@@ -225,6 +225,7 @@ def _store_config(
     return StoreConfig(
         tiers=options.tiers,
         chunk_size=options.chunk_size,
+        chunking=options.chunking,
         cpu_capacity_bytes=options.cpu_capacity_bytes or fitted,
         gpu_capacity_bytes=options.gpu_capacity_bytes or fitted,
         gpu_device=device if device.startswith("cuda") else "cpu",
@@ -253,6 +254,7 @@ def _run_context(options: MultiDocOptions, model: _Model, device: str, dtype: to
         dtype=str(dtype).removeprefix("torch."),
         tiers=",".join(tier.value for tier in options.tiers),
         chunk_size=options.chunk_size,
+        chunking=options.chunking.value,
         warm_up=options.warm_up.value if options.workload is BenchWorkload.MULTI_DOC_QA else "identity_order",
         facts=options.facts.value if model.tokenizer is not None else "none",
         num_documents=options.num_documents,

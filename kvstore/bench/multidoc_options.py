@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.blend.config import BlendConfig
+from kvstore.chunking import Chunking, parse_chunking
 from kvstore.config import GIB
 from kvstore.errors import ConfigError
 from kvstore.models.random_init_names import check_random_init_preset
@@ -77,6 +78,7 @@ class MultiDocOptions:
     tiers: tuple[TierName, ...] = (TierName.CPU,)
     data_dir: Path | None = None
     chunk_size: int = 64  # a document's head up to a chunk is a gap (its first chunk holds the preamble)
+    chunking: Chunking = Chunking.FIXED  # the store's cut rule (StoreConfig.chunking)
     warm_up: WarmUp = WarmUp.PREAMBLE
     facts: FactStyle = FactStyle.DISTINCT
     cpu_capacity_bytes: int | None = None
@@ -95,6 +97,7 @@ class MultiDocOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "workload", BenchWorkload(self.workload))
         object.__setattr__(self, "warm_up", WarmUp(self.warm_up))
+        object.__setattr__(self, "chunking", parse_chunking(self.chunking))
         object.__setattr__(self, "facts", FactStyle(self.facts))
         modes = [BenchMode(mode) for mode in self.modes]
         # full prefill runs first, asked for or not: it is the reference every quality figure and ratio compares with

@@ -42,6 +42,7 @@ class RunContext:
     dtype: str
     tiers: str
     chunk_size: int
+    chunking: str
     warm_up: str
     facts: str
     num_documents: int

@@ -87,7 +87,7 @@ class ServerBenchRow:
 
 
 def _start_server(options: ServerBenchOptions, layout: KVLayout, cpu_bytes: int, directory: Path) -> ServeProcess:
-    flags = ["--tiers", "cpu", "--cpu-size", str(cpu_bytes)]
+    flags = ["--tiers", "cpu", "--cpu-size", str(cpu_bytes), "--chunking", options.chunking.value]
     if options.kv_events:
         flags += ["--kv-events", f"tcp://*:{free_port()}"]
     return start_serve_process(layout, options.chunk_size, directory, flags)
@@ -153,7 +153,9 @@ def _lookup_phase(options: ServerBenchOptions, directory: Path, say: Callable[[s
     layout = preset_layout(options.lookup_layout)
     num_tokens = options.lookup_tokens
     cpu_bytes = layout.chunk_bytes(num_tokens + options.chunk_size) + GIB // 8
-    config = StoreConfig(tiers=(TierName.CPU,), chunk_size=options.chunk_size, cpu_capacity_bytes=cpu_bytes)
+    config = StoreConfig(
+        tiers=(TierName.CPU,), chunk_size=options.chunk_size, chunking=options.chunking, cpu_capacity_bytes=cpu_bytes
+    )
     tokens = np.random.default_rng(options.seed).integers(0, 50_000, size=num_tokens)
     kv = _kv(layout, num_tokens, options.seed)
     server = _start_server(options, layout, cpu_bytes, directory)
@@ -196,7 +198,8 @@ def _lookup_phase(options: ServerBenchOptions, directory: Path, say: Callable[[s
         unit="ms", value=p50, baseline="in-process TieredStore.lookup", baseline_value=local_p50,
         ratio=local_p50 / p50, target=_TARGET_LOOKUP_P50_MS, met=p50 <= _TARGET_LOOKUP_P50_MS and verified,
         p50_ms=p50, p90_ms=p90, p99_ms=p99, max_ms=worst, num_samples=len(server_ms),
-        note=f"{len(plan.segments)} segments; health round trip p50 {health_p50:.3f} ms (transport floor)"
+        note=f"{len(plan.segments)} segments ({options.chunking.value} chunks); health round trip p50 "
+        f"{health_p50:.3f} ms (transport floor)"
         + _share_note(share) + ("" if verified else "; PLANS DIFFER"), kv_events_cpu_share=share,
     )  # fmt: skip
 
@@ -216,7 +219,9 @@ def _bandwidth_phase(
     num_tokens = options.bulk_tokens
     num_bytes = layout.chunk_bytes(num_tokens)
     cpu_bytes = 3 * layout.chunk_bytes(num_tokens + options.chunk_size)
-    config = StoreConfig(tiers=(TierName.CPU,), chunk_size=options.chunk_size, cpu_capacity_bytes=cpu_bytes)
+    config = StoreConfig(
+        tiers=(TierName.CPU,), chunk_size=options.chunk_size, chunking=options.chunking, cpu_capacity_bytes=cpu_bytes
+    )
     kv = _kv(layout, num_tokens, options.seed)
     rng = np.random.default_rng(options.seed + 1)
     server = _start_server(options, layout, cpu_bytes, directory)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.bench.option_checks import check_positive, check_preset_names
+from kvstore.chunking import Chunking, ContentCutShape, parse_chunking
 
 __all__ = ["ServerBenchOptions"]
 
@@ -25,7 +26,9 @@ class ServerBenchOptions:
         num_lookups: timed lookups per side.
         bulk_tokens: tokens stored and retrieved per bandwidth repeat.
         num_repeats: timed bandwidth repeats per side and variant, after one untimed warm-up.
-        chunk_size: tokens per chunk.
+        chunk_size: tokens per chunk (the longest chunk under ``content``).
+        chunking: the stores' cut rule (``StoreConfig.chunking``): what content-defined chunks cost a prefix-only
+            workload (chunks per prompt, lookup time) against a run with ``fixed``.
         seed: seed of the token ids and KV.
         kv_events: the servers publish KV events (``--kv-events`` on a bound socket nobody reads): with a run
             without, what publishing costs, each run's figures against the in-process store of the same run.
@@ -38,9 +41,13 @@ class ServerBenchOptions:
     bulk_tokens: int = 2048
     num_repeats: int = 5
     chunk_size: int = 256
+    chunking: Chunking = Chunking.FIXED
     seed: int = 0
     kv_events: bool = False
 
     def __post_init__(self) -> None:
         check_preset_names((self.lookup_layout, self.bulk_layout))
         check_positive("server", self, ("lookup_tokens", "num_lookups", "bulk_tokens", "num_repeats", "chunk_size"))
+        object.__setattr__(self, "chunking", parse_chunking(self.chunking))
+        if self.chunking is Chunking.CONTENT:
+            ContentCutShape.for_chunk_size(self.chunk_size)

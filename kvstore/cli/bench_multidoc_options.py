@@ -48,6 +48,9 @@ MULTIDOC_OPTIONS = (
               help_text="Disk tier data dir (default: a temp dir).", targets=_to(_RUN, "data_dir")),
     CliOption(name="chunk_size", declaration="--chunk-size", annotation=int, help_text="Tokens per stored chunk.",
               targets=_to(_RUN, "chunk_size")),
+    CliOption(name="chunking", declaration="--chunking", annotation=str, targets=_to(_RUN, "chunking"),
+              help_text="How the store cuts chunks: 'fixed' (every --chunk-size tokens) or 'content' (where the "
+              "tokens say: a document is cut alike wherever it sits; --chunk-size is the longest chunk)."),
     CliOption(name="warm_up", declaration="--warm-up", annotation=str, targets=_to(_RUN, "warm_up"),
               help_text="multi-doc-qa: store documents after the 'preamble', 'alone', or --docs-per-query at a time "
               "('grouped')."),

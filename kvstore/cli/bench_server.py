@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.bench.server_options import ServerBenchOptions
+from kvstore.chunking import parse_chunking
 
 if TYPE_CHECKING:
     from kvstore.bench.server import ServerBenchRow
@@ -30,6 +31,9 @@ def bench_server_command(
     bulk_layout: str = typer.Option(_DEFAULTS.bulk_layout, "--bulk-layout", help="Layout preset (bandwidth)."),
     repeats: int = typer.Option(_DEFAULTS.num_repeats, "--repeats", help="Timed bandwidth repeats per side."),
     chunk_size: int = typer.Option(_DEFAULTS.chunk_size, "--chunk-size", help="Tokens per chunk."),
+    chunking: str = typer.Option(
+        _DEFAULTS.chunking.value, "--chunking", help="The stores' cut rule: fixed or content (chunk size: the longest)."
+    ),
     seed: int = typer.Option(_DEFAULTS.seed, "--seed", help="Seed of the token ids and KV."),
     kv_events: bool = typer.Option(
         False, "--kv-events", help="The servers publish KV events (compare with a run without: their cost)."
@@ -45,6 +49,8 @@ def bench_server_command(
         kvstore bench server --lookups 1000 --repeats 10
 
         kvstore bench server --json --kv-events
+
+        kvstore bench server --json --chunking content
     """
     options = ServerBenchOptions(
         lookup_layout=lookup_layout,
@@ -54,6 +60,7 @@ def bench_server_command(
         bulk_tokens=bulk_tokens,
         num_repeats=repeats,
         chunk_size=chunk_size,
+        chunking=parse_chunking(chunking),
         seed=seed,
         kv_events=kv_events,
     )
