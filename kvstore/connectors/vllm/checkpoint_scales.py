@@ -125,7 +125,8 @@ def weight_files(model: str, revision: str | None, download_dir: str | None) -> 
                 )
             )
         except Exception as exc:  # huggingface_hub raises several kinds for a file not in the cache
-            raise ConfigError(f"cannot find {model}'s weight files to read its fp8 KV scales from: {exc}") from None
+            reason = " ".join(str(exc).split())  # one line, whatever the hub's message
+            raise ConfigError(f"cannot find {model}'s weight files to read its fp8 KV scales from: {reason}") from None
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))

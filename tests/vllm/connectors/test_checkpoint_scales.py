@@ -119,3 +119,16 @@ def test_a_pipeline_stage_checks_its_own_layers_scales() -> None:
     )  # fmt: skip
     stage = KVPart(layer_start=2, layer_end=4, head_start=0, head_end=2).shape_layout(layout)
     assert stage.kv_scales == KVScales(k=(0.3, 0.4), v=(0.7, 0.8))
+
+
+def test_weight_files_are_the_ones_the_index_names_and_a_model_not_in_the_cache_is_one_line(
+    tmp_path: Path,
+) -> None:
+    for name in ("model-00001-of-00001.safetensors", "consolidated.safetensors"):
+        save_file({"w": torch.zeros(1)}, tmp_path / name)
+    index = {"weight_map": {"w": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert weight_files(str(tmp_path), None, None) == [tmp_path / "model-00001-of-00001.safetensors"]
+    with pytest.raises(ConfigError, match="cannot find nobody/no-such-model's weight files") as refused:
+        weight_files("nobody/no-such-model", None, str(tmp_path / "hub"))
+    assert "\n" not in str(refused.value)
