@@ -59,6 +59,7 @@ def server_report(url: str, info: ServerInfo, stats: StoreStats) -> dict[str, ob
         "layout": layout.describe() if layout is not None else None,
         "layout_namespace": layout.namespace.hex() if layout is not None else None,
         "chunk_size": info.chunk_size,
+        "chunking": info.chunking.value,
         "features": asdict(info.features),
         "data_dir": info.data_dir,
         "num_requests": info.num_requests,
@@ -122,7 +123,7 @@ def _render(console: Console, report: dict[str, object]) -> None:
     rows = [
         ("version / pid / uptime", f"{report['server_version']} / {report['pid']} / {report['uptime_s']} s"),
         ("layout", str(report["layout"] or "none registered yet")),
-        ("chunk size", f"{report['chunk_size']} tokens"),
+        ("chunk size", f"{report['chunk_size']} tokens, cut {report['chunking']}"),
         ("features", ", ".join(name for name, on in features.items() if on) or "-"),
         ("data dir", str(report["data_dir"] or "- (memory only)")),
         ("requests", f"{report['num_requests']:,}"),

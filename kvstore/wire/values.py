@@ -29,6 +29,8 @@ import struct
 import typing
 from dataclasses import dataclass
 
+from kvstore.chunking import Chunking, parse_chunking
+from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss, MissReason
@@ -348,6 +350,17 @@ def _chunk_separator_from_wire(fields: Fields) -> tuple[int, ...]:
     return tuple(separator)  # type: ignore[arg-type]
 
 
+def _chunking_from_wire(fields: Fields) -> Chunking:
+    """The server's cut rule; a server from before the rule existed sends none and cuts ``fixed``."""
+    text = fields.str_("chunking", 16, optional=True)
+    if text is None:
+        return Chunking.FIXED
+    try:
+        return parse_chunking(text)
+    except ConfigError:
+        raise RequestError(ErrorCode.MALFORMED, f"chunking {text!r} is not one of fixed, content") from None
+
+
 def _layout_from_wire(fields: Fields, name: str) -> KVLayout | None:
     text = fields.str_(name, 64 * 1024, optional=True)
     return KVLayout.from_json(text) if text is not None else None
@@ -366,6 +379,7 @@ class ServerHello:
     limits: Limits
     host_id: str
     chunk_separator: tuple[int, ...] = ()
+    chunking: Chunking = Chunking.FIXED
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -374,6 +388,7 @@ class ServerHello:
             "layout": self.layout.to_json() if self.layout is not None else None,
             "chunk_size": self.chunk_size,
             "chunk_separator": list(self.chunk_separator),
+            "chunking": self.chunking.value,
             "tiers": _tiers_to_wire(self.tiers),
             "features": self.features.to_wire(),
             "limits": _encode_record(self.limits),
@@ -392,6 +407,7 @@ class ServerHello:
             limits=_decode_record(Limits, fields.map_("limits")),
             host_id=fields.str_("host_id", 256, allow_empty=True) or "",
             chunk_separator=_chunk_separator_from_wire(fields),
+            chunking=_chunking_from_wire(fields),
         )
         fields.finish()
         return hello
@@ -475,6 +491,7 @@ class ServerInfo:
     clients: tuple[ClientSummary, ...]
     top_chunks: tuple[ChunkHits, ...]
     chunk_separator: tuple[int, ...] = ()
+    chunking: Chunking = Chunking.FIXED
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -484,6 +501,7 @@ class ServerInfo:
             "layout": self.layout.to_json() if self.layout is not None else None,
             "chunk_size": self.chunk_size,
             "chunk_separator": list(self.chunk_separator),
+            "chunking": self.chunking.value,
             "tiers": _tiers_to_wire(self.tiers),
             "features": self.features.to_wire(),
             "data_dir": self.data_dir,
@@ -506,6 +524,7 @@ class ServerInfo:
             layout=_layout_from_wire(fields, "layout"),
             chunk_size=fields.required_int("chunk_size", 1, 2**31),
             chunk_separator=_chunk_separator_from_wire(fields),
+            chunking=_chunking_from_wire(fields),
             tiers=_tiers_from_wire(fields, "tiers"),
             features=ServerFeatures.from_wire(fields.map_("features")),
             data_dir=fields.str_("data_dir", 4096, optional=True),

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from kvstore import StoreConfig, TieredStore
-from kvstore.chunking import Chunking
+from kvstore import Client, StoreConfig, TieredStore
+from kvstore.chunking import Chunking, ContentCutShape
 from kvstore.cli.serve import startup_lines
 from kvstore.config import GIB
+from kvstore.content_cut import content_cuts
 from kvstore.errors import ConfigError, LayoutMismatchError
+from kvstore.keys import as_token_array
 from kvstore.server.app import ServerAddress
 from kvstore.server.host_facts import HostFacts
 from kvstore.server.serve_flags import check_flags
 from kvstore.server.serve_sources import ServeFlags
 from kvstore.server.settings import resolve_settings
 from kvstore.tiers.base import TierName
-from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT
+from tests.factories import make_kv, make_tokens
+from tests.server.conftest import CHUNK_SIZE, SERVER_LAYOUT, running_server
 
 MACHINE = HostFacts(cuda_available=False, available_memory_bytes=16 * GIB, gpu_free_bytes=0)
 ADDRESS = ServerAddress(url="tcp://127.0.0.1:1", metrics_url="http://127.0.0.1:2/metrics", disk_chunks=0)
@@ -55,3 +60,26 @@ def test_a_data_dir_keeps_its_rule(tmp_path: Path) -> None:
         resolve_settings(ServeFlags(data_dir=recorded, chunking="fixed"), MACHINE, environ={})
     fresh = resolve_settings(ServeFlags(data_dir=tmp_path / "fresh", chunking="content"), MACHINE, environ={})
     assert fresh.store.chunking is Chunking.CONTENT
+
+
+@pytest.mark.slow
+def test_a_server_cutting_by_content_says_so_and_finds_a_moved_document(tmp_path: Path) -> None:
+    """The hello names the rule (what a connector checks a running server against); a document stored through the
+    server alone is found after other tokens, its chunks cut by the server as the store cuts them."""
+    document = make_tokens(10 * CHUNK_SIZE + 3, seed=61)
+    kv = make_kv(SERVER_LAYOUT, len(document), seed=61)
+    shape = ContentCutShape.for_chunk_size(CHUNK_SIZE)
+    synced = next(cut for cut in content_cuts(as_token_array(document), shape).tolist() if cut >= shape.sync_tokens)
+    with (
+        running_server(tmp_path / "d", "--chunking", "content", "--enable-blend") as server,
+        Client(server.url, SERVER_LAYOUT) as client,
+    ):
+        assert client.server.chunking is Chunking.CONTENT
+        client.store(document, kv)
+        query = np.concatenate([make_tokens(11, seed=62), document])
+        result = client.retrieve(client.lookup(query))
+        assert sum(segment.num_tokens for segment in result.segments) >= len(document) - synced
+        for segment in result.segments:
+            source = kv[:, :, segment.source_start : segment.source_start + segment.num_tokens]
+            assert segment.start - segment.source_start == 11
+            assert torch.equal(result.kv[:, :, segment.start : segment.end], source)

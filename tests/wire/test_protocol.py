@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.chunking import Chunking
 from kvstore.keys import PrefixKey, as_token_array
 from kvstore.layout import KVLayout
 from kvstore.plan import ChunkOutcome, ChunkResult, LookupPlan, Segment, StoreResult
@@ -290,6 +291,12 @@ def test_hello_round_trips(small_layout: KVLayout) -> None:
         host_id="h",
     )
     assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(hello.to_wire())), "hello")) == hello
+    content = dataclasses.replace(hello, chunking=Chunking.CONTENT, chunk_separator=(198, 198))
+    assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(content.to_wire())), "hello")) == content
+    older = {name: value for name, value in hello.to_wire().items() if name != "chunking"}
+    assert ServerHello.from_wire(Fields(older, "hello")).chunking is Chunking.FIXED, "a server from before the rule"
+    with pytest.raises(RequestError, match="not one of fixed, content"):
+        ServerHello.from_wire(Fields({**hello.to_wire(), "chunking": "rolling"}, "hello"))
 
 
 @settings(max_examples=300, deadline=None)
