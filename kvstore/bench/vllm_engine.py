@@ -68,6 +68,10 @@ class EngineSpec:
             server mid-session; keyed by the request's index as a string (JSON keys are strings).
         transfer_params: each request's ``kv_transfer_params`` (e.g. ``{"kvstore": {"blend_ratio": 1.0}}``), keyed
             like ``commands_before``; a request without an entry sends none.
+        disable_hybrid_kv_cache_manager: vLLM's ``--disable-hybrid-kv-cache-manager`` (``True``: a sliding-window
+            model's layers all keep every token, in one KV cache group); ``None``: vLLM decides.
+        max_num_batched_tokens: tokens one step computes (a longer prompt is prefilled over several steps);
+            ``None``: vLLM's default.
     """
 
     model_dir: Path
@@ -86,6 +90,8 @@ class EngineSpec:
     wait_until_stored_s: float | None = None
     commands_before: Mapping[str, Sequence[Sequence[str]]] = field(default_factory=dict)
     transfer_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    disable_hybrid_kv_cache_manager: bool | None = None
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompts or any(not prompt for prompt in self.prompts):
@@ -212,6 +218,14 @@ def start_engine(spec: EngineSpec) -> Any:
     os.environ.update(spec.env)
     import vllm
 
+    optional = {
+        name: value
+        for name, value in (
+            ("disable_hybrid_kv_cache_manager", spec.disable_hybrid_kv_cache_manager),
+            ("max_num_batched_tokens", spec.max_num_batched_tokens),
+        )
+        if value is not None  # vLLM's own default otherwise
+    }
     return vllm.LLM(
         model=str(spec.model_dir),
         dtype=spec.dtype,
@@ -223,6 +237,7 @@ def start_engine(spec: EngineSpec) -> Any:
         kv_transfer_config=None if spec.kv_transfer_config is None else dict(spec.kv_transfer_config),
         max_model_len=spec.max_model_len_tokens,
         disable_log_stats=False,  # the request metrics (time to first token) exist only with stats on
+        **optional,
     )
 
 

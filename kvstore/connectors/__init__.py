@@ -3,6 +3,7 @@
 - ``block_format``: where K and V sit in an engine's paged block, probed from the engine's own write;
 - ``paged``: KV between an engine's paged blocks and kvstore chunks, in that format;
 - ``paged_triton``: the same copies in one kernel for every layer, where Triton runs (CUDA);
+- ``group_copies``: the same copies when layers belong to KV cache groups, each group with its own block table;
 - ``settings``: a connector's ``kvstore.*`` settings, checked before anything starts;
 - ``embedded_server``: the embedded default, a private ``kvstore serve`` started by the first engine process needing it;
 - ``detached_start``: the launcher that starts that server as nobody's child, so the engine's kill and Ctrl-C miss it;

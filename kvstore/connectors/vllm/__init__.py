@@ -11,6 +11,7 @@
 - ``span_writer``: a blend pass's span written into a request's paged blocks;
 - ``worker_stats``: a worker's transfer counters;
 - ``parallel``: the part of every chunk each rank of a tensor- or pipeline-parallel engine moves;
+- ``kv_groups``: vLLM's KV cache groups (full attention, sliding windows), and which blocks a sliding window frees;
 - ``cache_shapes``: the KV cache shapes a worker accepts (plain K/V, fp8 K/V, an MLA latent);
 - ``checkpoint_scales``: an fp8 engine's KV scales, read from its checkpoint's files before any model loads;
 - ``metadata``: what the halves tell each other every step, and the stats they keep.

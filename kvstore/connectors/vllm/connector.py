@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -46,6 +47,7 @@ from kvstore.connectors.settings import ConnectorSettings, parse_connector_setti
 from kvstore.connectors.store_link import StoreLink, connect_links
 from kvstore.connectors.vllm.cache_shapes import check_blend_supported
 from kvstore.connectors.vllm.engine_facts import check_engine_supported, engine_layout, resolve_chunk_separator
+from kvstore.connectors.vllm.kv_groups import KVGroups, check_groups_compose, kv_groups_of
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, KVStoreConnectorStats
 from kvstore.connectors.vllm.parallel import check_parallel_blend
 from kvstore.connectors.vllm.scheduler_side import SchedulerSide
@@ -81,8 +83,15 @@ SOURCE_OF_TIER: Mapping[TierName | None, CacheHitSource] = MappingProxyType(
 """vLLM's cache-hit source for the tokens a kvstore tier holds (``SchedulerSide.hit_tiers``)."""
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """kvstore behind vLLM's KV connector API.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on for a model with sliding-window layers (their memory
+    saving), and hands the connector one KV cache group per attention type (``kv_groups``). Block ids travel per
+    group; each layer is copied through its own group's blocks; the stored chunks stay whole, so an engine with the
+    hybrid manager and one without (``--disable-hybrid-kv-cache-manager``) share them. Only full-attention and
+    sliding-window groups are served, on one worker (no TP or PP) and without blending; anything else is refused at
+    start with one line.
 
     Hooks left at vLLM's default, on purpose:
 
@@ -114,6 +123,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         try:
             settings = parse_connector_settings(transfer.kv_connector_extra_config)
             check_engine_supported(vllm_config, kv_cache_config)
+            groups = _kv_groups(vllm_config, kv_cache_config)
+            check_groups_compose(vllm_config, groups, blend=settings.blend)
             check_parallel_blend(vllm_config, settings)
             settings = resolve_chunk_separator(vllm_config, settings)
             layout = engine_layout(vllm_config, settings)
@@ -139,6 +150,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 num_layers=layout.num_layers,
                 readers=vllm_config.parallel_config.tensor_parallel_size
                 * vllm_config.parallel_config.pipeline_parallel_size,
+                groups=groups,
             )
             if settings.blend:
                 _require_blend_server(link)
@@ -159,6 +171,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 blend_link=blend_link,
                 settings=settings,
                 wait_for_saves=transfer.is_kv_producer and not transfer.is_kv_consumer,
+                groups=groups,
             )
         logger.info(
             "KVStoreConnector (%s): layout %s, store %s",
@@ -257,6 +270,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         with self._clock:
             return False, self._scheduler_side().request_finished(request)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` under the hybrid manager: kvstore holds no block past the step that copies it, in
+        any group, so vLLM frees them all at once."""
+        return self.request_finished(request, [])
+
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         with self._clock:
             return cache_hit_sources(self._scheduler_side().hit_tiers(request.request_id, num_external_tokens))
@@ -285,6 +305,13 @@ def cache_hit_sources(tokens_by_tier: Mapping[TierName | None, int]) -> dict[Cac
         source = SOURCE_OF_TIER[tier]
         sources[source] = sources.get(source, 0) + num_tokens
     return {source: num_tokens for source, num_tokens in sources.items() if num_tokens}
+
+
+def _kv_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> KVGroups | None:
+    """The engine's KV cache groups (``None``: vLLM gave the connector no cache config)."""
+    if kv_cache_config is None:
+        return None
+    return kv_groups_of(kv_cache_config, vllm_config.cache_config.block_size)
 
 
 def _log_through_vllm() -> None:

@@ -17,8 +17,10 @@
 - A string ``kvstore.chunk_separator`` as the engine tokenizer's ids (the store cuts chunks by ids).
 - Tensor and pipeline parallelism are served: the layout is the whole model's (every layer, every KV head), whatever
   the engine's shape, and each rank stores and loads its part of it (``kvstore.connectors.vllm.parallel``).
-- What the connector does not handle yet: hybrid models (more than one KV cache group), and KV cache dtypes kvstore
-  does not store (``check_engine_supported``). Each is refused at start with one line.
+- KV cache groups of full attention and sliding windows, one or several (vLLM's hybrid manager:
+  ``kvstore.connectors.vllm.kv_groups``). What the connector does not handle yet: other kinds of group (chunked local
+  attention, Mamba), and KV cache dtypes kvstore does not store (``check_engine_supported``). Each is refused at
+  start with one line.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import vllm
 
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.vllm.checkpoint_scales import checkpoint_kv_scales
+from kvstore.connectors.vllm.kv_groups import kv_groups_of
 from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout
 from kvstore.models.hf_config import layout_from_hf_config
@@ -78,14 +81,11 @@ def check_engine_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
     """Refuse, with one line, an engine the connector cannot serve correctly.
 
     Raises:
-        ConfigError: an unsupported vLLM version, hybrid KV cache or quantised KV cache.
+        ConfigError: an unsupported vLLM version, KV cache group or quantised KV cache.
     """
     check_vllm_version(vllm_version())
-    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-        raise ConfigError(
-            f"kvstore's vLLM connector supports models with one KV cache group (full attention); this model has "
-            f"{len(kv_cache_config.kv_cache_groups)} (a hybrid or sliding-window model)"
-        )
+    if kv_cache_config is not None:  # full-attention and sliding-window groups (``kv_groups``)
+        kv_groups_of(kv_cache_config, vllm_config.cache_config.block_size)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype != "auto" and not _is_kv_dtype(cache_dtype):  # fp8 is stored as the engine's bytes
         raise ConfigError(

@@ -17,6 +17,7 @@ from kvstore.plan import LookupPlan
 
 __all__ = [
     "MISSED_PREFIX",
+    "UNSAVED_PREFIX",
     "BlendSpec",
     "KVStoreConnectorMetadata",
     "KVStoreConnectorStats",
@@ -43,6 +44,9 @@ class LoadSpec:
         plan_owner: the scheduler's ``client_token``, which lets the worker's client retrieve that plan.
         readers: the workers (ranks) that each retrieve or release the plan: the server keeps it pinned until all
             have (a tensor- or pipeline-parallel engine's ranks each load their part of it).
+        other_groups: with several KV cache groups (vLLM's hybrid manager), the blocks of groups 1, 2, ... for the
+            same tokens (``block_ids`` are group 0's); a sliding-window group's blocks outside the window are the
+            null block (``kv_groups.NULL_BLOCK_ID``), which receives nothing.
     """
 
     request_id: str
@@ -54,6 +58,12 @@ class LoadSpec:
     plan: LookupPlan | None = None
     plan_owner: str | None = None
     readers: int = 1
+    other_groups: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def group_block_ids(self) -> tuple[tuple[int, ...], ...]:
+        """Every group's blocks for tokens ``[start, end)``, in vLLM's group order."""
+        return (self.block_ids, *self.other_groups)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,11 +72,15 @@ class SaveSpec:
 
     Args:
         request_id: vLLM's request id.
-        token_ids: the whole prompt (``end`` tokens).
+        token_ids: the prompt up to ``end``.
         block_ids: the blocks holding tokens ``[start, end)``, in order (the last may be partly used).
         start: the first token of the block holding the end of the store's hit (the store writes the chunks that
-            begin at or after it; its cut need not fall on blocks).
-        end: the prompt's length.
+            begin at or after it; its cut need not fall on blocks), or of a step's save of a prompt whose prefill
+            runs over several steps (``prompt_saves``: a sliding window frees blocks before the prefill ends).
+        end: the prompt's length, or the tokens computed by the end of the step (``token_ids`` are the prompt's first
+            ``end``: a prefix's chunks are the prompt's, but its last may be partial, stored under its own tokens).
+        other_groups: with several KV cache groups, the blocks of groups 1, 2, ... for the same tokens
+            (``block_ids`` are group 0's); never the null block (the scheduler saves only blocks vLLM holds).
     """
 
     request_id: str
@@ -74,6 +88,12 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     start: int
     end: int
+    other_groups: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def group_block_ids(self) -> tuple[tuple[int, ...], ...]:
+        """Every group's blocks for tokens ``[start, end)``, in vLLM's group order."""
+        return (self.block_ids, *self.other_groups)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,6 +187,10 @@ _SECONDS = ("load_seconds", "save_seconds", "blend_seconds", "on_path_seconds")
 MISSED_PREFIX = "missed_"
 """The stats' missed tokens of one reason are ``missed_<reason>``."""
 
+UNSAVED_PREFIX = "unsaved_"
+"""The stats' prompt tokens not stored for one reason are ``unsaved_<reason>`` (``sliding_window``: vLLM freed a
+block of a sliding-window group before the chunk holding it was complete)."""
+
 STALL_REPORT_S = 0.05
 """Engine-path time in one reporting interval that is worth a stats line even without a transfer."""
 
@@ -202,7 +226,11 @@ class KVStoreConnectorStats(KVConnectorStats):
         reduced["blend_ms_mean"] = round(1000 * data.get("blend_seconds", 0.0) / max(data.get("blends", 0), 1), 2)
         reduced["on_path_ms"] = round(1000 * data.get("on_path_seconds", 0.0), 2)
         reduced["looked_up_tokens"] = data.get("looked_up_tokens", 0)
-        reduced |= {name: count for name, count in sorted(data.items()) if name.startswith(MISSED_PREFIX) and count}
+        reduced |= {
+            name: count
+            for name, count in sorted(data.items())
+            if name.startswith((MISSED_PREFIX, UNSAVED_PREFIX)) and count
+        }
         return reduced
 
     def is_empty(self) -> bool:

@@ -1,8 +1,11 @@
-"""``PromptSaves``: a worker's saves, from the step that completes a prompt's prefill to the store.
+"""``PromptSaves``: a worker's saves, from the step that completes a prompt's prefill to the store (and, for a model
+with sliding-window layers whose prefill runs over several steps, from the steps after which vLLM would free a block
+the prompt's save still needs: the scheduler side decides, ``SaveSpec``).
 
 Leaving each attention layer (``layer_computed``) counts that layer as computed for every save of the step; after
 the forward pass (``finish_step``) the KV of the chunks the store lacks is gathered out of the blocks of every layer
-at once into a staging tensor (``PagedChunk.gather_all``), which goes to the store on the save thread. The blocks
+at once into a staging tensor (``PagedChunk.gather_all``; with several KV cache groups each layer from its own
+group's blocks, ``GroupCopies``), which goes to the store on the save thread. The blocks
 are free the moment the step ends, so vLLM never waits to free them. A save that fails is logged and dropped (a
 later prompt misses, nothing else).
 
@@ -27,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.client import Client
+from kvstore.connectors.group_copies import BoundCopies, GroupCopies
 from kvstore.connectors.load_buffers import LoadBuffers
-from kvstore.connectors.paged import PagedChunk, PagedLayers, device_block_ids
+from kvstore.connectors.paged import PagedLayers
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.metadata import SaveSpec
 from kvstore.connectors.vllm.parallel import RankPart
@@ -43,7 +47,8 @@ logger = logging.getLogger(__name__)
 class _PendingSave:
     spec: SaveSpec
     staging: torch.Tensor
-    copy: PagedChunk  # the staging bound to the request's blocks, gathered once every layer is computed
+    copy: BoundCopies  # the staging bound to the request's blocks (of every group), gathered once every layer is
+    # computed
     num_layers_computed: int = 0
 
 
@@ -53,16 +58,25 @@ class PromptSaves:
     Args:
         link: the save thread's link to the store.
         layers: the engine's registered layers (this rank's part).
+        copies: those layers by KV cache group (each copied through its own group's blocks).
         rank: this worker's part of every chunk.
         stats: the worker's counters.
         wait_for_saves: finish each step only once its saves are in the store.
     """
 
     def __init__(
-        self, link: StoreLink, layers: PagedLayers, rank: RankPart, stats: WorkerStats, *, wait_for_saves: bool
+        self,
+        link: StoreLink,
+        layers: PagedLayers,
+        copies: GroupCopies,
+        rank: RankPart,
+        stats: WorkerStats,
+        *,
+        wait_for_saves: bool,
     ) -> None:
         self._link = link
         self._layers = layers
+        self._copies = copies
         self._rank = rank
         self._stats = stats
         self._wait_for_saves = wait_for_saves
@@ -116,8 +130,8 @@ class PromptSaves:
         if staging is None:
             shape = self._rank.shape
             staging = torch.empty(shape.chunk_shape(num_tokens), dtype=shape.dtype.torch_dtype, device=self._device)
-        block_ids = device_block_ids(spec.block_ids, self._device)
-        return _PendingSave(spec=spec, staging=staging, copy=PagedChunk(self._layers, block_ids, staging))
+        copy = self._copies.bind(spec.group_block_ids, staging, load=False)
+        return _PendingSave(spec=spec, staging=staging, copy=copy)
 
     def _store(self, save: _PendingSave) -> None:
         """Send a gathered prompt to the store (on the save thread); a failure is logged, never raised."""

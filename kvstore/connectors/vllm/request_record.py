@@ -99,8 +99,9 @@ class RequestRecord:
     account: MissAccount | None = None  # its last admission's looked-up tokens and their fate
     transfer: LoadSpec | BlendSpec | None = None  # queued or in the workers' hands (the phase says which)
     pin: HeldPin | None = None  # held until a queued load goes to the workers, which retrieve or release it
-    block_ids: list[int] = field(default_factory=list)
-    saved: bool = False
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group, as vLLM handed them
+    saved: bool = False  # its saves are done (or ended)
+    saved_end: int | None = None  # the end of its last step's save while its prefill goes on (a sliding window)
     blended: bool = False  # a blend pass was planned for it: its prompt is not stored (approximate KV)
     loaded_tokens: int = 0
     load_failed_tokens: int = 0
@@ -148,6 +149,7 @@ class RequestRecord:
         of a pass is dropped) and its blocks are gone. The caller released its pin first."""
         assert self.pin is None, "the scheduler side releases a preempted request's pin before it forgets its blocks"
         self.transfer, self.block_ids, self.phase = None, [], RequestPhase.PREEMPTED
+        self.saved_end = None  # readmitted, it is looked up again: its next save starts from the store's hit
 
     def finish_load(self, num_loaded: int, reasons: dict[str, int]) -> None:
         """The workers' report of its load: ``num_loaded`` tokens put in place, the rest failed for ``reasons``."""

@@ -65,8 +65,10 @@ from kvstore.client import Client
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.hit_sources import tokens_by_tier
+from kvstore.connectors.vllm.kv_groups import NULL_BLOCK_ID, KVGroup, KVGroups
 from kvstore.connectors.vllm.metadata import (
     MISSED_PREFIX,
+    UNSAVED_PREFIX,
     BlendSpec,
     KVStoreConnectorMetadata,
     KVStoreConnectorStats,
@@ -101,6 +103,7 @@ class SchedulerSide:
         settings: the connector's settings (blending and its defaults); the default blends nothing.
         num_layers: the model's layers (what the blend gate weighs a pass's early layers by).
         readers: the engine's workers (tensor x pipeline parallel ranks), each of which retrieves a handed plan.
+        groups: the engine's KV cache groups (``None``: one full-attention group); block ids travel per group.
     """
 
     def __init__(
@@ -114,8 +117,11 @@ class SchedulerSide:
         settings: ConnectorSettings | None = None,
         num_layers: int = 1,
         readers: int = 1,
+        groups: KVGroups | None = None,
     ) -> None:
         self._link = link
+        self._groups = groups or KVGroups(groups=(KVGroup(layer_names=()),), block_size=block_size)
+        self._chunk_tokens: int | None = None  # the store's longest chunk (its hello), read at the first save
         self._settings = settings or ConnectorSettings()
         self._gate = BlendGate(num_layers=num_layers, check_layer=self._settings.blend_check_layer)
         self._readers = readers
@@ -175,7 +181,8 @@ class SchedulerSide:
                 probe = dataclasses.replace(probe, gate=gate)
         probe = dataclasses.replace(probe, choice=choice)
         from_disk = probe.first_disk_token is not None and probe.first_disk_token < end
-        load_async = self._async_disk_loads and from_disk and end > num_computed_tokens
+        # a hybrid engine can only fail a load whole, which vLLM takes for an async load alone (failed_recving)
+        load_async = (self._groups.hybrid or (self._async_disk_loads and from_disk)) and end > num_computed_tokens
         record.probe, record.offered = dataclasses.replace(probe, load_async=load_async), account
         if end <= num_computed_tokens:
             return 0, False
@@ -221,20 +228,25 @@ class SchedulerSide:
         for new_request in scheduler_output.scheduled_new_reqs:
             record = self._record(new_request.req_id, tuple(new_request.prompt_token_ids or ()))
             record.admit()
-            record.block_ids = list(new_request.block_ids[0])
-            done = new_request.num_computed_tokens + scheduler_output.num_scheduled_tokens[new_request.req_id]
-            self._maybe_save(new_request.req_id, record, done, metadata)
+            record.block_ids = [list(ids) for ids in new_request.block_ids]
+            computed = new_request.num_computed_tokens
+            done = computed + scheduler_output.num_scheduled_tokens[new_request.req_id]
+            self._maybe_save(new_request.req_id, record, computed, done, metadata)
         for index, request_id in enumerate(cached.req_ids):
             found = self._requests.get(request_id)
             if found is None or found.phase is RequestPhase.PROBED:
                 continue
             new_blocks = cached.new_block_ids[index]
             if request_id in resumed:
-                found.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+                found.block_ids = [list(ids) for ids in new_blocks] if new_blocks is not None else []
             elif new_blocks is not None:
-                found.block_ids.extend(new_blocks[0])
-            done = cached.num_computed_tokens[index] + scheduler_output.num_scheduled_tokens[request_id]
-            self._maybe_save(request_id, found, done, metadata)
+                if not found.block_ids:
+                    found.block_ids = [[] for _ in new_blocks]
+                for held, added in zip(found.block_ids, new_blocks, strict=True):
+                    held.extend(added)
+            computed = cached.num_computed_tokens[index]
+            done = computed + scheduler_output.num_scheduled_tokens[request_id]
+            self._maybe_save(request_id, found, computed, done, metadata)
         return metadata
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -334,14 +346,15 @@ class SchedulerSide:
         end = self._loadable_end(probe.prefix_tokens, len(record.prompt))
         start = end - num_external_tokens
         assert start >= 0 and start % self._block_size == 0, f"vLLM asked to load from token {start}"
-        block_ids = blocks.get_block_ids()[0]
+        group_block_ids = blocks.get_block_ids()  # a sliding-window group's are null outside the window
         first, last = start // self._block_size, end // self._block_size
         prompt = record.prompt
         pin = self._link.call("pin", lambda client: _pin(client, prompt))
         spec = LoadSpec(
             request_id=request_id,
             token_ids=prompt,
-            block_ids=tuple(block_ids[first:last]),
+            block_ids=tuple(group_block_ids[0][first:last]),
+            other_groups=tuple(tuple(ids[first:last]) for ids in group_block_ids[1:]),
             start=start,
             end=end,
             is_async=probe.load_async,
@@ -425,39 +438,85 @@ class SchedulerSide:
             record.lose_blocks()
 
     def _maybe_save(
-        self, request_id: str, record: RequestRecord, num_done: int, metadata: KVStoreConnectorMetadata
+        self,
+        request_id: str,
+        record: RequestRecord,
+        num_computed: int,
+        num_done: int,
+        metadata: KVStoreConnectorMetadata,
     ) -> None:
-        """Queue the store of a prompt whose prefill completes in this step, from the first chunk the store lacks."""
+        """Queue the store of a prompt's KV in the step that completes its prefill, from the first chunk the store
+        lacks. With a sliding-window group, a prefill over several steps also saves in the last step before vLLM
+        would free a block the save still needs (from the start of the next step, ``KVGroups.held_start``): every
+        save reads only blocks vLLM holds in its step, and a chunk whose blocks went before it was complete (a
+        window shorter than a chunk, or vLLM's own prefix hit) ends the prompt's saves there, counted as
+        ``unsaved_sliding_window`` tokens."""
         prompt_tokens = len(record.prompt)
-        if not self._save or record.saved or num_done < prompt_tokens or not prompt_tokens:
+        if not self._save or record.saved or not prompt_tokens:
             return
-        record.saved = True
+        end = min(num_done, prompt_tokens)
+        complete = end == prompt_tokens
+        if not complete and not self._groups.frees_blocks:
+            return
         if record.blended:  # its KV is approximate, and its documents are stored already
+            record.saved = complete
             return
-        # From the block holding the end of the store's prefix hit: the store writes the chunks that begin at or
-        # after it (its cut need not fall on blocks: a separator restarts chunks anywhere).
-        start = record.store_prefix_tokens - record.store_prefix_tokens % self._block_size
-        if start >= prompt_tokens:
+        start = self._save_start(record)
+        if self._groups.held_start(num_computed) > start:
+            self._cut_save(request_id, record, start)
+            return
+        if not complete and self._groups.held_start(end) <= start:
+            return  # the next step still holds every block from start on: one longer save later
+        record.saved = complete
+        if start >= end:
             return
         first = start // self._block_size
-        last = -(-prompt_tokens // self._block_size)
-        if last > len(record.block_ids):
+        last = -(-end // self._block_size)
+        if not record.block_ids or any(last > len(ids) for ids in record.block_ids):
             logger.warning(
-                "request %s: %d blocks for a %d-token prompt; not stored",
+                "request %s: %s blocks for %d tokens; not stored",
                 request_id,
-                len(record.block_ids),
-                prompt_tokens,
+                [len(ids) for ids in record.block_ids],
+                end,
             )
+            record.saved = True
+            return
+        group_block_ids = [tuple(ids[first:last]) for ids in record.block_ids]
+        if any(NULL_BLOCK_ID in ids for ids in group_block_ids):  # vLLM holds none there: never read a stale id
+            self._cut_save(request_id, record, start)
             return
         metadata.saves.append(
             SaveSpec(
                 request_id=request_id,
-                token_ids=record.prompt,
-                block_ids=tuple(record.block_ids[first:last]),
+                token_ids=record.prompt[:end],
+                block_ids=group_block_ids[0],
                 start=start,
-                end=prompt_tokens,
+                end=end,
+                other_groups=tuple(group_block_ids[1:]),
             )
         )
+        record.saved_end = end
+
+    def _save_start(self, record: RequestRecord) -> int:
+        """Where the prompt's next save starts: the block holding the end of the store's hit (the store writes the
+        chunks that begin at or after it; its cut need not fall on blocks), or, after an earlier step's save, the
+        block holding the start of that save's last chunk, which may have been partial (no chunk is longer than the
+        store's ``chunk_size``; not knowing it, the whole earlier save again)."""
+        store_start = record.store_prefix_tokens - record.store_prefix_tokens % self._block_size
+        if record.saved_end is None:
+            return store_start
+        if self._chunk_tokens is None:
+            self._chunk_tokens = self._link.call("hello", lambda client: client.server.chunk_size)
+        resend_from = max(0, record.saved_end - (self._chunk_tokens or record.saved_end))
+        return max(store_start, resend_from - resend_from % self._block_size)
+
+    def _cut_save(self, request_id: str, record: RequestRecord, start: int) -> None:
+        """End a prompt's saves at ``start``: vLLM freed a sliding-window block the next chunk needs."""
+        record.saved = True
+        unsaved = len(record.prompt) - start
+        logger.debug("request %s: tokens [%d, %d) not stored: a sliding window freed their blocks", request_id,
+                     start, len(record.prompt))  # fmt: skip
+        self._stats.record(**{f"{UNSAVED_PREFIX}sliding_window": unsaved})
 
     def _release_pin(self, record: RequestRecord) -> None:
         """Release a pin this side still holds (a load that never reached a worker), under the token it was taken

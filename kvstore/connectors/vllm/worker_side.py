@@ -30,6 +30,10 @@ computes the rest of the prompt over it. A pass that fails reports its blocks as
 Copies between blocks and chunks use the block format read from the backend at ``register_kv_caches``
 (``kvstore.connectors.block_format``, copied by ``kvstore.connectors.paged``): one kernel for every layer where Triton
 runs (CUDA), else one ``index_select`` / ``index_copy_`` per layer (per K/V plane where the planes do not fuse).
+Under vLLM's hybrid KV cache manager (several KV cache groups, ``kv_groups``) each layer goes through its own
+group's blocks (``kvstore.connectors.group_copies``: a kernel launch per run of evenly spaced layers of a group), a
+load skipping the null blocks outside a sliding window, and a load that falls short fails whole (the scheduler side
+makes those loads asynchronous: vLLM maps no failed block id to a group).
 
 Tensor and pipeline parallelism: each worker (rank) moves only its part of every chunk, its stage's layers times its
 shard's KV heads (``kvstore.connectors.vllm.parallel``): its saves send that part (the server commits a chunk once
@@ -57,11 +61,13 @@ import torch
 from kvstore.blend.vllm.hook import BlendEngine, BlendEngineContext, BlendOutcome, blend_engine_factory
 from kvstore.client import Client
 from kvstore.connectors.block_format import BlockFormat, PlaneMap
+from kvstore.connectors.group_copies import GroupCopies
 from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.connectors.paged import PagedChunk, PagedLayers, device_block_ids
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
 from kvstore.connectors.vllm.cache_shapes import check_layer_scales, expected_cache_shape, probe_engine_block_format
+from kvstore.connectors.vllm.kv_groups import KVGroups
 from kvstore.connectors.vllm.metadata import (
     BlendSpec,
     KVStoreConnectorMetadata,
@@ -90,7 +96,7 @@ class _Fetched:
     """A load's KV as retrieved: ``kv`` covers tokens ``[spec.start, loaded_end)`` at least, from index 0 (``None``
     when nothing); ``buffer`` is the load buffer it lies in, to give back once the KV is in the blocks;
     ``block_ids``: the blocks the loaded tokens fill, on the cache's device (made on the fetch thread, not on the
-    engine's)."""
+    engine's); with several KV cache groups ``None``, and the scatter binds each group's blocks itself."""
 
     kv: torch.Tensor | None
     loaded_end: int
@@ -129,6 +135,9 @@ class WorkerSide:
         wait_for_saves: finish each step only once its saves are in the store (a prefill engine, ``kv_producer``:
             its answer tells a prefill/decode proxy that the decode engine can load the prompt now); otherwise a
             save lands some milliseconds after its step, which only a request racing it notices.
+        groups: the engine's KV cache groups (``None``: one, every layer): with several, each layer is copied
+            through its own group's blocks, and a load that falls short fails whole (vLLM takes no failed block ids
+            from a hybrid engine; the scheduler side makes every such load asynchronous).
     """
 
     def __init__(
@@ -141,8 +150,12 @@ class WorkerSide:
         blend_link: StoreLink | None = None,
         settings: ConnectorSettings | None = None,
         wait_for_saves: bool = False,
+        groups: KVGroups | None = None,
     ) -> None:
         self._vllm_config = vllm_config
+        self._groups = groups
+        self._hybrid = groups is not None and groups.hybrid
+        self._copies: GroupCopies | None = None
         self._wait_for_saves = wait_for_saves
         self._settings = settings or ConnectorSettings()
         self._blend_link = blend_link
@@ -205,14 +218,18 @@ class WorkerSide:
         block_format = self._read_block_format(names[0], first)
         self._layers = PagedLayers.of(self._caches, block_format)
         self._layers.check_request_kernel(block_id=0)  # vLLM never hands block 0 to a request
+        groups = self._groups if self._hybrid else None
+        group_of = groups.group_of_layers(names) if groups is not None else [0] * len(names)
+        self._copies = GroupCopies(self._layers, group_of)
         self._saves = PromptSaves(
-            self._save_link, self._layers, self._rank, self._stats, wait_for_saves=self._wait_for_saves
+            self._save_link, self._layers, self._copies, self._rank, self._stats, wait_for_saves=self._wait_for_saves
         )
         logger.info(
-            "kvstore: %d layers of paged KV, %s; %s; %s",
+            "kvstore: %d layers of paged KV, %s; %s; %s; %s",
             len(names),
             block_format.describe(),
             "one launch copies every layer" if self._layers.request_kernel is not None else "copies go layer by layer",
+            f"{self._copies.num_groups} KV cache groups",
             "the whole chunk" if self._rank.part is None else f"this rank's part: {self._rank.part.describe()}",
         )
         if self._blend_link is not None:
@@ -341,6 +358,9 @@ class WorkerSide:
         failed: set[str] = set()
         for request_id in done:
             num_loaded, failed_blocks = self._async_loads.pop(request_id).result()
+            if failed_blocks and self._hybrid:  # vLLM maps no failed block id to a group: the load fails whole
+                num_loaded, failed_blocks = 0, set()
+                failed.add(request_id)
             self._failed_blocks |= failed_blocks
             self._finished_loads[request_id] = num_loaded
             if failed_blocks and not num_loaded:
@@ -472,7 +492,7 @@ class WorkerSide:
             loaded_end=loaded_end,
             seconds=time.perf_counter() - started,
             buffer=out,
-            block_ids=self._device_block_ids(spec.block_ids[:num_blocks]),
+            block_ids=None if self._hybrid else self._device_block_ids(spec.block_ids[:num_blocks]),
             misses=result.misses,
         )
 
@@ -502,11 +522,21 @@ class WorkerSide:
         return _loaded_tokens(spec, fetched), self._account_load(spec, fetched)
 
     def _scatter(self, spec: LoadSpec, fetched: _Fetched) -> None:
-        """Every layer of a fetched load into its blocks (the retrieve began at ``spec.start``)."""
-        if fetched.kv is None or fetched.block_ids is None or fetched.loaded_end <= spec.start:
+        """Every layer of a fetched load into its blocks (the retrieve began at ``spec.start``); with several KV
+        cache groups each layer into its group's blocks, none into the null block (a sliding window's outside)."""
+        if fetched.kv is None or fetched.loaded_end <= spec.start:
             return
         kv = fetched.kv[:, :, : fetched.loaded_end - spec.start]
-        PagedChunk(self._registered_layers(), fetched.block_ids, kv).scatter_all()
+        if fetched.block_ids is not None:
+            PagedChunk(self._registered_layers(), fetched.block_ids, kv).scatter_all()
+            return
+        num_blocks = (fetched.loaded_end - spec.start) // self._block_size
+        group_block_ids = [ids[:num_blocks] for ids in spec.group_block_ids]
+        self._group_copies().bind(group_block_ids, kv, load=True).scatter_all()
+
+    def _group_copies(self) -> GroupCopies:
+        assert self._copies is not None, "vLLM moves KV only after registering its caches"
+        return self._copies
 
     def _registered_layers(self) -> PagedLayers:
         assert self._layers is not None, "vLLM moves KV only after registering its caches"
@@ -529,7 +559,8 @@ class WorkerSide:
                 spec.end,
                 len(failed),
             )
-        self._failed_blocks |= failed if not spec.is_async else set()
+        # an async load's go with its finish (get_finished); a hybrid engine's loads are all async
+        self._failed_blocks |= failed if not spec.is_async and not self._hybrid else set()
         num_tokens = _loaded_tokens(spec, fetched)
         leads = self._rank.leads  # requests and tokens once per engine; bytes (this rank's part) on every rank
         if failed:  # the scheduler names the rest of the shortfall (a failed call, a cut block) load_failed

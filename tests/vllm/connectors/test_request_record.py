@@ -47,12 +47,13 @@ def test_a_load_keeps_its_pin_until_handed_over_and_its_planned_tokens_until_rep
 
 
 def test_a_preempted_request_forgets_its_load_and_a_late_report_fails_nothing() -> None:
-    record = RequestRecord(prompt=PROMPT, block_ids=[1, 2, 3, 4])
+    record = RequestRecord(prompt=PROMPT, block_ids=[[1, 2, 3, 4]], saved_end=128)
     record.admit()
     record.queue_load(load_spec(), None)
     record.hand_over()
     record.lose_blocks()
     assert (record.phase, record.transfer, record.block_ids) == (RequestPhase.PREEMPTED, None, [])
+    assert record.saved_end is None, "readmitted, its next save starts from the store's hit"
     record.finish_load(64, {})
     assert (record.phase, record.loaded_tokens, record.load_failed_tokens) == (RequestPhase.PREEMPTED, 0, 0)
     record.admit()
