@@ -98,7 +98,7 @@ def test_mla_latents_are_stored_once_and_load_into_another_engine_at_tp1_and_tp2
             for name, value in stored.items()
             if name.startswith('kvstore_bulk_bytes_total{direction="stored"')
         )
-        # the new prompt's latents sent once (by rank 0; both ranks would send twice), and the loaded prompt's last
-        # block again (its 16 computed tokens: the connector saves from the block its load ends in)
-        resent = PROMPT_TOKENS - HIT_TOKENS
-        assert new_bytes == layout.chunk_bytes(PROMPT_TOKENS + resent), "the TP=2 engine's saves: one rank's"
+        # the new prompt's latents sent once, by rank 0 (both ranks would send them twice); the loaded prompt's last
+        # block may go again (its 16 computed tokens: today the connector saves from the block its load ends in)
+        one_rank = layout.chunk_bytes(PROMPT_TOKENS)
+        assert one_rank <= new_bytes <= one_rank + layout.chunk_bytes(PROMPT_TOKENS - HIT_TOKENS), new_bytes
