@@ -34,8 +34,10 @@ import torch
 
 from kvstore.bench.serve_process import ServeProcess, start_serve_process
 from kvstore.bench.server_options import ServerBenchOptions
+from kvstore.chunking import Chunking
 from kvstore.client import Client
 from kvstore.config import GIB, StoreConfig
+from kvstore.keys import as_token_array, chunk_bounds
 from kvstore.layout import KVLayout
 from kvstore.presets import preset_layout
 from kvstore.server.kv_events.consumer import free_port
@@ -110,6 +112,12 @@ class _ServerCpu:
         return (self._server.kv_events_cpu_s() - self._publisher_start_s) / server_s
 
 
+def _chunks_note(options: ServerBenchOptions, num_tokens: int, chunk_mib: float) -> str:
+    if options.chunking is Chunking.FIXED:
+        return f"{num_tokens // options.chunk_size} chunks of {chunk_mib:.0f} MiB"
+    return f"content-defined chunks of at most {chunk_mib:.0f} MiB"
+
+
 def _share_note(share: float | None) -> str:
     return "" if share is None else f"; the kv event publisher spent {share:.2%} of the server's CPU"
 
@@ -152,11 +160,13 @@ def run_server_benchmark(
 def _lookup_phase(options: ServerBenchOptions, directory: Path, say: Callable[[str], None]) -> Iterator[ServerBenchRow]:
     layout = preset_layout(options.lookup_layout)
     num_tokens = options.lookup_tokens
-    cpu_bytes = layout.chunk_bytes(num_tokens + options.chunk_size) + GIB // 8
+    tokens = np.random.default_rng(options.seed).integers(0, 50_000, size=num_tokens)
+    # a slot per chunk, whatever its length: content-defined chunks are shorter, so the prompt takes more slots
+    num_chunks = len(chunk_bounds(as_token_array(tokens), options.chunk_size, (), options.chunking)) - 1
+    cpu_bytes = layout.chunk_bytes(options.chunk_size) * (num_chunks + 1) + GIB // 8
     config = StoreConfig(
         tiers=(TierName.CPU,), chunk_size=options.chunk_size, chunking=options.chunking, cpu_capacity_bytes=cpu_bytes
     )
-    tokens = np.random.default_rng(options.seed).integers(0, 50_000, size=num_tokens)
     kv = _kv(layout, num_tokens, options.seed)
     server = _start_server(options, layout, cpu_bytes, directory)
     try:
@@ -261,7 +271,7 @@ def _bandwidth_phase(
                 ratio=gbps / base_gbps, target=_TARGET_BANDWIDTH_RATIO,
                 met=gbps / base_gbps >= _TARGET_BANDWIDTH_RATIO and verified, p50_ms=p50, p90_ms=p90, p99_ms=p99,
                 max_ms=worst, num_samples=len(remote.seconds),
-                note=f"{num_tokens // options.chunk_size} chunks of {chunk_mib:.0f} MiB" + _share_note(share)
+                note=_chunks_note(options, num_tokens, chunk_mib) + _share_note(share)
                 + ("" if verified else "; READ BACK DIFFERENT BYTES"), kv_events_cpu_share=share,
             )  # fmt: skip
 
