@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvstore.chunking import parse_chunking
 from kvstore.config import DEFAULT_DATA_DIR, check_chunk_separator, parse_size
 from kvstore.errors import ConfigError
 from kvstore.wire.address import check_server_url
@@ -69,6 +70,9 @@ class EmbeddedServerSettings:
         gpu_size: gpu tier size (``None``: the server's default).
         disk_size: disk tier cap in stored bytes, e.g. ``500GiB`` (``None``: the server's default).
         chunk_size: tokens per chunk (``None``: the data dir's, else 256).
+        chunking: ``kvstore serve --chunking``: ``content`` cuts where the tokens say, so a document is cut alike
+            wherever it sits and whatever text precedes it (prompts as chat clients send them); ``fixed`` every
+            ``chunk_size`` tokens (``None``: the data dir's, else ``fixed``).
         chunk_separator: ``kvstore serve --chunk-separator``: where chunks restart, so documents are found
             wherever a prompt puts them. Token ids, or a string the connector tokenizes with the engine's tokenizer
             (``resolve_chunk_separator``) before the server starts (``None``: fixed-size chunks).
@@ -87,6 +91,7 @@ class EmbeddedServerSettings:
     gpu_size: str | None = None
     disk_size: str | None = None
     chunk_size: int | None = None
+    chunking: str | None = None
     chunk_separator: str | tuple[int, ...] | None = None
     config: Path | None = None
     remote_url: str | None = None
@@ -281,6 +286,11 @@ def _checked(key: str, name: str, value: object) -> object:
                 f"of token ids, not {value!r}"
             )
         return separator
+    if name == "chunking":
+        try:
+            return parse_chunking(value).value
+        except ConfigError:
+            raise ConfigError(f"{key} must be one of fixed, content; not {value!r}") from None
     if name == "chunk_size":
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{key} must be a positive integer, not {value!r}")

@@ -21,6 +21,7 @@ EMBEDDED_VALUES = {
     "gpu_size": "1GiB",
     "disk_size": "500GiB",
     "chunk_size": 16,
+    "chunking": "content",
     "chunk_separator": [198, 198],
     "config": "kvstore.toml",
     "remote_url": "valkey://cache:6379",
