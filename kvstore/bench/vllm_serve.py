@@ -116,6 +116,7 @@ class ServeRow:
     ttft_gain: float | None = None
     warm_up_stored: int | None = None
     chunk_separator: bool = False
+    chunking: str | None = None
     chat: bool = False
     paired_with: str | None = None
     ttft_paired_ratio: float | None = None
@@ -278,6 +279,8 @@ def _server_spec(
                  "kvstore.cpu_size": "2GiB", **separator}  # fmt: skip
         if options.chunk_size is not None:
             extra["kvstore.chunk_size"] = options.chunk_size
+        if options.chunking is not None:
+            extra["kvstore.chunking"] = options.chunking
         if deployment == "kvstore_blend":
             extra |= {"kvstore.blend": True, "kvstore.blend_ratio": options.ratio}
     transfer = None if deployment == "vllm" else {**CONNECTOR_CONFIG, "kv_connector_extra_config": extra}
@@ -430,6 +433,7 @@ def _rows(
                 ttft_gain=None if warm_up_row is None or name == "warm_up" else warm_up_row.ttft_ms_mean / mean,
                 warm_up_stored=len(stored) if name == "warm_up" and deployment != "vllm" else None,
                 chunk_separator=separator and deployment != "vllm",
+                chunking=None if deployment == "vllm" else (options.chunking or "fixed"),
                 chat=options.chat,
                 ttft_paired_ratio=None if paired is None else paired.ratio,
                 ttft_paired_low=None if paired is None else paired.low,

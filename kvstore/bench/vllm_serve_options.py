@@ -21,6 +21,7 @@ from kvstore.bench.vllm_serve_workload import (
     check_workload_counts,
 )
 from kvstore.blend.config import check_recompute_ratio
+from kvstore.chunking import parse_chunking
 from kvstore.errors import ConfigError
 
 __all__ = ["DEPLOYMENTS", "ServeBenchOptions"]
@@ -51,6 +52,7 @@ class ServeBenchOptions:
             second after a request, on the cores the other server needs).
         ratio: the blend's recompute ratio (``kvstore.blend_ratio``).
         chunk_size: the store's chunk size (``None``: the store's default).
+        chunking: the store's cut rule, ``fixed`` or ``content`` (``None``: the store's default).
         dtype: the model's dtype.
         deployments: which deployments to run, a subset of ``DEPLOYMENTS`` in that order (``vllm`` is the reference
             of the output checks and of ``ttft_vs_vllm``).
@@ -76,6 +78,7 @@ class ServeBenchOptions:
     question: str = DEFAULT_QUESTION
     ratio: float = 0.15
     chunk_size: int | None = None
+    chunking: str | None = None
     dtype: str = "float32"
     deployments: tuple[str, ...] = DEPLOYMENTS
     stored_wait_s: float = 60.0
@@ -108,6 +111,8 @@ class ServeBenchOptions:
             raise ConfigError("--interleaved pairs kvstore deployments with vLLM alone; name one in --deployments")
         if self.pause_s < 0:
             raise ConfigError(f"--pause {self.pause_s}: a pause is at least 0 seconds")
+        if self.chunking is not None:
+            parse_chunking(self.chunking)
         if self.separator == "":
             raise ConfigError("--separator '': give the text between the parts, or leave it out for the default")
 

@@ -77,6 +77,7 @@ def _check_mode(given: GivenValues) -> None:
         "--no-connector-separator": not given.switch("connector_separator"),
         "--interleaved": given.switch("interleaved"),
         "--deployments": given["deployments"] is not None,
+        "--chunking": given["chunking"] is not None,
     }
     misplaced = [flag for flag, used in serve_only.items() if used]
     if misplaced and not serve:

@@ -261,6 +261,7 @@ def bench_mistakes() -> list[Mistake]:
         bench("chat outside serve", "vllm --blend --chat", "--chat: for --serve only"),
         bench("interleaved, many in flight", "vllm --serve --interleaved --max-inflight 4", "--interleaved sends one"),
         bench("unknown deployment", "vllm --serve --deployments vllm,lmcache", "--deployments 'vllm,lmcache'"),
+        bench("unknown cut rule", "vllm --serve --chunking rolling", "chunking='rolling' must be one of"),
         Mistake(
             name="bench vllm: empty separator",
             argv=("bench", "vllm", "--serve", "--separator", ""),
