@@ -61,6 +61,7 @@ from kvstore.blend.vllm.gate import BlendGate, GateDecision, span_makeup
 from kvstore.blend.vllm.hook import BlendOutcome
 from kvstore.blend.vllm.request_choice import BlendChoice, blend_choice
 from kvstore.blend.vllm.span import blend_span_end
+from kvstore.chunking import Chunking
 from kvstore.client import Client
 from kvstore.connectors.settings import ConnectorSettings
 from kvstore.connectors.store_link import StoreLink
@@ -78,6 +79,7 @@ from kvstore.connectors.vllm.metadata import (
 )
 from kvstore.connectors.vllm.request_misses import MissAccount, declined_account
 from kvstore.connectors.vllm.request_record import HeldPin, Probe, RequestPhase, RequestRecord
+from kvstore.keys import as_token_array, chunk_bounds
 from kvstore.tiers.base import TierName
 
 if TYPE_CHECKING:
@@ -121,7 +123,7 @@ class SchedulerSide:
     ) -> None:
         self._link = link
         self._groups = groups or KVGroups(groups=(KVGroup(layer_names=()),), block_size=block_size)
-        self._chunk_tokens: int | None = None  # the store's longest chunk (its hello), read at the first save
+        self._cut: tuple[int, tuple[int, ...], Chunking] | None = None  # the store's (its hello), at a step's save
         self._settings = settings or ConnectorSettings()
         self._gate = BlendGate(num_layers=num_layers, check_layer=self._settings.blend_check_layer)
         self._readers = readers
@@ -500,14 +502,19 @@ class SchedulerSide:
     def _save_start(self, record: RequestRecord) -> int:
         """Where the prompt's next save starts: the block holding the end of the store's hit (the store writes the
         chunks that begin at or after it; its cut need not fall on blocks), or, after an earlier step's save, the
-        block holding the start of that save's last chunk, which may have been partial (no chunk is longer than the
-        store's ``chunk_size``; not knowing it, the whole earlier save again)."""
+        block holding the start of the prompt's chunk that save ended in (partial there, it is stored whole now).
+        The store's cut (size, separator, rule) comes from its hello; not knowing it, the whole earlier save
+        again."""
         store_start = record.store_prefix_tokens - record.store_prefix_tokens % self._block_size
         if record.saved_end is None:
             return store_start
-        if self._chunk_tokens is None:
-            self._chunk_tokens = self._link.call("hello", lambda client: client.server.chunk_size)
-        resend_from = max(0, record.saved_end - (self._chunk_tokens or record.saved_end))
+        if self._cut is None:
+            self._cut = self._link.call("hello", _store_cut)
+        if self._cut is None:
+            return store_start
+        chunk_size, separator, chunking = self._cut
+        bounds = chunk_bounds(as_token_array(record.prompt), chunk_size, separator, chunking)
+        resend_from = max(bound for bound in bounds if bound <= record.saved_end)  # the prompt's own cut
         return max(store_start, resend_from - resend_from % self._block_size)
 
     def _cut_save(self, request_id: str, record: RequestRecord, start: int) -> None:
@@ -535,6 +542,12 @@ def _probe(client: Client, prompt: tuple[int, ...], *, blend: bool = False) -> P
         (segment.start for segment in plan.segments if segment.exact and segment.tier is TierName.DISK), None
     )
     return Probe(prefix_tokens=prefix_tokens, first_disk_token=first_disk, segments=plan.segments, misses=plan.misses)
+
+
+def _store_cut(client: Client) -> tuple[int, tuple[int, ...], Chunking]:
+    """How the store cuts a prompt into chunks (its hello): chunk size, separator, rule."""
+    server = client.server
+    return server.chunk_size, tuple(server.chunk_separator), server.chunking
 
 
 def _pin(client: Client, prompt: tuple[int, ...]) -> HeldPin:

@@ -145,19 +145,30 @@ def test_a_load_carries_every_groups_blocks_null_outside_the_window_and_runs_asy
     assert open_plans(store.url) == 0
 
 
+@pytest.mark.parametrize(
+    ("step_tokens", "expected"),
+    [
+        # every save ends on a chunk boundary of the prompt (32 tokens): the next starts there
+        pytest.param(64, [(0, 64), (64, 128), (128, 192), (192, 200)], id="chunk-aligned-steps"),
+        # a save ending inside a chunk (80, 120) stored it partial: the next starts at that chunk's start
+        pytest.param(40, [(0, 80), (64, 120), (96, 160), (160, 200)], id="steps-inside-chunks"),
+    ],
+)
 def test_a_prefill_over_several_steps_saves_before_vllm_frees_a_block_it_needs(
     make_hybrid: SchedulerFactory,
     store: ServerProcess,  # noqa: F811
+    step_tokens: int,
+    expected: list[tuple[int, int]],
 ) -> None:
     tokens = prompt(200, seed=42)
-    scheduler = make_hybrid(store.url, max_num_batched_tokens=64)
+    scheduler = make_hybrid(store.url, max_num_batched_tokens=step_tokens)
     add_request(scheduler, "long", tokens, max_tokens=2)
     saves: list[SaveSpec] = []
-    for _ in range(4):  # [0, 64), [64, 128), [128, 192), [192, 200)
+    for _ in range(-(-200 // step_tokens)):
         output = scheduler.schedule()
         saves += assert_reads_only_held_blocks(scheduler, output)
         finish_step(scheduler, output)
-    assert [(save.start, save.end) for save in saves] == [(0, 64), (32, 128), (96, 192), (160, 200)]
+    assert [(save.start, save.end) for save in saves] == expected
     assert all(save.token_ids == tuple(tokens[: save.end]) for save in saves)
     # every chunk of the prompt lies whole inside one save: [0, 32) [32, 64) in the first, ... [192, 200) in the last
     for chunk_start in range(0, 200, CHUNK_SIZE):
