@@ -44,7 +44,7 @@ from tests.server.conftest import running_server
 from tests.vllm.conftest import KVSTORE_CONNECTOR, EngineRunner
 from tests.vllm.tiny_models import TINY_GEMMA3, tiny_model_dir
 
-pytestmark = pytest.mark.engine_minutes(2.5)
+pytestmark = pytest.mark.engine_minutes(3.5)
 
 PROMPT_TOKENS = 300
 HIT_TOKENS = 256  # two whole 128-token blocks; vLLM computes the rest
