@@ -11,7 +11,8 @@ What kvstore puts in them:
   chunk i as little-endian uint32)``, ``key_{-1}`` the layout's namespace), as msgpack ``bin`` (vLLM's
   ``ExternalBlockHash`` is ``bytes | int``);
 - ``parent_block_hash``: the previous chunk's key, ``None`` for a sequence's first chunk;
-- ``token_ids``: the chunk's tokens; ``block_size``: the store's chunk size (a last chunk may be shorter);
+- ``token_ids``: the chunk's tokens; ``block_size``: the store's chunk size, the longest a chunk may be (a last
+  chunk, one a separator cuts, and under ``--chunking content`` any chunk may be shorter: ``token_ids`` says);
 - ``medium``: the tier (``MEDIUMS``).
 
 Token ids are the bulk of a stored event (256 of them a chunk by default), so they are encoded with numpy as
