@@ -25,7 +25,7 @@ from kvstore.config import StoreConfig
 from kvstore.content_cut import content_cuts
 from kvstore.errors import LayoutMismatchError
 from kvstore.keys import as_token_array, chunk_bounds
-from kvstore.plan import LookupPlan
+from kvstore.plan import ChunkOutcome, LookupPlan
 from tests.factories import make_kv, make_tokens, store_config
 
 CHUNK = 32
@@ -170,3 +170,20 @@ def test_documents_are_found_after_a_reopen_and_the_rule_is_recorded(tmp_path: P
         pass
     with pytest.raises(LayoutMismatchError, match="pass --chunking fixed"):
         TieredStore(LAYOUT, config(tmp_path / "fixed"))
+
+
+def test_a_document_stored_after_other_text_again_is_stored_once_with_dedup(tmp_path: Path) -> None:
+    """Dedup-content follows the cut: the same document behind two different prefixes has the same chunks from its
+    first synced cut on, so the second store records them as aliases of the first copy instead of payloads."""
+    document = make_tokens(10 * CHUNK + 3, seed=71)
+    first = np.concatenate([make_tokens(9, seed=72), document])
+    second = np.concatenate([make_tokens(40, seed=73), document])
+    with TieredStore(LAYOUT, config(tmp_path, enable_dedup_content=True)) as store:
+        store.store(first, make_kv(LAYOUT, len(first), seed=74))
+        result = store.store(second, make_kv(LAYOUT, len(second), seed=75))
+        synced = 40 + first_synced_cut(document)
+        aliased = [chunk for chunk in result.chunks if chunk.outcome is ChunkOutcome.ALIASED]
+        assert aliased and aliased[0].start == synced
+        assert sum(chunk.end - chunk.start for chunk in aliased) == len(second) - synced
+        plan = store.lookup(second)
+        assert covered_mask(plan, len(second)).all()
