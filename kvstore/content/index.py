@@ -375,7 +375,8 @@ class FingerprintIndex:
         looked up by its exact content: a run's first chunk (a document after other text), a run's last, partial
         chunk where the chain that reached it ended, and every content-defined chunk. Chains end at dedup aliases: a
         document whose chunks repeat an earlier document's content (the next link belongs to the first writer) would
-        otherwise lose its last chunk.
+        otherwise lose its last chunk. A probe inside a chain an earlier probe found is not followed again: each
+        chain is walked once, so a prompt of n cached chunks costs O(n), not O(n^2).
         """
         num_tokens = query.shape[0]
         if grid_bounds[-1] != num_tokens or any(end <= start for start, end in itertools.pairwise(grid_bounds)):
@@ -398,7 +399,10 @@ class FingerprintIndex:
                 self._verification, self._length, self._fingerprint_link, self._fingerprint_heads,
                 self._fingerprint_shift, entries,
             )  # fmt: skip
+            reached = 0  # where the chains found so far end: a probe before it would only repeat one of them
             for start, entry in zip(starts.tolist(), entries.tolist(), strict=True):
+                if start < reached:
+                    continue
                 verified = True  # the run's first chunk: found by its content
                 while entry >= 0:
                     length = int(self._length[entry])
@@ -411,6 +415,7 @@ class FingerprintIndex:
                     start += length
                     entry = int(self._next[entry])
                     verified = False
+                reached = max(reached, start)
         return leftmost_without_overlap([*matches, *found])
 
     def _match_exactly(

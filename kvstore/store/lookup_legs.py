@@ -99,7 +99,13 @@ def match_leg(
         return position > 0 and ends[position - 1] > found.query_start
 
     content = chunking is Chunking.CONTENT
-    grid_bounds = bounds if content or _separator_cuts(tokens, separator, catalog.chunk_size) else ()
+    grid_bounds: Sequence[int] = ()
+    if content:
+        # The prefix leg planned its leading run: probe from that run's last chunk on (its chain may continue into a
+        # stored partial chunk the prompt's own cut does not make).
+        grid_bounds = bounds[max(0, _leading_run_chunks(segments) - 1) :]
+    elif _separator_cuts(tokens, separator, catalog.chunk_size):
+        grid_bounds = bounds
     matches = catalog.match(
         tokens, grid_bounds=grid_bounds, scan_windows=not content, skip=overlaps, pin=pin, on_gone=on_gone
     )
@@ -134,3 +140,13 @@ def _separator_cuts(tokens: TokenArray, separator: Sequence[int], chunk_size: in
     if not separator:
         return False
     return tokens.shape[0] < chunk_size or len(separator_run_starts(tokens, separator)) > 1
+
+
+def _leading_run_chunks(segments: Sequence[Segment]) -> int:
+    """How many of the prompt's first chunks the prefix leg planned without a gap (one segment each)."""
+    count = 0
+    for segment in segments:
+        if segment.start != (segments[count - 1].end if count else 0):
+            break
+        count += 1
+    return count
