@@ -340,21 +340,29 @@ def _require_blend_server(link: StoreLink) -> None:
 
 
 def _require_chunk_separator(link: StoreLink, settings: ConnectorSettings) -> None:
-    """Refuse a private server that cuts chunks at another separator than ``kvstore.chunk_separator`` (one left
-    running from an earlier start with other settings); a shared server's own ``--chunk-separator`` rules."""
-    separator = link.call("hello", lambda client: client.server.chunk_separator)
-    if settings.url is not None or separator is None:
-        if separator:
-            logger.info("KVStoreConnector: %s cuts chunks after the separator %s", link.url, list(separator))
+    """Refuse a private server that cuts chunks otherwise than ``kvstore.chunk_separator`` and ``kvstore.chunking``
+    say (one left running from an earlier start with other settings); a shared server's own flags rule."""
+    server = link.call("hello", lambda client: client.server)
+    if server is None:
+        return
+    separator, chunking = tuple(server.chunk_separator), server.chunking.value
+    if settings.url is not None:
+        logger.info("KVStoreConnector: %s cuts chunks %s%s", link.url, chunking,
+                    f" and after the separator {list(separator)}" if separator else "")  # fmt: skip
         return
     expected = settings.embedded.chunk_separator or ()
-    if tuple(separator) != expected:
-        link.close()
-        raise ValueError(
-            f"KVStoreConnector: the kvstore server on {settings.embedded.settled_data_dir} cuts chunks after separator "
-            f"{list(separator)}, not kvstore.chunk_separator's {list(expected)}; stop it (kvstore serve from an "
-            "earlier start) so the engine starts its own"
-        )
+    wanted_rule = settings.embedded.chunking
+    if separator == expected and wanted_rule in (None, chunking):
+        return
+    link.close()
+    if separator != expected:
+        found, asked = f"after separator {list(separator)}", f"kvstore.chunk_separator's {list(expected)}"
+    else:
+        found, asked = f"by the {chunking} rule", f"kvstore.chunking's {wanted_rule}"
+    raise ValueError(
+        f"KVStoreConnector: the kvstore server on {settings.embedded.settled_data_dir} cuts chunks {found}, not "
+        f"{asked}; stop it (kvstore serve from an earlier start) so the engine starts its own"
+    )
 
 
 def _connected_links(
