@@ -23,8 +23,11 @@ busy-polls them between steps, and a child inherits that twice: its CPU affinity
 (``GOMP_CPU_AFFINITY=0``, ``OMP_NUM_THREADS=1``), with which the child's own OpenMP runtime binds it back to the
 worker's cores when torch loads. A server bound there waits on the run queue behind the engine, on a 2-core host long
 enough for a disk load to time out (measured: docs/design-notes.md#connectors-embedded-server). So the server starts
-without those variables, on the CPUs the starting process left free (every CPU when it left none): the launcher binds
-itself to them before it starts the server, so every thread of the server inherits them.
+without those variables, on the CPUs the engine left free (every CPU when it left none): the launcher binds itself
+to them before it starts the server, so every thread of the server inherits them. The engine's CPUs are the
+starting worker's own and every rank's in ``VLLM_CPU_OMP_THREADS_BIND`` (``0|1``: rank 0 on core 0, rank 1 on core
+1): a worker of a tensor-parallel engine sees only its own binding, and a server started on "the other" core would
+sit behind the other rank's busy-polling thread (measured: every 4,000-token load at TP=2 on two cores timed out).
 """
 
 from __future__ import annotations
@@ -253,16 +256,31 @@ def _runs_server_started_by(pid: int, started_by: int) -> bool:
     return any(argv[index : index + 2] == marker for index in range(len(argv) - 1))
 
 
-def _free_cpu_choices() -> list[set[int]]:
-    """The CPU sets for the server, best first (see the module docstring): those this process left free, then the
-    whole machine (a cpuset may forbid the first); none when this process is not bound."""
+def _free_cpu_choices(omp_binding: str | None = None) -> list[set[int]]:
+    """The CPU sets for the server, best first (see the module docstring): those the engine left free, then the whole
+    machine (a cpuset may forbid the first, or the engine took every CPU); none when this process is not bound.
+    ``omp_binding``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (default: this process's environment)."""
     if not hasattr(os, "sched_getaffinity"):
         return []
     ours = os.sched_getaffinity(0)
     machine = set(range(os.cpu_count() or 1))
     if ours >= machine:
         return []
-    return [cpus for cpus in (machine - ours, machine) if cpus]
+    binding = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "") if omp_binding is None else omp_binding
+    taken = ours | _bound_cpus(binding)
+    return [cpus for cpus in (machine - taken, machine) if cpus]
+
+
+def _bound_cpus(binding: str) -> set[int]:
+    """The CPUs an explicit ``VLLM_CPU_OMP_THREADS_BIND`` gives the ranks (``0-3|4-7``, ``0,2|1,3``); none for
+    ``auto``, ``nobind`` or anything else (vLLM then binds the ranks itself, and each worker's affinity says where)."""
+    cpus: set[int] = set()
+    for part in binding.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            return set()
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def _cpus_of(pid: int) -> str:

@@ -297,3 +297,31 @@ def test_a_memory_only_server_is_found_in_its_data_dir_and_forgets_it_when_it_st
     store_and_check(server.url, tokens_seed=3)
     assert server.stop(wait_s=30)
     assert live_server_record(data_dir) is None and not (data_dir / "data.mdb").exists()
+
+
+def test_the_cpus_every_rank_is_bound_to_are_not_free() -> None:
+    """A tensor-parallel engine's worker sees only its own binding: the ranks' CPUs come from vLLM's explicit
+    ``VLLM_CPU_OMP_THREADS_BIND``, and when they take every CPU the server gets the whole machine, not the other
+    rank's busy core."""
+    from kvstore.connectors.embedded_server import _bound_cpus, _free_cpu_choices
+
+    assert _bound_cpus("0|1") == {0, 1}
+    assert _bound_cpus("0-3|4-7") == set(range(8))
+    assert _bound_cpus("0,2|1,3") == {0, 1, 2, 3}
+    assert _bound_cpus("auto") == _bound_cpus("nobind") == _bound_cpus("") == set()
+    assert _bound_cpus("0-x|1") == set()
+    if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+        return
+    machine = set(range(os.cpu_count() or 1))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        assert _free_cpu_choices("auto")[0] == machine - {0}
+        assert _free_cpu_choices(_cpu_list_of(machine))[0] == machine  # every CPU bound: the whole machine
+        assert _free_cpu_choices("0|1")[0] == (machine - {0, 1} or machine)
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _cpu_list_of(cpus: set[int]) -> str:
+    return "|".join(str(cpu) for cpu in sorted(cpus))
