@@ -139,7 +139,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._clock = HookClock(role.name.lower())
         if role is KVConnectorRole.SCHEDULER:
             (link,) = _connected_links(settings, layout, (name,), settings.lookup_timeout_s)
-            _require_chunk_separator(link, settings)
+            _require_chunk_cut(link, settings)
             self._scheduler = SchedulerSide(
                 link,
                 block_size=block_size,
@@ -339,7 +339,7 @@ def _require_blend_server(link: StoreLink) -> None:
         )
 
 
-def _require_chunk_separator(link: StoreLink, settings: ConnectorSettings) -> None:
+def _require_chunk_cut(link: StoreLink, settings: ConnectorSettings) -> None:
     """Refuse a private server that cuts chunks otherwise than ``kvstore.chunk_separator`` and ``kvstore.chunking``
     say (one left running from an earlier start with other settings); a shared server's own flags rule."""
     server = link.call("hello", lambda client: client.server)

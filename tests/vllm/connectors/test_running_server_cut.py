@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.connectors.settings import ConnectorSettings, EmbeddedServerSettings
 from kvstore.connectors.store_link import StoreLink
-from kvstore.connectors.vllm.connector import _require_chunk_separator
+from kvstore.connectors.vllm.connector import _require_chunk_cut
 from tests.server.conftest import SERVER_LAYOUT, running_server
 
 
@@ -29,14 +29,14 @@ def test_a_running_server_that_cuts_by_another_rule_is_refused_in_one_line(tmp_p
 
         for agreeing in (_embedded(data_dir), _embedded(data_dir, chunking="content")):
             with link() as held:
-                _require_chunk_separator(held, agreeing)
+                _require_chunk_cut(held, agreeing)
         with link() as held, pytest.raises(ValueError) as refused:
-            _require_chunk_separator(held, _embedded(data_dir, chunking="fixed"))
+            _require_chunk_cut(held, _embedded(data_dir, chunking="fixed"))
         message = str(refused.value)
         assert "\n" not in message
         assert f"server on {data_dir} cuts chunks by the content rule, not kvstore.chunking's fixed" in message
         with link() as held, pytest.raises(ValueError, match=r"after separator \[\], not kvstore.chunk_separator"):
-            _require_chunk_separator(held, _embedded(data_dir, chunk_separator=(7, 7)))
+            _require_chunk_cut(held, _embedded(data_dir, chunk_separator=(7, 7)))
         shared = replace(_embedded(data_dir, chunking="fixed"), url=server.url)
         with link() as held:
-            _require_chunk_separator(held, shared)  # a shared server's own flags rule
+            _require_chunk_cut(held, shared)  # a shared server's own flags rule
