@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.errors import InvalidInputError
-from kvstore.layout import KVLayout, KVScales
+from kvstore.layout import KVLayout
 
 __all__ = ["KVPart", "PartCoverage"]
 
@@ -73,11 +73,11 @@ class KVPart:
 
     def shape_layout(self, layout: KVLayout) -> KVLayout:
         """``layout`` with the part's layer and head counts: for shapes and byte counts of the part's KV only (its
-        namespace is not the layout's and names no stored KV). Per-layer fp8 scales keep the part's layers'."""
+        namespace is not the layout's and names no stored KV). Per-layer (per-head) fp8 scales keep the part's
+        layers' (and heads')."""
         scales = layout.kv_scales
-        if scales is not None and scales.per_layer:
-            layers = slice(self.layer_start, self.layer_end)
-            scales = KVScales.of_layers(scales.k[layers], scales.v[layers])
+        if scales is not None:
+            scales = scales.part(range(self.layer_start, self.layer_end), range(self.head_start, self.head_end))
         return dataclasses.replace(layout, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, kv_scales=scales)
 
     def of(self, kv: torch.Tensor) -> torch.Tensor:

