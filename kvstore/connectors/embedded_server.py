@@ -245,13 +245,21 @@ def _launch_detached(command: list[str], log_path: Path, deadline: float) -> int
 
 def _runs_server_started_by(pid: int, started_by: int) -> bool:
     """Whether ``pid`` is still the server ``started_by`` started (not a process that reused its pid): its command
-    line names ``--exit-with-pid STARTED_BY``. Without procfs, trust the pid."""
+    line names ``--exit-with-pid STARTED_BY``. Without procfs, trust the pid.
+
+    An empty command line is trusted too: Linux shows one while a process is still inside ``execve`` (the launcher's
+    ``Popen`` returns once the new image is committed, before the kernel has laid out its arguments) and while it
+    exits. On a host whose cores are busy (two busy-polling TP ranks on two cores) the first check after the launch
+    fell in that window, and the engine failed its start with "the embedded kvstore server did not start"."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return False
     except OSError:
         return True
+    if not cmdline:
+        return True
+    argv = cmdline.split(b"\0")
     marker = [b"--exit-with-pid", str(started_by).encode()]
     return any(argv[index : index + 2] == marker for index in range(len(argv) - 1))
 

@@ -325,3 +325,24 @@ def test_the_cpus_every_rank_is_bound_to_are_not_free() -> None:
 
 def _cpu_list_of(cpus: set[int]) -> str:
     return "|".join(str(cpu) for cpu in sorted(cpus))
+
+
+def test_a_server_whose_command_line_is_not_laid_out_yet_counts_as_running() -> None:
+    """Linux shows an empty command line while a process is inside ``execve`` (and while it exits): the first check
+    after the launch must not call the server dead then (on two cores busy with TP ranks it did, and the engine failed
+    its start). A process that shows another command line is not ours, and a zombie is gone whatever it shows."""
+    from kvstore.connectors.embedded_server import _runs_server_started_by
+
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])  # not waited for: a zombie, whose cmdline is empty
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert wait_until(lambda: Path(f"/proc/{exited.pid}/stat").read_text().split(") ")[1].startswith("Z"), 30)
+        assert Path(f"/proc/{exited.pid}/cmdline").read_bytes() == b""
+        assert _runs_server_started_by(exited.pid, os.getpid())
+        assert not EmbeddedServer(url="", pid=exited.pid, started_by=os.getpid()).is_running()
+        assert wait_until(lambda: Path(f"/proc/{stranger.pid}/cmdline").read_bytes() != b"", 30)
+        assert not _runs_server_started_by(stranger.pid, os.getpid())
+    finally:
+        stranger.kill()
+        stranger.wait()
+        exited.wait()
