@@ -5,8 +5,15 @@ Why a grandchild: vLLM stops an engine by SIGKILLing the engine-core process and
 child of the worker, even in a session of its own, is therefore killed with the engine, before it can flush the disk
 writes it has acknowledged. Started from this short-lived launcher instead, the server is reparented (to init or the
 nearest subreaper) as soon as the launcher exits, so no engine shutdown reaches it; it still stops with the engine,
-flushed, because it is told to (``kvstore serve --exit-with-pid``). A session of its own also keeps a terminal's
-Ctrl-C, which goes to the engine's whole process group, away from it.
+flushed, because it is told to (``kvstore serve --exit-with-pid``). A process group of its own keeps a terminal's
+Ctrl-C, which goes to the engine's whole (foreground) process group, away from it.
+
+Not a session of its own: Linux's autogroup scheduler (``kernel.sched_autogroup_enabled``, on by default) puts each
+session in a CPU group of its own, and a server alone in its group next to an engine whose tensor-parallel ranks
+busy-poll every core got almost no CPU for minutes (measured on two cores: the first disk load of a restarted TP=2
+engine waited 30 s for a reply, then 30 s more for its release, with the server's threads runnable and never run; the
+same server in the engine's session loaded it). In the engine's session it shares the CPU with the engine's threads
+as one of them.
 
 The launcher imports only the standard library (``-I -S``: no site-packages, no ``kvstore`` import, no coverage
 hooks), so it costs the engine's start a bare interpreter's start-up.
@@ -33,7 +40,7 @@ def main(argv: list[str]) -> int:
     log_path, cpu_choices, *command = argv
     _set_cpus(cpu_choices)
     with open(log_path, "ab") as log:
-        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log, process_group=0)
     sys.stdout.write(f"{child.pid}\n")
     sys.stdout.flush()
     return 0

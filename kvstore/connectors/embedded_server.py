@@ -5,15 +5,15 @@ so "embedded" cannot mean in-process: the first connector to arrive starts ``kvs
 on the data dir, and every later one (the other role, or a restarted engine) finds it through the data dir's
 ``serve.json``. A file lock in the data dir makes the check-then-start atomic across processes.
 
-The server is nobody's child: a short-lived launcher (``detached_start``) starts it in a session of its own and exits,
-so it is reparented. vLLM stops an engine by SIGKILLing the engine core and all its descendants (by parent pid,
-whatever their session), and a server that was the worker's child died with it, losing the disk writes it had
-acknowledged but not yet committed (the disk tier writes behind). Detached, it is told to exit with the process that
-started it (``--exit-with-pid``), so it stops with the engine and survives nothing else; stopping flushes pending disk
-writes, so the next engine on the same data dir finds the cache there. Nothing in the engine waits for that flush:
-``EmbeddedServer.stop`` only asks by default, and an engine starting on the data dir meanwhile waits for the data dir
-to be released. A server already holding the data dir (a user's ``kvstore serve``, or a previous engine's server still
-flushing) is used, or waited for, never fought.
+The server is nobody's child: a short-lived launcher (``detached_start``) starts it in a process group of its own
+(in the engine's session: see there why) and exits, so it is reparented. vLLM stops an engine by SIGKILLing the
+engine core and all its descendants (by parent pid, whatever their session), and a server that was the worker's
+child died with it, losing the disk writes it had acknowledged but not yet committed (the disk tier writes behind).
+Detached, it is told to exit with the process that started it (``--exit-with-pid``), so it stops with the engine and
+survives nothing else; stopping flushes pending disk writes, so the next engine on the same data dir finds the cache
+there. Nothing in the engine waits for that flush: ``EmbeddedServer.stop`` only asks by default, and an engine
+starting on the data dir meanwhile waits for the data dir to be released. A server already holding the data dir (a
+user's ``kvstore serve``, or a previous engine's server still flushing) is used, or waited for, never fought.
 
 The server's output goes to ``DIR/embedded-server.log``; a server that dies during start-up is reported with the
 last line it printed.

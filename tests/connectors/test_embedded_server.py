@@ -121,7 +121,8 @@ def test_the_first_call_starts_a_server_that_later_calls_find(data_dir: Path) ->
     server = ensure_embedded_server(settings, start_timeout_s=START_TIMEOUT_S)
     assert server.owned and server.started_by == os.getpid() and server.url.startswith("tcp://127.0.0.1:")
     assert parent_pid(server.pid) != os.getpid(), "the server is not this process's child (nor any descendant's)"
-    assert os.getsid(server.pid) == server.pid, "the server leads a session of its own"
+    assert os.getpgid(server.pid) == server.pid, "the server leads a process group of its own (no Ctrl-C reaches it)"
+    assert os.getsid(server.pid) == os.getsid(0), "in the engine's session: the same autogroup for the CPU scheduler"
     store_and_check(server.url, tokens_seed=1)
 
     again = ensure_embedded_server(settings, start_timeout_s=START_TIMEOUT_S)
