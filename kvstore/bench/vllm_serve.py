@@ -32,7 +32,9 @@ deployments pass the separator string in it, so the store cuts chunks where docu
 With ``interleaved`` each kvstore deployment runs beside a ``vllm`` server of its own, both up at once, and every
 request goes to both, one after the other (which first alternates), with a pause between sends: machine drift then
 cancels in each pair, and a row's ``ttft_paired_ratio`` (this deployment's TTFT over vLLM's, geometric mean of the
-pairs, with a bootstrap 95% interval: ``paired_ratio``) resolves a few percent, e.g. what a miss costs.
+pairs, with a bootstrap 95% interval: ``paired_ratio``) resolves a few percent, e.g. what a miss costs. The vLLM
+server beside ``kvstore_blend`` runs without its prefix cache too, so that the pair differs by the connector alone
+(its block hashing is part of what vLLM alone's misses cost otherwise).
 
 With ``chat`` the prompts are text through ``/v1/chat/completions`` (``vllm_serve_workload.ChatForm``): a system
 message, then the documents joined by blank lines and the question in one user message, as a RAG client sends them.
@@ -210,7 +212,10 @@ def _interleaved_rows(
     rows: list[ServeRow] = []
     for deployment in (name for name in options.deployments if name != "vllm"):
         names = ("vllm", deployment)
-        specs = {name: _server_spec(options, name, separator, work_dir / f"beside-{deployment}") for name in names}
+        beside = work_dir / f"beside-{deployment}"
+        # vLLM alone as the deployment runs it, its own prefix cache included: the pair differs by the connector only
+        prefix_caching = _prefix_caching(deployment)
+        specs = {name: _server_spec(options, name, separator, beside, prefix_caching=prefix_caching) for name in names}
         progress(f"vllm and {deployment}: starting both servers")
         measured: dict[str, dict[str, _Measured]] = {name: {} for name in names}
         stored: set[int] = set()
@@ -269,10 +274,22 @@ def _measure_interleaved(
     return measured
 
 
+def _prefix_caching(deployment: str) -> bool:
+    """Whether a deployment runs with vLLM's own prefix cache: all but ``kvstore_blend``, whose blended prompts vLLM's
+    block hashes would otherwise claim first."""
+    return deployment != "kvstore_blend"
+
+
 def _server_spec(
-    options: ServeBenchOptions, deployment: str, separator: Mapping[str, object], work_dir: Path
+    options: ServeBenchOptions,
+    deployment: str,
+    separator: Mapping[str, object],
+    work_dir: Path,
+    *,
+    prefix_caching: bool | None = None,
 ) -> tuple[ServerSpec, dict[str, Any] | None]:
-    """The deployment's server, and its connector's config (``None``: vLLM alone)."""
+    """The deployment's server, and its connector's config (``None``: vLLM alone). ``prefix_caching``: vLLM's own
+    prefix cache (default: as the deployment runs it)."""
     extra: dict[str, object] = {}
     if deployment != "vllm":
         extra = {"kvstore.data_dir": str(work_dir / f"{deployment}-data"), "kvstore.tiers": "cpu",
@@ -289,7 +306,7 @@ def _server_spec(
         model_dir=options.model_dir,
         log_path=work_dir / f"{deployment}-server.log",
         kv_transfer_config=transfer,
-        enable_prefix_caching=deployment != "kvstore_blend",
+        enable_prefix_caching=_prefix_caching(deployment) if prefix_caching is None else prefix_caching,
         dtype=options.dtype,
         env={**CPU_ENGINE_ENV, **(options.env or {})},
     )

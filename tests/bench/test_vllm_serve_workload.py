@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvstore.bench.vllm_serve_workload import DEFAULT_SEPARATOR, serve_workload
@@ -86,3 +88,19 @@ def test_chat_prompts_are_text_messages_templated_whole() -> None:
         assert prompt.tokens == tuple(template(prompt.messages))
     hit = next(prompt for prompt in workload.mixed if prompt.kind == "hit")
     assert hit.messages == workload.warm_up[hit.documents[0]].messages
+
+
+def test_the_vllm_server_beside_a_deployment_caches_prefixes_as_that_deployment_does(tmp_path: Path) -> None:
+    """Interleaved, vLLM alone beside ``kvstore_blend`` runs without its prefix cache as ``kvstore_blend`` does, so the
+    pair's TTFT ratio on a miss is the connector's cost alone (not vLLM's block hashing as well)."""
+    from kvstore.bench.vllm_serve import _prefix_caching, _server_spec
+    from kvstore.bench.vllm_serve_options import ServeBenchOptions
+
+    options = ServeBenchOptions(model_dir=tmp_path)
+    for deployment in ("kvstore", "kvstore_blend"):
+        beside = _prefix_caching(deployment)
+        reference, transfer = _server_spec(options, "vllm", {}, tmp_path, prefix_caching=beside)
+        served, served_transfer = _server_spec(options, deployment, {}, tmp_path)
+        assert reference.enable_prefix_caching == served.enable_prefix_caching == (deployment == "kvstore")
+        assert transfer is None and served_transfer is not None
+    assert _server_spec(options, "vllm", {}, tmp_path)[0].enable_prefix_caching, "alone, vLLM keeps its own cache"
