@@ -59,16 +59,20 @@ class GroupCopies:
     Args:
         layers: every registered layer, in model order (the chunk's layer order).
         group_of: each layer's group (all 0: one group).
+        num_groups: the engine's groups (``None``: ``max(group_of) + 1``). A pipeline stage's layers may leave some
+            groups empty (Gemma 3's full-attention layer on another stage), yet block ids come for every group.
 
     Raises:
-        InvalidInputError: ``group_of`` does not name a group for each layer.
+        InvalidInputError: ``group_of`` does not name a group below ``num_groups`` for each layer.
     """
 
-    def __init__(self, layers: PagedLayers, group_of: Sequence[int]) -> None:
+    def __init__(self, layers: PagedLayers, group_of: Sequence[int], *, num_groups: int | None = None) -> None:
         if len(group_of) != len(layers):
             raise InvalidInputError(f"{len(group_of)} layer groups for {len(layers)} layers")
         self._layers = layers
-        self.num_groups = max(group_of) + 1 if group_of else 1
+        self.num_groups = num_groups if num_groups is not None else max(group_of, default=0) + 1
+        if any(not 0 <= group < self.num_groups for group in group_of):
+            raise InvalidInputError(f"layer groups {list(group_of)} outside the engine's {self.num_groups} groups")
         self._runs: list[_Run] = []
         if self.num_groups > 1:
             for group in range(self.num_groups):

@@ -51,3 +51,24 @@ def test_a_save_gathers_each_layer_from_its_groups_blocks_and_a_load_skips_null_
     assert torch.equal(last, chunk[:, :, 2 * SLOTS :]), "the window's blocks hold their tokens"
     with pytest.raises(InvalidInputError, match="null block of KV cache group 0"):
         GroupCopies(fresh, GROUP_OF).bind(windowed, torch.zeros_like(chunk), load=False)
+
+
+def test_a_pipeline_stage_with_no_layer_of_some_groups_takes_every_groups_block_ids() -> None:
+    """Gemma 3 at PP=2: the engine's groups are the whole model's, and a stage's layers fill only some of them; the
+    scheduler sends block ids for all, and the stage copies its layers through its own groups' blocks alone."""
+    stage_groups = [2, 3]  # this stage's two layers; groups 0 and 1 hold the other stage's
+    caches = [packed_cache(NUM_BLOCKS, HEADS, SLOTS, DIM, torch.float32, tokens_outer=False) for _ in stage_groups]
+    layers = PagedLayers.of(caches, probe(caches[0], DIM, write_packed))
+    copies = GroupCopies(layers, stage_groups, num_groups=4)
+    chunk = torch.randn(len(stage_groups), 2, 2 * SLOTS, HEADS, DIM)
+    block_ids = [(0, 1), (0, 2), (0, 3), (4, 5)]  # the sliding groups null outside the window
+    copies.bind(block_ids, chunk, load=True).scatter_all()
+    assert not layers[0].cache[[0, 1, 2, 4, 5]].any(), "layer 0 (group 2) wrote its window's block 3 alone"
+    assert not layers[1].cache[[0, 1, 2, 3]].any(), "layer 1 (group 3) wrote its blocks 4 and 5 alone"
+    window = torch.zeros(len(stage_groups), 2, SLOTS, HEADS, DIM)
+    copies.bind([(1,), (2,), (3,), (5,)], window, load=False).gather_all()  # groups 0 and 1: nothing read
+    assert torch.equal(window, chunk[:, :, SLOTS:])
+    with pytest.raises(InvalidInputError, match="block ids for 2 KV cache groups; the engine has 4"):
+        copies.bind(block_ids[:2], chunk, load=True)
+    with pytest.raises(InvalidInputError, match=r"layer groups \[2, 3\] outside the engine's 3 groups"):
+        GroupCopies(layers, stage_groups, num_groups=3)

@@ -232,8 +232,13 @@ def run_engine_driver(
 ) -> list[RequestResult]:
     """Run ``kvstore.bench.vllm_engine`` on ``spec`` and parse its results.
 
-    The driver runs in a session of its own, so on a timeout its whole process group (the engine core and workers it
-    spawned) is killed, not only the driver.
+    The driver runs in a process group of its own, so on a timeout its whole group (the engine core and workers it
+    spawned) is killed, not only the driver. It stays in the test's session, where the tests' ``kvstore serve``
+    runs: Linux's autogroup scheduler gives each session a CPU group of its own, and a server alone in its group
+    next to an engine whose ranks busy-poll both cores (TP=2 or PP=2 while a request waits for an asynchronous
+    load) got no CPU for a minute: the load timed out (30 s, then 30 s more for its release) with the server's
+    threads runnable and never run, in each of six runs of tests/vllm/connectors/test_sliding_window.py (docs/vllm.md
+    says the same of the embedded server and of a server users start themselves).
 
     Args:
         spec: the engine and its prompts.
@@ -263,7 +268,7 @@ def run_engine_driver(
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            start_new_session=True,
+            process_group=0,
         )
         try:
             stdout, _ = driver.communicate(spec_json, timeout=timeout_s)

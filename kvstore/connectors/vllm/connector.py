@@ -89,9 +89,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on for a model with sliding-window layers (their memory
     saving), and hands the connector one KV cache group per attention type (``kv_groups``). Block ids travel per
     group; each layer is copied through its own group's blocks; the stored chunks stay whole, so an engine with the
-    hybrid manager and one without (``--disable-hybrid-kv-cache-manager``) share them. Only full-attention and
-    sliding-window groups are served, on one worker (no TP or PP) and without blending; anything else is refused at
-    start with one line.
+    hybrid manager and one without (``--disable-hybrid-kv-cache-manager``) share them, at any tensor and pipeline
+    parallel shape. Only full-attention and sliding-window groups are served, and without blending; anything else is
+    refused at start with one line.
 
     Hooks left at vLLM's default, on purpose:
 
@@ -124,7 +124,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             settings = parse_connector_settings(transfer.kv_connector_extra_config)
             check_engine_supported(vllm_config, kv_cache_config)
             groups = _kv_groups(vllm_config, kv_cache_config)
-            check_groups_compose(vllm_config, groups, blend=settings.blend)
+            check_groups_compose(groups, blend=settings.blend)
             check_parallel_blend(vllm_config, settings)
             settings = resolve_chunk_separator(vllm_config, settings)
             layout = engine_layout(vllm_config, settings)

@@ -8,6 +8,11 @@ be computed attends to it: vLLM frees the blocks below the window (``remove_skip
 scheduled) and gives a loaded request the null block (id 0) outside the window. The store's chunks stay whole (every
 layer, every token), the same with and without the hybrid manager (docs/design-notes.md#sliding-window-hybrid).
 
+Under tensor and pipeline parallelism every worker has the same groups, in the same order: vLLM groups the whole
+model's layers, then gives each pipeline stage its own layers of each group, so a stage's group may hold none
+(``get_kv_cache_configs``; the scheduler's groups are the first stage's). The scheduler's block ids per group are
+every rank's, and each rank copies its own layers and KV heads through them.
+
 ``KVGroups.held_start`` applies vLLM's rule (``SlidingWindowManager.get_num_skipped_tokens``: ``computed - window +
 1`` tokens skipped, whole blocks freed) to the tokens computed before a step, which is never less than vLLM's own
 count (it frees on processed tokens, fewer under async scheduling): the tokens it says are gone may be more than
@@ -24,7 +29,6 @@ from kvstore.connectors.group_copies import NULL_BLOCK_ID
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 __all__ = ["NULL_BLOCK_ID", "KVGroup", "KVGroups", "check_groups_compose", "kv_groups_of"]
@@ -99,23 +103,18 @@ def kv_groups_of(kv_cache_config: KVCacheConfig, block_size: int) -> KVGroups:
     return KVGroups(groups=tuple(groups), block_size=block_size)
 
 
-def check_groups_compose(vllm_config: VllmConfig, groups: KVGroups | None, *, blend: bool) -> None:
-    """Refuse, in one line, what the groups do not compose with yet: tensor or pipeline parallelism (a rank's part
-    of a chunk names a layer range, a group a layer set), and blending (a pass writes one block table).
+def check_groups_compose(groups: KVGroups | None, *, blend: bool) -> None:
+    """Refuse, in one line, what several groups do not compose with yet: blending (a pass writes one block table).
+
+    Tensor and pipeline parallelism compose: every worker's ``kv_cache_config`` has the same groups in the same order
+    (vLLM groups the whole model's layers, then keeps each stage's own in each group: a group may hold none of a
+    stage's layers), so the scheduler's block ids per group are every rank's, and each rank copies its own layers
+    and KV heads through them (``kvstore.connectors.vllm.parallel``).
 
     Raises:
-        ConfigError: several groups or a sliding window with TP or PP, or several groups with ``kvstore.blend``.
+        ConfigError: several groups with ``kvstore.blend``.
     """
-    if groups is None or (not groups.hybrid and not groups.frees_blocks):
-        return
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ConfigError(
-            "kvstore's vLLM connector serves sliding-window KV cache groups on one worker only (tensor_parallel_size "
-            "and pipeline_parallel_size 1); start vLLM with --disable-hybrid-kv-cache-manager to serve this model in "
-            "parallel"
-        )
-    if blend and groups.hybrid:
+    if blend and groups is not None and groups.hybrid:
         raise ConfigError(
             f"kvstore.blend writes one block table and this engine has {len(groups.groups)} KV cache groups; turn "
             "kvstore.blend off or start vLLM with --disable-hybrid-kv-cache-manager"

@@ -39,6 +39,9 @@ Tensor and pipeline parallelism: each worker (rank) moves only its part of every
 shard's KV heads (``kvstore.connectors.vllm.parallel``): its saves send that part (the server commits a chunk once
 every rank's part has arrived), its loads retrieve that part of the plan the scheduler pinned (the server keeps the
 pins until every rank's part is done). Every rank reports its own loads to vLLM, whose aggregator waits for all.
+With several KV cache groups every rank gets every group's block ids (the scheduler's; vLLM gives every worker the
+same groups) and copies its own layers and heads through its own groups' blocks; an async load that falls short on
+one rank fails the request's load on all (vLLM's aggregator joins the ranks' ``failed_recving``).
 
 Threads: vLLM calls every method on its model-runner thread; fetches and stores run on three single-thread pools
 (sync loads, async loads, and ``PromptSaves``'s saves), each with its own ``StoreLink`` so one never queues behind
@@ -219,8 +222,10 @@ class WorkerSide:
         self._layers = PagedLayers.of(self._caches, block_format)
         self._layers.check_request_kernel(block_id=0)  # vLLM never hands block 0 to a request
         groups = self._groups if self._hybrid else None
-        group_of = groups.group_of_layers(names) if groups is not None else [0] * len(names)
-        self._copies = GroupCopies(self._layers, group_of)
+        if groups is None:
+            self._copies = GroupCopies(self._layers, [0] * len(names))
+        else:  # every group's block ids come to every rank; a pipeline stage may hold no layer of some groups
+            self._copies = GroupCopies(self._layers, groups.group_of_layers(names), num_groups=len(groups.groups))
         self._saves = PromptSaves(
             self._save_link, self._layers, self._copies, self._rank, self._stats, wait_for_saves=self._wait_for_saves
         )
