@@ -329,6 +329,7 @@ class Client:
         timeout_s: float | None = None,
         pin: bool = True,
         repeat: bool = False,
+        partial: bool = True,
     ) -> LookupPlan:
         """``TieredStore.lookup`` on the server: the plan's chunks stay pinned there until retrieve, release or
         the session's end (or the client's death or goodbye). ``timeout_s`` (default: the client's) bounds the wait
@@ -336,10 +337,17 @@ class Client:
         than on a long transfer. ``pin=False`` only looks: the server drops the pins before it answers, and the plan
         (``plan_id`` ``UNPINNED_PLAN_ID``) cannot be retrieved; releasing it is a no-op (no round trip).
         ``repeat=True``: this request's prompt was looked up before; the server plans it but does not count it again
-        in its hit and miss figures (``kvstore inspect``), which count requests."""
+        in its hit and miss figures (``kvstore inspect``), which count requests. ``partial``: the plan may hold
+        slices of stored chunks (``Segment.is_slice``), where the server plans them (its hello's
+        ``partial_segments``; a server from before them plans none)."""
         self._require_layout()
         args = LookupArgs(
-            tokens=as_token_array(tokens), session_id=session_id, blend=blend, pin=pin, repeat=repeat
+            tokens=as_token_array(tokens),
+            session_id=session_id,
+            blend=blend,
+            pin=pin,
+            repeat=repeat,
+            partial=partial and self.server.partial_segments,
         ).to_wire()
         return plan_from_wire(self._simple(Op.LOOKUP, args, timeout_s))
 

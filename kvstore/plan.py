@@ -10,6 +10,10 @@ A plan says which ranges of a prompt have cached KV, whose KV it is, and which r
 - A **blend** segment (``exact=False``) comes from the match leg (the content fingerprint index) or from a
   dedup-content alias: the same tokens, computed at ``source_start`` after other preceding tokens. The engine
   rotates its K by ``rope_delta`` and recomputes a selection of its tokens (CacheBlend).
+- A **slice** (``chunk_tokens > 0``) is a segment holding only rows ``[offset, offset + num_tokens)`` of its stored
+  chunk: the longest stretch of a stored chunk the prompt holds token for token where the whole chunk does not
+  match (``kvstore.content.partials``: a document's head or tail that ran into other text when it was stored). Its
+  ``source_start`` is the position of its first row, so ``rope_delta`` is the same as a whole chunk's.
 - **Gaps** are everything else: computed from scratch.
 
 The chunks of a plan are pinned in their tiers until the plan is retrieved or released, or its session ends, so a
@@ -52,12 +56,15 @@ class Segment:
 
     Args:
         start: position of the segment's first token in the prompt.
-        num_tokens: tokens in the segment (the chunk's length).
+        num_tokens: tokens in the segment (the chunk's length, or the slice's).
         key: prefix key of the stored chunk whose KV is used.
         source_start: position the chunk's KV was computed at.
         exact: the KV was computed for these tokens after the same preceding tokens (a prefix-key hit); when
             ``False`` the engine must re-rotate and blend.
         tier: the fastest tier that held the chunk at lookup time (where it is pinned).
+        offset: rows of the stored chunk before the segment's first token (a slice; 0 otherwise).
+        chunk_tokens: the stored chunk's length when the segment is a slice of it (``offset + num_tokens`` at
+            most); 0: the segment is the whole chunk.
     """
 
     start: int
@@ -66,10 +73,22 @@ class Segment:
     source_start: int
     exact: bool
     tier: TierName
+    offset: int = 0
+    chunk_tokens: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def is_slice(self) -> bool:
+        """Whether the segment holds only part of its stored chunk."""
+        return self.chunk_tokens > 0
+
+    @property
+    def stored_tokens(self) -> int:
+        """The stored chunk's length: what a tier holds under ``key`` (the segment's own length unless a slice)."""
+        return self.chunk_tokens or self.num_tokens
 
     @property
     def rope_delta(self) -> int:

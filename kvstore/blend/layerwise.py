@@ -537,9 +537,12 @@ def _checked_span_end(owner: PlanSource, plan: LookupPlan, num_tokens: int, span
 
 
 def clip_segments(segments: Sequence[Segment], end: int) -> tuple[Segment, ...]:
-    """The segments' parts before token ``end`` (a segment that starts there or later is dropped)."""
+    """The segments' parts before token ``end`` (a segment that starts there or later is dropped; one cut short
+    becomes a slice of its chunk)."""
     return tuple(
-        segment if segment.end <= end else dataclasses.replace(segment, num_tokens=end - segment.start)
+        segment
+        if segment.end <= end
+        else dataclasses.replace(segment, num_tokens=end - segment.start, chunk_tokens=segment.stored_tokens)
         for segment in segments
         if segment.start < end
     )

@@ -104,7 +104,7 @@ class LoadCostModel:
         ms_per_byte, ms_per_token_layer = self.ms_per_byte, self.ms_per_token_layer
         if not segments or ms_per_byte is None or ms_per_token_layer is None:
             return False
-        num_bytes = sum(self.layout.chunk_bytes(segment.num_tokens) for segment in segments)
+        num_bytes = sum(self.layout.chunk_bytes(segment.stored_tokens) for segment in segments)  # a slice's whole chunk
         wait_ms, recompute_ms = num_bytes * ms_per_byte, extra_token_layers * ms_per_token_layer
         logger.debug("disk: %d bytes to read, about %.1f ms of stall against %.1f ms to compute %d token-layers",
                      num_bytes, wait_ms, recompute_ms, extra_token_layers)  # fmt: skip

@@ -65,8 +65,10 @@ class PassLoad:
         return self.pending.duration_ms() if self.pending is not None else 0.0
 
     def disk_wait_bytes(self, layout: KVLayout) -> int:
-        """Bytes the retrieve read from disk while the pass could wait for them."""
-        return 0 if self.memory_only else sum(layout.chunk_bytes(segment.num_tokens) for segment in self.disk_bound)
+        """Bytes the retrieve read from disk while the pass could wait for them (a slice's whole chunk is read)."""
+        if self.memory_only:
+            return 0
+        return sum(layout.chunk_bytes(segment.stored_tokens) for segment in self.disk_bound)
 
     @property
     def num_skipped_disk_tokens(self) -> int:

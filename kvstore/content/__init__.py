@@ -5,6 +5,8 @@
 - ``chunk_contents``: a chunk's content hashes (fingerprint, verification hash, length), hashed in bulk;
 - ``match_scan``: the scan of a query that probes windows only where no planned match covers them;
 - ``matches``: the index's answers (``Match``, ``Alias``, ``RegistrationResult``) and how matches combine;
+- ``partials``: the stretch of a stored chunk next to a match that a query holds token for token (a document's head
+  or tail stored in other surroundings);
 - ``index``: ``FingerprintIndex``, stored chunks found by their tokens at any offset;
 - ``catalog``: ``ContentCatalog``, the store's content side, over the modules below;
 - ``registration``: asynchronous fingerprint registration, off the store path;

@@ -6,7 +6,9 @@
   then ``register`` (after the commit: queue the committed runs for the worker; the shields the store took on
   them are dropped when the worker is done);
 - **lookup**: ``sync`` (see every registration submitted before the lookup), ``match`` (the match leg, with the
-  strike rules applied to what the tiers report) and ``resolve_alias`` (the prefix leg's dedup aliases);
+  strike rules applied to what the tiers report), ``partial_matches`` (the stretches of stored chunks around what the
+  legs planned, compared against the tokens the store reads from the tiers) and ``resolve_alias`` (the prefix leg's
+  dedup aliases);
 - **fleet**: ``add_published`` (runs other hosts published to the fleet directory, read by ``fleet_sync``);
 - **open**: ``start_rebuild`` (fed batches of the disk's chunk records by the disk tier's own recovery pass), so
   a restart keeps the content index: sequences are relinked through their parent keys (``relink``) and registered
@@ -31,6 +33,7 @@ import numpy.typing as npt
 from kvstore.content.aliases import AliasTable, AliasTarget
 from kvstore.content.catalog_rebuild import ContentRebuild, SequenceBatch
 from kvstore.content.index import ChunkContents, FingerprintIndex, Match, RegistrationResult
+from kvstore.content.partials import MIN_PARTIAL_TOKENS, Anchor, PartialMatch
 from kvstore.content.registration import RegistrationJob, RegistrationWorker
 from kvstore.content.strikes import StrikeBook, Verdict
 from kvstore.keys import PrefixKey, TokenArray
@@ -50,10 +53,13 @@ class ResidencyCheck:
     Args:
         is_resident: some tier holds the chunk.
         in_transit: a tier is moving the chunk to make room (a capacity miss, never a strike).
+        stored_tokens: the chunk's token ids, from its record in a local tier (``None``: not held there, or
+            unknown); partial matches compare against them. Default: none known (no partial matches).
     """
 
     is_resident: Callable[[PrefixKey], bool]
     in_transit: Callable[[PrefixKey], bool]
+    stored_tokens: Callable[[PrefixKey], TokenArray | None] = lambda _key: None
 
 
 class ContentCatalog:
@@ -181,6 +187,25 @@ class ContentCatalog:
         if gone:
             self.index.remove(gone)
             logger.debug("removed %d index entries after their second strike", len(gone))
+        return kept
+
+    def partial_matches(
+        self,
+        tokens: TokenArray,
+        anchors: Sequence[Anchor],
+        pin: Callable[[PrefixKey], _Pinned | None],
+        *,
+        min_tokens: int = MIN_PARTIAL_TOKENS,
+    ) -> list[tuple[PartialMatch, _Pinned]]:
+        """The stretches of stored chunks around ``anchors`` (what the lookup's legs planned, sorted) that the
+        prompt holds token for token (``FingerprintIndex.partial_matches``), each with what ``pin`` returned for its
+        chunk; one ``pin`` could not place is left out (its tokens were read from a tier a moment before: no strike).
+        """
+        kept: list[tuple[PartialMatch, _Pinned]] = []
+        for found in self.index.partial_matches(tokens, anchors, self._residency.stored_tokens, min_tokens=min_tokens):
+            pinned = pin(found.key)
+            if pinned is not None:
+                kept.append((found, pinned))
         return kept
 
     def resolve_alias(

@@ -9,10 +9,11 @@ Layout (entry id = row, ``int32``; ``-1`` means "none")::
     source_start     u32  token position in the stored sequence    4
     length           u16  tokens in the chunk; 0 = free row        2
     next             i32  entry of the sequence's next chunk       4
+    prev             i32  entry of the sequence's previous chunk   4
     fingerprint_link i32  next entry in the same fingerprint bucket 4
     key_link         i32  next entry in the same key bucket,       4
                           or the next free row when free           --
-                                                                  50
+                                                                  54
     fingerprint_heads i32[2**k]  first entry of each fingerprint bucket (load <= 2)
     key_heads         i32[2**j]  first entry of each key bucket (load <= 4)
     presence_bits     u64[2**(k-1)]  blocked Bloom filter, 32 bits per fingerprint bucket, 3 bits per entry
@@ -137,13 +138,14 @@ def find_contents(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True)
 def insert_chunks(  # type: ignore[no-untyped-def]
     fingerprints, verifications, lengths, key_low, key_high, source_starts, table_fingerprint, table_verification,
-    table_key_low, table_key_high, table_source_start, table_length, table_next, table_fingerprint_link,
+    table_key_low, table_key_high, table_source_start, table_length, table_next, table_prev, table_fingerprint_link,
     table_key_link, fingerprint_heads, fingerprint_shift, key_heads, key_shift, presence_bits, presence_shift,
     state, out_entries, out_is_new,
 ):
     """Add one sequence's chunks, reusing an entry with the same key or equal content (first writer wins).
 
-    Then links each chunk's entry to the next chunk's (keeping an existing entry's link, if it has one).
+    Then links each chunk's entry to the next chunk's, and back to the previous one's (keeping an existing entry's
+    link, if it has one).
 
     The caller has grown the table to hold every chunk as a new row.
     """
@@ -182,6 +184,7 @@ def insert_chunks(  # type: ignore[no-untyped-def]
         table_source_start[entry] = source_starts[chunk]
         table_length[entry] = lengths[chunk]
         table_next[entry] = -1
+        table_prev[entry] = -1
         link_entry(
             entry, table_fingerprint, table_key_low, table_fingerprint_link, table_key_link, fingerprint_heads,
             fingerprint_shift, key_heads, key_shift, presence_bits, presence_shift,
@@ -193,12 +196,15 @@ def insert_chunks(  # type: ignore[no-untyped-def]
         entry = out_entries[chunk]
         if out_is_new[chunk] or table_next[entry] < 0:
             table_next[entry] = out_entries[chunk + 1]
+        successor = out_entries[chunk + 1]
+        if out_is_new[chunk + 1] or table_prev[successor] < 0:
+            table_prev[successor] = entry
 
 
 @njit(cache=True, nogil=True)
 def insert_runs(  # type: ignore[no-untyped-def]
     run_offsets, fingerprints, verifications, lengths, key_low, key_high, source_starts, table_fingerprint,
-    table_verification, table_key_low, table_key_high, table_source_start, table_length, table_next,
+    table_verification, table_key_low, table_key_high, table_source_start, table_length, table_next, table_prev,
     table_fingerprint_link, table_key_link, fingerprint_heads, fingerprint_shift, key_heads, key_shift,
     presence_bits, presence_shift, state, out_entries, out_is_new,
 ):
@@ -212,9 +218,9 @@ def insert_runs(  # type: ignore[no-untyped-def]
         insert_chunks(
             fingerprints[begin:end], verifications[begin:end], lengths[begin:end], key_low[begin:end],
             key_high[begin:end], source_starts[begin:end], table_fingerprint, table_verification, table_key_low,
-            table_key_high, table_source_start, table_length, table_next, table_fingerprint_link, table_key_link,
-            fingerprint_heads, fingerprint_shift, key_heads, key_shift, presence_bits, presence_shift, state,
-            out_entries[begin:end], out_is_new[begin:end],
+            table_key_high, table_source_start, table_length, table_next, table_prev, table_fingerprint_link,
+            table_key_link, fingerprint_heads, fingerprint_shift, key_heads, key_shift, presence_bits, presence_shift,
+            state, out_entries[begin:end], out_is_new[begin:end],
         )
 
 
@@ -231,10 +237,10 @@ def span_fingerprints(tokens, starts, ends, fingerprint_mask, out):  # type: ign
 
 @njit(cache=True, nogil=True)
 def remove_keys(  # type: ignore[no-untyped-def]
-    key_low, key_high, table_fingerprint, table_key_low, table_key_high, table_length, table_next,
+    key_low, key_high, table_fingerprint, table_key_low, table_key_high, table_length, table_next, table_prev,
     table_fingerprint_link, table_key_link, fingerprint_heads, fingerprint_shift, key_heads, key_shift, state,
 ):
-    """Unchain and free the rows of these keys, then clear every ``next`` link that pointed at one.
+    """Unchain and free the rows of these keys, then clear every ``next`` and ``prev`` link that pointed at one.
 
     Returns:
         How many keys were indexed (and are now removed).
@@ -268,6 +274,7 @@ def remove_keys(  # type: ignore[no-untyped-def]
             table_fingerprint_link[previous] = table_fingerprint_link[entry]
         table_length[entry] = 0
         table_next[entry] = -1
+        table_prev[entry] = -1
         table_fingerprint_link[entry] = -1
         table_key_link[entry] = state[0]
         state[0] = entry
@@ -279,6 +286,9 @@ def remove_keys(  # type: ignore[no-untyped-def]
             successor = table_next[entry]
             if successor >= 0 and removed[successor]:
                 table_next[entry] = -1
+            predecessor = table_prev[entry]
+            if predecessor >= 0 and removed[predecessor]:
+                table_prev[entry] = -1
     return num_removed
 
 

@@ -2,9 +2,9 @@
 
 A stored sequence is registered chunk by chunk (chunked from position 0; the last chunk may be partial). Each
 chunk becomes one entry: its fingerprint (``kvstore.content.rolling_hash``), an independent xxh3_64 of its token
-bytes (the verification hash), its prefix key, its source start, its length and a link to the entry of the
-sequence's next chunk. ``match`` rolls the fingerprint over every window of the query inside numba, plans the
-leftmost-first matches, follows ``next`` links so a document is covered to its end (including its partial last
+bytes (the verification hash), its prefix key, its source start, its length and links to the entries of the
+sequence's next and previous chunks. ``match`` rolls the fingerprint over every window of the query inside numba,
+plans the leftmost-first matches, follows ``next`` links so a document is covered to its end (including its partial last
 chunk, which a fixed-size window never finds), then proves every planned chunk with the verification hash::
 
     query:  | system | doc A c0 | c1 | ... | c10 | A last | sep | doc B c0 | ... | question |
@@ -21,8 +21,12 @@ Invariants:
   first writer wins and later keys with that content are reported as aliases in ``RegistrationResult``, not
   indexed. A next link belongs to the first writer's sequence: an alias's own continuation is found by its
   windows, but its partial last chunk only if the first writer's sequence continues the same way.
-* Tokens are never kept: 50 bytes per entry row (rows grow by 1/16), plus fingerprint heads, key heads and presence bits
+* Tokens are never kept: 54 bytes per entry row (rows grow by 1/16), plus fingerprint heads, key heads and presence bits
   (bytes per chunk measured: docs/design-notes.md#content-index).
+
+Partial matches (``partial_matches``, ``kvstore.content.partials``): around the query's planned ranges, the stretch of
+a neighbouring stored chunk (``next``: a TAIL, ``prev``: a HEAD) the query holds token for token, compared against
+the chunk's tokens its caller reads where the chunk is stored (the index keeps none).
 
 Bulk registration: ``chunk_contents`` hashes many chunks wherever they lie and ``register_runs`` registers many
 sequences in one numba call, exactly as one ``register`` per sequence would (the content-index rebuild at open).
@@ -63,17 +67,30 @@ from kvstore.content.matches import (
     leftmost_without_overlap,
     match_at,
 )
+from kvstore.content.partials import (
+    MIN_PARTIAL_TOKENS,
+    Anchor,
+    Neighbour,
+    PartialMatch,
+    StoredTokens,
+    plan_partials,
+)
 from kvstore.content.rolling_hash import window_base_power
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.keys import KEY_BYTES, PrefixKey, TokenArray, as_token_array, chained_key, key_words
 
 __all__ = [
     "DEFAULT_FINGERPRINT_BITS",
+    "MIN_PARTIAL_TOKENS",
     "Alias",
+    "Anchor",
     "ChunkContents",
     "FingerprintIndex",
     "Match",
+    "Neighbour",
+    "PartialMatch",
     "RegistrationResult",
+    "StoredTokens",
     "hash_chunks",
 ]
 
@@ -111,6 +128,7 @@ class FingerprintIndex:
         self._source_start = np.zeros(initial_capacity, dtype=np.uint32)
         self._length = np.zeros(initial_capacity, dtype=np.uint16)
         self._next = np.full(initial_capacity, -1, dtype=np.int32)
+        self._prev = np.full(initial_capacity, -1, dtype=np.int32)
         self._fingerprint_link = np.full(initial_capacity, -1, dtype=np.int32)
         self._key_link = np.full(initial_capacity, -1, dtype=np.int32)
         self._resize_heads(fingerprint_log2=4, key_log2=4)
@@ -169,7 +187,7 @@ class FingerprintIndex:
             table.insert_chunks(
                 fingerprints, verifications, lengths, key_halves[:, 0].copy(), key_halves[:, 1].copy(),
                 source_starts, self._fingerprint, self._verification, self._key_low, self._key_high,
-                self._source_start, self._length, self._next, self._fingerprint_link, self._key_link,
+                self._source_start, self._length, self._next, self._prev, self._fingerprint_link, self._key_link,
                 self._fingerprint_heads, self._fingerprint_shift, self._key_heads, self._key_shift,
                 self._presence_bits, self._presence_shift, self._state, entries, is_new,
             )  # fmt: skip
@@ -238,7 +256,7 @@ class FingerprintIndex:
             table.insert_runs(
                 runs, contents.fingerprints, contents.verifications, contents.lengths, key_halves[:, 0].copy(),
                 key_halves[:, 1].copy(), starts.astype(np.uint32), self._fingerprint, self._verification,
-                self._key_low, self._key_high, self._source_start, self._length, self._next,
+                self._key_low, self._key_high, self._source_start, self._length, self._next, self._prev,
                 self._fingerprint_link, self._key_link, self._fingerprint_heads, self._fingerprint_shift,
                 self._key_heads, self._key_shift, self._presence_bits, self._presence_shift, self._state,
                 entries, is_new,
@@ -455,6 +473,62 @@ class FingerprintIndex:
             cursor = start
         return matches
 
+    def neighbours(self, keys: Sequence[PrefixKey]) -> list[tuple[Neighbour | None, Neighbour | None]]:
+        """Each key's stored predecessor and successor (the ``prev`` and ``next`` links of its entry: the chunks
+        around it in the first sequence registered with it), ``None`` where there is none or the key is not
+        indexed."""
+        found: list[tuple[Neighbour | None, Neighbour | None]] = []
+        with self._index_lock:
+            for key in keys:
+                if len(key) != KEY_BYTES:
+                    found.append((None, None))
+                    continue
+                low, high = np.frombuffer(key, dtype="<u8")
+                entry = self._find(low, high)
+                if entry < 0:
+                    found.append((None, None))
+                    continue
+                found.append((self._neighbour(int(self._prev[entry])), self._neighbour(int(self._next[entry]))))
+        return found
+
+    def _neighbour(self, entry: int) -> Neighbour | None:
+        if entry < 0:
+            return None
+        return Neighbour(self._key_of(entry), int(self._source_start[entry]), int(self._length[entry]))
+
+    def partial_matches(
+        self,
+        query: TokenArray,
+        anchors: Sequence[Anchor],
+        stored_tokens: StoredTokens,
+        *,
+        min_tokens: int = MIN_PARTIAL_TOKENS,
+    ) -> list[PartialMatch]:
+        """The stretches of stored chunks next to ``anchors`` that the query holds token for token
+        (``kvstore.content.partials``): each anchor's stored successor's common prefix with what follows it (a TAIL),
+        its stored predecessor's common suffix with what precedes it (a HEAD), never over an anchor or each other.
+
+        Args:
+            query: the prompt's token ids.
+            anchors: the query's planned ranges (matches and exact segments), sorted and disjoint; an anchor whose
+                key is not indexed has no neighbours.
+            stored_tokens: the tokens of a stored chunk (the index keeps none): the caller reads them where the chunk
+                is stored; ``None`` leaves the chunk out.
+            min_tokens: the shortest stretch returned (``MIN_PARTIAL_TOKENS``).
+
+        Returns:
+            The stretches, sorted by query start.
+        """
+        query = as_token_array(query)
+        if min_tokens < 1:
+            raise ConfigError(f"min_tokens={min_tokens} must be >= 1 (default {MIN_PARTIAL_TOKENS})")
+        if not anchors:
+            return []
+        # each neighbour look takes the lock on its own: it is not held while the caller reads tokens
+        return plan_partials(
+            query, anchors, lambda key: self.neighbours([key])[0], stored_tokens, min_tokens=min_tokens
+        )
+
     def remove(self, keys: Iterable[PrefixKey]) -> int:
         """Drop the entries of these keys and clear the ``next`` links that pointed at them.
 
@@ -474,8 +548,8 @@ class FingerprintIndex:
             num_removed = int(
                 table.remove_keys(
                     halves[:, 0].copy(), halves[:, 1].copy(), self._fingerprint, self._key_low, self._key_high,
-                    self._length, self._next, self._fingerprint_link, self._key_link, self._fingerprint_heads,
-                    self._fingerprint_shift, self._key_heads, self._key_shift, self._state,
+                    self._length, self._next, self._prev, self._fingerprint_link, self._key_link,
+                    self._fingerprint_heads, self._fingerprint_shift, self._key_heads, self._key_shift, self._state,
                 )
             )  # fmt: skip
             self._stale_presence += num_removed
@@ -518,7 +592,7 @@ class FingerprintIndex:
     def _arrays(self) -> list[npt.NDArray[np.generic]]:
         return [
             self._fingerprint, self._verification, self._key_low, self._key_high, self._source_start,
-            self._length, self._next, self._fingerprint_link, self._key_link,
+            self._length, self._next, self._prev, self._fingerprint_link, self._key_link,
             self._fingerprint_heads, self._key_heads, self._presence_bits,
         ]  # fmt: skip
 
@@ -535,7 +609,7 @@ class FingerprintIndex:
                 grown = np.zeros(new_capacity, dtype=old.dtype)
                 grown[:capacity] = old
                 setattr(self, name, grown)
-            for name in ("_next", "_fingerprint_link", "_key_link"):
+            for name in ("_next", "_prev", "_fingerprint_link", "_key_link"):
                 old = getattr(self, name)
                 grown = np.full(new_capacity, -1, dtype=np.int32)
                 grown[:capacity] = old

@@ -264,6 +264,7 @@ class RequestHandler:
             chunk_size=self._host.config.chunk_size,
             chunk_separator=self._host.config.chunk_separator,
             chunking=self._host.config.chunking,
+            partial_segments=True,
             tiers=self._host.tier_capacities(),
             features=self._features(),
             limits=self._identity.limits,
@@ -312,7 +313,9 @@ class RequestHandler:
         store = self._host.require()
         started_s = time.perf_counter()
         session = store_session_id(client_id, args.session_id) if args.session_id is not None else None
-        plan = store.lookup(args.tokens, session_id=session, blend=args.blend, repeat=args.repeat)
+        plan = store.lookup(
+            args.tokens, session_id=session, blend=args.blend, repeat=args.repeat, partial=args.partial
+        )
         if not args.pin:  # a look only: the pins go now, and the reply names no plan to retrieve or release
             store.release(plan)
             plan = dataclasses.replace(plan, plan_id=UNPINNED_PLAN_ID, prefetches=())

@@ -115,6 +115,15 @@ class LocalTiers:
     def in_transit(self, key: PrefixKey) -> bool:
         return any(isinstance(tier, ArenaTier) and tier.in_transit(key) for tier in self._tiers)
 
+    def record(self, key: PrefixKey) -> ChunkRecord | None:
+        """The chunk's record (its tokens, position, parent) from the fastest tier holding it (the disk reads its
+        meta value), ``None`` when none does."""
+        for tier in self._tiers:
+            record = tier.record(key)
+            if record is not None:
+                return record
+        return None
+
     def pin_fastest(self, key: PrefixKey) -> Tier | None:
         """Pin the chunk in the fastest tier holding it; returns that tier (``None``: no local tier holds it)."""
         return next((tier for tier in self._tiers if tier.pin(key)), None)

@@ -1,7 +1,9 @@
 """The two legs of a lookup: the prompt's prefix keys (exact segments), then its content anywhere (blend segments).
 
 ``TieredStore.lookup`` runs them in order and pins every chunk they plan through ``pin`` (the fastest local tier
-holding it, or the name of a shared tier that knows it, unpinned); a chunk ``pin`` cannot place is not planned.
+holding it, or the name of a shared tier that knows it, unpinned); a chunk ``pin`` cannot place is not planned. The
+match leg ends with the slices: next to every planned range, the stretch of a neighbouring stored chunk the prompt
+holds token for token (``kvstore.content.partials``).
 
 Pure functions over the catalog and the callback; thread-safe as they are.
 """
@@ -14,8 +16,9 @@ from collections.abc import Callable, Sequence
 from kvstore.chunking import Chunking
 from kvstore.content.catalog import ContentCatalog
 from kvstore.content.index import Match
+from kvstore.content.partials import Anchor, PartialMatch
 from kvstore.keys import PrefixKey, TokenArray, chained_key, separator_run_starts
-from kvstore.plan import Segment
+from kvstore.plan import Segment, gaps_between
 from kvstore.tiers.base import TierName
 
 __all__ = ["PinFastest", "match_leg", "prefix_leg"]
@@ -80,9 +83,10 @@ def match_leg(
     separator: Sequence[int],
     chunking: Chunking,
     on_gone: Callable[[Match, bool], None] | None = None,
+    partial: bool = True,
 ) -> list[Segment]:
-    """Add content matches that do not overlap the prefix leg's segments; returns all segments sorted (``on_gone``:
-    ``ContentCatalog.match``'s).
+    """Add content matches that do not overlap the prefix leg's segments, then (``partial``) the slices around every
+    segment; returns all segments sorted (``on_gone``: ``ContentCatalog.match``'s).
 
     How the prompt is probed follows the store's cut (``bounds``): fixed chunks by every window of ``chunk_size``
     tokens, and where a separator cuts the prompt into runs (or it is shorter than a chunk) by its own chunks' exact
@@ -131,7 +135,55 @@ def match_leg(
             )
         )
     segments.sort(key=lambda segment: segment.start)
+    if partial:
+        segments = _with_slices(tokens, segments, catalog, pin)
     return segments
+
+
+def _with_slices(
+    tokens: TokenArray, segments: list[Segment], catalog: ContentCatalog, pin: PinFastest
+) -> list[Segment]:
+    """``segments`` (sorted) and the slices of stored chunks around them, sorted.
+
+    A TAIL slice that continues an exact segment at its own positions is exact too: its chunk followed that
+    segment's chunk in a stored sequence, and a prefix key names every token before it, so its rows were computed
+    after the prompt's own tokens at the prompt's positions. Every other slice is blended.
+    """
+    if not segments or not gaps_between(tuple(segments), tokens.shape[0]):
+        return segments  # nothing planned to continue, or nothing left to find
+    anchors = [Anchor(segment.start, segment.num_tokens, segment.key) for segment in segments]
+    found = catalog.partial_matches(tokens, anchors, pin)
+    if not found:
+        return segments
+    ending_at = {segment.end: segment for segment in segments}
+    for partial, tier in found:  # by query start: a TAIL after a TAIL sees whether the first was exact
+        segment = _slice_segment(partial, tier, ending_at.get(partial.query_start))
+        segments.append(segment)
+        ending_at[segment.end] = segment
+    segments.sort(key=lambda segment: segment.start)
+    return segments
+
+
+def _slice_segment(partial: PartialMatch, tier: TierName, before: Segment | None) -> Segment:
+    """The segment of a partial match; ``before``: the segment ending where it starts (its anchor, for a TAIL)."""
+    exact = (
+        partial.follows
+        and before is not None
+        and before.exact
+        and before.key == partial.anchor_key
+        and partial.source_start == partial.query_start
+    )
+    whole = partial.num_tokens == partial.chunk_tokens  # the chunk matched to its end after all
+    return Segment(
+        start=partial.query_start,
+        num_tokens=partial.num_tokens,
+        key=partial.key,
+        source_start=partial.source_start,
+        exact=exact,
+        tier=tier,
+        offset=partial.offset,
+        chunk_tokens=0 if whole else partial.chunk_tokens,
+    )
 
 
 def _separator_cuts(tokens: TokenArray, separator: Sequence[int], chunk_size: int) -> bool:

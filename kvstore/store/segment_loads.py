@@ -3,8 +3,9 @@
 A retrieve first settles every segment: a memory tier's pinned view is queued for a copy, a disk or shared chunk is
 decoded into the caller's buffer now (unless ``memory_only``), and a chunk that cannot be served becomes a miss with
 its reason (``MissReason``). Only then do the queued copies run (``retrieve_copies.copy_from_memory``): they cannot
-fail, so the segments are final before any of them starts. Without segmented prefix a failed exact segment cuts the
-prefix, and every exact segment after it is dropped as ``behind_gap``.
+fail, so the segments are final before any of them starts. A slice (``Segment.is_slice``) copies only its rows of the
+chunk: from a memory tier's view, or from the chunk decoded whole beside the caller's buffer. Without segmented
+prefix a failed exact segment cuts the prefix, and every exact segment after it is dropped as ``behind_gap``.
 
 Threads: any number of retrieves; ``SegmentLoader`` holds no state of its own (``DiskReads`` guards its scratch
 buffer, each tier its own).
@@ -54,19 +55,23 @@ class SegmentLoads:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Placement:
     """Where one segment's KV goes: ``target`` in ``out``, or ``place`` (a chunk decoded whole beside ``out``)
-    whose tail (from ``held``) is then copied to ``target``; ``part`` slices each source."""
+    whose ``rows`` are then copied to ``target``; ``part`` slices each source.
+
+    ``rows``: the chunk's rows the target takes, ``[offset + held, offset + num_tokens)``: a slice's rows, less the
+    leading tokens the caller already holds (``held``)."""
 
     target: torch.Tensor
     place: torch.Tensor
-    held: int
+    rows: slice
     part: KVPart | None
 
     def sliced(self, chunk: torch.Tensor) -> torch.Tensor:
-        return chunk if self.part is None else self.part.of(chunk)
+        """The rows and part of a whole chunk the target takes."""
+        return (chunk if self.part is None else self.part.of(chunk))[:, :, self.rows]
 
     def tail(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The copy a chunk decoded whole beside ``out`` still needs (none when it was decoded in place)."""
-        return [(self.sliced(self.place)[:, :, self.held :], self.target)] if self.place is not self.target else []
+        return [(self.sliced(self.place), self.target)] if self.place is not self.target else []
 
 
 class SegmentLoader:
@@ -124,15 +129,17 @@ class SegmentLoader:
                 continue
             held = max(0, start - segment.start)  # the segment's leading tokens the caller already holds
             target = out[:, :, segment.start + held - start : segment.end - start]
+            rows = slice(segment.offset + held, segment.offset + segment.num_tokens)
             tier = landing if segment.key in landed else self._tiers.named(segment.tier)
             if isinstance(tier, ArenaTier):
-                placement = _Placement(target=target, place=target, held=held, part=part)
+                placement = _Placement(target=target, place=target, rows=rows, part=part)
                 reason = self._from_memory(tier, segment, placement, loads)
             elif memory_only:  # left to the caller to compute, as a failed load is
                 reason = MissReason.DISK_SLOWER
             else:
-                place = target if held == 0 and part is None else self._whole_chunk(segment, out)
-                placement = _Placement(target=target, place=place, held=held, part=part)
+                in_place = held == 0 and part is None and not segment.is_slice
+                place = target if in_place else self._whole_chunk(segment, out)
+                placement = _Placement(target=target, place=place, rows=rows, part=part)
                 reason = self._from_storage(segment, placement, shared_reads, loads)
             if reason is not None:
                 prefix_cut = segment.exact and not self._segmented_prefix
@@ -145,13 +152,13 @@ class SegmentLoader:
         """Queue the copy of a pinned memory chunk; ``CHECKSUM`` when it holds another length than planned."""
         view = tier.view(segment.key)
         # a copy must never broadcast one token's KV over a longer segment
-        if view.shape[2] == segment.num_tokens:
-            loads.copies.append((placement.sliced(view)[:, :, placement.held :], placement.target))
+        if view.shape[2] == segment.stored_tokens:
+            loads.copies.append((placement.sliced(view), placement.target))
             loads.loaded.append(segment)
             return None
         logger.warning("retrieve: chunk %s holds %d tokens, its plan says %d (a directory or index entry "
                        "of another length); tokens %d-%d become a gap", segment.key.hex(), view.shape[2],
-                       segment.num_tokens, segment.start, segment.end)  # fmt: skip
+                       segment.stored_tokens, segment.start, segment.end)  # fmt: skip
         self._fleet.count_inconsistent(segment)  # a shared chunk a prefetch landed
         return MissReason.CHECKSUM
 
@@ -170,7 +177,7 @@ class SegmentLoader:
                 return None
             reason = record
         elif self._disk_reads is not None and self._disk_reads.load_into(
-            segment.key, segment.num_tokens, placement.place
+            segment.key, segment.stored_tokens, placement.place
         ):
             loads.loaded.append(segment)
             loads.copies += placement.tail()
@@ -182,5 +189,5 @@ class SegmentLoader:
         return reason
 
     def _whole_chunk(self, segment: Segment, out: torch.Tensor) -> torch.Tensor:
-        """Room to decode a chunk whole beside ``out``, when only its tail belongs there."""
-        return torch.empty(self._layout.chunk_shape(segment.num_tokens), dtype=out.dtype, device=out.device)
+        """Room to decode a chunk whole beside ``out``, when only some of its rows belong there."""
+        return torch.empty(self._layout.chunk_shape(segment.stored_tokens), dtype=out.dtype, device=out.device)

@@ -18,7 +18,8 @@ Data flows one way: engine -> ``TieredStore`` -> tiers (and -> the content catal
   as ``remote`` segments without asking Valkey.
 - **lookup** builds a plan (``kvstore.plan``): the prefix leg walks the prompt's prefix keys (exact segments; a
   missing chunk cuts the prefix, or becomes a gap with segmented prefix; a dedup alias gives a blend segment);
-  the match leg finds stored chunks anywhere else in the prompt by content (blend segments). Every planned chunk
+  the match leg finds stored chunks anywhere else in the prompt by content (blend segments), then the slices next to
+  what both found (the rows of a neighbouring stored chunk the prompt holds token for token). Every planned chunk
   is pinned in the fastest tier holding it; disk-only chunks are prefetched into the cpu tier in the background.
 - **retrieve** waits for the plan's prefetches, copies each segment's KV to its place in the caller's buffer (or
   a new tensor), drops the plan's pins and promotes cpu hits into the gpu tier; remote segments no prefetch landed
@@ -160,7 +161,9 @@ class TieredStore:
     def _open_content(self) -> None:
         if not self.config.enable_blend:
             return
-        check = ResidencyCheck(is_resident=self._is_resident, in_transit=self._in_transit)
+        check = ResidencyCheck(
+            is_resident=self._is_resident, in_transit=self._in_transit, stored_tokens=self._stored_tokens
+        )
         self._catalog = ContentCatalog(
             self.config.chunk_size, check, dedup_content=self.config.enable_dedup_content
         )
@@ -250,6 +253,7 @@ class TieredStore:
         session_id: str | None = None,
         blend: bool | None = None,
         repeat: bool = False,
+        partial: bool = True,
     ) -> LookupPlan:
         """Plan a prompt: which ranges have cached KV (exact or to blend), where it is, what must be computed.
 
@@ -263,6 +267,10 @@ class TieredStore:
             repeat: the caller looked this prompt up before for the same request (an engine's scheduler probes,
                 then its worker plans again): planned as usual, but not counted again in the hit and miss counts
                 (``stats().lookups``, each tier's hits), which count requests.
+            partial: with blending, plan slices too (``Segment.is_slice``): next to what the legs found, the
+                longest stretch of a neighbouring stored chunk the prompt holds token for token (a document's head
+                or tail that was stored in other surroundings; ``kvstore.content.partials``). ``False`` for a caller
+                that cannot read slices (a client from before them).
 
         Raises:
             ConfigError: ``blend=True`` on a store opened without ``enable_blend``.
@@ -293,7 +301,7 @@ class TieredStore:
             segments = match_leg(
                 token_array, keys, bounds, segments, catalog, pin,
                 namespace=self._namespace, separator=self.config.chunk_separator,
-                chunking=self.config.chunking, on_gone=on_gone,
+                chunking=self.config.chunking, on_gone=on_gone, partial=partial,
             )  # fmt: skip
         plan_id = self._ledger.open_plan(session_id, pins)
         misses = lookup_misses(
@@ -333,6 +341,10 @@ class TieredStore:
 
     def _in_transit(self, key: PrefixKey) -> bool:
         return self._tiers.in_transit(key)
+
+    def _stored_tokens(self, key: PrefixKey) -> TokenArray | None:
+        record = self._tiers.record(key)
+        return None if record is None else record.tokens
 
     # -- retrieve / release -------------------------------------------------------------------------------------
 

@@ -297,13 +297,15 @@ class StoreArgs:
 class LookupArgs:
     """Plan a prompt; ``session_id`` scopes the plan's pins, ``blend`` overrides the server's default; ``pin=False``
     asks for a look only (the plan holds no pins: nothing to retrieve or release, one round trip); ``repeat``: the
-    request's prompt was looked up before (``TieredStore.lookup``), so it is not counted again."""
+    request's prompt was looked up before (``TieredStore.lookup``), so it is not counted again; ``partial``: the client
+    reads slices (``Segment.is_slice``), so the plan may hold them (sent only to a server whose hello offers them)."""
 
     tokens: TokenArray
     session_id: str | None
     blend: bool | None
     pin: bool = True
     repeat: bool = False
+    partial: bool = False
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> LookupArgs:
@@ -313,6 +315,7 @@ class LookupArgs:
             blend=fields.bool_("blend", optional=True),
             pin=fields.bool_("pin", optional=True) is not False,
             repeat=fields.bool_("repeat", optional=True) is True,
+            partial=fields.bool_("partial", optional=True) is True,
         )
         fields.finish()
         return parsed
@@ -327,6 +330,8 @@ class LookupArgs:
             wire["pin"] = False
         if self.repeat:
             wire["repeat"] = True
+        if self.partial:
+            wire["partial"] = True
         return wire
 
 

@@ -20,6 +20,8 @@ Version 2 sent plan segments as packed rows in one ``bin`` (version 1: an array 
 server's data dir ``data_dir`` in ``info`` (version 2: ``disk_path``), one spelling with every command's. Fields
 added within a version are optional and sent only when set (retrieve's ``memory_only``, store's ``start``): an
 older server still takes every request that does not use them, and refuses one that does as an unknown field.
+A lookup's ``partial`` (the plan may hold slices of stored chunks) is sent only to a server whose hello says
+``partial_segments``.
 
 Bulk KV (``messages.BulkRef``) travels by reference through a shared-memory segment the client attached (same
 host: no copy beyond the tier's own), inline as the second frame (remote clients), or as a CUDA IPC handle.

@@ -9,6 +9,14 @@ client decodes them back into the same classes, so code written against ``Tiered
 
     exact: 0 or 1; tier: 0 gpu, 1 cpu, 2 disk; offsets in bytes
 
+A slice (``Segment.is_slice``: rows ``[offset, offset + num_tokens)`` of its stored chunk) adds a row to a second
+``bin``, ``<name>_slices``, sent only when the plan holds one; a segment without one is its whole chunk::
+
+    | segment index u32 | offset u32 | chunk_tokens u32 |
+
+A server plans slices only for a client that asks (lookup's ``partial``), and a client asks only a server whose hello
+says it has them (``partial_segments``): neither side ever meets the rows it cannot read.
+
 Why rows in one ``bin`` and not an array per segment: a 15k-token prompt has 60 segments, and packing or unpacking
 60 six-item msgpack arrays and checking their 360 values one by one cost a lookup several times what rows cost, on
 the two sides together (target: lookup p50 <= 1 ms; measured: docs/design-notes.md#wire-values); ``struct`` packs and
@@ -51,12 +59,14 @@ __all__ = [
     "ServerHello",
     "ServerInfo",
     "TierCapacity",
+    "add_segments",
     "decode_segments",
     "decode_stats",
     "decode_store_result",
     "encode_plan",
     "encode_retrieve_result",
     "encode_segments",
+    "encode_slices",
     "encode_stats",
     "encode_store_result",
     "plan_from_wire",
@@ -66,6 +76,7 @@ _MAX_SEGMENTS = 1 << 22
 _MAX_POSITION = 2**40
 _MAX_COUNT = 2**63 - 1
 _SEGMENT_ROW = struct.Struct(f"<QIQBB{KEY_BYTES}s")  # start, num_tokens, source_start, exact, tier, key
+_SLICE_ROW = struct.Struct("<III")  # segment index, offset, chunk_tokens
 # The row's tier byte indexes this: never reorder.
 _TIER_BY_CODE = (TierName.GPU, TierName.CPU, TierName.DISK, TierName.REMOTE)
 _CODE_OF_TIER = {tier: code for code, tier in enumerate(_TIER_BY_CODE)}
@@ -74,7 +85,8 @@ _MISS_ROW = struct.Struct("<QQB")  # start, end, reason
 _REASON_BY_CODE = tuple(MissReason)
 _CODE_OF_REASON = {reason: code for code, reason in enumerate(_REASON_BY_CODE)}
 _SEGMENT_SLOT_SETTERS = tuple(
-    getattr(Segment, name).__set__ for name in ("start", "num_tokens", "key", "source_start", "exact", "tier")
+    getattr(Segment, name).__set__
+    for name in ("start", "num_tokens", "key", "source_start", "exact", "tier", "offset", "chunk_tokens")
 )  # in the order decode_segments unpacks them
 
 
@@ -89,6 +101,23 @@ def encode_segments(segments: tuple[Segment, ...]) -> bytes:
     )
 
 
+def encode_slices(segments: tuple[Segment, ...]) -> bytes:
+    """The slice rows of ``segments`` (module docstring): empty when none is a slice."""
+    pack = _SLICE_ROW.pack
+    return b"".join(
+        [pack(index, s.offset, s.chunk_tokens) for index, s in enumerate(segments) if s.chunk_tokens]
+    )
+
+
+def add_segments(wire: dict[str, object], name: str, segments: tuple[Segment, ...]) -> dict[str, object]:
+    """``wire`` with ``segments`` under ``name``, and their slices under ``<name>_slices`` when there are any."""
+    wire[name] = encode_segments(segments)
+    slices = encode_slices(segments)
+    if slices:  # only then: a client that did not ask for slices reads every reply it did before them
+        wire[f"{name}_slices"] = slices
+    return wire
+
+
 def decode_segments(fields: Fields, name: str, num_query_tokens: int) -> tuple[Segment, ...]:
     """Read the segment rows, checking each row's values and that the segments are sorted and within the prompt.
 
@@ -99,8 +128,11 @@ def decode_segments(fields: Fields, name: str, num_query_tokens: int) -> tuple[S
     ``Segment`` and not set here fails its comparison).
     """
     raw = fields.bytes_(name, max_length=_MAX_SEGMENTS * _SEGMENT_ROW.size, multiple_of=_SEGMENT_ROW.size)
+    slices = _decode_slices(fields, f"{name}_slices", len(raw) // _SEGMENT_ROW.size)
     new_segment = object.__new__
-    set_start, set_num_tokens, set_key, set_source_start, set_exact, set_tier = _SEGMENT_SLOT_SETTERS
+    set_start, set_num_tokens, set_key, set_source_start, set_exact, set_tier, set_offset, set_chunk_tokens = (
+        _SEGMENT_SLOT_SETTERS
+    )
     segments: list[Segment] = []
     cursor = 0
     num_tiers = len(_TIER_BY_CODE)
@@ -115,6 +147,12 @@ def decode_segments(fields: Fields, name: str, num_query_tokens: int) -> tuple[S
         ):
             row = (start, num_tokens, source_start, exact, tier, key.hex())
             raise RequestError(ErrorCode.MALFORMED, f"{name}[{index}] = {row!r} is not a valid segment")
+        offset, chunk_tokens = slices.get(index, (0, 0))
+        if chunk_tokens and offset + num_tokens > chunk_tokens:
+            raise RequestError(
+                ErrorCode.MALFORMED,
+                f"{name}[{index}]: a slice of rows {offset}-{offset + num_tokens} of a {chunk_tokens}-token chunk",
+            )
         segment = new_segment(Segment)
         set_start(segment, start)
         set_num_tokens(segment, num_tokens)
@@ -122,9 +160,29 @@ def decode_segments(fields: Fields, name: str, num_query_tokens: int) -> tuple[S
         set_source_start(segment, source_start)
         set_exact(segment, exact == 1)
         set_tier(segment, _TIER_BY_CODE[tier])
+        set_offset(segment, offset)
+        set_chunk_tokens(segment, chunk_tokens)
         segments.append(segment)
         cursor = start + num_tokens
     return tuple(segments)
+
+
+def _decode_slices(fields: Fields, name: str, num_segments: int) -> dict[int, tuple[int, int]]:
+    """The slice rows (absent: none, or a server from before slices) by segment index, checked to rise and to name
+    segments that exist."""
+    if not fields.has(name):
+        return {}
+    raw = fields.bytes_(name, max_length=_MAX_SEGMENTS * _SLICE_ROW.size, multiple_of=_SLICE_ROW.size)
+    slices: dict[int, tuple[int, int]] = {}
+    previous = -1
+    for row, (index, offset, chunk_tokens) in enumerate(_SLICE_ROW.iter_unpack(raw)):
+        if not (previous < index < num_segments and chunk_tokens > 0):
+            raise RequestError(
+                ErrorCode.MALFORMED, f"{name}[{row}] = {(index, offset, chunk_tokens)!r} is not a valid slice"
+            )
+        slices[index] = (offset, chunk_tokens)
+        previous = index
+    return slices
 
 
 def encode_misses(misses: tuple[Miss, ...]) -> bytes:
@@ -151,13 +209,14 @@ def decode_misses(fields: Fields, name: str, num_query_tokens: int) -> tuple[Mis
 
 def encode_plan(plan: LookupPlan, session_id: str | None) -> dict[str, object]:
     """A plan as the client sees it: ``session_id`` is the client's own name for the session."""
-    return {
+    wire: dict[str, object] = {
         "plan_id": plan.plan_id,
         "session_id": session_id,
         "num_query_tokens": plan.num_query_tokens,
-        "segments": encode_segments(plan.segments),
-        "misses": encode_misses(plan.misses),
     }
+    add_segments(wire, "segments", plan.segments)
+    wire["misses"] = encode_misses(plan.misses)
+    return wire
 
 
 def plan_from_wire(fields: Fields) -> LookupPlan:
@@ -196,12 +255,11 @@ class RetrievedSegments:
 
 
 def encode_retrieve_result(result: RetrieveResult) -> dict[str, object]:
-    return {
-        "segments": encode_segments(result.segments),
-        "num_query_tokens": result.num_query_tokens,
-        "end": result.segments[-1].end if result.segments else 0,
-        "misses": encode_misses(result.misses),
-    }
+    wire = add_segments({}, "segments", result.segments)
+    wire["num_query_tokens"] = result.num_query_tokens
+    wire["end"] = result.segments[-1].end if result.segments else 0
+    wire["misses"] = encode_misses(result.misses)
+    return wire
 
 
 # -- store results and stats ------------------------------------------------------------------------------------
@@ -380,6 +438,7 @@ class ServerHello:
     host_id: str
     chunk_separator: tuple[int, ...] = ()
     chunking: Chunking = Chunking.FIXED
+    partial_segments: bool = False  # plans slices for a lookup that asks (``LookupArgs.partial``)
 
     def to_wire(self) -> dict[str, object]:
         return {
@@ -389,6 +448,7 @@ class ServerHello:
             "chunk_size": self.chunk_size,
             "chunk_separator": list(self.chunk_separator),
             "chunking": self.chunking.value,
+            "partial_segments": self.partial_segments,
             "tiers": _tiers_to_wire(self.tiers),
             "features": self.features.to_wire(),
             "limits": _encode_record(self.limits),
@@ -408,6 +468,7 @@ class ServerHello:
             host_id=fields.str_("host_id", 256, allow_empty=True) or "",
             chunk_separator=_chunk_separator_from_wire(fields),
             chunking=_chunking_from_wire(fields),
+            partial_segments=fields.bool_("partial_segments", optional=True) is True,  # absent: a server before them
         )
         fields.finish()
         return hello

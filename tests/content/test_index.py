@@ -212,6 +212,9 @@ def test_remove_unlinks_predecessors() -> None:
     index.register(document, keys, 16)
     assert index.remove([keys[2]]) == 1
     assert [m.key for m in index.match(document, 16)] == keys[:2]
+    assert index.neighbours([keys[1]])[0][1] is None, "no next link to a removed chunk"
+    assert index.remove([keys[0]]) == 1
+    assert index.neighbours([keys[1]]) == [(None, None)], "nor a prev link"
 
 
 def test_memory_per_chunk_at_200k_chunks() -> None:
@@ -358,6 +361,8 @@ def test_register_runs_is_one_register_per_run(
     assert bulk.match(query, chunk_size) == one_by_one.match(query, chunk_size)
     for document in documents:
         assert bulk.find_contents(document, chunk_size) == one_by_one.find_contents(document, chunk_size)
+    every_key = [key for document_keys in keys for key in document_keys]
+    assert bulk.neighbours(every_key) == one_by_one.neighbours(every_key), "prev and next links alike"
 
 
 def test_chunk_contents_hash_each_span_like_register() -> None:

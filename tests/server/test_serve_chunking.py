@@ -13,6 +13,7 @@ from kvstore import Client, StoreConfig, TieredStore
 from kvstore.chunking import Chunking, ContentCutShape
 from kvstore.cli.serve import startup_lines
 from kvstore.config import GIB
+from kvstore.content.partials import MIN_PARTIAL_TOKENS
 from kvstore.content_cut import content_cuts
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.keys import as_token_array
@@ -65,16 +66,24 @@ def test_a_data_dir_keeps_its_rule(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_server_cutting_by_content_says_so_and_finds_a_moved_document(tmp_path: Path) -> None:
     """The hello names the rule (what a connector checks a running server against); a document stored through the
-    server alone is found after other tokens, its chunks cut by the server as the store cuts them."""
-    document = make_tokens(10 * CHUNK_SIZE + 3, seed=61)
+    server alone is found after other tokens, its chunks cut by the server as the store cuts them. One stored behind
+    a template and before a question is found to its ends in other surroundings: its head and tail travel as slices
+    of the stored chunks (rows and chunk lengths beside the segment rows), each token its stored row; a client that
+    does not read slices (one from before them) is sent none."""
+    chunk_size = 64  # slices of at least MIN_PARTIAL_TOKENS fit in a chunk
+    document = make_tokens(10 * chunk_size + 3, seed=61)
     kv = make_kv(SERVER_LAYOUT, len(document), seed=61)
-    shape = ContentCutShape.for_chunk_size(CHUNK_SIZE)
+    shape = ContentCutShape.for_chunk_size(chunk_size)
     synced = next(cut for cut in content_cuts(as_token_array(document), shape).tolist() if cut >= shape.sync_tokens)
+    template, question = make_tokens(19, seed=63), make_tokens(40, seed=64)
+    surrounded = np.concatenate([template, make_tokens(6 * chunk_size, seed=65), question])
+    surrounded_kv = make_kv(SERVER_LAYOUT, len(surrounded), seed=66)
     with (
-        running_server(tmp_path / "d", "--chunking", "content", "--enable-blend") as server,
+        running_server(tmp_path / "d", "--chunking", "content", "--enable-blend", "--chunk-size", str(chunk_size))
+        as server,
         Client(server.url, SERVER_LAYOUT) as client,
     ):
-        assert client.server.chunking is Chunking.CONTENT
+        assert client.server.chunking is Chunking.CONTENT and client.server.partial_segments
         client.store(document, kv)
         query = np.concatenate([make_tokens(11, seed=62), document])
         result = client.retrieve(client.lookup(query))
@@ -83,3 +92,21 @@ def test_a_server_cutting_by_content_says_so_and_finds_a_moved_document(tmp_path
             source = kv[:, :, segment.source_start : segment.source_start + segment.num_tokens]
             assert segment.start - segment.source_start == 11
             assert torch.equal(result.kv[:, :, segment.start : segment.end], source)
+
+        client.store(surrounded, surrounded_kv)
+        client.flush()
+        moved = surrounded[len(template) : -len(question)]
+        query = np.concatenate([make_tokens(30, seed=67), moved, make_tokens(25, seed=68)])
+        plan = client.lookup(query)
+        assert any(segment.is_slice for segment in plan.segments)
+        served = np.zeros(len(query), dtype=bool)
+        result = client.retrieve(plan)
+        assert result.segments == plan.segments
+        for segment in result.segments:
+            source = surrounded_kv[:, :, segment.source_start : segment.source_start + segment.num_tokens]
+            assert torch.equal(result.kv[:, :, segment.start : segment.end], source)
+            served[segment.start : segment.end] = True
+        assert served[30 + MIN_PARTIAL_TOKENS : 30 + len(moved) - MIN_PARTIAL_TOKENS].all()
+        older = client.lookup(query, partial=False)
+        assert not any(segment.is_slice for segment in older.segments)
+        client.release(older)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvstore import KVLayout, TieredStore
 from kvstore.chunking import Chunking, ContentCutShape
 from kvstore.config import StoreConfig
+from kvstore.content.partials import MIN_PARTIAL_TOKENS
 from kvstore.content_cut import content_cuts
 from kvstore.errors import LayoutMismatchError
 from kvstore.keys import as_token_array, chunk_bounds
@@ -89,12 +90,14 @@ def test_a_document_stored_alone_is_found_after_any_tokens(
 
 def test_documents_after_a_system_prompt_are_found_in_any_order_without_a_separator(tmp_path: Path) -> None:
     """The multi-doc QA layout with no separator configured: documents cached each behind the system prompt, then
-    asked together in another order. Fixed chunks find a moved document's full chunks by their windows, but lose its
-    head (its first chunk held the system prompt) and its tail; content chunks find every token from its first synced
-    cut to its last cut (the chunk holding its end holds other tokens too, in both prompts)."""
+    asked together in another order. Without slices, fixed chunks find a moved document's full chunks by their
+    windows, but lose its head (its first chunk held the system prompt) and its tail; content chunks find every
+    token from its first synced cut to its last cut (the chunk holding its end holds other tokens too, in both
+    prompts). With slices, both cuts serve the head and the tail too, from the stored chunks around those found,
+    but for stretches shorter than ``MIN_PARTIAL_TOKENS``."""
     system, question = make_tokens(13, seed=10), make_tokens(6, seed=30)
     documents = [make_tokens(length, seed=20 + length) for length in (5 * CHUNK + 7, 4 * CHUNK, 6 * CHUNK + 3)]
-    reused: dict[Chunking, int] = {}
+    reused: dict[tuple[Chunking, bool], int] = {}
     for chunking in Chunking:
         with TieredStore(LAYOUT, config(tmp_path / chunking.value, chunking=chunking)) as store:
             for number, document in enumerate(documents):
@@ -102,20 +105,24 @@ def test_documents_after_a_system_prompt_are_found_in_any_order_without_a_separa
                 store.store(prompt, make_kv(LAYOUT, len(prompt), seed=50 + number))
             order = [2, 0, 1]
             query = np.concatenate([system, *(documents[number] for number in order), question])
-            plan = store.lookup(query)
-            covered = covered_mask(plan, len(query))
-            reused[chunking] = int(covered[len(system) + len(documents[2]) : len(query) - len(question)].sum())
-            if chunking is Chunking.CONTENT:
-                position = len(system)
-                for number in order:
-                    document = documents[number]
-                    last_cut = chunk_bounds(as_token_array(document), CHUNK, (), chunking)[-2]
-                    assert covered[position + first_synced_cut(document) : position + last_cut].all()
-                    position += len(documents[number])
-            store.release(plan)
+            for partial in (False, True):
+                plan = store.lookup(query, partial=partial)
+                covered = covered_mask(plan, len(query))
+                moved_span = covered[len(system) + len(documents[2]) : len(query) - len(question)]
+                reused[chunking, partial] = int(moved_span.sum())
+                if chunking is Chunking.CONTENT:
+                    position = len(system)
+                    for number in order:
+                        document = documents[number]
+                        last_cut = chunk_bounds(as_token_array(document), CHUNK, (), chunking)[-2]
+                        assert covered[position + first_synced_cut(document) : position + last_cut].all()
+                        position += len(documents[number])
+                store.release(plan)
     moved = len(documents[0]) + len(documents[1])
-    assert reused[Chunking.FIXED] < reused[Chunking.CONTENT], reused
-    assert reused[Chunking.CONTENT] >= moved - 2 * (SHAPE.sync_tokens + 2 * CHUNK), reused
+    assert reused[Chunking.FIXED, False] < reused[Chunking.CONTENT, False], reused
+    assert reused[Chunking.CONTENT, False] >= moved - 2 * (SHAPE.sync_tokens + 2 * CHUNK), reused
+    for chunking in Chunking:  # at most a short stretch at each end of each moved document is computed
+        assert reused[chunking, True] >= max(reused[chunking, False], moved - 4 * (MIN_PARTIAL_TOKENS - 1)), reused
 
 
 def test_an_exact_prefix_hit_stays_exact(tmp_path: Path) -> None:

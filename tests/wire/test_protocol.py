@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 
 import msgpack
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.chunking import Chunking
 from kvstore.keys import PrefixKey, as_token_array
 from kvstore.layout import KVLayout
-from kvstore.plan import ChunkOutcome, ChunkResult, LookupPlan, Segment, StoreResult
+from kvstore.plan import ChunkOutcome, ChunkResult, LookupPlan, RetrieveResult, Segment, StoreResult
 from kvstore.tiers.base import TierName
 from kvstore.wire.error_codes import ErrorCode, RequestError, exception_for
 from kvstore.wire.fields import Fields
@@ -40,11 +42,13 @@ from kvstore.wire.protocol import (
     encode_request,
 )
 from kvstore.wire.values import (
+    RetrievedSegments,
     ServerFeatures,
     ServerHello,
     TierCapacity,
     decode_store_result,
     encode_plan,
+    encode_retrieve_result,
     encode_segments,
     encode_store_result,
     plan_from_wire,
@@ -228,15 +232,59 @@ def test_plans_and_store_results_round_trip() -> None:
     assert caught.value.code is ErrorCode.MALFORMED and "segments[1]" in caught.value.message
 
 
+def test_slices_travel_beside_the_rows_only_when_a_plan_has_one() -> None:
+    """A slice's offset and chunk length go in a second ``bin`` that a plan without slices does not send (a client
+    that never asked for slices reads every reply as before); a slice row naming no segment, out of order, or more
+    rows than its chunk holds is malformed."""
+    key = PrefixKey(bytes(range(16)))
+    whole = Segment(start=0, num_tokens=4, key=key, source_start=0, exact=True, tier=TierName.CPU)
+    sliced = Segment(start=6, num_tokens=5, key=key, source_start=23, exact=False, tier=TierName.DISK, offset=3,
+                     chunk_tokens=9)  # fmt: skip
+    plan = LookupPlan(plan_id=9, session_id=None, num_query_tokens=12, segments=(whole, sliced))
+    wire = msgpack.unpackb(msgpack.packb(encode_plan(plan, None)))
+    decoded = plan_from_wire(Fields(dict(wire), "plan")).segments
+    assert decoded == (whole, sliced) and decoded[1].is_slice and not decoded[0].is_slice
+    assert decoded[1].stored_tokens == 9 and decoded[0].stored_tokens == 4
+    assert "segments_slices" not in encode_plan(dataclasses.replace(plan, segments=(whole,)), None)
+    result = RetrieveResult(segments=(whole, sliced), num_query_tokens=12, kv=torch.empty(0))
+    assert RetrievedSegments.from_wire(Fields(encode_retrieve_result(result), "retrieve")).segments == (whole, sliced)
+    for rows in ([(2, 0, 9)], [(1, 0, 9), (1, 0, 9)], [(1, 0, 0)], [(1, 5, 9)]):
+        corrupt = wire | {"segments_slices": b"".join(struct.pack("<III", *row) for row in rows)}
+        with pytest.raises(RequestError) as caught:
+            plan_from_wire(Fields(corrupt, "plan"))
+        assert caught.value.code is ErrorCode.MALFORMED and "segments" in caught.value.message
+
+
+def test_a_lookup_asks_for_slices_only_when_it_reads_them() -> None:
+    tokens = as_token_array([1, 2, 3])
+    assert "partial" not in LookupArgs(tokens=tokens, session_id=None, blend=None).to_wire(), "an older server"
+    asking = LookupArgs(tokens=tokens, session_id=None, blend=None, partial=True).to_wire()
+    assert LookupArgs.parse(Fields(asking, "args"), LIMITS).partial
+    assert not LookupArgs.parse(Fields(LookupArgs(tokens=tokens, session_id=None, blend=None).to_wire(), "a"),
+                                LIMITS).partial  # fmt: skip
+
+
+def _sliced(segment: Segment, offset: int, rest: int | None) -> Segment:
+    """``segment`` as rows ``[offset, offset + num_tokens)`` of a chunk ``rest`` rows longer (``None``: whole)."""
+    if rest is None:
+        return segment
+    return dataclasses.replace(segment, offset=offset, chunk_tokens=offset + segment.num_tokens + rest)
+
+
 _segment_lists = st.lists(
     st.builds(
-        Segment,
-        start=st.integers(0, 2**36),
-        num_tokens=st.integers(1, 2**31),
-        key=st.binary(min_size=16, max_size=16).map(PrefixKey),
-        source_start=st.integers(0, 2**40),
-        exact=st.booleans(),
-        tier=st.sampled_from(TierName),
+        _sliced,
+        st.builds(
+            Segment,
+            start=st.integers(0, 2**36),
+            num_tokens=st.integers(1, 2**31),
+            key=st.binary(min_size=16, max_size=16).map(PrefixKey),
+            source_start=st.integers(0, 2**40),
+            exact=st.booleans(),
+            tier=st.sampled_from(TierName),
+        ),
+        st.integers(0, 2**20),
+        st.none() | st.integers(0, 2**20),
     ),
     max_size=8,
 ).map(lambda drawn: tuple(sorted(drawn, key=lambda segment: segment.start)))
@@ -295,6 +343,10 @@ def test_hello_round_trips(small_layout: KVLayout) -> None:
     assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(content.to_wire())), "hello")) == content
     older = {name: value for name, value in hello.to_wire().items() if name != "chunking"}
     assert ServerHello.from_wire(Fields(older, "hello")).chunking is Chunking.FIXED, "a server from before the rule"
+    slicing = dataclasses.replace(hello, partial_segments=True)
+    assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(slicing.to_wire())), "hello")) == slicing
+    older = {name: value for name, value in slicing.to_wire().items() if name != "partial_segments"}
+    assert not ServerHello.from_wire(Fields(older, "hello")).partial_segments, "a server from before slices"
     with pytest.raises(RequestError, match="not one of fixed, content"):
         ServerHello.from_wire(Fields({**hello.to_wire(), "chunking": "rolling"}, "hello"))
 

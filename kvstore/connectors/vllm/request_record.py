@@ -77,6 +77,14 @@ class Probe:
     makeup: SpanMakeup | None = None
     gate: GateDecision | None = None
 
+    @property
+    def held_tokens(self) -> int:
+        """Where the prompt's own chunks that the store holds end: the exact prefix, less an exact slice at its end
+        (rows of a stored chunk that goes on otherwise than the prompt: the prompt's own chunk there is not
+        stored, so a save must write it)."""
+        last = next((s for s in self.segments if s.exact and s.end == self.prefix_tokens), None)
+        return last.start if last is not None and last.is_slice else self.prefix_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class HeldPin:
@@ -112,6 +120,11 @@ class RequestRecord:
     def store_prefix_tokens(self) -> int:
         """The store's exact prefix at its last admission (0: none)."""
         return self.admitted.prefix_tokens if self.admitted is not None else 0
+
+    @property
+    def store_held_tokens(self) -> int:
+        """Where the prompt's own chunks the store held at its last admission end (``Probe.held_tokens``; 0: none)."""
+        return self.admitted.held_tokens if self.admitted is not None else 0
 
     @property
     def planned_load_tokens(self) -> int:

@@ -501,11 +501,12 @@ class SchedulerSide:
 
     def _save_start(self, record: RequestRecord) -> int:
         """Where the prompt's next save starts: the block holding the end of the store's hit (the store writes the
-        chunks that begin at or after it; its cut need not fall on blocks), or, after an earlier step's save, the
+        chunks that begin at or after it; its cut need not fall on blocks; a hit ending in a slice of a stored chunk
+        counts from the slice's start, where the prompt's own chunk begins), or, after an earlier step's save, the
         block holding the start of the prompt's chunk that save ended in (partial there, it is stored whole now).
         The store's cut (size, separator, rule) comes from its hello; not knowing it, the whole earlier save
         again."""
-        store_start = record.store_prefix_tokens - record.store_prefix_tokens % self._block_size
+        store_start = record.store_held_tokens - record.store_held_tokens % self._block_size
         if record.saved_end is None:
             return store_start
         if self._cut is None:

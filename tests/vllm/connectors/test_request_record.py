@@ -9,8 +9,10 @@ from kvstore.blend.vllm.hook import BlendOutcome
 from kvstore.connectors.vllm.metadata import BlendSpec, LoadSpec
 from kvstore.connectors.vllm.request_misses import MissAccount
 from kvstore.connectors.vllm.request_record import HeldPin, Probe, RequestPhase, RequestRecord
+from kvstore.keys import PrefixKey
 from kvstore.misses import MissReason
-from kvstore.plan import LookupPlan
+from kvstore.plan import LookupPlan, Segment
+from kvstore.tiers.base import TierName
 
 PROMPT = tuple(range(100))
 
@@ -82,3 +84,17 @@ def test_admission_does_not_move_a_request_that_is_past_it(phase: RequestPhase) 
     record = RequestRecord(prompt=PROMPT, phase=phase)
     record.admit()
     assert record.phase is phase
+
+
+def test_a_hit_ending_in_an_exact_slice_is_saved_from_the_slice_start() -> None:
+    """A prefix hit that ends in rows of a stored chunk going on otherwise (an exact slice): the prompt's own chunk
+    there is not in the store, so its save starts where the slice does."""
+    key = PrefixKey(b"k" * 16)
+    whole = Segment(start=0, num_tokens=32, key=key, source_start=0, exact=True, tier=TierName.CPU)
+    sliced = Segment(start=32, num_tokens=20, key=key, source_start=32, exact=True, tier=TierName.CPU,
+                     chunk_tokens=40)  # fmt: skip
+    record = RequestRecord(prompt=PROMPT, admitted=Probe(prefix_tokens=52, first_disk_token=None,
+                                                         segments=(whole, sliced)))  # fmt: skip
+    assert (record.store_prefix_tokens, record.store_held_tokens) == (52, 32)
+    plain = Probe(prefix_tokens=32, first_disk_token=None, segments=(whole,))
+    assert plain.held_tokens == 32 and RequestRecord(prompt=PROMPT).store_held_tokens == 0
