@@ -2,9 +2,11 @@
 + kvstore blending), the real ``openai`` client, the real connector and embedded store.
 
 One run (about three server starts) with an impossible ``--expected-ttft-gain``: it must print every row and then
-exit 1 naming the gain; the rows' structure and sanity are checked on its output. Documents of 150 tokens and
+exit 1 naming the gain; the rows' structure and sanity are checked on its output. Prose documents of 150 tokens and
 128-token chunks (vLLM's CPU block): a warm-up prompt holds one whole chunk, so a repeat of it is an exact hit the
-store serves.
+store serves. Prose, not the guide's synthetic documents (``"<i> hi hi ..."``): those repeat one another past their
+first token, so the blending deployment finds the first one's rows in every later warm-up prompt (slices of its
+chunks) and blends them instead of computing them, and a blended prompt is not stored.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def serve_run(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     work_dir = tmp_path_factory.mktemp("bench-serve")
     command = [
         str(Path(sys.executable).parent / "kvstore"), "bench", "vllm", "--serve", "--json",
-        "--model", str(vllm_model_dir), "--work-dir", str(work_dir),
+        "--model", str(vllm_model_dir), "--work-dir", str(work_dir), "--corpus", "prose",
         "--documents", "3", "--document-tokens", "150", "--docs-per-query", "3", "--queries", "2",
         "--chunk-size", "128", "--max-inflight", "2", "--mixed-requests", "3", "--mixed-max-tokens", "4",
         "--expected-ttft-gain", "1000",
