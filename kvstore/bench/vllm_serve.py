@@ -30,7 +30,8 @@ deployments pass the separator string in it, so the store cuts chunks where docu
 ``connector_separator`` off, they run without (the row says which).
 
 With ``interleaved`` each kvstore deployment runs beside a ``vllm`` server of its own, both up at once, and every
-request goes to both, one after the other (which first alternates), with a pause between sends: machine drift then
+request goes to both, one after the other (which first alternates), with a pause between sends; the pair runs twice,
+its servers started in both orders (the one started first ran slower here, whichever it was): machine drift then
 cancels in each pair, and a row's ``ttft_paired_ratio`` (this deployment's TTFT over vLLM's, geometric mean of the
 pairs, with a bootstrap 95% interval: ``paired_ratio``) resolves a few percent, e.g. what a miss costs. The vLLM
 server beside ``kvstore_blend`` runs without its prefix cache too, so that the pair differs by the connector alone
@@ -208,36 +209,90 @@ def _interleaved_rows(
     work_dir: Path,
     progress: Callable[[str], None],
 ) -> list[ServeRow]:
-    """Each kvstore deployment beside a vLLM server of its own, every request sent to both: the pair's rows."""
+    """Each kvstore deployment beside a vLLM server of its own, every request sent to both: the pair's rows.
+
+    The pair runs twice on fresh servers, started in both orders, and its rows pool both runs (each round's prompts
+    twice): on the dev VM the server started first of a pair answered 13-15% slower, whichever deployment it was
+    (docs/benchmarks.md), an order effect that a single run would charge to one side.
+    """
     rows: list[ServeRow] = []
     for deployment in (name for name in options.deployments if name != "vllm"):
         names = ("vllm", deployment)
-        beside = work_dir / f"beside-{deployment}"
-        # vLLM alone as the deployment runs it, its own prefix cache included: the pair differs by the connector only
-        prefix_caching = _prefix_caching(deployment)
-        specs = {name: _server_spec(options, name, separator, beside, prefix_caching=prefix_caching) for name in names}
-        progress(f"vllm and {deployment}: starting both servers")
-        measured: dict[str, dict[str, _Measured]] = {name: {} for name in names}
-        stored: set[int] = set()
-        with OpenAIServer(specs["vllm"][0]) as reference, OpenAIServer(specs[deployment][0]) as server:
-            servers = {"vllm": reference, deployment: server}
-            for name, prompts in _rounds(workload).items():
-                progress(f"vllm and {deployment}: {name} round ({len(prompts)} requests to each, interleaved)")
-                for served, round_ in _measure_interleaved(servers, options, prompts, name).items():
-                    measured[served][name] = round_
-                transfer = specs[deployment][1]
-                if name == "warm_up" and transfer is not None:
-                    stored = _wait_stored(options, transfer, workload.warm_up)
+        runs = [
+            _run_pair(options, workload, separator, work_dir / f"beside-{deployment}-{order}", started, progress)
+            for order, started in enumerate((names, names[::-1]))
+        ]
+        measured = {name: _pooled([run.measured[name] for run in runs]) for name in names}
+        stored = set.intersection(*(run.stored for run in runs))
+        twice = dataclasses.replace(
+            workload, **{name: getattr(workload, name) * len(runs) for name in ("warm_up", "queries", "mixed")}
+        )
+        stops = {name: max((run.stop_s[name] or 0.0 for run in runs), default=0.0) for name in names}
         cold = {name: round_.result for name, round_ in measured["vllm"].items()}
-        pair = _rows(options, "vllm", workload, measured["vllm"], {}, [], set(), reference.stop_seconds, False)
+        pair = _rows(options, "vllm", twice, measured["vllm"], {}, [], set(), stops["vllm"], False)
         pair += _rows(
-            options, deployment, workload, measured[deployment], cold, pair, stored, server.stop_seconds,
-            bool(separator),
-        )  # fmt: skip
+            options, deployment, twice, measured[deployment], cold, pair, stored, stops[deployment], bool(separator)
+        )
         rows += [
             dataclasses.replace(row, paired_with=deployment if row.deployment == "vllm" else "vllm") for row in pair
         ]
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class _PairRun:
+    """One run of an interleaved pair: each server's rounds, the warm-up prompts stored, each server's exit time."""
+
+    measured: Mapping[str, Mapping[str, _Measured]]
+    stored: set[int]
+    stop_s: Mapping[str, float | None]
+
+
+def _run_pair(
+    options: ServeBenchOptions,
+    workload: ServeWorkload,
+    separator: Mapping[str, object],
+    work_dir: Path,
+    started: Sequence[str],
+    progress: Callable[[str], None],
+) -> _PairRun:
+    """Start the two deployments' servers in ``started``'s order, send every round to both, interleaved; stop them.
+    vLLM alone runs as its neighbour does with its own prefix cache: the pair differs by the connector only."""
+    deployment = next(name for name in started if name != "vllm")
+    prefix_caching = _prefix_caching(deployment)
+    specs = {name: _server_spec(options, name, separator, work_dir, prefix_caching=prefix_caching) for name in started}
+    progress(f"{' and '.join(started)}: starting both servers, in that order")
+    measured: dict[str, dict[str, _Measured]] = {name: {} for name in started}
+    stored: set[int] = set()
+    with OpenAIServer(specs[started[0]][0]) as first, OpenAIServer(specs[started[1]][0]) as second:
+        servers = {started[0]: first, started[1]: second}
+        for name, prompts in _rounds(workload).items():
+            progress(f"{' and '.join(started)}: {name} round ({len(prompts)} requests to each, interleaved)")
+            for served, round_ in _measure_interleaved(servers, options, prompts, name).items():
+                measured[served][name] = round_
+            transfer = specs[deployment][1]
+            if name == "warm_up" and transfer is not None:
+                stored = _wait_stored(options, transfer, workload.warm_up)
+    return _PairRun(measured=measured, stored=stored, stop_s={name: servers[name].stop_seconds for name in started})
+
+
+def _pooled(runs: Sequence[Mapping[str, _Measured]]) -> dict[str, _Measured]:
+    """Each round's requests of every run, in run order, as one round."""
+    return {
+        name: _Measured(
+            result=RoundResult(
+                outcomes=tuple(outcome for run in runs for outcome in run[name].result.outcomes),
+                total_s=sum(run[name].result.total_s for run in runs),
+            ),
+            sources={
+                source: sum(run[name].sources.get(source, 0.0) for run in runs)
+                for source in {source for run in runs for source in run[name].sources}
+            },
+            blends=sum(run[name].blends for run in runs),
+            blend_recomputed_tokens=sum(run[name].blend_recomputed_tokens for run in runs),
+        )
+        for name in runs[0]
+    }
 
 
 def _rounds(workload: ServeWorkload) -> dict[str, Sequence[ServePrompt]]:

@@ -104,3 +104,23 @@ def test_the_vllm_server_beside_a_deployment_caches_prefixes_as_that_deployment_
         assert reference.enable_prefix_caching == served.enable_prefix_caching == (deployment == "kvstore")
         assert transfer is None and served_transfer is not None
     assert _server_spec(options, "vllm", {}, tmp_path)[0].enable_prefix_caching, "alone, vLLM keeps its own cache"
+
+
+def test_an_interleaved_pairs_two_runs_pool_into_one_round_of_every_request() -> None:
+    """The pair runs in both start orders; each round's row reads the requests of both runs, in run order, with the
+    servers' counters and the rounds' wall times summed."""
+    from kvstore.bench.vllm_serve import _Measured, _pooled
+    from kvstore.bench.vllm_serve_client import RequestOutcome, RoundResult
+
+    def run(ttfts: list[float], hits: float, blends: int) -> dict[str, _Measured]:
+        outcomes = tuple(RequestOutcome(index=i, prompt_tokens=100, ttft_s=ttft) for i, ttft in enumerate(ttfts))
+        result = RoundResult(outcomes=outcomes, total_s=sum(ttfts))
+        measured = _Measured(result=result, sources={"external_kv_transfer": hits}, blends=blends,
+                             blend_recomputed_tokens=10 * blends)  # fmt: skip
+        return {"warm_up": measured}
+
+    pooled = _pooled([run([1.0, 2.0], 0.0, 0), run([3.0, 4.0], 256.0, 2)])["warm_up"]
+    assert [outcome.ttft_s for outcome in pooled.result.outcomes] == [1.0, 2.0, 3.0, 4.0]
+    assert pooled.result.total_s == 10.0
+    assert pooled.sources == {"external_kv_transfer": 256.0}
+    assert (pooled.blends, pooled.blend_recomputed_tokens) == (2, 20)
