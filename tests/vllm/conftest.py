@@ -237,8 +237,9 @@ def run_engine_driver(
     runs: Linux's autogroup scheduler gives each session a CPU group of its own, and a server alone in its group
     next to an engine whose ranks busy-poll both cores (TP=2 or PP=2 while a request waits for an asynchronous
     load) got no CPU for a minute: the load timed out (30 s, then 30 s more for its release) with the server's
-    threads runnable and never run, in each of six runs of tests/vllm/connectors/test_sliding_window.py (docs/vllm.md
-    says the same of the embedded server and of a server users start themselves).
+    threads runnable and never run, in each of six runs of the sliding-window engines (now
+    tests/vllm/connectors/test_parallel_shapes.py; docs/vllm.md says the same of the embedded server and of a server
+    users start themselves).
 
     Args:
         spec: the engine and its prompts.

@@ -96,9 +96,11 @@ def engine_spec(
     commands_before: Mapping[str, Sequence[Sequence[str]]] | None = None,
     extra_config: Mapping[str, object] | None = None,
     transfer_params: Mapping[str, Mapping[str, Any]] | None = None,
+    **engine: Any,
 ) -> EngineSpec:
     """An engine of the given shape with kvstore's connector on the server at ``url`` (vLLM's prefix cache off),
-    ``extra_config`` added to the connector's settings."""
+    ``extra_config`` added to the connector's settings and ``engine`` to the spec's other fields (e.g.
+    ``max_num_batched_tokens``)."""
     parallel = tensor_parallel_size * pipeline_parallel_size > 1
     return EngineSpec(
         model_dir=model_dir,
@@ -116,6 +118,7 @@ def engine_spec(
         wait_until_stored_s=SAVE_WAIT_S,
         commands_before=commands_before or {},
         transfer_params=transfer_params or {},
+        **engine,
     )
 
 

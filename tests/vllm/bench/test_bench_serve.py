@@ -1,12 +1,16 @@
-"""``kvstore bench vllm --serve`` run small, end to end: three real vLLM OpenAI servers (vLLM alone, + kvstore,
+"""``kvstore bench vllm --serve`` run small, end to end, as most users send prompts: text through
+``/v1/chat/completions`` (a system message, then the documents joined by blank lines and the question in one user
+message), nothing configured on the connector (no separator). Three real vLLM OpenAI servers (vLLM alone, + kvstore,
 + kvstore blending), the real ``openai`` client, the real connector and embedded store.
 
 One run (about three server starts) with an impossible ``--expected-ttft-gain``: it must print every row and then
-exit 1 naming the gain; the rows' structure and sanity are checked on its output. Prose documents of 150 tokens and
-128-token chunks (vLLM's CPU block): a warm-up prompt holds one whole chunk, so a repeat of it is an exact hit the
-store serves. Prose, not the guide's synthetic documents (``"<i> hi hi ..."``): those repeat one another past their
-first token, so the blending deployment finds the first one's rows in every later warm-up prompt (slices of its
-chunks) and blends them instead of computing them, and a blended prompt is not stored.
+exit 1 naming the gain; the rows' structure and sanity are checked on its output. Prose documents of 300 tokens and
+128-token chunks (vLLM's CPU block): a repeat of a warm-up prompt is an exact hit the store serves. The chat template
+tokenizes each prompt whole, so a document's first tokens after a blank line are other ids than after the system
+turn; a document is still found in a query by a stored chunk wholly inside it, and the rest of it by slices of that
+chunk's stored neighbours (a document shorter than two chunks holds no such chunk: at 150 tokens none was found). Prose, not the guide's synthetic documents (``"<i> hi hi ..."``): those repeat one another past their
+first token, so the blending deployment finds the first one's rows in every later warm-up prompt and blends them
+instead of computing them, and a blended prompt is not stored.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def serve_run(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     command = [
         str(Path(sys.executable).parent / "kvstore"), "bench", "vllm", "--serve", "--json",
         "--model", str(vllm_model_dir), "--work-dir", str(work_dir), "--corpus", "prose",
-        "--documents", "3", "--document-tokens", "150", "--docs-per-query", "3", "--queries", "2",
+        "--documents", "3", "--document-tokens", "300", "--docs-per-query", "3", "--queries", "2",
+        "--chat", "--no-connector-separator",
         "--chunk-size", "128", "--max-inflight", "2", "--mixed-requests", "3", "--mixed-max-tokens", "4",
         "--expected-ttft-gain", "1000",
     ]  # fmt: skip
@@ -86,9 +91,11 @@ def test_the_store_serves_what_the_warm_up_cached(rows: list[dict[str, Any]]) ->
     assert blend_mixed["connector_tokens"] >= 128, "the mixed round's exact repeat is loaded from the store"
     assert blend_mixed["outputs_compared"] == 1 and blend_mixed["output_mismatches"] == 0
     query = by_name[("kvstore_blend", "query")]
-    assert query["chunk_separator"], "the bench hands its separator to the connector (kvstore.chunk_separator)"
-    # Every document is found at its new position, so each query's pass spans up to its last whole block (3 x 150
-    # document tokens after a short system prompt: blocks [0, 384)), and the gate runs it (the warm-up taught it
-    # vLLM's prefill rate). Without the separator only the first document's tokens after the system prompt match.
+    assert query["chat"] and not query["chunk_separator"], "text through chat completions, no separator configured"
+    # The chat template tokenizes each prompt whole, so a document's first ids after a blank line are not those after
+    # the system turn it was cached behind; every document is still found (slices of its stored chunks where the
+    # chunk grid and the neighbours differ) and every query blended. vLLM alone reuses only its own prefix hits.
+    prompt_tokens = query["prompt_tokens_mean"] * query["requests"]
     assert query["blends"] == 2, query
-    assert query["connector_tokens"] == 2 * 384, query
+    assert query["tokens_reused"] >= 0.5 * prompt_tokens, query
+    assert query["tokens_reused"] > by_name[("vllm", "query")]["tokens_reused"], query
