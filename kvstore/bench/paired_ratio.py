@@ -6,6 +6,11 @@ prompt sent to both one after the other, the drift cancels in each pair: the rat
 is the geometric mean of the pairs' ratios (a ratio of 1.1 and one of 1/1.1 average to 1), and its 95% interval a
 percentile bootstrap of that mean (seeded: the same samples give the same interval), so a 2% difference can be told
 from noise once there are enough pairs.
+
+Pairs measured under a few fixed conditions, in numbers the design fixes (an interleaved pair run once with each
+server started first: the order shifts every ratio of its run one way), are *strata*: the bootstrap resamples each
+stratum within itself, so a difference between strata, which the design balances out of the mean, stays out of the
+interval too.
 """
 
 from __future__ import annotations
@@ -33,18 +38,29 @@ class PairedRatio:
     pairs: int
 
 
-def paired_ratio(reference: Sequence[float], measured: Sequence[float], *, seed: int = 0) -> PairedRatio:
+def paired_ratio(
+    reference: Sequence[float], measured: Sequence[float], *, strata: Sequence[int] | None = None, seed: int = 0
+) -> PairedRatio:
     """The geometric-mean ratio ``measured[i] / reference[i]`` with its bootstrap 95% interval.
+
+    Args:
+        strata: each pair's stratum (``None``: one); the bootstrap resamples within each.
 
     Raises:
         InvalidInputError: the sequences differ in length, are empty, or hold a time that is not positive.
     """
-    if len(reference) != len(measured) or not reference:
+    if len(reference) != len(measured) or not reference or (strata is not None and len(strata) != len(reference)):
         raise InvalidInputError(f"{len(reference)} reference and {len(measured)} measured times: give equal, non-zero")
     if min(*reference, *measured) <= 0:
         raise InvalidInputError("every paired time must be positive")
     logs = [math.log(after / before) for before, after in zip(reference, measured, strict=True)]
+    groups: dict[int, list[float]] = {}
+    for stratum, log in zip(strata or [0] * len(logs), logs, strict=True):
+        groups.setdefault(stratum, []).append(log)
     rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(BOOTSTRAP_SAMPLES))
+    means = sorted(
+        sum(math.fsum(rng.choices(group, k=len(group))) for group in groups.values()) / len(logs)
+        for _ in range(BOOTSTRAP_SAMPLES)
+    )
     low, high = means[int(0.025 * BOOTSTRAP_SAMPLES)], means[int(0.975 * BOOTSTRAP_SAMPLES) - 1]
     return PairedRatio(ratio=math.exp(statistics.fmean(logs)), low=math.exp(low), high=math.exp(high), pairs=len(logs))

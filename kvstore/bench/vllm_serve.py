@@ -33,9 +33,10 @@ With ``interleaved`` each kvstore deployment runs beside a ``vllm`` server of it
 request goes to both, one after the other (which first alternates), with a pause between sends; the pair runs twice,
 its servers started in both orders (the one started first ran slower here, whichever it was): machine drift then
 cancels in each pair, and a row's ``ttft_paired_ratio`` (this deployment's TTFT over vLLM's, geometric mean of the
-pairs, with a bootstrap 95% interval: ``paired_ratio``) resolves a few percent, e.g. what a miss costs. The vLLM
-server beside ``kvstore_blend`` runs without its prefix cache too, so that the pair differs by the connector alone
-(its block hashing is part of what vLLM alone's misses cost otherwise).
+pairs, with a bootstrap 95% interval resampling each start order's pairs within themselves: ``paired_ratio``)
+resolves a few percent, e.g. what a miss costs. The vLLM server beside ``kvstore_blend`` runs without its prefix
+cache too, so that the pair differs by the connector alone (its block hashing is part of what vLLM alone's misses
+cost otherwise).
 
 With ``chat`` the prompts are text through ``/v1/chat/completions`` (``vllm_serve_workload.ChatForm``): a system
 message, then the documents joined by blank lines and the question in one user message, as a RAG client sends them.
@@ -145,6 +146,8 @@ class _Measured:
     sources: Mapping[str, float]
     blends: int
     blend_recomputed_tokens: int
+    strata: tuple[int, ...] = ()
+    """Each request's run, where runs were pooled (``_pooled``); empty: one run."""
 
 
 def chunk_separator_setting(separator: str) -> dict[str, object]:
@@ -290,6 +293,7 @@ def _pooled(runs: Sequence[Mapping[str, _Measured]]) -> dict[str, _Measured]:
             },
             blends=sum(run[name].blends for run in runs),
             blend_recomputed_tokens=sum(run[name].blend_recomputed_tokens for run in runs),
+            strata=tuple(index for index, run in enumerate(runs) for _ in run[name].result.outcomes),
         )
         for name in runs[0]
     }
@@ -455,9 +459,10 @@ def _rows(
         cold = reference.get(name)
         compared = mismatched = agreed = 0
         ratios: list[float] = []
-        pairs: list[tuple[float, float]] = []  # (vLLM's TTFT, this deployment's) of the same prompt
+        pairs: list[tuple[float, float, int]] = []  # (vLLM's TTFT, this deployment's, the run) of the same prompt
+        strata = round_.strata or (0,) * len(outcomes)
         if cold is not None and deployment != "vllm":
-            for prompt, outcome, base in zip(prompts[name], outcomes, cold.outcomes, strict=True):
+            for prompt, outcome, base, stratum in zip(prompts[name], outcomes, cold.outcomes, strata, strict=True):
                 if outcome.error is not None or base.error is not None:
                     continue
                 same = outcome.token_ids == base.token_ids
@@ -468,11 +473,14 @@ def _rows(
                     mismatched += not same
                 if base.ttft_s:
                     ratios.append((outcome.ttft_s or 0.0) / base.ttft_s)
-                    pairs += [(base.ttft_s, outcome.ttft_s)] if outcome.ttft_s else []
+                    pairs += [(base.ttft_s, outcome.ttft_s, stratum)] if outcome.ttft_s else []
         vllm_row = next((row for row in earlier if row.deployment == "vllm" and row.round == name), None)
         mean = statistics.fmean(ttft) or 1e-9  # a round of failed requests: no division by zero
         warm_up_row = rows[0] if rows and rows[0].round == "warm_up" else None
-        paired = paired_ratio(*zip(*pairs, strict=True)) if options.interleaved and pairs else None
+        paired = None
+        if options.interleaved and pairs:
+            reference_s, measured_s, runs = zip(*pairs, strict=True)
+            paired = paired_ratio(reference_s, measured_s, strata=runs)
         rows.append(
             ServeRow(
                 deployment=deployment,

@@ -108,7 +108,7 @@ def test_the_vllm_server_beside_a_deployment_caches_prefixes_as_that_deployment_
 
 def test_an_interleaved_pairs_two_runs_pool_into_one_round_of_every_request() -> None:
     """The pair runs in both start orders; each round's row reads the requests of both runs, in run order, with the
-    servers' counters and the rounds' wall times summed."""
+    servers' counters and the rounds' wall times summed, and each request's run."""
     from kvstore.bench.vllm_serve import _Measured, _pooled
     from kvstore.bench.vllm_serve_client import RequestOutcome, RoundResult
 
@@ -124,3 +124,4 @@ def test_an_interleaved_pairs_two_runs_pool_into_one_round_of_every_request() ->
     assert pooled.result.total_s == 10.0
     assert pooled.sources == {"external_kv_transfer": 256.0}
     assert (pooled.blends, pooled.blend_recomputed_tokens) == (2, 20)
+    assert pooled.strata == (0, 0, 1, 1), "each request's run: the paired ratio's bootstrap resamples within each"

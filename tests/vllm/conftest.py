@@ -245,8 +245,9 @@ def run_engine_driver(
         spec: the engine and its prompts.
         timeout_s: the whole run's limit, engine start included.
         measure_coverage: let a coverage run follow the driver into the engine's processes, where the connector
-            runs (the driver itself is not traced: tests/vllm/untraced_parent.py); an engine without the connector
-            has nothing to measure.
+            runs, from their first import of a measured package (the driver itself is not traced, nor vLLM's and
+            torch's imports: tests/vllm/untraced_parent.py); an engine without the connector has nothing to
+            measure.
 
     Returns:
         One result per prompt, in prompt order.
