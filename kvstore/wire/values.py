@@ -295,8 +295,9 @@ def _encode_record(value: object) -> dict[str, object]:
     return out
 
 
-def _decode_record(cls: type[typing.Any], fields: Fields) -> typing.Any:
-    """The inverse of ``_encode_record`` for dataclasses whose fields are ints, enums or nested dataclasses."""
+def _decode_record(cls: type[typing.Any], fields: Fields, *, newer_fields: bool = False) -> typing.Any:
+    """The inverse of ``_encode_record`` for dataclasses whose fields are ints, enums or nested dataclasses.
+    ``newer_fields``: ignore fields ``cls`` does not have (what a newer server describes itself with)."""
     hints = typing.get_type_hints(cls)
     values: dict[str, object] = {}
     for field in dataclasses.fields(cls):
@@ -311,7 +312,8 @@ def _decode_record(cls: type[typing.Any], fields: Fields) -> typing.Any:
             values[field.name] = fields.required_bool(field.name)
         else:
             values[field.name] = fields.required_int(field.name, 0, _MAX_COUNT)
-    fields.finish()
+    if not newer_fields:
+        fields.finish()
     return cls(**values)
 
 
@@ -386,9 +388,8 @@ class ServerFeatures:
 
     @classmethod
     def from_wire(cls, fields: Fields) -> ServerFeatures:
-        values = {field.name: fields.required_bool(field.name) for field in dataclasses.fields(cls)}
-        fields.finish()
-        return cls(**values)
+        """A newer server's features this client predates are ignored (it uses none of them)."""
+        return cls(**{field.name: fields.required_bool(field.name) for field in dataclasses.fields(cls)})
 
 
 def _tiers_to_wire(tiers: tuple[TierCapacity, ...]) -> list[dict[str, object]]:
@@ -464,13 +465,14 @@ class ServerHello:
             chunk_size=fields.required_int("chunk_size", 1, 2**31),
             tiers=_tiers_from_wire(fields, "tiers"),
             features=ServerFeatures.from_wire(fields.map_("features")),
-            limits=_decode_record(Limits, fields.map_("limits")),
+            limits=_decode_record(Limits, fields.map_("limits"), newer_fields=True),
             host_id=fields.str_("host_id", 256, allow_empty=True) or "",
             chunk_separator=_chunk_separator_from_wire(fields),
             chunking=_chunking_from_wire(fields),
             partial_segments=fields.bool_("partial_segments", optional=True) is True,  # absent: a server before them
         )
-        fields.finish()
+        # No fields.finish(): a server newer than this client may describe more of itself (a capability it offers,
+        # which the client then never asks for), and refusing it would stop every older client at a rolling upgrade.
         return hello
 
 

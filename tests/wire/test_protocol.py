@@ -347,6 +347,10 @@ def test_hello_round_trips(small_layout: KVLayout) -> None:
     assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(slicing.to_wire())), "hello")) == slicing
     older = {name: value for name, value in slicing.to_wire().items() if name != "partial_segments"}
     assert not ServerHello.from_wire(Fields(older, "hello")).partial_segments, "a server from before slices"
+    wire = hello.to_wire()
+    newer = wire | {"a_later_field": [1], "features": wire["features"] | {"later": True},  # type: ignore[operator]
+                    "limits": wire["limits"] | {"later_limit": 3}}  # type: ignore[operator]  # fmt: skip
+    assert ServerHello.from_wire(Fields(newer, "hello")) == hello, "a newer server's hello: what it adds is ignored"
     with pytest.raises(RequestError, match="not one of fixed, content"):
         ServerHello.from_wire(Fields({**hello.to_wire(), "chunking": "rolling"}, "hello"))
 
