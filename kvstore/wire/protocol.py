@@ -21,13 +21,15 @@ server's data dir ``data_dir`` in ``info`` (version 2: ``disk_path``), one spell
 added within a version are optional and sent only when set (retrieve's ``memory_only``, store's ``start``): an
 older server still takes every request that does not use them, and refuses one that does as an unknown field.
 A lookup's ``partial`` (the plan may hold slices of stored chunks) is sent only to a server whose hello says
-``partial_segments``.
+``partial_segments``. The other way round a client reads a newer server's hello whole and ignores what it adds
+(fields, features, limits: capabilities it never asks for), so older clients keep working through a rolling upgrade.
 
 Bulk KV (``messages.BulkRef``) travels by reference through a shared-memory segment the client attached (same
 host: no copy beyond the tier's own), inline as the second frame (remote clients), or as a CUDA IPC handle.
 
-Validation is strict (``fields``): exact msgpack types, ranges, sizes, no unknown keys. Anything wrong becomes an
-error reply with an ``ErrorCode`` and a one-line message; decoding never raises anything but ``RequestError``.
+Validation is strict (``fields``): exact msgpack types, ranges, sizes, no unknown keys (but in the hello's reply).
+Anything wrong becomes an error reply with an ``ErrorCode`` and a one-line message; decoding never raises anything
+but ``RequestError``.
 
 Pure functions; thread-safe.
 """
