@@ -25,7 +25,7 @@ import pytest
 
 from kvstore.bench.vllm_serve import DEPLOYMENTS, ROUNDS, ServeRow, ttft_gain_failure
 
-pytestmark = pytest.mark.engine_minutes(3.8)
+pytestmark = pytest.mark.engine_minutes(4.3)
 
 SERVE_TIMEOUT_S = 900.0
 """Three servers (30-90 s each to start here) and a few short requests each."""

@@ -52,7 +52,7 @@ from tests.vllm.conftest import EngineRunner
 from tests.vllm.parallel_engines import HIT_TOKENS, PROMPT_TOKENS, SERVER_FLAGS, engine_spec, scrape
 from tests.vllm.tiny_models import TINY_GEMMA3, tiny_model_dir
 
-pytestmark = pytest.mark.engine_minutes(4.0)
+pytestmark = pytest.mark.engine_minutes(5.2)
 
 SESSION_TIMEOUT_S = 1200
 """Four engine sessions (50-100 s each to start on the 2-core machine, more when it is loaded)."""
