@@ -8,9 +8,10 @@ exit 1 naming the gain; the rows' structure and sanity are checked on its output
 128-token chunks (vLLM's CPU block): a repeat of a warm-up prompt is an exact hit the store serves. The chat template
 tokenizes each prompt whole, so a document's first tokens after a blank line are other ids than after the system
 turn; a document is still found in a query by a stored chunk wholly inside it, and the rest of it by slices of that
-chunk's stored neighbours (a document shorter than two chunks holds no such chunk: at 150 tokens none was found). Prose, not the guide's synthetic documents (``"<i> hi hi ..."``): those repeat one another past their
-first token, so the blending deployment finds the first one's rows in every later warm-up prompt and blends them
-instead of computing them, and a blended prompt is not stored.
+chunk's stored neighbours (a document shorter than two chunks holds no such chunk: at 150 tokens none was found).
+Prose, not the guide's synthetic documents (``"<i> hi hi ..."``): those repeat one another past their first token,
+so the blending deployment finds the first one's rows in every later warm-up prompt and blends them instead of
+computing them, and a blended prompt is not stored.
 """
 
 from __future__ import annotations
