@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvstore import KVLayout, TieredStore
@@ -66,11 +66,16 @@ def covered_mask(plan: LookupPlan, num_tokens: int) -> npt.NDArray[np.bool_]:
     document_tokens=st.integers(2 * CHUNK, 8 * CHUNK),
     seed=st.integers(0, 2**16),
 )
+@example(num_before=3, num_after=1, document_tokens=64, seed=1692)  # no whole chunk after the cut: nothing found
 def test_a_document_stored_alone_is_found_after_any_tokens(
     tmp_path_factory: pytest.TempPathFactory, num_before: int, num_after: int, document_tokens: int, seed: int
 ) -> None:
     """Every chunk of the document from its first synced cut to its end (partial last chunk included) is served
-    from the copy stored alone, bit for bit, at the copy's positions."""
+    from the copy stored alone, bit for bit, at the copy's positions, once the document holds a whole chunk after
+    that cut: the lookup finds that chunk by content and follows the copy's chain to its end. A document whose only
+    chunk after the cut is its partial last one holds nothing the prompt shares whole (the prompt's chunk runs on
+    into the tokens after it), so nothing finds it: hypothesis found such a 64-token document (seed 1692; see
+    "Short documents have no anchor" in docs/design-notes.md)."""
     tmp_path = tmp_path_factory.mktemp("content")
     document = make_tokens(document_tokens, seed=seed)
     kv = make_kv(LAYOUT, document_tokens, seed=seed + 1)
@@ -79,9 +84,11 @@ def test_a_document_stored_alone_is_found_after_any_tokens(
     with TieredStore(LAYOUT, config(tmp_path)) as store:
         store.store(document, kv)
         plan, served = lookup_and_serve(store, query)
-    synced = num_before + first_synced_cut(document)
-    end = num_before + document_tokens
-    assert covered_mask(plan, len(query))[synced:end].all(), "a chunk after the re-sync point was not reused"
+    synced = first_synced_cut(document)
+    bounds = chunk_bounds(as_token_array(document), CHUNK, (), Chunking.CONTENT)
+    if any(synced < bound < document_tokens for bound in bounds):  # a whole chunk after the cut
+        covered = covered_mask(plan, len(query))[num_before + synced : num_before + document_tokens]
+        assert covered.all(), "a chunk after the re-sync point was not reused"
     for segment in plan.segments:
         assert segment.start - segment.source_start == num_before  # every hit is the document's own copy
         source = kv[:, :, segment.source_start : segment.source_start + segment.num_tokens]
