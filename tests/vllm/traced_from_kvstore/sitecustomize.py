@@ -20,6 +20,7 @@ from types import ModuleType
 
 RENAMED_PREFIX = "TRACED_FROM_KVSTORE_"
 MEASURED = ("kvstore.connectors", "kvstore.blend.vllm")
+_MEASURED_SUBMODULES = tuple(f"{package}." for package in MEASURED)  # asked of every import until the first match
 
 
 class _StartCoverageOnKvstore:
@@ -30,7 +31,7 @@ class _StartCoverageOnKvstore:
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if fullname in MEASURED or fullname.startswith(tuple(f"{package}." for package in MEASURED)):
+        if fullname in MEASURED or fullname.startswith(_MEASURED_SUBMODULES):
             sys.meta_path.remove(self)
             for name in [name for name in os.environ if name.startswith(RENAMED_PREFIX)]:
                 os.environ[name.removeprefix(RENAMED_PREFIX)] = os.environ.pop(name)
