@@ -5,6 +5,7 @@ Three deployments, each its own server process, started and stopped here one aft
 
     deployment        server
     vllm              vLLM alone: no connector, vLLM's prefix cache on (vLLM's default)
+    vllm_cold         vLLM alone, ``--no-enable-prefix-caching``: every prompt a cold prefill (only when named)
     kvstore_prefix    + kvstore's connector, exact prefix reuse only (vLLM's prefix cache on)
     kvstore_blend     + kvstore's connector with ``kvstore.blend: true``, ``--no-enable-prefix-caching``
 
@@ -58,7 +59,7 @@ from typing import Any
 from kvstore.bench.paired_ratio import paired_ratio
 from kvstore.bench.vllm_engine import EngineSpec, wait_until_stored
 from kvstore.bench.vllm_serve_client import RequestOutcome, RoundResult, send_round
-from kvstore.bench.vllm_serve_options import DEPLOYMENTS, ServeBenchOptions
+from kvstore.bench.vllm_serve_options import DEPLOYMENTS, VLLM_ALONE, ServeBenchOptions
 from kvstore.bench.vllm_serve_server import OpenAIServer, ServerSpec, prompt_token_sources
 from kvstore.bench.vllm_serve_workload import (
     ChatForm,
@@ -116,6 +117,7 @@ class ServeRow:
     output_mismatches: int
     output_agreement: float | None
     ttft_vs_vllm: float | None = None
+    ttft_vs_cold: float | None = None
     ttft_ratio_max_vs_vllm: float | None = None
     ttft_gain: float | None = None
     warm_up_stored: int | None = None
@@ -219,7 +221,7 @@ def _interleaved_rows(
     (docs/benchmarks.md), an order effect that a single run would charge to one side.
     """
     rows: list[ServeRow] = []
-    for deployment in (name for name in options.deployments if name != "vllm"):
+    for deployment in (name for name in options.deployments if name not in VLLM_ALONE):
         names = ("vllm", deployment)
         runs = [
             _run_pair(options, workload, separator, work_dir / f"beside-{deployment}-{order}", started, progress)
@@ -231,11 +233,10 @@ def _interleaved_rows(
             workload, **{name: getattr(workload, name) * len(runs) for name in ("warm_up", "queries", "mixed")}
         )
         stops = {name: max((run.stop_s[name] or 0.0 for run in runs), default=0.0) for name in names}
-        cold = {name: round_.result for name, round_ in measured["vllm"].items()}
+        reference = {name: round_.result for name, round_ in measured["vllm"].items()}
         pair = _rows(options, "vllm", twice, measured["vllm"], {}, [], set(), stops["vllm"], False)
-        pair += _rows(
-            options, deployment, twice, measured[deployment], cold, pair, stored, stops[deployment], bool(separator)
-        )
+        pair += _rows(options, deployment, twice, measured[deployment], reference, pair, stored, stops[deployment],
+                      bool(separator))  # fmt: skip
         rows += [
             dataclasses.replace(row, paired_with=deployment if row.deployment == "vllm" else "vllm") for row in pair
         ]
@@ -334,9 +335,9 @@ def _measure_interleaved(
 
 
 def _prefix_caching(deployment: str) -> bool:
-    """Whether a deployment runs with vLLM's own prefix cache: all but ``kvstore_blend``, whose blended prompts vLLM's
-    block hashes would otherwise claim first."""
-    return deployment != "kvstore_blend"
+    """Whether a deployment runs with vLLM's own prefix cache: all but ``vllm_cold`` and ``kvstore_blend``, whose
+    blended prompts vLLM's block hashes would otherwise claim first."""
+    return deployment not in ("vllm_cold", "kvstore_blend")
 
 
 def _server_spec(
@@ -350,7 +351,7 @@ def _server_spec(
     """The deployment's server, and its connector's config (``None``: vLLM alone). ``prefix_caching``: vLLM's own
     prefix cache (default: as the deployment runs it)."""
     extra: dict[str, object] = {}
-    if deployment != "vllm":
+    if deployment not in VLLM_ALONE:
         extra = {"kvstore.data_dir": str(work_dir / f"{deployment}-data"), "kvstore.tiers": "cpu",
                  "kvstore.cpu_size": "2GiB", **separator}  # fmt: skip
         if options.chunk_size is not None:
@@ -359,7 +360,7 @@ def _server_spec(
             extra["kvstore.chunking"] = options.chunking
         if deployment == "kvstore_blend":
             extra |= {"kvstore.blend": True, "kvstore.blend_ratio": options.ratio}
-    transfer = None if deployment == "vllm" else {**CONNECTOR_CONFIG, "kv_connector_extra_config": extra}
+    transfer = None if deployment in VLLM_ALONE else {**CONNECTOR_CONFIG, "kv_connector_extra_config": extra}
     work_dir.mkdir(parents=True, exist_ok=True)
     spec = ServerSpec(
         model_dir=options.model_dir,
@@ -456,13 +457,14 @@ def _rows(
         hit = int(round_.sources.get("local_cache_hit", 0.0))
         external = int(round_.sources.get("external_kv_transfer", 0.0))
         reused = hit + external - round_.blend_recomputed_tokens
-        cold = reference.get(name)
+        base_round = reference.get(name)
         compared = mismatched = agreed = 0
         ratios: list[float] = []
         pairs: list[tuple[float, float, int]] = []  # (vLLM's TTFT, this deployment's, the run) of the same prompt
         strata = round_.strata or (0,) * len(outcomes)
-        if cold is not None and deployment != "vllm":
-            for prompt, outcome, base, stratum in zip(prompts[name], outcomes, cold.outcomes, strata, strict=True):
+        if base_round is not None and deployment != "vllm":
+            compared_rounds = zip(prompts[name], outcomes, base_round.outcomes, strata, strict=True)
+            for prompt, outcome, base, stratum in compared_rounds:
                 if outcome.error is not None or base.error is not None:
                     continue
                 same = outcome.token_ids == base.token_ids
@@ -475,6 +477,7 @@ def _rows(
                     ratios.append((outcome.ttft_s or 0.0) / base.ttft_s)
                     pairs += [(base.ttft_s, outcome.ttft_s, stratum)] if outcome.ttft_s else []
         vllm_row = next((row for row in earlier if row.deployment == "vllm" and row.round == name), None)
+        cold_row = next((row for row in earlier if row.deployment == "vllm_cold" and row.round == name), None)
         mean = statistics.fmean(ttft) or 1e-9  # a round of failed requests: no division by zero
         warm_up_row = rows[0] if rows and rows[0].round == "warm_up" else None
         paired = None
@@ -507,13 +510,14 @@ def _rows(
                 tokens_recomputed=prompt_tokens - reused,
                 outputs_compared=compared,
                 output_mismatches=mismatched,
-                output_agreement=None if cold is None or deployment == "vllm" else agreed / max(1, len(outcomes)),
+                output_agreement=None if base_round is None or deployment == "vllm" else agreed / max(1, len(outcomes)),
                 ttft_vs_vllm=None if vllm_row is None else vllm_row.ttft_ms_mean / mean,
+                ttft_vs_cold=None if cold_row is None else cold_row.ttft_ms_mean / mean,
                 ttft_ratio_max_vs_vllm=max(ratios) if ratios else None,
                 ttft_gain=None if warm_up_row is None or name == "warm_up" else warm_up_row.ttft_ms_mean / mean,
-                warm_up_stored=len(stored) if name == "warm_up" and deployment != "vllm" else None,
-                chunk_separator=separator and deployment != "vllm",
-                chunking=None if deployment == "vllm" else (options.chunking or "fixed"),
+                warm_up_stored=len(stored) if name == "warm_up" and deployment not in VLLM_ALONE else None,
+                chunk_separator=separator and deployment not in VLLM_ALONE,
+                chunking=None if deployment in VLLM_ALONE else (options.chunking or "fixed"),
                 chat=options.chat,
                 ttft_paired_ratio=None if paired is None else paired.ratio,
                 ttft_paired_low=None if paired is None else paired.low,

@@ -24,9 +24,13 @@ from kvstore.blend.config import check_recompute_ratio
 from kvstore.chunking import parse_chunking
 from kvstore.errors import ConfigError
 
-__all__ = ["DEPLOYMENTS", "ServeBenchOptions"]
+__all__ = ["DEFAULT_DEPLOYMENTS", "DEPLOYMENTS", "VLLM_ALONE", "ServeBenchOptions"]
 
-DEPLOYMENTS = ("vllm", "kvstore_prefix", "kvstore_blend")
+DEPLOYMENTS = ("vllm", "vllm_cold", "kvstore_prefix", "kvstore_blend")
+VLLM_ALONE = ("vllm", "vllm_cold")
+"""The deployments without kvstore: vLLM as deployed (its prefix cache on), and vLLM computing every prompt."""
+DEFAULT_DEPLOYMENTS = ("vllm", "kvstore_prefix", "kvstore_blend")
+"""``vllm_cold`` only when asked for: it is the baseline of a cold prefill, one more server and round of prefills."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,7 +59,7 @@ class ServeBenchOptions:
         chunking: the store's cut rule, ``fixed`` or ``content`` (``None``: the store's default).
         dtype: the model's dtype.
         deployments: which deployments to run, a subset of ``DEPLOYMENTS`` in that order (``vllm`` is the reference
-            of the output checks and of ``ttft_vs_vllm``).
+            of the output checks and of ``ttft_vs_vllm``, ``vllm_cold`` of ``ttft_vs_cold``).
         stored_wait_s: after the warm-up round, the longest to wait until the store holds every warm-up prompt
             (the connector saves asynchronously).
         env: extra environment for the servers (over the CPU defaults).
@@ -80,7 +84,7 @@ class ServeBenchOptions:
     chunk_size: int | None = None
     chunking: str | None = None
     dtype: str = "float32"
-    deployments: tuple[str, ...] = DEPLOYMENTS
+    deployments: tuple[str, ...] = DEFAULT_DEPLOYMENTS
     stored_wait_s: float = 60.0
     env: Mapping[str, str] | None = None
     work_dir: Path | None = None
@@ -107,8 +111,10 @@ class ServeBenchOptions:
         check_recompute_ratio(self.ratio)
         if self.interleaved and self.max_inflight != 1:
             raise ConfigError(f"--interleaved sends one request at a time; drop --max-inflight {self.max_inflight}")
-        if self.interleaved and self.deployments == ("vllm",):
+        if self.interleaved and set(self.deployments) <= set(VLLM_ALONE):
             raise ConfigError("--interleaved pairs kvstore deployments with vLLM alone; name one in --deployments")
+        if self.interleaved and "vllm_cold" in self.deployments:
+            raise ConfigError("--interleaved pairs each kvstore deployment with a vLLM of its own; drop vllm_cold")
         if self.pause_s < 0:
             raise ConfigError(f"--pause {self.pause_s}: a pause is at least 0 seconds")
         if self.chunking is not None:

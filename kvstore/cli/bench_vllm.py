@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.bench.vllm_blend_options import VllmBlendOptions
-from kvstore.bench.vllm_serve_options import DEPLOYMENTS, ServeBenchOptions
+from kvstore.bench.vllm_serve_options import DEFAULT_DEPLOYMENTS, DEPLOYMENTS, ServeBenchOptions
 from kvstore.bench.vllm_serve_workload import Corpus
 from kvstore.bench.vllm_ttft import (
     VllmBenchOptions,
@@ -219,7 +219,7 @@ def _print_blend(rows: list[VllmBlendRow], as_json: bool) -> None:
 def _deployments(names: str | None) -> tuple[str, ...]:
     """``--deployments``' comma-separated names, in the bench's order (``ServeBenchOptions`` checks them)."""
     if names is None:
-        return DEPLOYMENTS
+        return DEFAULT_DEPLOYMENTS
     given = {name.strip() for name in names.split(",") if name.strip()}
     unknown = sorted(given - set(DEPLOYMENTS))
     if unknown or not given:
@@ -242,8 +242,8 @@ def _print_serve(rows: list[ServeRow], as_json: bool) -> None:
         return
     table = Table(title="kvstore bench vllm --serve (multi-doc QA through vLLM's OpenAI server)")
     columns = (
-        "deployment", "round", "req", "failed", "TTFT mean ms", "p90 ms", "vs vLLM", "warm-up/query", "req/s",
-        "ITL p99 ms", "reused", "recomputed", "mismatches",
+        "deployment", "round", "req", "failed", "TTFT mean ms", "p90 ms", "vs vLLM", "vs cold", "warm-up/query",
+        "req/s", "ITL p99 ms", "reused", "recomputed", "mismatches",
     )  # fmt: skip
     for column in columns:
         table.add_column(column)
@@ -254,7 +254,8 @@ def _print_serve(rows: list[ServeRow], as_json: bool) -> None:
     for row in rows:
         table.add_row(
             row.deployment, row.round, str(row.requests), str(row.failed), f"{row.ttft_ms_mean:,.0f}",
-            f"{row.ttft_ms_p90:,.0f}", ratio(row.ttft_vs_vllm), ratio(row.ttft_gain), f"{row.requests_per_s:.2f}",
+            f"{row.ttft_ms_p90:,.0f}", ratio(row.ttft_vs_vllm), ratio(row.ttft_vs_cold), ratio(row.ttft_gain),
+            f"{row.requests_per_s:.2f}",
             "-" if row.itl_ms_p99 is None else f"{row.itl_ms_p99:,.0f}", f"{row.tokens_reused:,}",
             f"{row.tokens_recomputed:,}", f"{row.output_mismatches}/{row.outputs_compared}",
         )  # fmt: skip

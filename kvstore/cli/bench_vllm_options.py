@@ -90,7 +90,8 @@ BENCH_VLLM_OPTIONS = (
     CliOption(name="pause", declaration="--pause", annotation=float,
               help_text="--serve --interleaved: seconds before each send.", targets=_to(_SERVE, "pause_s")),
     CliOption(name="deployments", declaration="--deployments", annotation=str | None,
-              help_text="--serve: which of vllm,kvstore_prefix,kvstore_blend to run (default: all)."),
+              help_text="--serve: which of vllm,vllm_cold,kvstore_prefix,kvstore_blend to run (default: all but "
+                        "vllm_cold, vLLM without its prefix cache)."),
     CliOption(name="chunk_size", declaration="--chunk-size", annotation=int | None,
               help_text="--serve: the store's chunk size.", targets=_to(_SERVE, "chunk_size")),
     CliOption(name="chunking", declaration="--chunking", annotation=str | None,

@@ -125,3 +125,32 @@ def test_an_interleaved_pairs_two_runs_pool_into_one_round_of_every_request() ->
     assert pooled.sources == {"external_kv_transfer": 256.0}
     assert (pooled.blends, pooled.blend_recomputed_tokens) == (2, 20)
     assert pooled.strata == (0, 0, 1, 1), "each request's run: the paired ratio's bootstrap resamples within each"
+
+
+def test_the_cold_deployment_is_vllm_without_its_prefix_cache_and_each_row_reads_against_it(tmp_path: Path) -> None:
+    """``vllm_cold`` computes every prompt (no connector, no prefix cache): a later deployment's row reads its TTFT
+    against it (``ttft_vs_cold``) as well as against vLLM as deployed (``ttft_vs_vllm``). It runs only when named."""
+    from kvstore.bench.vllm_serve import _Measured, _rows, _server_spec
+    from kvstore.bench.vllm_serve_client import RequestOutcome, RoundResult
+    from kvstore.bench.vllm_serve_options import DEFAULT_DEPLOYMENTS, ServeBenchOptions
+    from kvstore.bench.vllm_serve_workload import ServePrompt, ServeWorkload
+
+    options = ServeBenchOptions(model_dir=tmp_path, deployments=("vllm", "vllm_cold", "kvstore_blend"))
+    spec, transfer = _server_spec(options, "vllm_cold", {}, tmp_path)
+    assert not spec.enable_prefix_caching and transfer is None
+    assert "vllm_cold" not in DEFAULT_DEPLOYMENTS
+    with pytest.raises(ConfigError, match="drop vllm_cold"):
+        ServeBenchOptions(model_dir=tmp_path, deployments=("vllm", "vllm_cold", "kvstore_blend"), interleaved=True)
+
+    def measured(ttft_s: float) -> dict[str, _Measured]:
+        outcome = RequestOutcome(index=0, prompt_tokens=100, ttft_s=ttft_s, token_ids=(7,))
+        return {"query": _Measured(result=RoundResult(outcomes=(outcome,), total_s=ttft_s), sources={}, blends=0,
+                                   blend_recomputed_tokens=0)}  # fmt: skip
+
+    workload = ServeWorkload(warm_up=(), queries=(ServePrompt(tokens=(1, 2), kind="query", documents=(0, 1)),), mixed=())
+    rows = _rows(options, "vllm", workload, measured(2.0), {}, [], set(), None, False)
+    reference = {"query": measured(2.0)["query"].result}
+    rows += _rows(options, "vllm_cold", workload, measured(4.0), reference, rows, set(), None, False)
+    blend = _rows(options, "kvstore_blend", workload, measured(1.0), reference, rows, set(), None, False)[0]
+    assert (blend.ttft_vs_vllm, blend.ttft_vs_cold) == (2.0, 4.0)
+    assert rows[1].ttft_vs_vllm == 0.5 and not rows[1].chunking and not rows[1].chunk_separator

@@ -261,6 +261,8 @@ def bench_mistakes() -> list[Mistake]:
         bench("chat outside serve", "vllm --blend --chat", "--chat: for --serve only"),
         bench("interleaved, many in flight", "vllm --serve --interleaved --max-inflight 4", "--interleaved sends one"),
         bench("unknown deployment", "vllm --serve --deployments vllm,lmcache", "--deployments 'vllm,lmcache'"),
+        bench("interleaved beside a cold vLLM", "vllm --serve --interleaved --deployments vllm_cold,kvstore_blend",
+              "drop vllm_cold"),
         bench("unknown cut rule", "vllm --serve --chunking rolling", "chunking='rolling' must be one of"),
         Mistake(
             name="bench vllm: empty separator",
