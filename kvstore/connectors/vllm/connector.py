@@ -191,7 +191,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KVStoreConnectorMetadata), type(connector_metadata).__name__
-        self._worker_side().bind(connector_metadata)
+        with self._clock:  # it may wait for the last step's gathers (PromptSaves.new_step)
+            self._worker_side().bind(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         with self._clock:

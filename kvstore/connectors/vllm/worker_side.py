@@ -12,7 +12,8 @@ disk) runs whole on its own thread while the engine keeps stepping other request
 
 Saves (``PromptSaves``). In the step that completes a prompt's prefill, leaving each attention layer
 (``save_kv_layer``) counts that layer as computed; after the forward pass (``wait_for_save``) the KV of the chunks the
-store lacks is gathered out of the blocks of every layer at once and goes to the store on the save thread.
+store lacks is gathered out of the blocks of every layer at once (on a CPU cache by a gather thread, off the step's
+path; the next step waits for it in ``bind``) and goes to the store on the save thread.
 
 Faults. A load that finds less than the scheduler planned (a chunk evicted or corrupt in between, the store gone)
 loads what it has and reports the other blocks through ``get_block_ids_with_load_errors``: with vLLM's
@@ -45,8 +46,8 @@ one rank fails the request's load on all (vLLM's aggregator joins the ranks' ``f
 
 Threads: vLLM calls every method on its model-runner thread; fetches and stores run on three single-thread pools
 (sync loads, async loads, and ``PromptSaves``'s saves), each with its own ``StoreLink`` so one never queues behind
-another. The counters are a ``WorkerStats`` (locked inside); ``_load_misses_lock`` guards ``_load_misses``, which
-the async-load thread adds to.
+another, and on a CPU cache ``PromptSaves`` gathers on a thread of its own. The counters are a ``WorkerStats``
+(locked inside); ``_load_misses_lock`` guards ``_load_misses``, which the async-load thread adds to.
 """
 
 from __future__ import annotations
