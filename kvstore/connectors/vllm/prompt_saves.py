@@ -160,7 +160,8 @@ class PromptSaves:
         """On the gather thread: copy the save out of its blocks, then hand it to the save thread; a failure is
         logged, never raised."""
         try:
-            save.copy.gather_all()
+            with torch.inference_mode():  # as vLLM's step ran: its staging was made there, an inference tensor
+                save.copy.gather_all()
         except Exception:  # the gather thread's boundary: a lost save is a later miss, never a failed step
             logger.exception("request %s: gathering its prompt's KV failed; not stored", save.spec.request_id)
             self._buffers.give_back(save.staging)
