@@ -13,7 +13,9 @@ and three rounds per deployment (``vllm_serve_workload``): ``warm_up`` (each doc
 documents in random order), ``mixed`` (exact repeats, never-seen documents and new queries shuffled together; its
 requests generate ``mixed_max_tokens`` tokens, so the inter-token latency shows the decode stall a blend pass
 causes). One row per deployment and round: TTFT mean/p50/p90/max, total time, requests/s, prompt tokens/s,
-inter-token latency p50/p99, failed requests, tokens reused and recomputed, and output checks against ``vllm``.
+inter-token latency p50/p99, failed requests, tokens reused and recomputed, and output checks against ``vllm``; and
+vLLM's own mean timings of the round's requests (``engine_*_ms_mean``: its TTFT, its wait to be scheduled, scheduled to
+first token), which place a difference in TTFT inside the engine's step or outside it (HTTP, the API server).
 
 Tokens reused and recomputed come from the server, per round: vLLM's ``prompt_tokens_by_source`` counters (its own
 prefix-cache hits and the tokens the connector supplied) and the connector's stats lines in the server's log (how
@@ -60,7 +62,7 @@ from kvstore.bench.paired_ratio import paired_ratio
 from kvstore.bench.vllm_engine import EngineSpec, wait_until_stored
 from kvstore.bench.vllm_serve_client import RequestOutcome, RoundResult, send_round
 from kvstore.bench.vllm_serve_options import DEPLOYMENTS, VLLM_ALONE, ServeBenchOptions
-from kvstore.bench.vllm_serve_server import OpenAIServer, ServerSpec, prompt_token_sources
+from kvstore.bench.vllm_serve_server import OpenAIServer, ServerSpec, engine_timings, prompt_token_sources
 from kvstore.bench.vllm_serve_workload import (
     ChatForm,
     ChatMessage,
@@ -118,6 +120,9 @@ class ServeRow:
     output_agreement: float | None
     ttft_vs_vllm: float | None = None
     ttft_vs_cold: float | None = None
+    engine_ttft_ms_mean: float | None = None
+    engine_queue_ms_mean: float | None = None
+    engine_prefill_ms_mean: float | None = None
     ttft_ratio_max_vs_vllm: float | None = None
     ttft_gain: float | None = None
     warm_up_stored: int | None = None
@@ -146,6 +151,7 @@ class _Measured:
 
     result: RoundResult
     sources: Mapping[str, float]
+    """The change of the server's counters over the round: prompt tokens by source, vLLM's timings' sums and counts."""
     blends: int
     blend_recomputed_tokens: int
     strata: tuple[int, ...] = ()
@@ -309,7 +315,7 @@ def _measure_interleaved(
     servers: Mapping[str, OpenAIServer], options: ServeBenchOptions, prompts: Sequence[ServePrompt], name: str
 ) -> dict[str, _Measured]:
     """Send each prompt to every server, one at a time, the first server alternating, ``pause_s`` between sends."""
-    before = {served: prompt_token_sources(server.metrics_text()) for served, server in servers.items()}
+    before = {served: _counters(server) for served, server in servers.items()}
     offsets = {served: server.log_offset() for served, server in servers.items()}
     outcomes: dict[str, list[RequestOutcome]] = {served: [] for served in servers}
     order = list(servers)
@@ -324,7 +330,7 @@ def _measure_interleaved(
     measured = {}
     for served, server in servers.items():
         counters = server.connector_counters(offsets[served])
-        after = prompt_token_sources(server.metrics_text())
+        after = _counters(server)
         sources = {source: after.get(source, 0.0) - before[served].get(source, 0.0) for source in after}
         total_s = sum(outcome.latency_s or 0.0 for outcome in outcomes[served]) or 1e-9
         measured[served] = _Measured(
@@ -400,7 +406,7 @@ def _run_deployment(
 def _measure_round(
     server: OpenAIServer, options: ServeBenchOptions, prompts: Sequence[ServePrompt], name: str
 ) -> _Measured:
-    before = prompt_token_sources(server.metrics_text())
+    before = _counters(server)
     offset = server.log_offset()
     result = send_round(
         server.base_url,
@@ -410,11 +416,23 @@ def _measure_round(
         max_inflight=options.max_inflight,
     )
     counters = server.connector_counters(offset)
-    after = prompt_token_sources(server.metrics_text())
+    after = _counters(server)
     sources = {source: after.get(source, 0.0) - before.get(source, 0.0) for source in after}
     return _Measured(
         result=result, sources=sources, blends=counters.blends, blend_recomputed_tokens=counters.blend_recomputed_tokens
     )
+
+
+def _counters(server: OpenAIServer) -> dict[str, float]:
+    """What a round reads the change of on the server: prompt tokens by source, and vLLM's own request timings."""
+    text = server.metrics_text()
+    return {**prompt_token_sources(text), **engine_timings(text)}
+
+
+def _engine_mean_ms(counters: Mapping[str, float], name: str) -> float | None:
+    """The mean of one of vLLM's request timings over a round, in ms (``None``: the server reported none)."""
+    count = counters.get(f"{name}_count", 0.0)
+    return 1000.0 * counters.get(f"{name}_sum", 0.0) / count if count else None
 
 
 def _wait_stored(options: ServeBenchOptions, transfer: Mapping[str, Any], warm_up: Sequence[ServePrompt]) -> set[int]:
@@ -513,6 +531,9 @@ def _rows(
                 output_agreement=None if base_round is None or deployment == "vllm" else agreed / max(1, len(outcomes)),
                 ttft_vs_vllm=None if vllm_row is None else vllm_row.ttft_ms_mean / mean,
                 ttft_vs_cold=None if cold_row is None else cold_row.ttft_ms_mean / mean,
+                engine_ttft_ms_mean=_engine_mean_ms(round_.sources, "time_to_first_token"),
+                engine_queue_ms_mean=_engine_mean_ms(round_.sources, "request_queue_time"),
+                engine_prefill_ms_mean=_engine_mean_ms(round_.sources, "request_prefill_time"),
                 ttft_ratio_max_vs_vllm=max(ratios) if ratios else None,
                 ttft_gain=None if warm_up_row is None or name == "warm_up" else warm_up_row.ttft_ms_mean / mean,
                 warm_up_stored=len(stored) if name == "warm_up" and deployment not in VLLM_ALONE else None,

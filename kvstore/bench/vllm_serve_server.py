@@ -55,6 +55,10 @@ STATS_INTERVAL_S = 1.0
 """``VLLM_LOG_STATS_INTERVAL`` of the bench's servers: the connector's stats line comes this often."""
 _STATS_LINE = re.compile(r"KV Transfer metrics: (.*)$")
 _SOURCE_SAMPLE = re.compile(r"^vllm:prompt_tokens_by_source_total\{([^}]*)\}\s+([0-9.eE+-]+)$", re.MULTILINE)
+_HISTOGRAM_SAMPLE = re.compile(r"^vllm:(\w+)_seconds_(sum|count)\{[^}]*\}\s+([0-9.eE+-]+)$", re.MULTILINE)
+ENGINE_TIMINGS = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+"""vLLM's own per-request timings (histograms, seconds): the server's TTFT, the wait to be scheduled, and the time
+from being scheduled to the first token (the forward passes, a connector's loads and saves within them)."""
 
 
 class ServerError(KVStoreError):
@@ -229,6 +233,15 @@ def prompt_token_sources(metrics_text: str) -> dict[str, float]:
         if match is not None:
             sources[match.group(1)] = sources.get(match.group(1), 0.0) + float(value)
     return sources
+
+
+def engine_timings(metrics_text: str) -> dict[str, float]:
+    """``ENGINE_TIMINGS``' sums (seconds) and counts, summed over engines: ``{"<name>_sum": s, "<name>_count": n}``."""
+    timings: dict[str, float] = {}
+    for name, kind, value in _HISTOGRAM_SAMPLE.findall(metrics_text):
+        if name in ENGINE_TIMINGS:
+            timings[f"{name}_{kind}"] = timings.get(f"{name}_{kind}", 0.0) + float(value)
+    return timings
 
 
 def _free_port() -> int:

@@ -154,3 +154,27 @@ def test_the_cold_deployment_is_vllm_without_its_prefix_cache_and_each_row_reads
     blend = _rows(options, "kvstore_blend", workload, measured(1.0), reference, rows, set(), None, False)[0]
     assert (blend.ttft_vs_vllm, blend.ttft_vs_cold) == (2.0, 4.0)
     assert rows[1].ttft_vs_vllm == 0.5 and not rows[1].chunking and not rows[1].chunk_separator
+
+
+def test_vllms_request_timings_are_read_as_sums_and_counts_over_engines() -> None:
+    """A row's ``engine_*_ms_mean`` come from vLLM's histograms: each timing's sum and count, summed over engines
+    (a data-parallel server reports one series per engine); buckets and other metrics are not read."""
+    from kvstore.bench.vllm_serve import _engine_mean_ms
+    from kvstore.bench.vllm_serve_server import engine_timings
+
+    text = "\n".join([
+        '# TYPE vllm:time_to_first_token_seconds histogram',
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 1.0',
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 2.5',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 2.0',
+        'vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 1.5',
+        'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 2.0',
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 3.0',
+        'vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 3.0',
+        'vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 9.0',
+    ])  # fmt: skip
+    timings = engine_timings(text)
+    assert timings == {"time_to_first_token_sum": 4.0, "time_to_first_token_count": 4.0,
+                       "request_prefill_time_sum": 3.0, "request_prefill_time_count": 3.0}  # fmt: skip
+    assert _engine_mean_ms(timings, "time_to_first_token") == 1000.0
+    assert _engine_mean_ms(timings, "request_queue_time") is None
