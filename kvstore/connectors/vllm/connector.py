@@ -234,7 +234,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         """``False``: kvstore is a best-effort cache, so a preempted request whose save is still in flight may finish
         rather than be recomputed (vLLM's default for a ``kv_both`` connector is ``True``). A save copies the KV out
-        of the blocks within the step that computed them, and a save that never lands is a future miss, no more."""
+        of the blocks before the next step's forward can write them, and a save that never lands is a future miss, no
+        more."""
         return False
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
