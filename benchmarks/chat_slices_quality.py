@@ -7,8 +7,12 @@ Per query and variant: tokens reused (planned exact + blended) and recomputed, w
 prefill's (top-1 agreement), the KL divergence of the next-token distributions, and whether the first
 ``--new-tokens`` greedy tokens are full prefill's (what ``kvstore bench vllm --serve`` compares with vLLM alone).
 
+``--form ids`` blends the token-id prompts of ``kvstore bench vllm --serve`` without ``--chat`` instead (the parts
+tokenized alone and joined by ``" # # "``), so chat and token-id prompts can be set side by side; ``--ratio`` is the
+blend's recompute ratio.
+
 Run: .venv/bin/python benchmarks/chat_slices_quality.py [--documents 6] [--queries 12] [--chunking content]
-     [--json]
+     [--form chat|ids] [--ratio 0.15] [--json]
 Prints one JSON object per query and variant, then one summary per variant.
 """
 
@@ -28,7 +32,7 @@ import torch
 from kvstore import StoreConfig, TieredStore
 from kvstore.bench.blend_quality import greedy_continuation, kl_divergence
 from kvstore.bench.vllm_serve import _chat_form
-from kvstore.bench.vllm_serve_workload import CHAT_SEPARATOR, serve_workload
+from kvstore.bench.vllm_serve_workload import CHAT_SEPARATOR, DEFAULT_SEPARATOR, serve_workload
 from kvstore.blend import BlendConfig, LayerwiseBlender
 from kvstore.chunking import Chunking
 from kvstore.models import default_model_cache_dir, load_smollm2
@@ -62,6 +66,8 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--chunking", choices=[rule.value for rule in Chunking], default="content")
     parser.add_argument("--new-tokens", type=int, default=2)
+    parser.add_argument("--form", choices=["chat", "ids"], default="chat")
+    parser.add_argument("--ratio", type=float, default=BlendConfig().recompute_ratio)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     loaded = load_smollm2(cache_dir=default_model_cache_dir(os.environ), dtype=torch.float32, device="cpu")
@@ -73,8 +79,8 @@ def main() -> None:
         document_tokens=args.document_tokens,
         docs_per_query=args.docs_per_query,
         num_queries=args.queries,
-        separator=CHAT_SEPARATOR,
-        chat=_chat_form(tokenizer),
+        separator=CHAT_SEPARATOR if args.form == "chat" else DEFAULT_SEPARATOR,
+        chat=_chat_form(tokenizer) if args.form == "chat" else None,
     )
     warm_ups = [prompt.tokens for prompt in workload.warm_up]
     with tempfile.TemporaryDirectory() as scratch:
@@ -88,7 +94,8 @@ def main() -> None:
         )
         with TieredStore(layout, config) as store:
             variants = {"slices": store, "no_slices": WithoutSlices(store)}
-            blenders = {name: LayerwiseBlender(model, owner, BlendConfig()) for name, owner in variants.items()}
+            blend_config = BlendConfig(recompute_ratio=args.ratio)
+            blenders = {name: LayerwiseBlender(model, owner, blend_config) for name, owner in variants.items()}
             try:
                 for warm_up in warm_ups:
                     blenders["slices"].prefill(warm_up, mode="full", store_result=True)
@@ -103,6 +110,8 @@ def main() -> None:
         mine = [sample for sample in samples if sample["variant"] == name]
         summary = {
             "variant": name,
+            "form": args.form,
+            "ratio": args.ratio,
             "chunking": args.chunking,
             "queries": len(mine),
             "reused_tokens": sum(sample["reused_tokens"] for sample in mine),
