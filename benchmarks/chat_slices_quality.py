@@ -12,7 +12,7 @@ tokenized alone and joined by ``" # # "``), so chat and token-id prompts can be 
 blend's recompute ratio.
 
 Run: .venv/bin/python benchmarks/chat_slices_quality.py [--documents 6] [--queries 12] [--chunking content]
-     [--form chat|ids] [--ratio 0.15] [--json]
+     [--form chat|ids] [--ratio 0.15] [--selection kv_deviation] [--json]
 Prints one JSON object per query and variant, then one summary per variant.
 """
 
@@ -33,7 +33,7 @@ from kvstore import StoreConfig, TieredStore
 from kvstore.bench.blend_quality import greedy_continuation, kl_divergence
 from kvstore.bench.vllm_serve import _chat_form
 from kvstore.bench.vllm_serve_workload import CHAT_SEPARATOR, DEFAULT_SEPARATOR, serve_workload
-from kvstore.blend import BlendConfig, LayerwiseBlender
+from kvstore.blend import BlendConfig, LayerwiseBlender, SelectionPolicy
 from kvstore.chunking import Chunking
 from kvstore.models import default_model_cache_dir, load_smollm2
 from kvstore.plan import LookupPlan
@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=2)
     parser.add_argument("--form", choices=["chat", "ids"], default="chat")
     parser.add_argument("--ratio", type=float, default=BlendConfig().recompute_ratio)
+    parser.add_argument("--selection", choices=[policy.value for policy in SelectionPolicy],
+                        default=BlendConfig().selection.value)  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     loaded = load_smollm2(cache_dir=default_model_cache_dir(os.environ), dtype=torch.float32, device="cpu")
@@ -94,7 +96,7 @@ def main() -> None:
         )
         with TieredStore(layout, config) as store:
             variants = {"slices": store, "no_slices": WithoutSlices(store)}
-            blend_config = BlendConfig(recompute_ratio=args.ratio)
+            blend_config = BlendConfig(recompute_ratio=args.ratio, selection=SelectionPolicy(args.selection))
             blenders = {name: LayerwiseBlender(model, owner, blend_config) for name, owner in variants.items()}
             try:
                 for warm_up in warm_ups:
@@ -112,6 +114,7 @@ def main() -> None:
             "variant": name,
             "form": args.form,
             "ratio": args.ratio,
+            "selection": args.selection,
             "chunking": args.chunking,
             "queries": len(mine),
             "reused_tokens": sum(sample["reused_tokens"] for sample in mine),
