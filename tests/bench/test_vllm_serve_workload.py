@@ -147,7 +147,8 @@ def test_the_cold_deployment_is_vllm_without_its_prefix_cache_and_each_row_reads
         return {"query": _Measured(result=RoundResult(outcomes=(outcome,), total_s=ttft_s), sources={}, blends=0,
                                    blend_recomputed_tokens=0)}  # fmt: skip
 
-    workload = ServeWorkload(warm_up=(), queries=(ServePrompt(tokens=(1, 2), kind="query", documents=(0, 1)),), mixed=())
+    query = ServePrompt(tokens=(1, 2), kind="query", documents=(0, 1))
+    workload = ServeWorkload(warm_up=(), queries=(query,), mixed=())
     rows = _rows(options, "vllm", workload, measured(2.0), {}, [], set(), None, False)
     reference = {"query": measured(2.0)["query"].result}
     rows += _rows(options, "vllm_cold", workload, measured(4.0), reference, rows, set(), None, False)

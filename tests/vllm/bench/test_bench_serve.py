@@ -74,8 +74,8 @@ def test_one_row_per_deployment_and_round_all_requests_served(rows: list[dict[st
         assert row["tokens_reused"] + row["tokens_recomputed"] == round(row["prompt_tokens_mean"] * row["requests"])
         assert row["tokens_reused"] >= 0 and row["tokens_recomputed"] > 0, name
         assert (row["itl_ms_p99"] is not None) == (row["max_tokens"] > 1), name
-        engine_ms = (row["engine_queue_ms_mean"], row["engine_prefill_ms_mean"], row["engine_ttft_ms_mean"])
-        assert 0 <= engine_ms[0] and 0 < engine_ms[1] < engine_ms[2] <= row["ttft_ms_mean"], (name, engine_ms)
+        queue_ms, prefill_ms, engine_ttft_ms = (row[f"engine_{key}_ms_mean"] for key in ("queue", "prefill", "ttft"))
+        assert queue_ms >= 0 and 0 < prefill_ms < engine_ttft_ms <= row["ttft_ms_mean"], (name, queue_ms, prefill_ms)
         if row["deployment"] != "vllm":
             assert row["output_mismatches"] == 0, f"{name}: an exact hit's output differs from vLLM alone's"
             assert row["ttft_vs_vllm"] > 0, name
