@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.bench.vllm_serve import DEPLOYMENTS, ROUNDS, ServeRow, ttft_gain_failure
+from kvstore.bench.vllm_serve import ROUNDS, ServeRow, ttft_gain_failure
+from kvstore.bench.vllm_serve_options import DEFAULT_DEPLOYMENTS
 
 pytestmark = pytest.mark.engine_minutes(4.3)
 
@@ -56,13 +57,13 @@ def test_an_impossible_expected_gain_fails_the_run_after_the_rows(
 ) -> None:
     assert serve_run.returncode == 1, serve_run.stderr[-3000:]
     assert "below --expected-ttft-gain 1000" in serve_run.stderr
-    assert len(rows) == len(DEPLOYMENTS) * len(ROUNDS)
+    assert len(rows) == len(DEFAULT_DEPLOYMENTS) * len(ROUNDS)
     parsed = [ServeRow(**(row | {"errors": tuple(row["errors"])})) for row in rows]
     assert ttft_gain_failure(parsed, 0.0) is None, "a gain of 0 is always met"
 
 
 def test_one_row_per_deployment_and_round_all_requests_served(rows: list[dict[str, Any]]) -> None:
-    assert [(row["deployment"], row["round"]) for row in rows] == [(d, r) for d in DEPLOYMENTS for r in ROUNDS]
+    assert [(row["deployment"], row["round"]) for row in rows] == [(d, r) for d in DEFAULT_DEPLOYMENTS for r in ROUNDS]
     expected_requests = {"warm_up": 3, "query": 2, "mixed": 3}
     for row in rows:
         name = f"{row['deployment']}/{row['round']}"
