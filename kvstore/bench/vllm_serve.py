@@ -315,7 +315,7 @@ def _measure_interleaved(
     servers: Mapping[str, OpenAIServer], options: ServeBenchOptions, prompts: Sequence[ServePrompt], name: str
 ) -> dict[str, _Measured]:
     """Send each prompt to every server, one at a time, the first server alternating, ``pause_s`` between sends."""
-    before = {served: _counters(server) for served, server in servers.items()}
+    before = {served: _metric_totals(server) for served, server in servers.items()}
     offsets = {served: server.log_offset() for served, server in servers.items()}
     outcomes: dict[str, list[RequestOutcome]] = {served: [] for served in servers}
     order = list(servers)
@@ -330,7 +330,7 @@ def _measure_interleaved(
     measured = {}
     for served, server in servers.items():
         counters = server.connector_counters(offsets[served])
-        after = _counters(server)
+        after = _metric_totals(server)
         sources = {source: after.get(source, 0.0) - before[served].get(source, 0.0) for source in after}
         total_s = sum(outcome.latency_s or 0.0 for outcome in outcomes[served]) or 1e-9
         measured[served] = _Measured(
@@ -406,7 +406,7 @@ def _run_deployment(
 def _measure_round(
     server: OpenAIServer, options: ServeBenchOptions, prompts: Sequence[ServePrompt], name: str
 ) -> _Measured:
-    before = _counters(server)
+    before = _metric_totals(server)
     offset = server.log_offset()
     result = send_round(
         server.base_url,
@@ -416,14 +416,14 @@ def _measure_round(
         max_inflight=options.max_inflight,
     )
     counters = server.connector_counters(offset)
-    after = _counters(server)
+    after = _metric_totals(server)
     sources = {source: after.get(source, 0.0) - before.get(source, 0.0) for source in after}
     return _Measured(
         result=result, sources=sources, blends=counters.blends, blend_recomputed_tokens=counters.blend_recomputed_tokens
     )
 
 
-def _counters(server: OpenAIServer) -> dict[str, float]:
+def _metric_totals(server: OpenAIServer) -> dict[str, float]:
     """What a round reads the change of on the server: prompt tokens by source, and vLLM's own request timings."""
     text = server.metrics_text()
     return {**prompt_token_sources(text), **engine_timings(text)}
