@@ -50,6 +50,7 @@ from kvstore.errors import (
 from kvstore.keys import PrefixKey, as_token_array, checked_keys
 from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
+from kvstore.lent_kv import LentKV, lent_kv
 from kvstore.pids import pid_alive
 from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
 from kvstore.session import Session
@@ -70,6 +71,7 @@ from kvstore.wire.messages import (
     EvictArgs,
     HelloArgs,
     InlineBulk,
+    LendArgs,
     LookupArgs,
     PlanArgs,
     RetrieveArgs,
@@ -78,7 +80,7 @@ from kvstore.wire.messages import (
     StoreArgs,
 )
 from kvstore.wire.protocol import Op, Reply
-from kvstore.wire.shm import OwnedSegment, host_id, shm_available
+from kvstore.wire.shm import OwnedSegment, host_id, map_lent_arena, shm_available
 from kvstore.wire.values import (
     ChunkInfo,
     RetrievedSegments,
@@ -87,6 +89,7 @@ from kvstore.wire.values import (
     ServerInfo,
     decode_stats,
     decode_store_result,
+    loan_from_wire,
     plan_from_wire,
 )
 
@@ -141,6 +144,8 @@ class Client:
         self._client_id: str | None = None
         self._segments: ClientSegments | None = None
         self._inline_noted = False
+        self._lent_arena: tuple[str, torch.Tensor] | None = None  # the server arena's name and mapping
+        self._lent_arena_failed = False
         try:
             with self._locked():
                 self.server = self._hello(connect_timeout_s)
@@ -471,6 +476,52 @@ class Client:
         if payload is not None and torch.device(device).type == "cpu":
             return source  # the reply frame's memory is this tensor's own
         return source.to(device, copy=True)
+
+    def lend(
+        self,
+        plan: LookupPlan,
+        *,
+        owner: str | None = None,
+        start: int = 0,
+        part: KVPart | None = None,
+        readers: int = 1,
+    ) -> LentKV | None:
+        """Have the server lend the plan's chunks from ``start`` instead of copying them (``TieredStore.lend``): views
+        of its shared cpu arena, mapped read-only, for the caller's one copy. ``None`` when the server does not lend
+        (no shared arena, another host, a chunk outside the cpu tier): the plan is untouched, retrieve it instead.
+        Once lent, the plan stays pinned until ``return_loan`` (with the same ``owner``), which counts as one of
+        its ``readers`` retrieving it. Arguments as for ``retrieve``."""
+        self._require_layout()
+        if self.server.lent_arena is None or self._segments is None or self._lent_arena_failed:
+            return None
+        if not 0 <= start <= plan.end:
+            raise InvalidInputError(f"lend start {start} is outside the plan's [0, {plan.end}]")
+        wire_part = None if part is None or part.is_whole(self._require_layout()) else part
+        args = LendArgs(plan_id=plan.plan_id, owner=owner, start=start, part=wire_part, readers=readers).to_wire()
+        loan = loan_from_wire(self._simple(Op.LEND, args), start)
+        if loan is None:
+            return None
+        try:
+            return lent_kv(self._mapped_arena(), loan, self._require_layout(), part)
+        except (StorageError, InvalidInputError):
+            self.return_loan(plan, owner=owner)
+            raise
+
+    def _mapped_arena(self) -> torch.Tensor:
+        """The server's arena, mapped once per server (a restarted server has another)."""
+        arena = self.server.lent_arena
+        assert arena is not None, "a server lends only when its hello names its arena"
+        if self._lent_arena is None or self._lent_arena[0] != arena.name:
+            try:
+                self._lent_arena = (arena.name, map_lent_arena(arena.name, arena.nbytes, arena.pid, arena.fd))
+            except StorageError:
+                self._lent_arena_failed = True  # another pid namespace, most likely: retrieve from now on
+                raise
+        return self._lent_arena[1]
+
+    def return_loan(self, plan: LookupPlan, *, owner: str | None = None) -> None:
+        """Hand back a lent plan (``lend``) once its KV is copied: the views must not be read after this."""
+        self._simple(Op.RETURN, PlanArgs(plan_id=plan.plan_id, owner=owner).to_wire())
 
     def release(self, plan: LookupPlan, *, owner: str | None = None, readers: int = 1) -> None:
         """Drop the pins of a plan that will not be retrieved. Idempotent. ``owner``: as for ``retrieve``.

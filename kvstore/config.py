@@ -135,6 +135,9 @@ class StoreConfig:
         gpu_capacity_bytes: device memory for the gpu tier.
         gpu_device: CUDA device of the gpu tier (``"cpu"`` runs the gpu-tier logic without a GPU, for tests).
         cpu_capacity_bytes: host memory for the cpu tier (page-locked when CUDA is present).
+        cpu_shared_memory: keep the cpu tier in a memory file that clients on the same host map read-only, so a
+            server lends them its chunks (``TieredStore.lend``) instead of copying; only where the tier is not
+            page-locked (no CUDA). ``kvstore serve`` sets it.
         data_dir: the data dir holding ``data.mdb``.
         disk_capacity_bytes: hard cap on the disk tier's stored (compressed) bytes.
         disk_zstd_level: zstd level of the disk codec (1 is the measured sweet spot).
@@ -165,6 +168,7 @@ class StoreConfig:
     gpu_capacity_bytes: int = 4 * GIB
     gpu_device: str = "cuda"
     cpu_capacity_bytes: int = 4 * GIB
+    cpu_shared_memory: bool = False
     data_dir: Path = field(default=DEFAULT_DATA_DIR)
     disk_capacity_bytes: int = 64 * GIB
     disk_zstd_level: int = 1

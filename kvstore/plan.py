@@ -42,6 +42,7 @@ __all__ = [
     "ChunkOutcome",
     "ChunkResult",
     "Gap",
+    "Loan",
     "LookupPlan",
     "RetrieveProgress",
     "RetrieveResult",
@@ -208,6 +209,31 @@ class RetrieveProgress(Protocol):
     def segments_loaded(self, segments: tuple[Segment, ...]) -> None: ...
 
     def layer_queued(self, layer: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Loan:
+    """A plan's chunks lent from a shared cpu arena, from token ``start`` on (``TieredStore.lend``).
+
+    Args:
+        segments: the plan's segments that end after ``start``, in order (the first may begin before it).
+        offsets: each segment's chunk: the byte offset of its slot in the arena (its KV is the layout's
+            ``chunk_shape(segment.stored_tokens)`` there; a slice takes rows ``[offset, offset + num_tokens)``).
+        num_query_tokens: the prompt's length.
+        start: the first token the caller wants; it holds ``[0, start)``.
+        misses: the gaps of ``[start, num_query_tokens)`` with their reasons (the plan's).
+    """
+
+    segments: tuple[Segment, ...]
+    offsets: tuple[int, ...]
+    num_query_tokens: int
+    start: int
+    misses: tuple[Miss, ...]
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Leading tokens lent (or held by the caller, before ``start``) from exact segments without a gap."""
+        return exact_prefix_tokens(self.segments, self.start)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,10 @@ held, until all ``readers`` have retrieved or released it and no retrieve of it 
 serves ranks that hold the same part (KV heads replicated over more ranks than there are heads, an MLA latent every
 rank loads whole). A rank that never comes (it died) leaves the plan to the plan TTL.
 
+A lent plan (``TieredStore.lend``: the client copies the chunks out of the shared cpu arena itself) is one of those
+readers copying from its lend until it returns the plan (``begin_loan`` / ``end_loan``), whatever its ``readers``:
+so the plan cannot expire under the copy. The client's loans are returned for it when it departs.
+
 Threads: any. ``_clients_lock`` guards ``_clients`` and everything inside each ``ClientState``; it is never held
 while calling the store.
 """
@@ -73,6 +77,7 @@ class ClientState:
     plans: dict[int, OpenPlan] = field(default_factory=dict)
     segments: dict[int, torch.Tensor] = field(default_factory=dict)
     next_segment_id: int = 1
+    loans: set[tuple[str, int]] = field(default_factory=set)  # (owner, plan id) lent and not yet returned
 
     def sessions(self) -> set[str]:
         return {open_plan.session_id for open_plan in self.plans.values() if open_plan.session_id is not None}
@@ -220,6 +225,56 @@ class ClientRegistry:
             del self._shared[(owner, plan_id)]
             return shared.open_plan
 
+    def begin_loan(self, client_id: str, owner: str, plan_id: int, readers: int) -> OpenPlan:
+        """Open a lend of an owner's plan by ``client_id``: as a retrieve by one of its ``readers`` (``begin_shared``),
+        recorded on the client until ``end_loan`` or ``cancel_loan``.
+
+        Raises:
+            RequestError: ``unknown_plan`` as ``begin_shared``; ``not_registered`` when the client is gone.
+        """
+        open_plan = self.begin_shared(owner, plan_id, readers)
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            if state is not None:
+                state.loans.add((owner, plan_id))
+                return open_plan
+        self.cancel_loan(client_id, owner, plan_id)
+        raise RequestError(ErrorCode.NOT_REGISTERED, f"unknown client {client_id!r:.40}; say hello")
+
+    def cancel_loan(self, client_id: str, owner: str, plan_id: int) -> OpenPlan | None:
+        """A lend that lent nothing: the plan is as before ``begin_loan`` (back in its owner's table when no reader
+        is done with it). Returns it when its owner is gone meanwhile (the caller releases it)."""
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            if state is not None:
+                state.loans.discard((owner, plan_id))
+            shared = self._shared.get((owner, plan_id))
+            if shared is None:
+                return None
+            shared.in_flight -= 1
+            if shared.done or shared.in_flight:
+                return None
+            del self._shared[(owner, plan_id)]
+            owner_state = self._clients.get(owner)
+            if owner_state is None:
+                return shared.open_plan
+            owner_state.plans[plan_id] = shared.open_plan
+            return None
+
+    def end_loan(self, client_id: str, owner: str, plan_id: int) -> OpenPlan | None:
+        """The client has copied what it was lent: one reader done (``end_shared``); returns the plan when it was the
+        last (the caller releases it).
+
+        Raises:
+            RequestError: ``unknown_plan`` when the client holds no loan of that plan.
+        """
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            if state is None or (owner, plan_id) not in state.loans:
+                raise RequestError(ErrorCode.UNKNOWN_PLAN, f"plan {plan_id} is not lent to this client")
+            state.loans.discard((owner, plan_id))
+        return self.end_shared(owner, plan_id)
+
     def take_session(self, client_id: str, session_id: str) -> list[OpenPlan]:
         """Forget a session's open plans (the caller ends the store's session, which releases them)."""
         with self._clients_lock:
@@ -249,6 +304,12 @@ class ClientRegistry:
         return expired
 
     # -- segments ----------------------------------------------------------------------------------------------
+
+    def is_local(self, client_id: str) -> bool:
+        """Whether the client said hello from the server's host (unknown clients are not)."""
+        with self._clients_lock:
+            state = self._clients.get(client_id)
+            return state is not None and state.local
 
     def client_pid(self, client_id: str) -> int:
         with self._clients_lock:
@@ -323,10 +384,11 @@ class ClientRegistry:
             state = self._clients.pop(client_id, None)
         if state is None:
             return None
+        returned = [done.plan for loan in state.loans if (done := self.end_shared(*loan)) is not None]
         return Departure(
             client_id=client_id,
             sessions=tuple(sorted(state.sessions())),
-            loose_plans=tuple(p.plan for p in state.plans.values() if p.session_id is None),
+            loose_plans=(*(p.plan for p in state.plans.values() if p.session_id is None), *returned),
         )
 
     def remove_dead(self) -> list[Departure]:

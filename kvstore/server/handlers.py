@@ -62,6 +62,7 @@ from kvstore.wire.messages import (
     EvictArgs,
     HelloArgs,
     InlineBulk,
+    LendArgs,
     LookupArgs,
     PlanArgs,
     RetrieveArgs,
@@ -74,10 +75,12 @@ from kvstore.wire.shm import open_segment
 from kvstore.wire.values import (
     ChunkHits,
     ChunkInfo,
+    LentArena,
     ServerFeatures,
     ServerHealth,
     ServerHello,
     ServerInfo,
+    encode_loan,
     encode_plan,
     encode_retrieve_result,
     encode_stats,
@@ -181,7 +184,7 @@ class RequestHandler:
             return self._ok(request, self.health().to_wire())
         if op is Op.HELLO:
             return self._ok(request, self._hello(HelloArgs.parse(args, limits)))
-        needs_layout = op in (Op.STORE, Op.LOOKUP, Op.RETRIEVE, Op.RELEASE, Op.END_SESSION)
+        needs_layout = op in (Op.STORE, Op.LOOKUP, Op.RETRIEVE, Op.LEND, Op.RETURN, Op.RELEASE, Op.END_SESSION)
         self._clients.touch(client_id, needs_layout=needs_layout)
         assert client_id is not None, "ClientRegistry.touch accepted a request without a client id"
         if op is Op.STORE:
@@ -193,6 +196,14 @@ class RequestHandler:
             return self._ok(request, self._lookup(client_id, LookupArgs.parse(args, limits)))
         if op is Op.RETRIEVE:
             return self._retrieve(request, client_id, RetrieveArgs.parse(args, limits))
+        if op is Op.LEND:
+            return self._ok(request, self._lend(client_id, LendArgs.parse(args, limits)))
+        if op is Op.RETURN:
+            plan_args = PlanArgs.parse(args, limits)
+            done = self._clients.end_loan(client_id, plan_args.owner or client_id, plan_args.plan_id)
+            if done is not None:
+                self._host.require().release(done.plan)
+            return self._ok(request, {})
         if op is Op.RELEASE:
             plan_args = PlanArgs.parse(args, limits)
             owner = plan_args.owner or client_id
@@ -269,7 +280,16 @@ class RequestHandler:
             features=self._features(),
             limits=self._identity.limits,
             host_id=self._identity.host_id,
+            lent_arena=self._lent_arena() if local else None,
         ).to_wire()
+
+    def _lent_arena(self) -> LentArena | None:
+        """The store's shared cpu arena, for a client on this host to map (``None`` when there is none)."""
+        store = self._host.store
+        arena = store.shared_arena if store is not None else None
+        if arena is None or arena.fd is None:
+            return None
+        return LentArena(name=arena.name, nbytes=arena.nbytes, pid=os.getpid(), fd=arena.fd)
 
     def _store(self, client_id: str, args: StoreArgs, payload: memoryview | None) -> dict[str, object]:
         store = self._host.require()
@@ -373,6 +393,39 @@ class RequestHandler:
             kv = result.kv.contiguous()
             payload = memoryview(kv.view(torch.uint8).numpy().data) if kv.numel() else memoryview(b"")
         return ReplyFrames(encode_ok(request.request_id, reply), payload)
+
+    def _lend(self, client_id: str, args: LendArgs) -> dict[str, object]:
+        """Name where a plan's chunks lie in the shared cpu arena (``TieredStore.lend``), the plan kept pinned for the
+        client until it returns it; ``{"lent": False}``, the plan untouched, when some chunk is elsewhere."""
+        store = self._host.require()
+        started_s = time.perf_counter()
+        owner = args.owner or client_id
+        if args.part is not None:
+            args.part.check(store.layout)
+        if store.shared_arena is None or not self._clients.is_local(client_id):
+            return encode_loan(None)
+        plan = self._clients.begin_loan(client_id, owner, args.plan_id, args.readers).plan
+        loan = None
+        try:
+            loan = store.lend(plan, start=args.start)
+        except ConfigError as exc:  # its session ended between our registry and the store's ledger
+            raise RequestError(ErrorCode.UNKNOWN_PLAN, str(exc)) from None
+        finally:
+            if loan is None and (orphan := self._clients.cancel_loan(client_id, owner, args.plan_id)) is not None:
+                store.release(orphan.plan)
+        if loan is None:
+            return encode_loan(None)
+        shape = store.layout if args.part is None else args.part.shape_layout(store.layout)
+        num_tokens = sum(segment.end - max(segment.start, args.start) for segment in loan.segments)
+        transfer = BulkTransfer(
+            transport="lent",
+            seconds=time.perf_counter() - started_s,
+            num_bulk_bytes=0,
+            num_tokens=num_tokens,
+            num_bytes=shape.chunk_bytes(num_tokens),
+        )
+        self._metrics.observe_retrieve(transfer, self._metrics.engine_of(client_id))
+        return encode_loan(loan)
 
     def _retrieve_target(
         self, client_id: str, args: RetrieveArgs, store: TieredStore, plan: LookupPlan

@@ -10,12 +10,17 @@ else by the first client that registers one (logged at INFO). Until then the sto
 are answered, KV requests get a ``config`` error. A client whose layout differs from the server's gets
 ``layout_mismatch`` naming both.
 
+The server keeps its cpu tier in shared memory (``StoreConfig.cpu_shared_memory``) whatever its configuration says:
+clients on its host then copy hits straight from the tier's slots (``Op.LEND``) rather than through a copy of the
+server's. Where the tier is page-locked (CUDA hosts) or the host has no memfds it stays as it was.
+
 Threads: any. ``_open_lock`` serialises opening the store; once open, ``store`` is read without a lock (the
 reference is set once).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -41,14 +46,14 @@ class StoreHost:
     """
 
     def __init__(self, config: StoreConfig, layout: KVLayout | None) -> None:
-        self.config = config
+        self.config = dataclasses.replace(config, cpu_shared_memory=True)
         self._open_lock = threading.Lock()
         self._store: TieredStore | None = None
         self._refused_layouts: set[bytes] = set()  # guarded by _open_lock: each refused layout is logged once
         if config.enable_blend:  # before the server answers anyone: a client's first content lookup has a timeout
             compile_kernels(config.chunk_size)
         if layout is not None:
-            self._store = TieredStore(layout, config)
+            self._store = TieredStore(layout, self.config)
 
     @property
     def store(self) -> TieredStore | None:

@@ -190,7 +190,9 @@ def _open_tier(
     if name is TierName.GPU:
         return GpuTier(layout, config.chunk_size, config.gpu_capacity_bytes, device=config.gpu_device, spill=spill)
     if name is TierName.CPU:
-        return CpuTier(layout, config.chunk_size, config.cpu_capacity_bytes, spill=spill)
+        return CpuTier(
+            layout, config.chunk_size, config.cpu_capacity_bytes, spill=spill, shared_memory=config.cpu_shared_memory
+        )
     assert name is TierName.DISK, f"_open_tier has no case for the local tier {name}; add one"
     return DiskTier(
         config.data_dir,

@@ -60,12 +60,13 @@ from kvstore.keys import (
 )
 from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
-from kvstore.plan import LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
+from kvstore.plan import Loan, LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
 from kvstore.session import Session
 from kvstore.stats import StoreStats
 from kvstore.store.chunk_writes import ChunkWriter, CutSequence
 from kvstore.store.fleet import Fleet
 from kvstore.store.ghosts import GhostTable, ResidencyRelay
+from kvstore.store.lending import lend_segments
 from kvstore.store.local_tiers import LocalTiers
 from kvstore.store.lookup_counts import LookupCounts
 from kvstore.store.lookup_legs import match_leg, prefix_leg
@@ -76,6 +77,7 @@ from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_
 from kvstore.store.segment_loads import SegmentLoader
 from kvstore.tiers.base import ContentRecords, TierName, TierStats
 from kvstore.tiers.residency import ResidencyListener
+from kvstore.tiers.shared_memory import SharedArena
 
 __all__ = ["TieredStore"]
 
@@ -428,6 +430,32 @@ class TieredStore:
             start=start,
             misses=retrieve_misses(plan.misses, loads.dropped, start),
         )
+
+    def lend(self, plan: LookupPlan, *, start: int = 0) -> Loan | None:
+        """Where the plan's chunks from ``start`` on lie in the shared cpu arena (``lending``), for a same-host client
+        that maps it (``shared_arena``) to copy from; the plan stays open with its pins until ``release``. ``None``
+        when some segment is not in that arena (or there is none): the caller retrieves the plan instead.
+
+        Raises:
+            ConfigError: the plan was already retrieved or released, or its session ended.
+            InvalidInputError: ``start`` is outside ``[0, plan.end]``.
+        """
+        self._check_open()
+        if not 0 <= start <= plan.end:
+            raise InvalidInputError(f"lend start {start} is outside the plan's [0, {plan.end}]")
+        plan.wait()  # a prefetch lands its chunk in the cpu tier, and its pin joins the plan's
+        pins = self._ledger.pins_of(plan.plan_id)
+        if pins is None:
+            raise ConfigError(
+                f"plan {plan.plan_id} was already retrieved or released (or its session ended); call lookup() again"
+            )
+        return lend_segments(plan, pins, start)
+
+    @property
+    def shared_arena(self) -> SharedArena | None:
+        """The cpu tier's memory file, when it is kept in one (``StoreConfig.cpu_shared_memory``)."""
+        landing = self._tiers.landing  # the cpu tier
+        return landing.shared if landing is not None else None
 
     def release(self, plan: LookupPlan) -> None:
         """Drop the pins of a plan that will not be retrieved. Idempotent."""

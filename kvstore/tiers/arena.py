@@ -30,11 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import ConfigError, StoreClosedError
+from kvstore.errors import ConfigError, StorageError, StoreClosedError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, ContentRecords, SpillCallback, Tier, TierName, TierStats
 from kvstore.tiers.residency import SILENT, ResidencyListener
+from kvstore.tiers.shared_memory import SharedArena, create_shared_arena, shared_arena_possible
 
 __all__ = ["ArenaTier", "FillCallback"]
 
@@ -74,6 +75,8 @@ class ArenaTier(Tier):
         device: where the arena lives (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         pin_memory: page-lock a host arena so device copies run at full speed (ignored off the host).
         spill: called with a victim's record and KV view before its slot is reused.
+        shared_memory: keep a host arena in a sealed memory file same-host clients can map (``shared``), so a
+            retrieve can lend them its pinned slots (``lent_offset``) instead of copying; not with ``pin_memory``.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class ArenaTier(Tier):
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
         spill: SpillCallback | None = None,
+        shared_memory: bool = False,
     ) -> None:
         self.name = name
         self.layout = layout
@@ -101,12 +105,17 @@ class ArenaTier(Tier):
             )
         self.capacity_bytes = self.num_slots * self.slot_bytes
         self._spill = spill
-        self._arena = torch.empty(
-            self.capacity_bytes,
-            dtype=torch.uint8,
-            device=self.device,
-            pin_memory=pin_memory and self.device.type == "cpu",
-        )
+        host_only = self.device.type == "cpu" and not pin_memory
+        self.shared = _shared_arena(name, self.capacity_bytes) if shared_memory and host_only else None
+        if self.shared is not None:
+            self._arena = self.shared.tensor
+        else:
+            self._arena = torch.empty(
+                self.capacity_bytes,
+                dtype=torch.uint8,
+                device=self.device,
+                pin_memory=pin_memory and self.device.type == "cpu",
+            )
         # Views of full slots, built once: slicing and reshaping per call costs more than copying a 5.6 MiB chunk
         # on an H200 (measured: docs/design-notes.md#tiers-arena).
         self._full_slot_views = [self._make_view(index, chunk_size) for index in range(self.num_slots)]
@@ -124,7 +133,7 @@ class ArenaTier(Tier):
             self.num_slots,
             self.slot_bytes / _MIB,
             self.device,
-            " (pinned)" if self._arena.is_pinned() else "",
+            " (pinned)" if self._arena.is_pinned() else " (shared)" if self.shared is not None else "",
         )
 
     def slot_view(self, index: int, num_tokens: int) -> torch.Tensor:
@@ -246,6 +255,14 @@ class ArenaTier(Tier):
             )
             return self.slot_view(slot.index, slot.record.num_tokens)
 
+    def lent_offset(self, key: PrefixKey) -> int:
+        """The byte offset in the arena of a resident chunk's slot, for a client that maps it (``shared``); the
+        caller must hold a pin for as long as the client reads it."""
+        with self._slots_lock:
+            slot = self._resident.get(key)
+            assert slot is not None and slot.pins > 0, "ArenaTier.lent_offset needs a pinned resident chunk"
+            return slot.index * self.slot_bytes
+
     def record(self, key: PrefixKey) -> ChunkRecord | None:
         with self._slots_lock:
             slot = self._resident.get(key)
@@ -333,8 +350,22 @@ class ArenaTier(Tier):
             self._free_slots.clear()
             self._full_slot_views = []
             self._arena = torch.empty(0, dtype=torch.uint8, device=self.device)
+            if self.shared is not None:
+                self.shared.close()
         logger.info("%s tier closed", self.name)
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"{self.name} tier was closed; open a new TieredStore")
+
+
+def _shared_arena(name: TierName, nbytes: int) -> SharedArena | None:
+    """A shared arena's memory file, or ``None`` (logged) where the host cannot make one: the tier then lends
+    nothing and every retrieve copies, as before."""
+    if not shared_arena_possible():
+        return None
+    try:
+        return create_shared_arena(nbytes)
+    except StorageError as exc:
+        logger.warning("%s tier: not shared with local clients (%s); retrieves copy", name, exc)
+        return None

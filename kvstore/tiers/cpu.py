@@ -21,6 +21,8 @@ class CpuTier(ArenaTier):
         capacity_bytes: host memory to preallocate (whole slots).
         pin_memory: page-lock the arena; ``None`` means "when CUDA is available".
         spill: where victims go (the store wires the disk tier here).
+        shared_memory: keep the arena in a memory file same-host clients map, when it is not page-locked
+            (``ArenaTier``).
     """
 
     def __init__(
@@ -31,9 +33,17 @@ class CpuTier(ArenaTier):
         *,
         pin_memory: bool | None = None,
         spill: SpillCallback | None = None,
+        shared_memory: bool = False,
     ) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         super().__init__(
-            TierName.CPU, layout, chunk_size, capacity_bytes, device="cpu", pin_memory=pin_memory, spill=spill
+            TierName.CPU,
+            layout,
+            chunk_size,
+            capacity_bytes,
+            device="cpu",
+            pin_memory=pin_memory,
+            spill=spill,
+            shared_memory=shared_memory,
         )

@@ -63,6 +63,7 @@ __all__ = [
     "EvictArgs",
     "HelloArgs",
     "InlineBulk",
+    "LendArgs",
     "LookupArgs",
     "PlanArgs",
     "RetrieveArgs",
@@ -368,6 +369,44 @@ class RetrieveArgs:
         wire: dict[str, object] = {"plan_id": self.plan_id, "bulk": self.bulk.to_wire()}
         if self.memory_only:  # only when asked: a server from before the field refuses unknown fields
             wire["memory_only"] = True
+        if self.owner is not None:
+            wire["owner"] = self.owner
+        if self.start:
+            wire["start"] = self.start
+        if self.part is not None:
+            wire["part"] = self.part.to_wire()
+        if self.readers != 1:
+            wire["readers"] = self.readers
+        return wire
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LendArgs:
+    """Lend a plan's chunks from token ``start`` (``TieredStore.lend``): the reply names where each lies in the
+    server's shared cpu arena (``ServerHello.lent_arena``), and the plan stays pinned until the caller returns it
+    (``Op.RETURN`` with ``PlanArgs``). ``owner``, ``part`` and ``readers`` are a retrieve's (``RetrieveArgs``): the
+    loan counts as one of the plan's ``readers`` once returned."""
+
+    plan_id: int
+    owner: str | None = None
+    start: int = 0
+    part: KVPart | None = None
+    readers: int = 1
+
+    @classmethod
+    def parse(cls, fields: Fields, limits: Limits) -> LendArgs:
+        parsed = cls(
+            plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID),
+            owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
+            start=fields.int_("start", 0, _MAX_RETRIEVE_START, optional=True) or 0,
+            part=parse_part(fields),
+            readers=fields.int_("readers", 1, _MAX_READERS, optional=True) or 1,
+        )
+        fields.finish()
+        return parsed
+
+    def to_wire(self) -> dict[str, object]:
+        wire: dict[str, object] = {"plan_id": self.plan_id}
         if self.owner is not None:
             wire["owner"] = self.owner
         if self.start:

@@ -84,6 +84,8 @@ class Op(enum.StrEnum):
     ATTACH = "attach"
     DETACH = "detach"
     DOCUMENTS = "documents"
+    LEND = "lend"
+    RETURN = "return"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

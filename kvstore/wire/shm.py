@@ -34,22 +34,26 @@ import ctypes
 import fcntl
 import functools
 import logging
+import mmap
 import os
 import re
 import secrets
 import stat
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvstore.errors import StorageError
+from kvstore.tiers.shared_memory import ARENA_NAME_PREFIX
 from kvstore.wire.error_codes import ErrorCode, RequestError
 
 __all__ = [
     "OwnedSegment",
     "create_segment",
     "host_id",
+    "map_lent_arena",
     "open_segment",
     "segment_owner_pid",
     "shm_available",
@@ -199,3 +203,35 @@ def _filesystem_type(fd: int) -> int:
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def map_lent_arena(name: str, nbytes: int, pid: int, fd: int) -> torch.Tensor:
+    """Map a server's shared cpu arena read-only (client side; ``kvstore.tiers.shared_memory``): the server lends
+    chunks by their offsets in it. Read-only, so nothing a client does can change the store's KV.
+
+    Args:
+        name: the arena's memfd name (``kvstore-arena-<pid>-<16 hex>``), which must carry ``pid``.
+        nbytes: its size, as the server's hello says.
+        pid: the server's pid; fd: its descriptor for the file (opened here through ``/proc/<pid>/fd``).
+
+    Raises:
+        StorageError: the name, size, seals or file are not the arena's, or it cannot be opened (another pid
+            namespace) or mapped; the client then retrieves as before.
+    """
+    if not name.startswith(ARENA_NAME_PREFIX) or segment_owner_pid(f"kvstore-{name[len(ARENA_NAME_PREFIX):]}") != pid:
+        raise StorageError(f"lent arena name {name!r:.80} is not kvstore-arena-{pid}-<16 hex>")
+    source = f"/proc/{pid}/fd/{fd}"
+    try:
+        own_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StorageError(f"cannot open the server's arena at {source} ({exc.strerror})") from None
+    try:
+        _check_segment(own_fd, name, nbytes)
+        mapping = mmap.mmap(own_fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except (OSError, RequestError) as exc:
+        raise StorageError(f"cannot map the server's arena {name}: {exc}") from None
+    finally:
+        os.close(own_fd)
+    with warnings.catch_warnings():  # torch warns of every read-only buffer; this one is read-only on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)

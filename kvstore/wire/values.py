@@ -42,7 +42,7 @@ from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss, MissReason
-from kvstore.plan import LookupPlan, RetrieveResult, Segment, StoreResult
+from kvstore.plan import Loan, LookupPlan, RetrieveResult, Segment, StoreResult
 from kvstore.stats import CatalogStats, LookupTotals, RemoteStats, StoreStats
 from kvstore.tiers.base import TierName, TierStats
 from kvstore.wire.error_codes import ErrorCode, RequestError
@@ -53,6 +53,7 @@ __all__ = [
     "ChunkHits",
     "ChunkInfo",
     "ClientSummary",
+    "LentArena",
     "RetrievedSegments",
     "ServerFeatures",
     "ServerHealth",
@@ -63,12 +64,14 @@ __all__ = [
     "decode_segments",
     "decode_stats",
     "decode_store_result",
+    "encode_loan",
     "encode_plan",
     "encode_retrieve_result",
     "encode_segments",
     "encode_slices",
     "encode_stats",
     "encode_store_result",
+    "loan_from_wire",
     "plan_from_wire",
 ]
 
@@ -254,6 +257,41 @@ class RetrievedSegments:
         return cls(segments=segments, num_query_tokens=num_query_tokens, end=end, misses=misses)
 
 
+def loan_from_wire(fields: Fields, start: int) -> Loan | None:
+    """A lend reply (``encode_loan``) for a lend from ``start``; ``None`` when the server did not lend the plan (the
+    caller retrieves it)."""
+    if not fields.required_bool("lent"):
+        fields.finish()
+        return None
+    num_query_tokens = fields.required_int("num_query_tokens", 0, _MAX_POSITION)
+    segments = decode_segments(fields, "segments", num_query_tokens)
+    offsets = fields.list_("offsets", _MAX_SEGMENTS)
+    misses = decode_misses(fields, "misses", num_query_tokens)
+    fields.finish()
+    if len(offsets) != len(segments) or any(type(o) is not int or not 0 <= o < _MAX_POSITION for o in offsets):
+        raise RequestError(ErrorCode.MALFORMED, "lend reply offsets are not one byte offset per segment")
+    if any(segment.end <= start for segment in segments):
+        raise RequestError(ErrorCode.MALFORMED, f"lend reply names a segment that ends by its start {start}")
+    return Loan(
+        segments=segments,
+        offsets=tuple(offsets),  # type: ignore[arg-type]
+        num_query_tokens=num_query_tokens,
+        start=start,
+        misses=misses,
+    )
+
+
+def encode_loan(loan: Loan | None) -> dict[str, object]:
+    """A lend reply: ``{"lent": False}`` when there is no loan."""
+    if loan is None:
+        return {"lent": False}
+    wire = add_segments({"lent": True}, "segments", loan.segments)
+    wire["offsets"] = list(loan.offsets)
+    wire["num_query_tokens"] = loan.num_query_tokens
+    wire["misses"] = encode_misses(loan.misses)
+    return wire
+
+
 def encode_retrieve_result(result: RetrieveResult) -> dict[str, object]:
     wire = add_segments({}, "segments", result.segments)
     wire["num_query_tokens"] = result.num_query_tokens
@@ -426,6 +464,31 @@ def _layout_from_wire(fields: Fields, name: str) -> KVLayout | None:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LentArena:
+    """The server's shared cpu arena, for a client on its host to map read-only (``kvstore.wire.shm``): the memory
+    file's name and size, and the server's pid and descriptor to open it through ``/proc``."""
+
+    name: str
+    nbytes: int
+    pid: int
+    fd: int
+
+    def to_wire(self) -> dict[str, object]:
+        return {"name": self.name, "nbytes": self.nbytes, "pid": self.pid, "fd": self.fd}
+
+    @classmethod
+    def from_wire(cls, fields: Fields) -> LentArena:
+        arena = cls(
+            name=fields.required_str("name", 64),
+            nbytes=fields.required_int("nbytes", 1, _MAX_POSITION),
+            pid=fields.required_int("pid", 1, 2**31),
+            fd=fields.required_int("fd", 0, 2**31),
+        )
+        fields.finish()
+        return arena
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerHello:
     """The hello reply: the client's token and what the server is."""
 
@@ -440,9 +503,10 @@ class ServerHello:
     chunk_separator: tuple[int, ...] = ()
     chunking: Chunking = Chunking.FIXED
     partial_segments: bool = False  # plans slices for a lookup that asks (``LookupArgs.partial``)
+    lent_arena: LentArena | None = None  # only to a client on the server's host, when the cpu tier is shared
 
     def to_wire(self) -> dict[str, object]:
-        return {
+        wire: dict[str, object] = {
             "client_id": self.client_id,
             "server_version": self.server_version,
             "layout": self.layout.to_json() if self.layout is not None else None,
@@ -455,9 +519,13 @@ class ServerHello:
             "limits": _encode_record(self.limits),
             "host_id": self.host_id,
         }
+        if self.lent_arena is not None:  # absent otherwise: a client before lending reads nothing new
+            wire["lent_arena"] = self.lent_arena.to_wire()
+        return wire
 
     @classmethod
     def from_wire(cls, fields: Fields) -> ServerHello:
+        arena = fields.optional_map("lent_arena")
         hello = cls(
             client_id=fields.required_str("client_id", 64),
             server_version=fields.required_str("server_version", 64),
@@ -470,6 +538,7 @@ class ServerHello:
             chunk_separator=_chunk_separator_from_wire(fields),
             chunking=_chunking_from_wire(fields),
             partial_segments=fields.bool_("partial_segments", optional=True) is True,  # absent: a server before them
+            lent_arena=LentArena.from_wire(arena) if arena is not None else None,
         )
         # No fields.finish(): a server newer than this client may describe more of itself (a capability it offers,
         # which the client then never asks for), and refusing it would stop every older client at a rolling upgrade.
