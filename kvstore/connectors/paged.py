@@ -218,6 +218,7 @@ class PagedChunk:
             and block_ids.device == chunk.device  # the kernel reads the ids where it runs
             and block_ids.dtype in (torch.int64, torch.int32)
             and block_ids.is_contiguous()
+            and (self.num_tokens < 2 or chunk.stride(2) == block_format.num_kv_heads * block_format.head_dim)
         )
         self._request_kernel = kernel if one_launch else None
 
@@ -309,11 +310,12 @@ class _WideChunk:
 
     @staticmethod
     def of(layer_chunks: torch.Tensor, num_blocks: int, block_format: BlockFormat) -> _WideChunk | None:
-        """The chunk ``[layers, 2, tokens, heads, head_dim]`` (each plane already checked contiguous) in 16-byte
-        elements, or ``None`` when it is not 16-byte aligned."""
+        """The chunk ``[layers, 2, tokens, heads, head_dim]`` (each token's heads already checked contiguous) in
+        16-byte elements, or ``None`` when it is not 16-byte aligned."""
         ratio = _WIDE_DTYPE.itemsize // layer_chunks.element_size()
-        layer_stride, plane_stride = layer_chunks.stride(0), layer_chunks.stride(1)
-        if layer_chunks.storage_offset() % ratio or layer_stride % ratio or plane_stride % ratio:
+        layer_stride, plane_stride, chunk_token_stride = layer_chunks.stride()[:3]
+        steps = (layer_chunks.storage_offset(), layer_stride, plane_stride, chunk_token_stride)
+        if any(step % ratio for step in steps):
             return None
         if layer_chunks.data_ptr() % _WIDE_DTYPE.itemsize:
             return None
@@ -322,7 +324,7 @@ class _WideChunk:
         except RuntimeError:
             return None
         slots, heads, wide_dim = block_format.block_size, block_format.num_kv_heads, block_format.head_dim // ratio
-        token_stride = heads * wide_dim
+        token_stride = chunk_token_stride // ratio
         return _WideChunk(
             wide=wide,
             size=(num_blocks, block_format.num_planes, slots, heads, wide_dim),
@@ -433,13 +435,14 @@ def _check_chunk(
         )
     num_tokens = shape[1]
     _, _, token_stride, head_stride, dim_stride = chunk.stride()
-    # each plane [tokens, heads, head_dim] contiguous (a stride of a size-1 axis is free)
+    # each token's [heads, head_dim] contiguous (a stride of a size-1 axis is free); tokens may lie further apart (a
+    # part's heads of a whole chunk: a lent view)
     if (
         (head_dim > 1 and dim_stride != 1)
         or (heads > 1 and head_stride != head_dim)
-        or (num_tokens > 1 and token_stride != heads * head_dim)
+        or (num_tokens > 1 and token_stride < heads * head_dim)
     ):
-        raise InvalidInputError("each plane of a chunk layer must be contiguous ([tokens, heads, head_dim])")
+        raise InvalidInputError("each token of a chunk layer must be contiguous ([heads, head_dim])")
     if num_tokens > len(block_ids) * block_format.block_size:
         raise InvalidInputError(
             f"{num_tokens} tokens do not fit in {len(block_ids)} blocks of {block_format.block_size} slots"

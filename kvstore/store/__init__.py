@@ -11,6 +11,7 @@
   local tier's one residency listener.
 - ``segment_loads``: which of a plan's segments a retrieve serves, and from where.
 - ``retrieve_copies``: a retrieve's copies into the caller's buffer (memory chunks, disk decodes).
+- ``lending``: a lent retrieve: where a plan's chunks lie in the shared cpu arena.
 - ``pins``: ``PinLedger``, the pins each open plan holds, by session.
 - ``prefetch``: promotions into the cpu tier that a lookup starts and a retrieve waits for.
 - ``lookup_counts``: the hit and miss counters of lookups.

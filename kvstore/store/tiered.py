@@ -77,7 +77,7 @@ from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_
 from kvstore.store.segment_loads import SegmentLoader
 from kvstore.tiers.base import ContentRecords, TierName, TierStats
 from kvstore.tiers.residency import ResidencyListener
-from kvstore.tiers.shared_memory import SharedArena
+from kvstore.tiers.memfd_arena import SharedArena
 
 __all__ = ["TieredStore"]
 

@@ -6,6 +6,7 @@
 - ``arena``: preallocated chunk slots with LRU eviction and pins, the body of the gpu and cpu tiers;
 - ``gpu``: chunk slots in device memory, demoting to the cpu tier on eviction;
 - ``cpu``: chunk slots in host RAM, page-locked when CUDA is present;
+- ``memfd_arena``: an arena kept in a sealed memory file, for same-host clients to read chunks in place;
 - ``disk``: chunks in LMDB, compressed per frame, kept across restarts;
 - ``residency``: the residency changes a tier reports to whoever mirrors what the store holds (KV events);
 - ``shared``: ``SharedTier``, the contract of a tier many hosts share;

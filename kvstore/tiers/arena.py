@@ -35,7 +35,7 @@ from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, ContentRecords, SpillCallback, Tier, TierName, TierStats
 from kvstore.tiers.residency import SILENT, ResidencyListener
-from kvstore.tiers.shared_memory import SharedArena, create_shared_arena, shared_arena_possible
+from kvstore.tiers.memfd_arena import SharedArena, create_shared_arena, shared_arena_possible
 
 __all__ = ["ArenaTier", "FillCallback"]
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from kvstore.errors import StorageError
-from kvstore.tiers.shared_memory import ARENA_NAME_PREFIX
+from kvstore.tiers.memfd_arena import ARENA_NAME_PREFIX
 from kvstore.wire.error_codes import ErrorCode, RequestError
 
 __all__ = [
@@ -206,7 +206,7 @@ def _libc() -> ctypes.CDLL:
 
 
 def map_lent_arena(name: str, nbytes: int, pid: int, fd: int) -> torch.Tensor:
-    """Map a server's shared cpu arena read-only (client side; ``kvstore.tiers.shared_memory``): the server lends
+    """Map a server's shared cpu arena read-only (client side; ``kvstore.tiers.memfd_arena``): the server lends
     chunks by their offsets in it. Read-only, so nothing a client does can change the store's KV.
 
     Args:

@@ -56,7 +56,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,6 +66,7 @@ from kvstore.blend.vllm.hook import BlendEngine, BlendEngineContext, BlendOutcom
 from kvstore.client import Client
 from kvstore.connectors.block_format import BlockFormat, PlaneMap
 from kvstore.connectors.group_copies import GroupCopies
+from kvstore.connectors.lent_scatter import scatter_lent
 from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.connectors.paged import PagedChunk, PagedLayers, device_block_ids
 from kvstore.connectors.settings import ConnectorSettings
@@ -85,7 +86,9 @@ from kvstore.connectors.vllm.span_writer import PagedSpanWriter
 from kvstore.connectors.vllm.worker_stats import WorkerStats
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout
+from kvstore.lent_kv import LentKV
 from kvstore.misses import Miss, tokens_by_reason
+from kvstore.plan import LookupPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,6 +111,14 @@ class _Fetched:
     buffer: torch.Tensor | None = None
     block_ids: torch.Tensor | None = None
     misses: tuple[Miss, ...] = ()  # the retrieve's (or the plan's), with their reasons
+    lent: LentKV | None = None  # instead of ``kv``: the server's own memory, read until ``return_loan``
+    return_loan: Callable[[], None] | None = None  # hands a lent plan back (once its KV is in the blocks)
+
+    def give_back_loan(self) -> None:
+        """Return the lent plan, if any (once): the server may reuse its slots from then on."""
+        give_back, self.return_loan = self.return_loan, None
+        if give_back is not None:
+            give_back()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -475,9 +486,13 @@ class WorkerSide:
         if usable <= spec.start:
             client.release(plan, owner=owner, readers=readers)
             return _Fetched(kv=None, loaded_end=spec.start, seconds=time.perf_counter() - started, misses=plan.misses)
+        cpu = self._caches[0].device.type == "cpu"
+        if cpu and not self._hybrid:
+            lent = self._lend(client, spec, plan, readers, started)
+            if lent is not None:
+                return lent
         try:
             # vLLM holds [0, start) itself: only the rest travels
-            cpu = self._caches[0].device.type == "cpu"
             out = buffers.take(client, plan.end - spec.start, part=part) if cpu else None
         except KVStoreError:
             client.release(plan, owner=owner, readers=readers)
@@ -502,6 +517,41 @@ class WorkerSide:
             misses=result.misses,
         )
 
+    def _lend(self, client: Client, spec: LoadSpec, plan: LookupPlan, readers: int, started: float) -> _Fetched | None:
+        """The load lent by a server on this host (``Client.lend``): the scatter reads the chunks where the server's
+        cpu tier holds them, so the server copies nothing; ``None`` when it does not lend (the plan untouched)."""
+        owner = spec.plan_owner
+        try:
+            lent = client.lend(plan, owner=owner, start=spec.start, part=self._rank.part, readers=readers)
+        except KVStoreError:
+            if readers == 1:
+                client.release(plan, owner=owner)
+            raise
+        if lent is None:
+            return None
+
+        def return_loan() -> None:
+            try:
+                client.return_loan(plan, owner=owner)
+            except KVStoreError as exc:  # a link that reconnected: its goodbye returned the loan
+                logger.debug("request %s: returning its lent plan failed: %s", spec.request_id, exc)
+
+        usable = min(spec.end, lent.num_prefix_tokens)
+        loaded_end = max(usable - usable % self._block_size, spec.start)
+        num_blocks = (loaded_end - spec.start) // self._block_size
+        fetched = _Fetched(
+            kv=None,
+            lent=lent,
+            return_loan=return_loan,
+            loaded_end=loaded_end,
+            seconds=time.perf_counter() - started,
+            block_ids=self._device_block_ids(spec.block_ids[:num_blocks]),
+            misses=lent.misses,
+        )
+        if not num_blocks:
+            fetched.give_back_loan()
+        return fetched
+
     def _scatter_sync_loads(self) -> None:
         """Once a step, on the engine's thread: wait for each sync load's fetch and put it into its blocks."""
         if self._sync_loads_scattered:
@@ -510,7 +560,11 @@ class WorkerSide:
         for spec, future in self._sync_loads:
             fetched = future.result()
             self._account_load(spec, fetched)
-            self._scatter(spec, fetched)
+            try:
+                self._scatter(spec, fetched)
+            finally:
+                if fetched.return_loan is not None:  # off the engine's thread: a round trip to the server
+                    self._pools[0].submit(fetched.give_back_loan)
 
     def _load_whole(self, spec: LoadSpec) -> tuple[int, set[int]]:
         """An async load: fetch, then scatter every layer; returns the tokens loaded and the blocks that were not."""
@@ -525,12 +579,20 @@ class WorkerSide:
             fetched = _Fetched(kv=None, loaded_end=spec.start, seconds=0.0)
         finally:
             self._async_buffers.give_back(buffer)
+            fetched.give_back_loan()
         return _loaded_tokens(spec, fetched), self._account_load(spec, fetched)
 
     def _scatter(self, spec: LoadSpec, fetched: _Fetched) -> None:
         """Every layer of a fetched load into its blocks (the retrieve began at ``spec.start``); with several KV
         cache groups each layer into its group's blocks, none into the null block (a sliding window's outside)."""
-        if fetched.kv is None or fetched.loaded_end <= spec.start:
+        if fetched.loaded_end <= spec.start:
+            return
+        if fetched.lent is not None:
+            assert fetched.block_ids is not None, "a load is lent only to an engine of one KV cache group"
+            layers = self._registered_layers()
+            scatter_lent(layers, fetched.block_ids, fetched.lent.pieces, spec.start, fetched.loaded_end)
+            return
+        if fetched.kv is None:
             return
         kv = fetched.kv[:, :, : fetched.loaded_end - spec.start]
         if fetched.block_ids is not None:

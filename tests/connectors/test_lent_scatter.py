@@ -1,0 +1,55 @@
+"""A lent load's pieces (one strided view per chunk, chunk edges anywhere) land in the blocks exactly as the same KV
+retrieved into one buffer and scattered whole, in vLLM's CPU format (K transposed) and the packed CUDA format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.connectors.lent_scatter import scatter_lent
+from kvstore.connectors.paged import PagedChunk, PagedLayer, PagedLayers
+from kvstore.lent_kv import LentPiece
+from tests.connectors.test_paged import packed_cache, probe, write_cpu_transposed, write_packed
+
+SLOTS, DIM, ALL_HEADS, LAYERS, NUM_BLOCKS = 4, 8, 4, 2, 12
+
+
+def engine_layers(kind: str, heads: int) -> PagedLayers:
+    if kind == "cpu":
+        caches = [torch.zeros(NUM_BLOCKS, heads, SLOTS, 2 * DIM) for _ in range(LAYERS)]
+        block_format = probe(caches[0], DIM, write_cpu_transposed)
+    else:
+        caches = [packed_cache(NUM_BLOCKS, heads, SLOTS, DIM, torch.float32, tokens_outer=True) for _ in range(LAYERS)]
+        block_format = probe(caches[0], DIM, write_packed)
+    return PagedLayers([PagedLayer(cache, block_format) for cache in caches])
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda-format"])
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    chunk_lengths=st.lists(st.integers(1, 11), min_size=1, max_size=6),
+    head_range=st.sampled_from([(0, 4), (0, 2), (2, 4), (1, 2)]),
+)
+def test_pieces_land_where_one_buffer_would(kind: str, data: st.DataObject, chunk_lengths, head_range) -> None:
+    total = sum(chunk_lengths)
+    start = data.draw(st.integers(0, total // SLOTS)) * SLOTS  # the engine's own prefix: whole blocks
+    end = data.draw(st.integers(start // SLOTS, total // SLOTS)) * SLOTS
+    heads = head_range[1] - head_range[0]
+    whole = torch.randn(LAYERS, 2, total, ALL_HEADS, DIM)
+    pieces, at = [], 0
+    for length in chunk_lengths:  # each chunk a slot of its own, seen through the part's heads
+        slot = whole[:, :, at : at + length].clone()
+        pieces.append(LentPiece(start=at, kv=slot[:, :, :, head_range[0] : head_range[1]]))
+        at += length
+    num_blocks = (end - start) // SLOTS
+    block_ids = torch.randperm(NUM_BLOCKS)[:num_blocks]
+    lent, reference = engine_layers(kind, heads), engine_layers(kind, heads)
+    scatter_lent(lent, block_ids, pieces, start, end)
+    if num_blocks:
+        part = whole[:, :, start:end, head_range[0] : head_range[1]].contiguous()
+        PagedChunk(reference, block_ids, part).scatter_all()
+    for ours, theirs in zip(lent, reference, strict=True):
+        assert torch.equal(ours.cache, theirs.cache)
