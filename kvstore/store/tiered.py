@@ -434,7 +434,8 @@ class TieredStore:
     def lend(self, plan: LookupPlan, *, start: int = 0) -> Loan | None:
         """Where the plan's chunks from ``start`` on lie in the shared cpu arena (``lending``), for a same-host client
         that maps it (``shared_arena``) to copy from; the plan stays open with its pins until ``release``. ``None``
-        when some segment is not in that arena (or there is none): the caller retrieves the plan instead.
+        when some segment is not in that arena (or there is none), or a prefetch of the plan is still running: the
+        caller retrieves the plan instead. Never waits (a server answers it on its control threads).
 
         Raises:
             ConfigError: the plan was already retrieved or released, or its session ended.
@@ -443,7 +444,8 @@ class TieredStore:
         self._check_open()
         if not 0 <= start <= plan.end:
             raise InvalidInputError(f"lend start {start} is outside the plan's [0, {plan.end}]")
-        plan.wait()  # a prefetch lands its chunk in the cpu tier, and its pin joins the plan's
+        if not plan.ready:  # a disk chunk still landing: a retrieve waits for it, a lend never blocks
+            return None
         pins = self._ledger.pins_of(plan.plan_id)
         if pins is None:
             raise ConfigError(

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvstore.chunking import Chunking
 from kvstore.keys import PrefixKey, as_token_array
 from kvstore.layout import KVLayout
-from kvstore.plan import ChunkOutcome, ChunkResult, LookupPlan, RetrieveResult, Segment, StoreResult
+from kvstore.plan import ChunkOutcome, ChunkResult, Loan, LookupPlan, RetrieveResult, Segment, StoreResult
 from kvstore.tiers.base import TierName
 from kvstore.wire.error_codes import ErrorCode, RequestError, exception_for
 from kvstore.wire.fields import Fields
@@ -42,15 +42,18 @@ from kvstore.wire.protocol import (
     encode_request,
 )
 from kvstore.wire.values import (
+    LentArena,
     RetrievedSegments,
     ServerFeatures,
     ServerHello,
     TierCapacity,
     decode_store_result,
+    encode_loan,
     encode_plan,
     encode_retrieve_result,
     encode_segments,
     encode_store_result,
+    loan_from_wire,
     plan_from_wire,
 )
 
@@ -353,6 +356,49 @@ def test_hello_round_trips(small_layout: KVLayout) -> None:
     assert ServerHello.from_wire(Fields(newer, "hello")) == hello, "a newer server's hello: what it adds is ignored"
     with pytest.raises(RequestError, match="not one of fixed, content"):
         ServerHello.from_wire(Fields({**hello.to_wire(), "chunking": "rolling"}, "hello"))
+
+
+def test_a_hello_names_the_lent_arena_only_when_there_is_one(small_layout: KVLayout) -> None:
+    hello = ServerHello(
+        client_id="c",
+        server_version="1",
+        layout=small_layout,
+        chunk_size=256,
+        tiers=(TierCapacity(tier=TierName.CPU, capacity_bytes=5),),
+        features=ServerFeatures(blend=True, segmented_prefix=False, dedup_content=False, shm=True, cuda_ipc=False),
+        limits=LIMITS,
+        host_id="h",
+    )
+    assert "lent_arena" not in hello.to_wire(), "a client from before lending reads nothing new"
+    lending = dataclasses.replace(hello, lent_arena=LentArena(name="kvstore-arena-7-00", nbytes=4096, pid=7, fd=12))
+    assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(lending.to_wire())), "hello")) == lending
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=0, max_size=8),
+    start_fraction=st.floats(0, 1),
+    lent=st.booleans(),
+)
+def test_loans_round_trip_and_bad_offsets_are_request_errors(lengths: list[int], start_fraction: float, lent: bool):
+    segments, at = [], 0
+    for index, length in enumerate(lengths):
+        key = PrefixKey(bytes([index]) * 16)
+        segments.append(Segment(start=at, num_tokens=length, key=key, source_start=at, exact=True, tier=TierName.CPU))
+        at += length
+    start = int(start_fraction * (segments[0].end - 1)) if segments else 0
+    loan = Loan(
+        segments=tuple(segments), offsets=tuple(4096 * i for i in range(len(segments))), num_query_tokens=at + 5,
+        start=start, misses=(),
+    )  # fmt: skip
+    wire = msgpack.unpackb(msgpack.packb(encode_loan(loan if lent else None)))
+    assert loan_from_wire(Fields(wire, "lend"), start) == (loan if lent else None)
+    if lent and segments:
+        bad = wire | {"offsets": wire["offsets"][:-1]}
+        with pytest.raises(RequestError, match="one byte offset per segment"):
+            loan_from_wire(Fields(bad, "lend"), start)
+        with pytest.raises(RequestError, match="ends by its start"):
+            loan_from_wire(Fields(wire, "lend"), segments[-1].end)
 
 
 @settings(max_examples=300, deadline=None)
