@@ -559,8 +559,8 @@ class WorkerSide:
         self._sync_loads_scattered = True
         for spec, future in self._sync_loads:
             fetched = future.result()
-            self._account_load(spec, fetched)
             try:
+                self._account_load(spec, fetched)
                 self._scatter(spec, fetched)
             finally:
                 if fetched.return_loan is not None:  # off the engine's thread: a round trip to the server
@@ -568,18 +568,17 @@ class WorkerSide:
 
     def _load_whole(self, spec: LoadSpec) -> tuple[int, set[int]]:
         """An async load: fetch, then scatter every layer; returns the tokens loaded and the blocks that were not."""
-        fetched = self._fetch(self._async_link, self._async_buffers, spec)
-        buffer = fetched.buffer
+        fetched = landed = self._fetch(self._async_link, self._async_buffers, spec)
         try:
-            self._scatter(spec, fetched)
+            self._scatter(spec, landed)
             if self._caches[0].device.type == "cuda":
                 torch.cuda.current_stream(self._caches[0].device).synchronize()
         except Exception:  # the load thread's boundary: vLLM recomputes what did not load
             logger.exception("request %s: async load failed; vLLM recomputes its blocks", spec.request_id)
             fetched = _Fetched(kv=None, loaded_end=spec.start, seconds=0.0)
         finally:
-            self._async_buffers.give_back(buffer)
-            fetched.give_back_loan()
+            self._async_buffers.give_back(landed.buffer)
+            landed.give_back_loan()  # failed or not: a loan never returned would pin its chunks for good
         return _loaded_tokens(spec, fetched), self._account_load(spec, fetched)
 
     def _scatter(self, spec: LoadSpec, fetched: _Fetched) -> None:
