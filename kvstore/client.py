@@ -50,7 +50,6 @@ from kvstore.errors import (
 from kvstore.keys import PrefixKey, as_token_array, checked_keys
 from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
-from kvstore.lent_kv import LentKV, lent_kv
 from kvstore.pids import pid_alive
 from kvstore.plan import UNPINNED_PLAN_ID, LookupPlan, RetrieveProgress, RetrieveResult, StoreResult
 from kvstore.session import Session
@@ -62,6 +61,7 @@ from kvstore.wire.cuda_ipc import export_cuda_tensor
 from kvstore.wire.documents import DocumentsArgs, DocumentsReport
 from kvstore.wire.error_codes import ErrorCode, exception_for
 from kvstore.wire.fields import Fields
+from kvstore.wire.lent_kv import LentKV, lent_kv
 from kvstore.wire.messages import (
     AttachArgs,
     BulkRef,
@@ -80,7 +80,7 @@ from kvstore.wire.messages import (
     StoreArgs,
 )
 from kvstore.wire.protocol import Op, Reply
-from kvstore.wire.shm import OwnedSegment, host_id, map_lent_arena, shm_available
+from kvstore.wire.shm import MappedArena, OwnedSegment, host_id, map_lent_arena, shm_available
 from kvstore.wire.values import (
     ChunkInfo,
     RetrievedSegments,
@@ -144,7 +144,7 @@ class Client:
         self._client_id: str | None = None
         self._segments: ClientSegments | None = None
         self._inline_noted = False
-        self._lent_arena: tuple[str, torch.Tensor] | None = None  # the server arena's name and mapping
+        self._lent_arena: MappedArena | None = None  # the server's arena, once mapped
         self._lent_arena_failed = False
         try:
             with self._locked():
@@ -511,17 +511,17 @@ class Client:
             self.return_loan(plan, owner=owner)
             raise
 
-    def _mapped_arena(self) -> torch.Tensor:
+    def _mapped_arena(self) -> MappedArena:
         """The server's arena, mapped once per server (a restarted server has another)."""
         arena = self.server.lent_arena
         assert arena is not None, "a server lends only when its hello names its arena"
-        if self._lent_arena is None or self._lent_arena[0] != arena.name:
+        if self._lent_arena is None or self._lent_arena.name != arena.name:
             try:
-                self._lent_arena = (arena.name, map_lent_arena(arena.name, arena.nbytes, arena.pid, arena.fd))
+                self._lent_arena = map_lent_arena(arena.name, arena.nbytes, arena.pid, arena.fd)
             except StorageError:
                 self._lent_arena_failed = True  # another pid namespace, most likely: retrieve from now on
                 raise
-        return self._lent_arena[1]
+        return self._lent_arena
 
     def return_loan(self, plan: LookupPlan, *, owner: str | None = None) -> None:
         """Hand back a lent plan (``lend``) once its KV is copied: the views must not be read after this."""

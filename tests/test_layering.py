@@ -80,7 +80,6 @@ FORBIDDEN = {
     "kvstore.misses": (*_VALUES, "kvstore.config"),
     "kvstore.kv_part": (*_VALUES, "kvstore.config"),
     "kvstore.plan": (*_VALUES, "kvstore.config"),
-    "kvstore.lent_kv": (*_VALUES, "kvstore.config"),  # a loan's views, for the client
     "kvstore.stats": (*_VALUES, "kvstore.config"),
     "kvstore.surface": (*_VALUES, "kvstore.config"),
     "kvstore.session": (*_VALUES, "kvstore.config"),

@@ -1,4 +1,4 @@
-"""A lent load's KV into an engine's paged blocks, straight from the server's arena (``kvstore.lent_kv``).
+"""A lent load's KV into an engine's paged blocks, straight from the server's arena (``kvstore.wire.lent_kv``).
 
 A retrieved load is one contiguous buffer, scattered whole (``PagedChunk``). A lent load is one view per chunk,
 each a part's heads of a slot in the server's memory, and a chunk's edges need not fall on block edges (content-cut
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.connectors.paged import PagedChunk, PagedLayers
-from kvstore.lent_kv import LentPiece
+from kvstore.wire.lent_kv import LentPiece
 
 __all__ = ["scatter_lent"]
 

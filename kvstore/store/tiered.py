@@ -76,8 +76,8 @@ from kvstore.store.prefetch import Prefetcher
 from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_out
 from kvstore.store.segment_loads import SegmentLoader
 from kvstore.tiers.base import ContentRecords, TierName, TierStats
-from kvstore.tiers.residency import ResidencyListener
 from kvstore.tiers.memfd_arena import SharedArena
+from kvstore.tiers.residency import ResidencyListener
 
 __all__ = ["TieredStore"]
 

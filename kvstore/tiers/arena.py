@@ -34,8 +34,8 @@ from kvstore.errors import ConfigError, StorageError, StoreClosedError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, ContentRecords, SpillCallback, Tier, TierName, TierStats
-from kvstore.tiers.residency import SILENT, ResidencyListener
 from kvstore.tiers.memfd_arena import SharedArena, create_shared_arena, shared_arena_possible
+from kvstore.tiers.residency import SILENT, ResidencyListener
 
 __all__ = ["ArenaTier", "FillCallback"]
 

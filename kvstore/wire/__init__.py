@@ -7,7 +7,8 @@
 - ``values``: plans, store results, stats and the server's descriptions;
 - ``documents``: the ``documents`` operation's report;
 - ``address``: server URLs, the one check of what a client may be pointed at;
-- ``shm``: bulk KV by reference in sealed memfd segments on the same host;
+- ``shm``: bulk KV by reference in sealed memfd segments on the same host, and a server's lent arena mapped;
+- ``lent_kv``: a lent plan's chunks as views of that arena, for the caller's one copy;
 - ``client_segments``: a client's own segments (a reusable scratch segment, buffers handed to the caller);
 - ``cuda_ipc``: bulk KV as CUDA tensors shared by IPC handle;
 - ``connection``: the client end of the socket.

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvstore.connectors.lent_scatter import scatter_lent
 from kvstore.connectors.paged import PagedChunk, PagedLayer, PagedLayers
-from kvstore.lent_kv import LentPiece
+from kvstore.wire.lent_kv import LentPiece
 from tests.connectors.test_paged import packed_cache, probe, write_cpu_transposed, write_packed
 
 SLOTS, DIM, ALL_HEADS, LAYERS, NUM_BLOCKS = 4, 8, 4, 2, 12

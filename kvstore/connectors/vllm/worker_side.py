@@ -86,9 +86,9 @@ from kvstore.connectors.vllm.span_writer import PagedSpanWriter
 from kvstore.connectors.vllm.worker_stats import WorkerStats
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.layout import KVLayout
-from kvstore.lent_kv import LentKV
 from kvstore.misses import Miss, tokens_by_reason
 from kvstore.plan import LookupPlan
+from kvstore.wire.lent_kv import LentKV
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

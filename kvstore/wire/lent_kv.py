@@ -17,6 +17,7 @@ from kvstore.kv_part import KVPart
 from kvstore.layout import KVLayout
 from kvstore.misses import Miss
 from kvstore.plan import Loan
+from kvstore.wire.shm import MappedArena
 
 __all__ = ["LentKV", "lent_kv"]
 
@@ -50,9 +51,9 @@ class LentKV:
         return self.loan.misses
 
 
-def lent_kv(arena: torch.Tensor, loan: Loan, layout: KVLayout, part: KVPart | None) -> LentKV:
-    """The views of ``arena`` (the mapped server arena, bytes) that ``loan`` names, shaped by ``layout`` and cut to
-    ``part``.
+def lent_kv(arena: MappedArena, loan: Loan, layout: KVLayout, part: KVPart | None) -> LentKV:
+    """The views of ``arena`` (the server's, mapped here) that ``loan`` names, shaped by ``layout`` and cut to
+    ``part``; each chunk's pages are mapped before the caller first reads them (``MappedArena.populate``).
 
     Raises:
         InvalidInputError: a chunk the loan names lies outside the arena (a reply that does not fit this mapping).
@@ -61,11 +62,13 @@ def lent_kv(arena: torch.Tensor, loan: Loan, layout: KVLayout, part: KVPart | No
     pieces: list[LentPiece] = []
     for segment, offset in zip(loan.segments, loan.offsets, strict=True):
         nbytes = layout.chunk_bytes(segment.stored_tokens)
-        if offset + nbytes > arena.numel():
+        if offset + nbytes > arena.tensor.numel():
             raise InvalidInputError(
-                f"lent chunk at byte {offset} ({nbytes} bytes) lies outside the server's arena of {arena.numel()}"
+                f"lent chunk at byte {offset} ({nbytes} bytes) lies outside the server's arena of "
+                f"{arena.tensor.numel()}"
             )
-        chunk = arena[offset : offset + nbytes].view(dtype).view(layout.chunk_shape(segment.stored_tokens))
+        arena.populate(offset, nbytes)
+        chunk = arena.tensor[offset : offset + nbytes].view(dtype).view(layout.chunk_shape(segment.stored_tokens))
         if part is not None:
             chunk = part.of(chunk)
         held = max(0, loan.start - segment.start)  # leading tokens the caller holds already
