@@ -39,9 +39,13 @@ def test_pieces_land_where_one_buffer_would(kind: str, data: st.DataObject, chun
     end = data.draw(st.integers(start // SLOTS, total // SLOTS)) * SLOTS
     heads = head_range[1] - head_range[0]
     whole = torch.randn(LAYERS, 2, total, ALL_HEADS, DIM)
+    slot_elements = LAYERS * 2 * max(chunk_lengths) * ALL_HEADS * DIM
+    arena = torch.full((len(chunk_lengths) * slot_elements,), float("nan"))  # one server arena, its slots reversed
     pieces, at = [], 0
-    for length in chunk_lengths:  # each chunk a slot of its own, seen through the part's heads
-        slot = whole[:, :, at : at + length].clone()
+    for index, length in enumerate(chunk_lengths):  # each chunk a slot of its own, seen through the part's heads
+        first = (len(chunk_lengths) - 1 - index) * slot_elements
+        slot = arena[first : first + LAYERS * 2 * length * ALL_HEADS * DIM].view(LAYERS, 2, length, ALL_HEADS, DIM)
+        slot.copy_(whole[:, :, at : at + length])
         pieces.append(LentPiece(start=at, kv=slot[:, :, :, head_range[0] : head_range[1]]))
         at += length
     num_blocks = (end - start) // SLOTS

@@ -66,7 +66,7 @@ from kvstore.blend.vllm.hook import BlendEngine, BlendEngineContext, BlendOutcom
 from kvstore.client import Client
 from kvstore.connectors.block_format import BlockFormat, PlaneMap
 from kvstore.connectors.group_copies import GroupCopies
-from kvstore.connectors.lent_scatter import scatter_lent
+from kvstore.connectors.lent_scatter import compile_lent_scatter, scatter_lent
 from kvstore.connectors.load_buffers import LoadBuffers
 from kvstore.connectors.paged import PagedChunk, PagedLayers, device_block_ids
 from kvstore.connectors.settings import ConnectorSettings
@@ -238,6 +238,8 @@ class WorkerSide:
             self._copies = GroupCopies(self._layers, [0] * len(names))
         else:  # every group's block ids come to every rank; a pipeline stage may hold no layer of some groups
             self._copies = GroupCopies(self._layers, groups.group_of_layers(names), num_groups=len(groups.groups))
+        if first.device.type == "cpu" and not self._hybrid:
+            compile_lent_scatter(self._layers)  # now, not in the first lent load's step
         self._saves = PromptSaves(
             self._save_link, self._layers, self._copies, self._rank, self._stats, wait_for_saves=self._wait_for_saves
         )
