@@ -27,7 +27,7 @@ from kvstore.wire.lent_kv import LentPiece
 
 __all__ = ["compile_lent_scatter", "scatter_lent"]
 
-_INTEGER_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+_INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -68,13 +68,10 @@ def _scatter_layer(
 
 def compile_lent_scatter(layers: PagedLayers) -> None:
     """Compile (or load from numba's cache) the kernel for these caches' element size, so that the first lent load
-    does not pay for it on the engine's path."""
-    cache = layers[0].cache
-    integer = _INTEGER_OF_SIZE[cache.element_size()]
-    empty = np.zeros(0, dtype=np.int64)
-    maps = np.zeros((0, 4), dtype=np.int64)
-    _scatter_layer(np.zeros(1, dtype=integer), 0, 0, maps, np.zeros(1, dtype=integer), empty, 0, empty, empty,
-                   empty, 1, 0, 0)  # fmt: skip
+    does not pay for it on the engine's path (a call that copies nothing)."""
+    storage = _whole_storage(layers[0].cache)
+    none = np.zeros(0, dtype=np.int64)
+    _scatter_layer(storage, 0, 0, np.zeros((0, 4), dtype=np.int64), storage, none, 0, none, none, none, 1, 0, 0)
 
 
 def scatter_lent(
@@ -134,7 +131,4 @@ def _whole_storage(tensor: torch.Tensor) -> npt.NDArray[np.integer]:
     bytes, whatever the dtype)."""
     size = tensor.element_size()
     flat = torch.as_strided(tensor, (tensor.untyped_storage().nbytes() // size,), (1,), 0)
-    return flat.view(_TORCH_INTEGER_OF_SIZE[size]).numpy()
-
-
-_TORCH_INTEGER_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return flat.view(_INTEGER_OF_SIZE[size]).numpy()

@@ -1,5 +1,6 @@
-"""A lent load's pieces (one strided view per chunk, chunk edges anywhere) land in the blocks exactly as the same KV
-retrieved into one buffer and scattered whole, in vLLM's CPU format (K transposed) and the packed CUDA format."""
+"""A lent load's pieces (one strided view per chunk of one arena, chunk edges anywhere) land in the blocks exactly as
+the same KV retrieved into one buffer and scattered whole, in vLLM's CPU format (K transposed) and the packed CUDA
+format; pieces that leave a gap are refused."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.connectors.lent_scatter import scatter_lent
+from kvstore.connectors.lent_scatter import compile_lent_scatter, scatter_lent
 from kvstore.connectors.paged import PagedChunk, PagedLayer, PagedLayers
+from kvstore.errors import InvalidInputError
 from kvstore.wire.lent_kv import LentPiece
 from tests.connectors.test_paged import packed_cache, probe, write_cpu_transposed, write_packed
 
@@ -51,9 +53,20 @@ def test_pieces_land_where_one_buffer_would(kind: str, data: st.DataObject, chun
     num_blocks = (end - start) // SLOTS
     block_ids = torch.randperm(NUM_BLOCKS)[:num_blocks]
     lent, reference = engine_layers(kind, heads), engine_layers(kind, heads)
+    compile_lent_scatter(lent)  # copies nothing
+    assert all(torch.count_nonzero(layer.cache) == 0 for layer in lent)
     scatter_lent(lent, block_ids, pieces, start, end)
     if num_blocks:
         part = whole[:, :, start:end, head_range[0] : head_range[1]].contiguous()
         PagedChunk(reference, block_ids, part).scatter_all()
     for ours, theirs in zip(lent, reference, strict=True):
         assert torch.equal(ours.cache, theirs.cache)
+
+
+def test_pieces_that_leave_a_gap_are_refused() -> None:
+    layers = engine_layers("cpu", 1)
+    arena = torch.zeros(LAYERS * 2 * 8 * ALL_HEADS * DIM * 2)
+    slots = arena.view(2, LAYERS, 2, 8, ALL_HEADS, DIM)
+    pieces = [LentPiece(start=0, kv=slots[0][:, :, :, :1]), LentPiece(start=12, kv=slots[1][:, :, :, :1])]
+    with pytest.raises(InvalidInputError, match="cover the load in order"):
+        scatter_lent(layers, torch.arange(1, 5), pieces, 0, 16)
