@@ -40,6 +40,7 @@ import enum
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -353,30 +354,17 @@ class RetrieveArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> RetrieveArgs:
-        parsed = cls(
-            plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID),
-            bulk=parse_bulk(fields.map_("bulk")),
-            memory_only=bool(fields.bool_("memory_only", optional=True)),
-            owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
-            start=fields.int_("start", 0, _MAX_RETRIEVE_START, optional=True) or 0,
-            part=parse_part(fields),
-            readers=fields.int_("readers", 1, _MAX_READERS, optional=True) or 1,
-        )
+        bulk = parse_bulk(fields.map_("bulk"))
+        memory_only = bool(fields.bool_("memory_only", optional=True))
+        parsed = cls(bulk=bulk, memory_only=memory_only, **_parse_plan_read(fields))
         fields.finish()
         return parsed
 
     def to_wire(self) -> dict[str, object]:
-        wire: dict[str, object] = {"plan_id": self.plan_id, "bulk": self.bulk.to_wire()}
+        wire = _plan_read_wire(self.plan_id, self.owner, self.start, self.part, self.readers)
+        wire["bulk"] = self.bulk.to_wire()
         if self.memory_only:  # only when asked: a server from before the field refuses unknown fields
             wire["memory_only"] = True
-        if self.owner is not None:
-            wire["owner"] = self.owner
-        if self.start:
-            wire["start"] = self.start
-        if self.part is not None:
-            wire["part"] = self.part.to_wire()
-        if self.readers != 1:
-            wire["readers"] = self.readers
         return wire
 
 
@@ -395,27 +383,40 @@ class LendArgs:
 
     @classmethod
     def parse(cls, fields: Fields, limits: Limits) -> LendArgs:
-        parsed = cls(
-            plan_id=fields.required_int("plan_id", 0, _MAX_PLAN_ID),
-            owner=fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
-            start=fields.int_("start", 0, _MAX_RETRIEVE_START, optional=True) or 0,
-            part=parse_part(fields),
-            readers=fields.int_("readers", 1, _MAX_READERS, optional=True) or 1,
-        )
+        parsed = cls(**_parse_plan_read(fields))
         fields.finish()
         return parsed
 
     def to_wire(self) -> dict[str, object]:
-        wire: dict[str, object] = {"plan_id": self.plan_id}
-        if self.owner is not None:
-            wire["owner"] = self.owner
-        if self.start:
-            wire["start"] = self.start
-        if self.part is not None:
-            wire["part"] = self.part.to_wire()
-        if self.readers != 1:
-            wire["readers"] = self.readers
-        return wire
+        return _plan_read_wire(self.plan_id, self.owner, self.start, self.part, self.readers)
+
+
+def _parse_plan_read(fields: Fields) -> dict[str, Any]:
+    """What a retrieve and a lend both name: the plan, its owner, the first token, the part and the readers."""
+    return {
+        "plan_id": fields.required_int("plan_id", 0, _MAX_PLAN_ID),
+        "owner": fields.str_("owner", _MAX_CLIENT_TOKEN_CHARS, optional=True),
+        "start": fields.int_("start", 0, _MAX_RETRIEVE_START, optional=True) or 0,
+        "part": parse_part(fields),
+        "readers": fields.int_("readers", 1, _MAX_READERS, optional=True) or 1,
+    }
+
+
+def _plan_read_wire(
+    plan_id: int, owner: str | None, start: int, part: KVPart | None, readers: int
+) -> dict[str, object]:
+    """``_parse_plan_read``'s fields on the wire, each only when it is not its default (a server from before a
+    field refuses it)."""
+    wire: dict[str, object] = {"plan_id": plan_id}
+    if owner is not None:
+        wire["owner"] = owner
+    if start:
+        wire["start"] = start
+    if part is not None:
+        wire["part"] = part.to_wire()
+    if readers != 1:
+        wire["readers"] = readers
+    return wire
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

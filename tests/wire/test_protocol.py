@@ -330,17 +330,21 @@ def test_segment_rows_round_trip_and_any_corrupt_byte_is_a_request_error(
         assert all(a.end <= b.start for a, b in zip(decoded.segments, decoded.segments[1:], strict=False))
 
 
-def test_hello_round_trips(small_layout: KVLayout) -> None:
-    hello = ServerHello(
+def a_hello(layout: KVLayout) -> ServerHello:
+    return ServerHello(
         client_id="c",
         server_version="1",
-        layout=small_layout,
+        layout=layout,
         chunk_size=256,
         tiers=(TierCapacity(tier=TierName.CPU, capacity_bytes=5),),
         features=ServerFeatures(blend=True, segmented_prefix=False, dedup_content=False, shm=True, cuda_ipc=False),
         limits=LIMITS,
         host_id="h",
     )
+
+
+def test_hello_round_trips(small_layout: KVLayout) -> None:
+    hello = a_hello(small_layout)
     assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(hello.to_wire())), "hello")) == hello
     content = dataclasses.replace(hello, chunking=Chunking.CONTENT, chunk_separator=(198, 198))
     assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(content.to_wire())), "hello")) == content
@@ -359,16 +363,7 @@ def test_hello_round_trips(small_layout: KVLayout) -> None:
 
 
 def test_a_hello_names_the_lent_arena_only_when_there_is_one(small_layout: KVLayout) -> None:
-    hello = ServerHello(
-        client_id="c",
-        server_version="1",
-        layout=small_layout,
-        chunk_size=256,
-        tiers=(TierCapacity(tier=TierName.CPU, capacity_bytes=5),),
-        features=ServerFeatures(blend=True, segmented_prefix=False, dedup_content=False, shm=True, cuda_ipc=False),
-        limits=LIMITS,
-        host_id="h",
-    )
+    hello = a_hello(small_layout)
     assert "lent_arena" not in hello.to_wire(), "a client from before lending reads nothing new"
     lending = dataclasses.replace(hello, lent_arena=LentArena(name="kvstore-arena-7-00", nbytes=4096, pid=7, fd=12))
     assert ServerHello.from_wire(Fields(msgpack.unpackb(msgpack.packb(lending.to_wire())), "hello")) == lending
