@@ -491,18 +491,18 @@ class Client:
         (no shared arena, another host, a chunk outside the cpu tier): the plan is untouched, retrieve it instead.
         Once lent, the plan stays pinned until ``return_loan`` (with the same ``owner``), which counts as one of
         its ``readers`` retrieving it. Arguments as for ``retrieve``."""
-        self._require_layout()
+        layout = self._require_layout()
         if self.server.lent_arena is None or self._segments is None or self._lent_arena_failed:
             return None
         if not 0 <= start <= plan.end:
             raise InvalidInputError(f"lend start {start} is outside the plan's [0, {plan.end}]")
-        wire_part = None if part is None or part.is_whole(self._require_layout()) else part
+        wire_part = None if part is None or part.is_whole(layout) else part
         args = LendArgs(plan_id=plan.plan_id, owner=owner, start=start, part=wire_part, readers=readers).to_wire()
         loan = loan_from_wire(self._simple(Op.LEND, args), start)
         if loan is None:
             return None
         try:
-            return lent_kv(self._mapped_arena(), loan, self._require_layout(), part)
+            return lent_kv(self._mapped_arena(), loan, layout, part)
         except StorageError as exc:  # the arena cannot be mapped here: retrieve from now on
             logger.warning("cannot read the server's cpu tier directly (%s); loads are copied by the server", exc)
             self.return_loan(plan, owner=owner)

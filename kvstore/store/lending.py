@@ -30,9 +30,10 @@ def lend_segments(plan: LookupPlan, pins: Sequence[Pin], start: int) -> Loan | N
     offsets: list[int] = []
     for segment in segments:
         tier = lenders.get(segment.key)
-        if tier is None or tier.num_tokens(segment.key) != segment.stored_tokens:
+        offset = tier.lent_offset(segment.key, segment.stored_tokens) if tier is not None else None
+        if offset is None:
             return None
-        offsets.append(tier.lent_offset(segment.key))
+        offsets.append(offset)
     return Loan(
         segments=tuple(segments),
         offsets=tuple(offsets),

@@ -76,7 +76,7 @@ from kvstore.store.prefetch import Prefetcher
 from kvstore.store.retrieve_copies import DiskReads, copy_from_memory, prepared_out
 from kvstore.store.segment_loads import SegmentLoader
 from kvstore.tiers.base import ContentRecords, TierName, TierStats
-from kvstore.tiers.memfd_arena import SharedArena
+from kvstore.tiers.memfd_arena import SealedMemfd
 from kvstore.tiers.residency import ResidencyListener
 
 __all__ = ["TieredStore"]
@@ -454,7 +454,7 @@ class TieredStore:
         return lend_segments(plan, pins, start)
 
     @property
-    def shared_arena(self) -> SharedArena | None:
+    def shared_arena(self) -> SealedMemfd | None:
         """The cpu tier's memory file, when it is kept in one (``StoreConfig.cpu_shared_memory``)."""
         landing = self._tiers.landing  # the cpu tier
         return landing.shared if landing is not None else None

@@ -34,7 +34,7 @@ from kvstore.errors import ConfigError, StorageError, StoreClosedError
 from kvstore.keys import PrefixKey
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import ChunkRecord, ContentRecords, SpillCallback, Tier, TierName, TierStats
-from kvstore.tiers.memfd_arena import SharedArena, create_shared_arena, shared_arena_possible
+from kvstore.tiers.memfd_arena import SealedMemfd, create_shared_arena, memfd_possible
 from kvstore.tiers.residency import SILENT, ResidencyListener
 
 __all__ = ["ArenaTier", "FillCallback"]
@@ -255,13 +255,14 @@ class ArenaTier(Tier):
             )
             return self.slot_view(slot.index, slot.record.num_tokens)
 
-    def lent_offset(self, key: PrefixKey) -> int:
-        """The byte offset in the arena of a resident chunk's slot, for a client that maps it (``shared``); the
-        caller must hold a pin for as long as the client reads it."""
+    def lent_offset(self, key: PrefixKey, num_tokens: int) -> int | None:
+        """The byte offset in the arena of a resident chunk's slot, for a client that maps it (``shared``), or
+        ``None`` when the chunk holds another number of tokens; the caller must hold a pin for as long as the client
+        reads it."""
         with self._slots_lock:
             slot = self._resident.get(key)
             assert slot is not None and slot.pins > 0, "ArenaTier.lent_offset needs a pinned resident chunk"
-            return slot.index * self.slot_bytes
+            return slot.index * self.slot_bytes if slot.record.num_tokens == num_tokens else None
 
     def record(self, key: PrefixKey) -> ChunkRecord | None:
         with self._slots_lock:
@@ -351,7 +352,7 @@ class ArenaTier(Tier):
             self._full_slot_views = []
             self._arena = torch.empty(0, dtype=torch.uint8, device=self.device)
             if self.shared is not None:
-                self.shared.close()
+                self.shared.close_fd()
         logger.info("%s tier closed", self.name)
 
     def _check_open(self) -> None:
@@ -359,10 +360,10 @@ class ArenaTier(Tier):
             raise StoreClosedError(f"{self.name} tier was closed; open a new TieredStore")
 
 
-def _shared_arena(name: TierName, nbytes: int) -> SharedArena | None:
+def _shared_arena(name: TierName, nbytes: int) -> SealedMemfd | None:
     """A shared arena's memory file, or ``None`` (logged) where the host cannot make one: the tier then lends
     nothing and every retrieve copies, as before."""
-    if not shared_arena_possible():
+    if not memfd_possible():
         return None
     try:
         return create_shared_arena(nbytes)

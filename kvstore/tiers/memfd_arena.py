@@ -24,49 +24,64 @@ import torch
 
 from kvstore.errors import StorageError
 
-__all__ = ["ARENA_NAME_PREFIX", "SharedArena", "create_shared_arena", "shared_arena_possible"]
+__all__ = ["ARENA_NAME_PREFIX", "SealedMemfd", "create_sealed_memfd", "create_shared_arena", "memfd_possible"]
 
 ARENA_NAME_PREFIX = "kvstore-arena-"
 """Every shared arena's memfd name begins so, then ``<pid>-<16 hex>``: a client checks it maps the server's."""
 
 
-def shared_arena_possible() -> bool:
-    """Whether this host can share an arena: Linux ``memfd_create`` and a ``/proc`` for clients to open it through."""
+def memfd_possible() -> bool:
+    """Whether this host can share memory files: Linux ``memfd_create`` and a ``/proc`` to open another process's."""
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
 @dataclass(slots=True)
-class SharedArena:
-    """An arena's memory file: ``tensor`` maps its ``nbytes``; ``fd`` stays open for clients until ``close``."""
+class SealedMemfd:
+    """A memory file this process made and maps: ``tensor`` is its bytes (``uint8``, ``nbytes`` long). ``fd`` stays
+    open until the other side has opened it (``close_fd``); the mapping outlives it."""
 
     name: str
     nbytes: int
     fd: int | None
     tensor: torch.Tensor
 
-    def close(self) -> None:
-        """Close the descriptor (idempotent): no new client can map the file; existing mappings stay valid."""
+    def close_fd(self) -> None:
+        """Close the descriptor (idempotent): nobody new can open the file; existing mappings stay valid."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
 
-def create_shared_arena(nbytes: int) -> SharedArena:
-    """Create, seal and map a memory file of ``nbytes`` for an arena.
+def create_sealed_memfd(name: str, nbytes: int, *, reserve: bool) -> SealedMemfd:
+    """Create a memfd of ``nbytes`` called ``name``, seal it against shrinking and growing, and map it; with
+    ``reserve`` its pages are allocated now (``posix_fallocate``: short memory is this error, not a later SIGBUS),
+    else as they are first written.
 
     Raises:
-        StorageError: this OS has no sealed memfds, or the file could not be made or mapped.
+        StorageError: this OS has no sealed memfds, or the file could not be made, reserved or mapped.
     """
-    if not shared_arena_possible():
-        raise StorageError("a shared arena needs Linux memfd_create and /proc")
-    name = f"{ARENA_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    if not memfd_possible():
+        raise StorageError("shared memory needs Linux memfd_create and /proc")
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, nbytes)
+        if reserve:
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
     except (OSError, RuntimeError) as exc:
         os.close(fd)
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-        raise StorageError(f"cannot make a {nbytes / 2**20:.1f} MiB shared arena: {reason}") from exc
-    return SharedArena(name=name, nbytes=nbytes, fd=fd, tensor=tensor)
+        raise StorageError(f"cannot reserve a {nbytes / 2**20:.1f} MiB shared-memory file: {reason}") from exc
+    return SealedMemfd(name=name, nbytes=nbytes, fd=fd, tensor=tensor)
+
+
+def create_shared_arena(nbytes: int) -> SealedMemfd:
+    """An arena's memory file (``kvstore-arena-<pid>-<16 hex>``), its pages taken on first write as an anonymous
+    arena's are; the tier keeps ``fd`` open for clients until it closes.
+
+    Raises:
+        StorageError: as ``create_sealed_memfd``.
+    """
+    return create_sealed_memfd(f"{ARENA_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}", nbytes, reserve=False)

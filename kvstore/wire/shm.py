@@ -40,13 +40,12 @@ import re
 import secrets
 import stat
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvstore.errors import StorageError
-from kvstore.tiers.memfd_arena import ARENA_NAME_PREFIX
+from kvstore.tiers.memfd_arena import ARENA_NAME_PREFIX, SealedMemfd, create_sealed_memfd, memfd_possible
 from kvstore.wire.error_codes import ErrorCode, RequestError
 
 __all__ = [
@@ -64,15 +63,9 @@ logger = logging.getLogger(__name__)
 
 _NAME_PATTERN = re.compile(r"kvstore-([0-9]{1,10})-[0-9a-f]{16}")
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-_ALL_SEALS = _REQUIRED_SEALS | fcntl.F_SEAL_SEAL
 _TMPFS_MAGIC = 0x01021994
 """``statfs.f_type`` of shmem, where a plain memfd lives (linux/magic.h); hugetlbfs is 0x958458F6."""
 _STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type (a long) comes first
-
-
-def shm_available() -> bool:
-    """Whether this host can share segments: Linux ``memfd_create`` and a ``/proc`` to open another process's."""
-    return hasattr(os, "memfd_create") and Path("/proc/self/fd").is_dir()
 
 
 def host_id() -> str:
@@ -91,21 +84,11 @@ def segment_owner_pid(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-@dataclass(slots=True)
-class OwnedSegment:
-    """A segment this process created and maps: ``tensor`` is its bytes (``uint8``, ``nbytes`` long). ``fd`` stays
-    open until the server has opened it (``close_fd``); the mapping outlives it."""
+OwnedSegment = SealedMemfd
+"""A segment this process created and maps; ``fd`` stays open until the server has opened it (``close_fd``)."""
 
-    name: str
-    nbytes: int
-    fd: int | None
-    tensor: torch.Tensor
-
-    def close_fd(self) -> None:
-        """Close the descriptor the server opens the segment through (idempotent; the mapping stays valid)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+shm_available = memfd_possible
+"""Whether this host can share segments: Linux ``memfd_create`` and a ``/proc`` to open another process's."""
 
 
 def create_segment(nbytes: int) -> OwnedSegment:
@@ -115,19 +98,7 @@ def create_segment(nbytes: int) -> OwnedSegment:
         StorageError: memory is too short to reserve it, or this OS has no sealed memfds (the caller falls back
             to inline bytes).
     """
-    if not shm_available():
-        raise StorageError("shared-memory segments need Linux memfd_create and /proc")
-    name = f"kvstore-{os.getpid()}-{secrets.token_hex(8)}"
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _ALL_SEALS)
-        tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
-    except (OSError, RuntimeError) as exc:
-        os.close(fd)
-        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
-        raise StorageError(f"cannot reserve a {nbytes / 2**20:.1f} MiB shared-memory segment: {reason}") from exc
-    return OwnedSegment(name=name, nbytes=nbytes, fd=fd, tensor=tensor)
+    return create_sealed_memfd(f"kvstore-{os.getpid()}-{secrets.token_hex(8)}", nbytes, reserve=True)
 
 
 def open_segment(name: str, nbytes: int, fd: int, owner_pid: int) -> torch.Tensor:

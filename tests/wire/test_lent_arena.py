@@ -42,7 +42,7 @@ def test_the_arena_maps_read_only_and_populates_a_chunk_once() -> None:
     with open("/proc/self/maps") as maps:
         permissions = {line.split()[1] for line in maps if f"/memfd:{arena.name}" in line}
     assert permissions == {"rw-s", "r--s"}  # the server's mapping, and the client's, which cannot write
-    arena.close()
+    arena.close_fd()
 
 
 def test_anything_but_the_named_servers_arena_is_refused() -> None:
@@ -59,6 +59,6 @@ def test_anything_but_the_named_servers_arena_is_refused() -> None:
     with pytest.raises(StorageError, match="the descriptor is"):
         map_lent_arena(arena.name, arena.nbytes, os.getpid(), segment.fd)  # the right name, another file
     segment.close_fd()
-    arena.close()
+    arena.close_fd()
     with pytest.raises(StorageError, match="cannot open"):
         map_lent_arena(arena.name, arena.nbytes, os.getpid(), 999_999)
