@@ -1,6 +1,7 @@
 """A lent load's pieces (one strided view per chunk of one arena, chunk edges anywhere) land in the blocks exactly as
-the same KV retrieved into one buffer and scattered whole, in vLLM's CPU format (K transposed) and the packed CUDA
-format; pieces that leave a gap are refused."""
+the same KV retrieved into one buffer and scattered whole, in vLLM's CPU format (K transposed), the packed CUDA
+format and a format with neither dims nor slots adjacent (each a loop order of the kernel's); pieces that leave a gap
+are refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstore.connectors.block_format import BlockFormat, PlaneMap
 from kvstore.connectors.lent_scatter import compile_lent_scatter, scatter_lent
 from kvstore.connectors.paged import PagedChunk, PagedLayer, PagedLayers
 from kvstore.errors import InvalidInputError
@@ -22,13 +24,18 @@ def engine_layers(kind: str, heads: int) -> PagedLayers:
     if kind == "cpu":
         caches = [torch.zeros(NUM_BLOCKS, heads, SLOTS, 2 * DIM) for _ in range(LAYERS)]
         block_format = probe(caches[0], DIM, write_cpu_transposed)
+    elif kind == "dims-outer":  # neither dims nor slots adjacent: the kernel's general loop
+        caches = [torch.zeros(NUM_BLOCKS, 2 * DIM * SLOTS * heads) for _ in range(LAYERS)]
+        plane = PlaneMap(offset=0, token_stride=heads, head_stride=1, dim_stride=SLOTS * heads)
+        value = PlaneMap(offset=DIM * SLOTS * heads, token_stride=heads, head_stride=1, dim_stride=SLOTS * heads)
+        block_format = BlockFormat(block_size=SLOTS, num_kv_heads=heads, head_dim=DIM, key=plane, value=value)
     else:
         caches = [packed_cache(NUM_BLOCKS, heads, SLOTS, DIM, torch.float32, tokens_outer=True) for _ in range(LAYERS)]
         block_format = probe(caches[0], DIM, write_packed)
     return PagedLayers([PagedLayer(cache, block_format) for cache in caches])
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cuda-format"])
+@pytest.mark.parametrize("kind", ["cpu", "cuda-format", "dims-outer"])
 @settings(max_examples=40, deadline=None)
 @given(
     data=st.data(),
