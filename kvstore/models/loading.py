@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,8 +34,9 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from kvstore.errors import ConfigError, StorageError
+from kvstore.errors import ConfigError
 from kvstore.layout import KVDtype, KVLayout
+from kvstore.models.built_once import built_once
 from kvstore.models.hf_config import layout_from_hf_config
 
 if TYPE_CHECKING:
@@ -255,31 +254,13 @@ def _converted_copy(gguf: Path, cache_dir: Path) -> Path:
     transformers = _import_transformers()
     name = f"{gguf.stem.split('.')[0]}-{_file_digest(gguf)}-transformers-{transformers.__version__}"
     target = cache_dir / "models" / name
-    if (target / "config.json").is_file():
-        return target
-    logger.info("converting %s to safetensors under %s (once; about 20 s)", gguf.name, target)
-    model, tokenizer = _load_gguf(gguf, torch.float32)  # the dequantised weights, kept exact
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f"{name}.partial-", dir=target.parent))
-    except OSError as exc:
-        raise StorageError(
-            f"cannot create {target.parent} for the converted model ({exc}); pass another cache_dir"
-        ) from exc
-    try:
-        _save_dequantised(model, tokenizer, partial)
-        try:
-            os.rename(partial, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            logger.info("another process converted %s first; using its copy", gguf.name)
-    except OSError as exc:
-        raise StorageError(f"cannot write the converted model to {target} ({exc}); free space or pass another "
-                           "cache_dir") from exc
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return target
+
+    def convert(directory: Path) -> None:
+        logger.info("converting %s to safetensors under %s (once; about 40 s)", gguf.name, target)
+        model, tokenizer = _load_gguf(gguf, torch.float32)  # the dequantised weights, kept exact
+        _save_dequantised(model, tokenizer, directory)
+
+    return built_once(target, "config.json", convert, "the converted model")
 
 
 def _save_dequantised(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from kvstore.errors import ConfigError, StorageError
+from kvstore.errors import ConfigError
+from kvstore.models.built_once import built_once
 from kvstore.models.loading import _converted_copy, smollm2_gguf_path
 
 __all__ = ["export_smollm2_for_vllm"]
@@ -68,24 +67,7 @@ def export_smollm2_for_vllm(cache_dir: Path) -> Path:
     if (target / _CONFIG).is_file():
         return target
     started = time.perf_counter()
-    try:
-        partial = Path(tempfile.mkdtemp(prefix=f"{target.name}.partial-", dir=target.parent))
-    except OSError as exc:
-        raise StorageError(f"cannot create a directory in {target.parent} for the vLLM export ({exc}); pass another "
-                           "cache_dir") from exc
-    try:
-        _write_export(source, partial)
-        try:
-            os.rename(partial, target)
-        except OSError:
-            if not (target / _CONFIG).is_file():
-                raise
-            logger.info("another process exported %s first; using its copy", target.name)
-    except OSError as exc:
-        raise StorageError(f"cannot write the vLLM export to {target} ({exc}); free space or pass another "
-                           "cache_dir") from exc
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+    built_once(target, _CONFIG, lambda directory: _write_export(source, directory), "the vLLM export")
     logger.info("exported %s for vLLM to %s in %.1f s", source.name, target, time.perf_counter() - started)
     return target
 

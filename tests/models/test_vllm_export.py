@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from kvstore.errors import ConfigError, StorageError
-from kvstore.models import default_model_cache_dir, load_local_model, load_smollm2, vllm_export
+from kvstore.models import built_once, default_model_cache_dir, load_local_model, load_smollm2, vllm_export
 from kvstore.models.vllm_export import export_smollm2_for_vllm
 
 
@@ -90,11 +90,11 @@ def test_another_process_exporting_first_is_used(copy_dir: Path, tmp_path: Path,
         (Path(target) / "config.json").write_text("{}")
         raise OSError(39, "Directory not empty")
 
-    monkeypatch.setattr(vllm_export.os, "rename", rename_after_the_other_process)
-    with caplog.at_level(logging.INFO, logger="kvstore.models.vllm_export"):
+    monkeypatch.setattr(built_once.os, "rename", rename_after_the_other_process)
+    with caplog.at_level(logging.INFO, logger="kvstore.models.built_once"):
         exported = export_smollm2_for_vllm(tmp_path)
     assert (exported / "config.json").read_text() == "{}"
-    assert any("another process exported" in record.getMessage() for record in caplog.records)
+    assert any("another process made the vLLM export" in record.getMessage() for record in caplog.records)
     assert sorted(path.name for path in exported.parent.iterdir()) == [copy_dir.name, exported.name]
 
 
@@ -103,7 +103,7 @@ def test_a_failed_write_leaves_nothing_and_says_what_to_do(copy_dir: Path, tmp_p
     def full_disk(source: Path, target: Path) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(vllm_export.os, "rename", full_disk)
+    monkeypatch.setattr(built_once.os, "rename", full_disk)
     with pytest.raises(StorageError, match=r"cannot write the vLLM export to .*-vllm .*No space left.*free space"):
         export_smollm2_for_vllm(tmp_path)
     assert [path.name for path in copy_dir.parent.iterdir()] == [copy_dir.name]
@@ -114,7 +114,7 @@ def test_an_unwritable_cache_dir_raises_a_storage_error(copy_dir: Path, tmp_path
     def read_only(**kwargs: object) -> str:
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(vllm_export.tempfile, "mkdtemp", read_only)
+    monkeypatch.setattr(built_once.tempfile, "mkdtemp", read_only)
     with pytest.raises(StorageError, match=r"cannot create a directory in .* for the vLLM export .*another cache_dir"):
         export_smollm2_for_vllm(tmp_path)
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kvstore.models.built_once import built_once
+
 __all__ = ["TINY_DEEPSEEK_V2", "TINY_GEMMA3", "TINY_LLAMA", "tiny_model_dir"]
 
 _VOCAB = 49152  # SmolLM2's tokenizer
@@ -98,20 +100,17 @@ def tiny_model_dir(cache_dir: Path, tokenizer_dir: Path, config: dict[str, Any],
     tokenizer files."""
     text = json.dumps(config, sort_keys=True) + str(dtype)
     target = cache_dir / f"tiny-{config['model_type']}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    if (target / "config.json").exists():
-        return target
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    building = target.with_name(target.name + ".building")
-    shutil.rmtree(building, ignore_errors=True)
-    settings = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
-    hf_config = AutoConfig.for_model(config["model_type"], **settings)
-    hf_config.architectures = list(config["architectures"])
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    model.save_pretrained(building)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, building / name)
-    building.rename(target)
-    return target
+    def build(directory: Path) -> None:
+        settings = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
+        hf_config = AutoConfig.for_model(config["model_type"], **settings)
+        hf_config.architectures = list(config["architectures"])
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model.save_pretrained(directory)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_dir / name, directory / name)
+
+    return built_once(target, "config.json", build, f"the tiny {config['model_type']} model")
