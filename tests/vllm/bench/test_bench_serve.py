@@ -27,10 +27,11 @@ import pytest
 from kvstore.bench.vllm_serve import ROUNDS, ServeRow, ttft_gain_failure
 from kvstore.bench.vllm_serve_options import DEFAULT_DEPLOYMENTS
 
-pytestmark = pytest.mark.engine_minutes(4.3)
-
 SERVE_TIMEOUT_S = 900.0
 """Three servers (30-90 s each to start here) and a few short requests each."""
+
+# the module's first test pays for the bench run (its fixture): pytest's 300 s default cut it on a slower machine
+pytestmark = [pytest.mark.engine_minutes(4.3), pytest.mark.timeout(SERVE_TIMEOUT_S + 60)]
 
 
 @pytest.fixture(scope="module")
