@@ -62,15 +62,7 @@ def _scatter_layer(
             offset, token_stride, head_stride, dim_stride = (
                 plane_maps[plane, 0], plane_maps[plane, 1], plane_maps[plane, 2], plane_maps[plane, 3]
             )  # fmt: skip
-            if dim_stride == 1:
-                for slot in range(block_size):
-                    token = j * block_size + slot
-                    row = rows[token] + layer * layer_strides[token] + plane * plane_strides[token]
-                    at = block + offset + slot * token_stride
-                    for head in range(heads):
-                        read, write = row + head * head_dim, at + head * head_stride
-                        dest[write : write + head_dim] = source[read : read + head_dim]
-            elif token_stride == 1:
+            if token_stride == 1 and dim_stride != 1:
                 for head in range(heads):
                     for slot in range(block_size):
                         token = j * block_size + slot
@@ -82,13 +74,16 @@ def _scatter_layer(
                         write = at + dim * dim_stride
                         for slot in range(block_size):
                             dest[write + slot] = tile[slot, dim]
-            else:
-                for slot in range(block_size):
-                    token = j * block_size + slot
-                    row = rows[token] + layer * layer_strides[token] + plane * plane_strides[token]
-                    at = block + offset + slot * token_stride
-                    for head in range(heads):
-                        read, write = row + head * head_dim, at + head * head_stride
+                continue
+            for slot in range(block_size):
+                token = j * block_size + slot
+                row = rows[token] + layer * layer_strides[token] + plane * plane_strides[token]
+                at = block + offset + slot * token_stride
+                for head in range(heads):
+                    read, write = row + head * head_dim, at + head * head_stride
+                    if dim_stride == 1:
+                        dest[write : write + head_dim] = source[read : read + head_dim]
+                    else:
                         for dim in range(head_dim):
                             dest[write + dim * dim_stride] = source[read + dim]
 
