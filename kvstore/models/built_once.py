@@ -35,8 +35,8 @@ def built_once(target: Path, marker: str, build: Callable[[Path], None], what: s
         what: the directory's description in messages ("the converted model").
 
     Raises:
-        StorageError: the cache directory cannot be created, locked or written (the message says to free space or
-            pass another cache directory).
+        StorageError: the cache directory cannot be created or written (the message says to free space or pass
+            another cache directory).
     """
     if (target / marker).is_file():
         return target
@@ -47,7 +47,11 @@ def built_once(target: Path, marker: str, build: Callable[[Path], None], what: s
         raise StorageError(f"cannot create a directory in {target.parent} for {what} ({exc}); pass another "
                            "cache_dir") from exc  # fmt: skip
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor closes, or the process dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the descriptor closes, or the process dies
+        except OSError as exc:  # a filesystem without locks: each asker makes a copy, the first rename wins
+            logger.debug("cannot lock %s (%s); making %s without waiting for other processes", target.parent, exc,
+                         what)  # fmt: skip
         if (target / marker).is_file():
             logger.info("another process made %s first; using its copy", what)
             return target

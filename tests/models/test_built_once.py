@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import StorageError
+from kvstore.models import built_once as built_once_module
 from kvstore.models.built_once import built_once
 
 MAKER = textwrap.dedent("""
@@ -54,4 +55,14 @@ def test_a_failed_build_leaves_nothing_and_the_next_call_builds_again(tmp_path: 
     assert list(target.parent.iterdir()) == []
     whole = built_once(target, "config.json", lambda made: (made / "config.json").write_text("{}"), "a test directory")
     assert whole == target
+    assert (target / "config.json").read_text() == "{}"
+
+
+def test_a_filesystem_without_locks_still_gets_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(built_once_module.fcntl, "flock", no_locks)
+    target = tmp_path / "models" / "thing"
+    assert built_once(target, "config.json", lambda made: (made / "config.json").write_text("{}"), "a thing") == target
     assert (target / "config.json").read_text() == "{}"
