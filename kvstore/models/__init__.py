@@ -6,7 +6,8 @@ models of real shapes (``random_init_model``), and the KV layout and RoPE parame
 - ``random_init``: randomly initialised Llama models of real shapes, for speed benchmarks without weights;
 - ``random_init_names``: those models' names and their check, importable without torch;
 - ``hf_config``: a Hugging Face model config's KV layout and RoPE parameters;
-- ``cache_argument``: the keyword a transformers causal LM takes its KV cache under.
+- ``cache_argument``: the keyword a transformers causal LM takes its KV cache under;
+- ``built_once``: a model-cache directory made once per machine while other processes wait for it.
 
 Constants (``SMOLLM2_MODEL_ID``, ``LLAMA_FAMILY_MODEL_TYPES``, ``SUPPORTED_ROPE_TYPES``, ``RANDOM_INIT_PRESETS``) live
 in their modules. The names below are re-exported lazily (``kvstore.lazy_exports``): the modules import torch, and
