@@ -100,9 +100,9 @@ def tiny_model_dir(cache_dir: Path, tokenizer_dir: Path, config: dict[str, Any],
     tokenizer files."""
     text = json.dumps(config, sort_keys=True) + str(dtype)
     target = cache_dir / f"tiny-{config['model_type']}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     def build(directory: Path) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         settings = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
         hf_config = AutoConfig.for_model(config["model_type"], **settings)
         hf_config.architectures = list(config["architectures"])
